@@ -1,0 +1,12 @@
+"""pyro_bnn: Bayesian neural networks in Pyro — swap guides, compare, analyse in ArviZ."""
+
+from . import datasets, guides, likelihoods, metrics, priors
+from .model import BNN
+from .prediction import evaluate, predict, predictive_samples
+from .training import FitResult, fit, load_checkpoint, save_checkpoint
+
+__version__ = "0.1.0"
+
+__all__ = ["BNN", "fit", "FitResult", "predict", "predictive_samples", "evaluate",
+           "save_checkpoint", "load_checkpoint", "priors", "guides", "likelihoods",
+           "metrics", "datasets"]

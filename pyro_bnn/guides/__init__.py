@@ -1,0 +1,10 @@
+"""Guides (variational families and the Laplace approximation) — swap them on one model.
+
+See :mod:`pyro_bnn.guides.base` for the small contract a new guide implements.
+"""
+
+from .base import GUIDE_REGISTRY, init_to_network, register_guide, registered_guides
+from .meanfield import MeanField, MeanFieldELBO
+
+__all__ = ["MeanField", "MeanFieldELBO", "init_to_network", "register_guide",
+           "registered_guides", "GUIDE_REGISTRY"]

@@ -1,0 +1,148 @@
+"""Observation models: how the network output ``f`` explains the targets ``y``.
+
+Each likelihood is a small module with
+
+* ``distribution(f)`` — the Pyro distribution of one batch of targets given outputs ``f``;
+* ``validate(f_or_none, y)`` — clear errors for targets of the wrong kind;
+* ``hessian_factor``-style information is left to the curvature code.
+
+Observation noise of the Gaussian likelihood is either fixed (a buffer) or learned as a
+point estimate (an ``nn.Parameter`` on the log scale, optimised with the network).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyro.distributions as dist
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Likelihood", "Categorical", "Gaussian", "Bernoulli", "make_likelihood"]
+
+
+class Likelihood(nn.Module):
+    """Base class of observation models."""
+
+    name: str = ""
+    #: True for likelihoods whose predictions are class probabilities.
+    is_classification: bool = False
+
+    def distribution(self, f: torch.Tensor) -> dist.TorchDistribution:
+        raise NotImplementedError
+
+    def validate(self, y: torch.Tensor, f: torch.Tensor | None = None) -> None:
+        """Raise ``ValueError``/``TypeError`` if ``y`` cannot be a target."""
+
+
+class Categorical(Likelihood):
+    """``y ~ Categorical(softmax(f))`` with integer class labels."""
+
+    name = "categorical"
+    is_classification = True
+
+    def distribution(self, f):
+        return dist.Categorical(logits=f)
+
+    def validate(self, y, f=None):
+        if y.is_floating_point() or y.dtype == torch.bool:
+            raise TypeError(f"categorical likelihood expects integer class labels, got dtype {y.dtype}")
+        if y.dim() != 1:
+            raise ValueError(f"categorical labels must have shape (N,), got {tuple(y.shape)}")
+        if f is not None and y.numel():
+            num_classes = f.shape[-1]
+            lo, hi = int(y.min()), int(y.max())
+            if lo < 0 or hi >= num_classes:
+                raise ValueError(
+                    f"labels must lie in [0, {num_classes - 1}] for a network with "
+                    f"{num_classes} outputs; got labels in [{lo}, {hi}]"
+                )
+
+
+class Bernoulli(Likelihood):
+    """``y ~ Bernoulli(sigmoid(f))`` with 0/1 targets of the same shape as ``f``."""
+
+    name = "bernoulli"
+    is_classification = True
+
+    def distribution(self, f):
+        return dist.Bernoulli(logits=f).to_event(f.dim() - 1)
+
+    def validate(self, y, f=None):
+        if y.numel() and not torch.all((y == 0) | (y == 1)):
+            raise ValueError("bernoulli targets must be 0 or 1; got other values")
+        if f is not None and y.shape != f.shape:
+            raise ValueError(
+                f"bernoulli targets must have the network output's shape {tuple(f.shape)}, "
+                f"got {tuple(y.shape)}"
+            )
+
+
+class Gaussian(Likelihood):
+    """``y ~ N(f, σ²)``; σ fixed (``noise=0.1``) or learned (``noise="learned"``).
+
+    Parameters
+    ----------
+    noise : float or "learned"
+        Observation standard deviation, or ``"learned"`` to learn it as a point estimate.
+    init_noise : float
+        Starting value of a learned σ.
+    """
+
+    name = "gaussian"
+
+    def __init__(self, noise: float | str = 1.0, init_noise: float = 1.0):
+        super().__init__()
+        if noise == "learned":
+            self.log_noise = nn.Parameter(torch.tensor(math.log(init_noise)))
+        elif isinstance(noise, (int, float)) and noise > 0:
+            self.register_buffer("log_noise", torch.tensor(math.log(float(noise))))
+        else:
+            raise ValueError(f"noise must be a positive float or 'learned', got {noise!r}")
+
+    @property
+    def learned(self) -> bool:
+        return isinstance(self.log_noise, nn.Parameter)
+
+    @property
+    def noise(self) -> torch.Tensor:
+        """Observation standard deviation σ (a 0-d tensor)."""
+        return self.log_noise.exp()
+
+    def distribution(self, f):
+        return dist.Normal(f, self.noise).to_event(f.dim() - 1)
+
+    def validate(self, y, f=None):
+        if not y.is_floating_point():
+            raise TypeError(f"gaussian likelihood expects floating-point targets, got {y.dtype}")
+        if f is not None and y.shape != f.shape:
+            raise ValueError(
+                f"targets must have the network output's shape {tuple(f.shape)}, got "
+                f"{tuple(y.shape)} (for one output use y of shape (N, 1))"
+            )
+
+
+def make_likelihood(likelihood: str | Likelihood, noise: float | str | None = None) -> Likelihood:
+    """Build a likelihood from its name (``"categorical"``, ``"gaussian"``, ``"bernoulli"``)."""
+    if isinstance(likelihood, Likelihood):
+        return likelihood
+    if likelihood == "categorical":
+        return Categorical()
+    if likelihood == "bernoulli":
+        return Bernoulli()
+    if likelihood in ("gaussian", "normal", "regression"):
+        return Gaussian(1.0 if noise is None else noise)
+    raise ValueError(
+        "likelihood must be 'categorical', 'gaussian', 'bernoulli' or a "
+        f"pyro_bnn.likelihoods.Likelihood, got {likelihood!r}"
+    )
+
+
+def log_likelihood(lik: Likelihood, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pointwise ``log p(y_n | f_n)``, shape ``(N,)`` — a fast path without Pyro tracing."""
+    if isinstance(lik, Categorical):
+        return -F.cross_entropy(f, y, reduction="none")
+    if isinstance(lik, Bernoulli):
+        return -F.binary_cross_entropy_with_logits(f, y.to(f.dtype), reduction="none").flatten(1).sum(1)
+    return lik.distribution(f).log_prob(y)

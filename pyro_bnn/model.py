@@ -1,0 +1,218 @@
+"""``BNN``: any ``torch.nn.Module`` as a Pyro model whose weights are ``PyroSample`` sites."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+
+import pyro
+import torch
+from pyro.nn import PyroModule, PyroSample
+from pyro.nn.module import to_pyro_module_
+from torch import nn
+
+from .likelihoods import Likelihood, make_likelihood
+from .priors import IIDNormal, Prior, PriorSpec, resolve_prior
+
+__all__ = ["BNN", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
+
+#: Layer types whose weights and biases are random by default.
+BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def default_stochastic(name: str, module: nn.Module, param: nn.Parameter) -> bool:
+    """Default selection: weights and biases of Linear and Conv1d/2d/3d layers."""
+    return isinstance(module, BAYESIAN_LAYERS)
+
+
+def fan_in_of(module: nn.Module, param_name: str, param: torch.Tensor) -> int:
+    """Fan-in of the layer a parameter belongs to (a bias uses its weight's fan-in)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
+        return int(weight[0].numel())
+    return int(param[0].numel()) if param.dim() >= 2 else int(param.numel())
+
+
+class _SitePrior:
+    """Callable stored in ``PyroSample``: builds the prior distribution on demand.
+
+    It holds the prior *module*, so the distribution is created on whatever device the
+    prior's buffers are on after ``model.to(device)``.
+    """
+
+    def __init__(self, prior: Prior, shape: torch.Size, fan_in: int):
+        self.prior = prior
+        self.shape = torch.Size(shape)
+        self.fan_in = fan_in
+
+    def __call__(self, module: nn.Module):
+        return self.prior(self.shape, self.fan_in)
+
+
+class BNN(PyroModule):
+    """A Bayesian neural network: a torch network whose parameters are random.
+
+    The network is copied and converted to a ``PyroModule``; each selected parameter
+    becomes a ``PyroSample`` site named by its ``named_parameters()`` path under ``net``
+    (``"net.0.weight"``).  ``forward(x, y=None)`` is a Pyro model: it samples the weights,
+    computes ``f = net(x)`` and observes ``y`` inside
+    ``pyro.plate("data", num_data, subsample_size=len(x))``, so an ELBO computed on a
+    minibatch is scaled to the whole data set.
+
+    Parameters
+    ----------
+    net : torch.nn.Module
+        Any network; its current weights become the guides' initial locations, so a
+        pretrained network can be made Bayesian.
+    likelihood : {"categorical", "gaussian", "bernoulli"} or Likelihood
+        Observation model.
+    prior : Prior, dict or callable, optional
+        One prior for all random parameters, a dict keyed by parameter path
+        (``"net.0.weight"``, with ``"*"`` as default) or a callable
+        ``(name, param) -> Prior``.  Default ``IIDNormal(1.0)``.
+    noise : float or "learned", optional
+        Gaussian likelihood only: fixed observation std, or ``"learned"``.
+    stochastic : callable or iterable of str, optional
+        Which parameters are random: a predicate ``(name, module, param) -> bool`` or a
+        collection of parameter paths (``"net.0.weight"``).  Default: weights and biases of
+        Linear and Conv layers.  The rest stay deterministic (point estimates trained by
+        :func:`pyro_bnn.fit`).
+
+    Raises
+    ------
+    ValueError
+        If no parameter is selected as random.
+
+    Examples
+    --------
+    >>> import torch.nn as nn, pyro_bnn as pb
+    >>> model = pb.BNN(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), "categorical")
+    >>> model.site_names
+    ['net.0.weight', 'net.0.bias', 'net.2.weight', 'net.2.bias']
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        likelihood: str | Likelihood = "categorical",
+        prior: PriorSpec | None = None,
+        *,
+        noise: float | str | None = None,
+        stochastic: Callable[[str, nn.Module, nn.Parameter], bool] | Iterable[str] | None = None,
+    ):
+        super().__init__()
+        if not isinstance(net, nn.Module):
+            raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+        if noise is not None and likelihood not in ("gaussian", "normal", "regression"):
+            if not (isinstance(likelihood, Likelihood) and likelihood.name == "gaussian"):
+                raise ValueError(f"noise= applies to the gaussian likelihood, not {likelihood!r}")
+        net = copy.deepcopy(net)
+        self.likelihood = make_likelihood(likelihood, noise)
+        prior = IIDNormal(1.0) if prior is None else prior
+        select = _make_selector(stochastic, net)
+
+        chosen = []
+        for mod_name, module in net.named_modules():
+            for p_name, param in list(module.named_parameters(recurse=False)):
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                if select(full, module, param):
+                    chosen.append((mod_name, module, p_name, param, full))
+        if not chosen:
+            raise ValueError(
+                "the network has no parameter selected as random (expected Linear/Conv "
+                "layers or a `stochastic=` selection that matches parameter names; got "
+                f"parameters {[n for n, _ in net.named_parameters()]})"
+            )
+
+        self._initial_values: dict[str, torch.Tensor] = {}
+        self._fan_in: dict[str, int] = {}
+        to_pyro_module_(net)
+        self.priors = nn.ModuleDict()
+        for mod_name, _, p_name, param, full in chosen:
+            module = net.get_submodule(mod_name) if mod_name else net
+            site = f"net.{full}"
+            the_prior = resolve_prior(prior, site, param)
+            fan_in = fan_in_of(module, p_name, param)
+            self.priors[site.replace(".", "__")] = the_prior
+            self._initial_values[site] = param.detach().clone()
+            self._fan_in[site] = fan_in
+            setattr(module, p_name, PyroSample(_SitePrior(the_prior, param.shape, fan_in)))
+        self.net = net
+        self.site_names: list[str] = [f"net.{c[-1]}" for c in chosen]
+        first = next((m for m in net.modules() if isinstance(m, BAYESIAN_LAYERS)), None)
+        # Plain values, not a module reference: a second reference would re-register the
+        # layer under another name and rename its Pyro sites.
+        self._input_spec = (
+            ("linear", first.in_features) if isinstance(first, nn.Linear)
+            else ("conv2d", first.in_channels) if isinstance(first, nn.Conv2d) else None)
+
+    # ------------------------------------------------------------------ model
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, num_data: int | None = None):
+        """Pyro model: sample weights, compute ``f = net(x)``, observe ``y``.
+
+        Parameters
+        ----------
+        x : Tensor, shape (M, ...)
+            A minibatch of inputs.
+        y : Tensor, optional
+            Targets; ``None`` to sample predictions.
+        num_data : int, optional
+            Size N of the whole data set (the plate's size); default ``len(x)``.
+
+        Returns
+        -------
+        Tensor
+            Network output ``f``, shape ``(M, num_outputs)``.
+        """
+        f = self.function(x)
+        size = len(x) if num_data is None else int(num_data)
+        with pyro.plate("data", size, subsample_size=len(x)):
+            pyro.sample("obs", self.likelihood.distribution(f), obs=y)
+        return f
+
+    def function(self, x: torch.Tensor) -> torch.Tensor:
+        """The network output ``f(x)`` under the current (sampled or replayed) weights."""
+        self.check_input(x)
+        return self.net(x)
+
+    # ------------------------------------------------------------- utilities
+    def check_input(self, x: torch.Tensor) -> None:
+        """Cheap shape/type checks that give a clear error before the network fails."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        kind, size = self._input_spec or (None, None)
+        if kind == "linear" and x.shape[-1] != size:
+            raise ValueError(
+                f"input has {x.shape[-1]} features (shape {tuple(x.shape)}) but the first "
+                f"Linear layer expects {size}"
+            )
+        if kind == "conv2d" and (x.dim() != 4 or x.shape[1] != size):
+            raise ValueError(
+                f"input must have shape (N, {size}, H, W) for the first Conv2d layer, "
+                f"got {tuple(x.shape)}"
+            )
+
+    def initial_values(self) -> dict[str, torch.Tensor]:
+        """Weights of the network it was built from, keyed by site name."""
+        return dict(self._initial_values)
+
+    def site_prior(self, site: str):
+        """The prior distribution of one site (on the prior's current device)."""
+        return self.priors[site.replace(".", "__")](self._initial_values[site].shape, self._fan_in[site])
+
+    def extra_repr(self) -> str:
+        return f"likelihood={self.likelihood.name!r}, sites={len(self.site_names)}"
+
+
+def _make_selector(stochastic, net: nn.Module):
+    if stochastic is None:
+        return lambda full, module, param: default_stochastic(full, module, param)
+    if callable(stochastic):
+        return stochastic
+    names = set(stochastic)
+    known = {n for n, _ in net.named_parameters()}
+    stripped = {n[4:] if n.startswith("net.") else n for n in names}
+    unknown = stripped - known
+    if unknown:
+        raise ValueError(f"stochastic= names parameters the network lacks: {sorted(unknown)}; it has {sorted(known)}")
+    return lambda full, module, param: full in stripped

@@ -1,0 +1,72 @@
+"""Training objectives: Pyro ELBOs made minibatch-correct for any model.
+
+:class:`PyroObjective` wraps a Pyro ELBO (``Trace_ELBO``, ``TraceMeanField_ELBO``, ...)
+so that
+
+* a :class:`~pyro_bnn.BNN` receives ``num_data`` and scales its own ``"data"`` plate;
+* a hand-written model whose observed sites are not subsampled gets them scaled by
+  ``N / M`` by :class:`scale_observations` (sites that a user's plate already scales are
+  left alone), so minibatch ELBOs estimate the full-data ELBO for every model.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pyro
+from pyro.poutine.messenger import Messenger
+
+__all__ = ["scale_observations", "PyroObjective", "accepts_num_data", "call_model"]
+
+
+class scale_observations(Messenger):
+    """Multiply the log-density of observed sites by ``factor`` unless already scaled.
+
+    A plate with ``subsample_size`` sets ``msg["scale"]`` before this (outer) handler
+    sees the site, so models that subsample themselves are not scaled twice.
+    """
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = float(factor)
+
+    def _process_message(self, msg):
+        if msg["type"] == "sample" and msg["is_observed"] and self.factor != 1.0:
+            scale = msg["scale"]
+            if isinstance(scale, (int, float)) and scale == 1.0:
+                msg["scale"] = self.factor
+
+
+def accepts_num_data(model) -> bool:
+    """Whether ``model.forward`` takes a ``num_data`` keyword (as :class:`BNN` does)."""
+    fwd = getattr(model, "forward", model)
+    try:
+        return "num_data" in inspect.signature(fwd).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def call_model(model, x, y, num_data):
+    """Args/kwargs and observation scale with which ``model`` sees one minibatch."""
+    if num_data is not None and accepts_num_data(model):
+        return (x, y), {"num_data": num_data}, 1.0
+    factor = 1.0 if num_data is None else num_data / len(x)
+    return (x, y), {}, factor
+
+
+class PyroObjective:
+    """Loss ``objective(model, guide, x, y, num_data)`` from a Pyro ELBO.
+
+    Parameters
+    ----------
+    elbo : pyro.infer.ELBO
+        Any Pyro ELBO; its ``differentiable_loss`` is used.
+    """
+
+    def __init__(self, elbo: pyro.infer.ELBO):
+        self.elbo = elbo
+
+    def __call__(self, model, guide, x, y, num_data=None):
+        args, kwargs, factor = call_model(model, x, y, num_data)
+        scaled = scale_observations(factor)(model) if factor != 1.0 else model
+        return self.elbo.differentiable_loss(scaled, guide, *args, **kwargs)
