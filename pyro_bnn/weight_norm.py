@@ -1,0 +1,171 @@
+"""Weight normalisation (Salimans & Kingma 2016) as used by Bayesian hypernetworks.
+
+Each output unit ``j`` of a Linear layer (a row) or a Conv layer (a filter) has weights
+
+    W_j = g_j · v_j / ‖v_j‖,
+
+so only the scales ``g`` (one scalar per output unit, shape ``(out,)``) need to be random;
+the directions ``v`` (``weight_v``, same shape as the original weight) and the biases are
+point estimates.  In a :class:`pyro_bnn.BNN` built with ``weight_norm=True`` the scales are
+``PyroSample`` sites named ``"net.<path>.weight_g"`` with prior ``N(0, 1/λ)``.
+
+:class:`WeightNormLinear` and :class:`WeightNormConv2d` subclass ``nn.Linear`` and
+``nn.Conv2d`` (``isinstance`` checks and hooks keep working); their ``weight`` is a property
+computed from ``weight_g`` and ``weight_v``.  They work as plain modules, inside
+``pb.BNN`` and in hand-written ``PyroModule`` models (set ``layer.weight_g = PyroSample(...)``).
+
+Examples
+--------
+>>> import torch.nn as nn, pyro_bnn as pb
+>>> model = pb.BNN(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)),
+...                weight_norm=True, weight_norm_precision=1.0)
+>>> model.site_names
+['net.0.weight_g', 'net.2.weight_g']
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .priors import IIDNormal
+
+__all__ = ["WeightNormLinear", "WeightNormConv2d", "weight_norm_weight", "to_weight_norm",
+           "is_weight_norm_layer", "weight_norm_setup"]
+
+
+def weight_norm_weight(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``W_j = g_j v_j / ‖v_j‖`` for every output unit ``j``.
+
+    Parameters
+    ----------
+    g : Tensor, shape (..., out)
+        Scales; leading batch dimensions are allowed (one weight per batch element).
+    v : Tensor, shape (out, *rest)
+        Directions; the norm is taken over everything but the first dimension.
+
+    Returns
+    -------
+    Tensor, shape (..., out, *rest)
+    """
+    norm = v.flatten(1).norm(dim=1).clamp_min(1e-12)
+    scale = g / norm
+    return scale.reshape(scale.shape + (1,) * (v.dim() - 1)) * v
+
+
+class _WeightNormMixin:
+    """``weight`` from ``weight_g`` and ``weight_v``; converts a base layer's weight."""
+
+    def _split_weight_(self) -> None:
+        w = self._parameters.pop("weight").detach()
+        self.weight_v = nn.Parameter(w.clone())
+        self.weight_g = nn.Parameter(w.flatten(1).norm(dim=1).clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        # During the base class's __init__ the plain weight still exists.
+        if "weight" in self._parameters:
+            return self._parameters["weight"]
+        return weight_norm_weight(self.weight_g, self.weight_v)
+
+
+class WeightNormLinear(_WeightNormMixin, nn.Linear):
+    """``nn.Linear`` with weight ``W_j = g_j v_j/‖v_j‖``; parameters ``weight_g`` (out,),
+    ``weight_v`` (out, in) and ``bias`` (out,).  Initial ``g`` = row norms of the
+    PyTorch-initialised weight, so the layer starts as a standard ``nn.Linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._split_weight_()
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear) -> "WeightNormLinear":
+        """The same function as ``layer``: ``g`` = row norms, ``v`` = its weight."""
+        new = copy.deepcopy(layer)
+        new.__class__ = cls
+        new._split_weight_()
+        return new
+
+
+class WeightNormConv2d(_WeightNormMixin, nn.Conv2d):
+    """``nn.Conv2d`` with filters ``W_j = g_j v_j/‖v_j‖``; ``weight_g`` has shape (out,),
+    ``weight_v`` (out, in/groups, kh, kw)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._split_weight_()
+
+    @classmethod
+    def from_conv2d(cls, layer: nn.Conv2d) -> "WeightNormConv2d":
+        """The same function as ``layer``: ``g`` = filter norms, ``v`` = its weight."""
+        new = copy.deepcopy(layer)
+        new.__class__ = cls
+        new._split_weight_()
+        return new
+
+
+def is_weight_norm_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a :class:`WeightNormLinear` / :class:`WeightNormConv2d`."""
+    return isinstance(module, _WeightNormMixin)
+
+
+def _convert(module: nn.Module) -> nn.Module:
+    if is_weight_norm_layer(module):
+        return module
+    if type(module) is nn.Linear:
+        return WeightNormLinear.from_linear(module)
+    if type(module) is nn.Conv2d:
+        return WeightNormConv2d.from_conv2d(module)
+    return module
+
+
+def to_weight_norm(net: nn.Module) -> nn.Module:
+    """A copy of ``net`` with every ``nn.Linear`` / ``nn.Conv2d`` in weight-norm form.
+
+    The function is unchanged (``g`` = row/filter norms, ``v`` = the weights).  Layers that
+    already are weight-norm layers are kept.
+
+    Raises
+    ------
+    ValueError
+        If the network has no Linear or Conv2d layer.
+    """
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(net).__name__}")
+    net = copy.deepcopy(net)
+    root = _convert(net)
+    if root is not net:
+        return root
+    for name, module in list(net.named_modules()):
+        for child_name, child in list(module.named_children()):
+            new = _convert(child)
+            if new is not child:
+                setattr(module, child_name, new)
+    if not any(is_weight_norm_layer(m) for m in net.modules()):
+        raise ValueError("weight_norm=True needs Linear or Conv2d layers; the network has "
+                         f"none (modules: {sorted({type(m).__name__ for m in net.modules()})})")
+    return net
+
+
+def weight_norm_setup(net: nn.Module, prior, stochastic, precision: float | None):
+    """What :class:`pyro_bnn.BNN` does for ``weight_norm=True``.
+
+    Returns the converted network, the prior (default ``N(0, 1/λ)`` with ``λ = precision``,
+    default 1) and the selection (default: the ``weight_g`` of every weight-norm layer).
+    """
+    if precision is not None and prior is not None:
+        raise ValueError("give either prior= or weight_norm_precision=, not both "
+                         f"(got prior={prior!r}, weight_norm_precision={precision!r})")
+    lam = 1.0 if precision is None else precision
+    if not isinstance(lam, (int, float)) or not lam > 0:
+        raise ValueError(f"weight_norm_precision must be a positive number, got {lam!r}")
+    net = to_weight_norm(net)
+    if prior is None:
+        prior = IIDNormal(float(lam) ** -0.5)
+    if stochastic is None:
+        def stochastic(name, module, param):
+            return is_weight_norm_layer(module) and name.rsplit(".", 1)[-1] == "weight_g"
+    return net, prior, stochastic
