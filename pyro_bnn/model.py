@@ -77,6 +77,20 @@ class BNN(PyroModule):
         collection of parameter paths (``"net.0.weight"``).  Default: weights and biases of
         Linear and Conv layers.  The rest stay deterministic (point estimates trained by
         :func:`pyro_bnn.fit`).
+    augmentation : nn.Module, optional
+        A learnable augmentation distribution (e.g.
+        :class:`pyro_bnn.invariance.AffineAugmentation`) mapping ``(N, ...)`` inputs to
+        ``S`` transformed copies ``(N·S, ...)`` (example-major, ``augmentation.num_samples``
+        = S); the model becomes invariant, ``f̂(x) = (1/S) Σ_s f(T_s x)``, at training and
+        test time.  Its extents η are model parameters, frozen unless invariance learning
+        trains them (:mod:`pyro_bnn.invariance`).
+    weight_norm : bool
+        Weight-norm parametrisation (:mod:`pyro_bnn.weight_norm`): Linear/Conv2d weights
+        ``W_j = g_j v_j/‖v_j‖``; only the scales ``g`` are random (sites
+        ``"net.<path>.weight_g"``, shape ``(out,)``, initial value the row norms), the
+        directions ``v`` and the biases are point estimates.
+    weight_norm_precision : float, optional
+        Prior precision λ of the scales, ``g ~ N(0, 1/λ)`` (default 1).
 
     Raises
     ------
@@ -99,6 +113,9 @@ class BNN(PyroModule):
         *,
         noise: float | str | None = None,
         stochastic: Callable[[str, nn.Module, nn.Parameter], bool] | Iterable[str] | None = None,
+        augmentation: nn.Module | None = None,
+        weight_norm: bool = False,
+        weight_norm_precision: float | None = None,
     ):
         super().__init__()
         if not isinstance(net, nn.Module):
@@ -107,6 +124,12 @@ class BNN(PyroModule):
             if not (isinstance(likelihood, Likelihood) and likelihood.name == "gaussian"):
                 raise ValueError(f"noise= applies to the gaussian likelihood, not {likelihood!r}")
         net = copy.deepcopy(net)
+        self.weight_norm = bool(weight_norm)
+        if weight_norm:  # only the scales g of W_j = g_j v_j/|v_j| are random (Hypernet)
+            from .weight_norm import weight_norm_setup
+            net, prior, stochastic = weight_norm_setup(net, prior, stochastic, weight_norm_precision)
+        elif weight_norm_precision is not None:
+            raise ValueError("weight_norm_precision= needs weight_norm=True")
         self.likelihood = make_likelihood(likelihood, noise)
         prior = IIDNormal(1.0) if prior is None else prior
         select = _make_selector(stochastic, net)
@@ -138,6 +161,9 @@ class BNN(PyroModule):
             self._fan_in[site] = fan_in
             setattr(module, p_name, PyroSample(_SitePrior(the_prior, param.shape, fan_in)))
         self.net = net
+        if augmentation is not None and not isinstance(augmentation, nn.Module):
+            raise TypeError(f"augmentation must be an nn.Module, got {type(augmentation).__name__}")
+        self.augmentation = augmentation
         self.site_names: list[str] = [f"net.{c[-1]}" for c in chosen]
         first = next((m for m in net.modules() if isinstance(m, BAYESIAN_LAYERS)), None)
         # Plain values, not a module reference: a second reference would re-register the
@@ -173,7 +199,13 @@ class BNN(PyroModule):
     def function(self, x: torch.Tensor) -> torch.Tensor:
         """The network output ``f(x)`` under the current (sampled or replayed) weights."""
         self.check_input(x)
-        return self.net(x)
+        # Read past PyroModule.__getattr__: η is not a Pyro param (invariance learning owns it).
+        aug = self._modules.get("augmentation")
+        if aug is None:
+            return self.net(x)
+        # Invariant model: f̂(x) = mean_s f(T_s x); copies are example-major (n·S + s).
+        f = self.net(aug(x))
+        return f.reshape(len(x), aug.num_samples, *f.shape[1:]).mean(1)
 
     # ------------------------------------------------------------- utilities
     def check_input(self, x: torch.Tensor) -> None:
