@@ -4,9 +4,11 @@ from . import datasets, guides, likelihoods, metrics, priors
 from .model import BNN
 from .prediction import evaluate, predict, predictive_samples
 from .training import FitResult, fit, load_checkpoint, save_checkpoint
+from . import symmetry
+from .guides.symmetrized import symmetrized_elbo
 
 __version__ = "0.1.0"
 
 __all__ = ["BNN", "fit", "FitResult", "predict", "predictive_samples", "evaluate",
            "save_checkpoint", "load_checkpoint", "priors", "guides", "likelihoods",
-           "metrics", "datasets"]
+           "metrics", "datasets"] + ["symmetry", "symmetrized_elbo"]

@@ -230,7 +230,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                     extras_sum[k] = extras_sum.get(k, 0.0) + float(v)
             mean_loss = total / max(steps, 1)
             history["loss"].append(mean_loss)
-            history["elbo"].append(-mean_loss)
+            if "elbo" not in extras_sum:  # an objective may report the plain ELBO itself
+                history["elbo"].append(-mean_loss)
             for k, v in extras_sum.items():
                 history.setdefault(k, []).append(v / max(steps, 1))
             if hasattr(guide, "on_epoch_end"):

@@ -1,0 +1,310 @@
+"""Permutation symmetries of a network's hidden units, and how a permutation acts on weights.
+
+Permuting the hidden units of a layer — the rows of ``W_l`` and ``b_l`` together with the
+columns of ``W_{l+1}`` — leaves the function a network computes unchanged (Gelberg et al.
+2024; ``docs/METHODS.md`` §3).  The group of all such relabelings is
+``G = S_{d_1} × … × S_{d_{L-1}}``, ``|G| = Π_l d_l!``.
+
+Representation
+--------------
+A *symmetry group* (one factor ``S_d``) is a dict mapping site names to the axis that is
+permuted, e.g. ``{"net.0.weight": 0, "net.0.bias": 0, "net.2.weight": 1}``; a symmetry is a
+list of such groups.  A group element is one index permutation ``p`` (a ``LongTensor`` of
+shape ``(d,)``) per group; it acts on a dict of site tensors by
+``(g·ω)[site] = ω[site].index_select(axis, p)``, i.e. ``(g·ω)[site][..., i, ...] =
+ω[site][..., p[i], ...]``.  With this convention ``g_p · g_r = g_{r[p]}`` (see
+:func:`compose_permutations`).
+
+Discovery (:func:`find_symmetries`) — supported architectures
+-------------------------------------------------------------
+* ``nn.Sequential`` containers anywhere in the model (``pb.BNN(nn.Sequential(...))`` and
+  hand-written ``PyroModule`` s holding Sequentials whose Linear/Conv weights are
+  ``PyroSample`` sites; nested Sequentials are flattened);
+* ``Linear → (elementwise activations, Dropout, Identity)* → Linear`` with matching widths;
+* ``ConvNd → (activations, pooling, channel Dropout)* → ConvNd`` (same N, ``groups=1``):
+  output channels (filters and bias) of the first, input channels of the second;
+* a group is only formed when every tensor that must move is random: the weight of both
+  layers and the first layer's bias (if it has one).  A deterministic (point-estimate)
+  parameter in the way breaks the symmetry, and so does any other module in between
+  (BatchNorm, LayerNorm, Flatten, attention, ...).  The last layer's outputs are never
+  permuted, and the ``Conv → Flatten → Linear`` boundary is left alone (a subgroup of the
+  true symmetry: still a valid, slightly looser bound).
+
+Anything else (layers called from a hand-written ``forward``, residual connections, fixed
+output weights as in the paper's toy) is declared by the user with the same list-of-dicts
+form and checked by :func:`check_symmetries`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "find_symmetries", "resolve_symmetries", "group_sizes", "log_group_order",
+    "sample_permutations", "apply_permutation", "permute_batched", "invert_permutation",
+    "compose_permutations", "enumerate_group", "check_symmetries",
+]
+
+Symmetry = list[dict[str, int]]
+
+_LINEAR_CHAIN = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
+    nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Softsign, nn.Hardtanh, nn.Hardswish,
+    nn.Hardsigmoid, nn.Tanhshrink, nn.LogSigmoid, nn.Identity, nn.Dropout, nn.AlphaDropout,
+)
+_CONV_CHAIN = _LINEAR_CHAIN + (
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+    nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+# ----------------------------------------------------------------------------- discovery
+def _flatten_sequential(prefix: str, seq: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    out = []
+    for name, child in seq.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, nn.Sequential):
+            out.extend(_flatten_sequential(path, child))
+        else:
+            out.append((path, child))
+    return out
+
+
+def _link(a: nn.Module, b: nn.Module) -> int | None:
+    """Width of the hidden units between layers ``a`` and ``b``, or None if they don't chain."""
+    if isinstance(a, nn.Linear) and isinstance(b, nn.Linear):
+        return a.out_features if a.out_features == b.in_features else None
+    for conv in _CONVS:
+        if isinstance(a, conv) and isinstance(b, conv):
+            if a.groups == 1 and b.groups == 1 and a.out_channels == b.in_channels:
+                return a.out_channels
+    return None
+
+
+def find_symmetries(model: nn.Module, sites: Mapping[str, torch.Size] | Iterable[str]) -> Symmetry:
+    """Permutable hidden units of ``model`` whose weights are the random ``sites``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A :class:`pyro_bnn.BNN` or a hand-written ``PyroModule``; site names are module
+        paths from this root (``"net.0.weight"``).
+    sites : mapping site -> shape, or iterable of site names
+        The random sites (with shapes, when given, used to check the widths).
+
+    Returns
+    -------
+    list of dict
+        One ``{site: axis}`` group per permutable hidden layer, in network order.
+
+    Examples
+    --------
+    >>> net = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    >>> model = pb.BNN(net)                                         # doctest: +SKIP
+    >>> find_symmetries(model, model.site_names)                    # doctest: +SKIP
+    [{'net.0.weight': 0, 'net.0.bias': 0, 'net.2.weight': 1}]
+    """
+    shapes = dict(sites) if isinstance(sites, Mapping) else {s: None for s in sites}
+    groups: Symmetry = []
+    covered: set[int] = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.Sequential) or id(module) in covered:
+            continue
+        for m in module.modules():
+            covered.add(id(m))
+        prev = None  # (path, layer) of the last Bayesian layer in an unbroken chain
+        for child_path, child in _flatten_sequential(path, module):
+            if isinstance(child, (nn.Linear,) + _CONVS):
+                if prev is not None:
+                    group = _group_between(prev, (child_path, child), shapes)
+                    if group is not None:
+                        groups.append(group)
+                prev = (child_path, child)
+            elif prev is None:
+                continue
+            elif not isinstance(child, _CONV_CHAIN if isinstance(prev[1], _CONVS) else _LINEAR_CHAIN):
+                prev = None
+    return groups
+
+
+def _group_between(a, b, shapes) -> dict[str, int] | None:
+    (pa, la), (pb, lb) = a, b
+    width = _link(la, lb)
+    if width is None:
+        return None
+    w_a, b_a, w_b = f"{pa}.weight", f"{pa}.bias", f"{pb}.weight"
+    if w_a not in shapes or w_b not in shapes:
+        return None
+    has_bias = b_a in shapes or _has_parameter(la, "bias")
+    if has_bias and b_a not in shapes:  # a deterministic bias cannot move with its unit
+        return None
+    group = {w_a: 0, w_b: 1}
+    if has_bias:
+        group = {w_a: 0, b_a: 0, w_b: 1}
+    for site, axis in group.items():
+        shape = shapes[site]
+        if shape is not None and (len(shape) <= axis or shape[axis] != width):
+            return None
+    return group
+
+
+def _has_parameter(module: nn.Module, name: str) -> bool:
+    if module.__dict__.get("_parameters", {}).get(name) is not None:
+        return True
+    return name in module.__dict__.get("_pyro_samples", {})
+
+
+def resolve_symmetries(declared: Sequence[Mapping[str, int]], shapes: Mapping[str, torch.Size]) -> Symmetry:
+    """Validate user-declared groups against the sites' shapes.
+
+    Site names may omit the ``"net."`` prefix of :class:`pyro_bnn.BNN` sites; negative
+    axes count from the end.
+
+    Raises
+    ------
+    TypeError
+        ``declared`` is not a list of dicts mapping site names to int axes.
+    ValueError
+        Unknown site, axis out of range, or sizes that differ within a group.
+    """
+    if isinstance(declared, Mapping) or not isinstance(declared, Sequence):
+        raise TypeError("permutations must be a list of dicts {site name: axis}, got "
+                        f"{type(declared).__name__}")
+    out: Symmetry = []
+    for group in declared:
+        if not isinstance(group, Mapping) or not group:
+            raise TypeError(f"each symmetry group must be a non-empty dict {{site: axis}}, got {group!r}")
+        resolved, size = {}, None
+        for site, axis in group.items():
+            name = site if site in shapes else f"net.{site}" if f"net.{site}" in shapes else None
+            if name is None:
+                raise ValueError(f"symmetry names site {site!r}, which is not a random site; "
+                                 f"sites are {sorted(shapes)}")
+            if not isinstance(axis, int) or isinstance(axis, bool):
+                raise TypeError(f"axis of site {site!r} must be an int, got {axis!r}")
+            ndim = len(shapes[name])
+            if not -ndim <= axis < ndim:
+                raise ValueError(f"axis {axis} of site {name!r} is out of range for shape "
+                                 f"{tuple(shapes[name])}")
+            axis = axis % ndim
+            if size is not None and shapes[name][axis] != size:
+                raise ValueError(f"all axes of a symmetry group must have the same size; got "
+                                 f"{shapes[name][axis]} for {name!r} axis {axis}, expected {size}")
+            size = shapes[name][axis]
+            resolved[name] = axis
+        out.append(resolved)
+    return out
+
+
+# ----------------------------------------------------------------------- group algebra
+def group_sizes(groups: Symmetry, shapes: Mapping[str, torch.Size]) -> list[int]:
+    """Number of permuted units ``d_k`` of each group."""
+    return [int(shapes[next(iter(g))][g[next(iter(g))]]) for g in groups]
+
+
+def log_group_order(sizes: Sequence[int]) -> float:
+    """``log|G| = Σ_k log d_k!``."""
+    return float(sum(math.lgamma(d + 1) for d in sizes))
+
+
+def sample_permutations(sizes: Sequence[int], num: int, device=None,
+                        generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """``num`` independent uniform group elements: one ``(num, d_k)`` index tensor per group."""
+    return [torch.rand(num, d, device=device, generator=generator).argsort(dim=-1) for d in sizes]
+
+
+def invert_permutation(p: torch.Tensor) -> torch.Tensor:
+    """``p⁻¹`` (last axis), so that ``x.index_select(a, p).index_select(a, p⁻¹) == x``."""
+    return p.argsort(dim=-1)
+
+
+def compose_permutations(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Index map of ``g_p · g_r`` (apply ``g_r`` first, then ``g_p``): ``r[p]``."""
+    return torch.gather(r, -1, p)
+
+
+def enumerate_group(sizes: Sequence[int], device=None) -> list[torch.Tensor]:
+    """All ``|G|`` elements, as one ``(|G|, d_k)`` index tensor per group (small G only)."""
+    factors = [list(itertools.permutations(range(d))) for d in sizes]
+    elements = list(itertools.product(*factors))
+    return [torch.tensor([e[k] for e in elements], dtype=torch.long, device=device).reshape(len(elements), d)
+            for k, d in enumerate(sizes)]
+
+
+def apply_permutation(values: Mapping[str, torch.Tensor], groups: Symmetry,
+                      perms: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``g·ω`` for one group element: ``perms[k]`` (shape ``(d_k,)``) acts on group ``k``.
+
+    Sites that no group touches are returned unchanged.
+    """
+    out = dict(values)
+    for group, p in zip(groups, perms, strict=True):
+        for site, axis in group.items():
+            out[site] = out[site].index_select(axis, p)
+    return out
+
+
+def permute_batched(values: Mapping[str, torch.Tensor], groups: Symmetry,
+                    perms: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``g_j·ω`` for ``K`` elements at once: ``perms[k]`` has shape ``(K, d_k)``.
+
+    Returns ``{site: (K, *shape)}`` for the sites some group touches (only those).
+    """
+    num = perms[0].shape[0] if perms else 0
+    out: dict[str, torch.Tensor] = {}
+    for group, p in zip(groups, perms, strict=True):
+        for site, axis in group.items():
+            x = out.get(site)
+            if x is None:
+                x = values[site].unsqueeze(0).expand(num, *values[site].shape)
+            view = [num] + [1] * (x.dim() - 1)
+            view[axis + 1] = p.shape[-1]
+            out[site] = torch.take_along_dim(x, p.reshape(view), dim=axis + 1)
+    return out
+
+
+def check_symmetries(function: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                     values: Mapping[str, torch.Tensor], groups: Symmetry, *,
+                     num_checks: int = 3, rtol: float = 1e-4, atol: float = 1e-5,
+                     generator: torch.Generator | None = None) -> list[bool]:
+    """Whether ``function(g·ω) == function(ω)`` for random elements of each group.
+
+    Parameters
+    ----------
+    function : callable
+        ``function(values) -> Tensor``, e.g. the network output on a batch of inputs.
+    values : dict
+        A weight configuration ω (draw it at random so coincidences are unlikely).
+    groups : list of dict
+        The symmetry to check.
+    num_checks : int
+        Random non-identity permutations tried per group.
+
+    Returns
+    -------
+    list of bool
+        One flag per group.
+    """
+    shapes = {k: v.shape for k, v in values.items()}
+    sizes = group_sizes(groups, shapes)
+    ref = function(dict(values))
+    flags = []
+    for group, d in zip(groups, sizes):
+        ok = True
+        for _ in range(num_checks):
+            p = torch.randperm(d, generator=generator)
+            if d > 1 and torch.equal(p, torch.arange(d)):
+                p = p.roll(1)
+            device = next(iter(values.values())).device
+            out = function(apply_permutation(values, [group], [p.to(device)]))
+            ok = ok and bool(torch.allclose(out, ref, rtol=rtol, atol=atol))
+        flags.append(ok)
+    return flags
