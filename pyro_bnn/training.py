@@ -20,6 +20,7 @@ import torch
 from pyro import poutine
 from pyro.infer import Trace_ELBO
 
+from . import distributed as _dist
 from ._local_params import local_params
 from .data import as_tensors, check_finite, dataset_size, make_loader, split_batch
 from .objectives import PyroObjective, call_model
@@ -62,6 +63,8 @@ class FitContext:
     history: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
     optimizer: Any = None
+    #: :class:`pyro_bnn.distributed.DistributedState` under ``fit(distributed=...)``, else None
+    distributed: Any = None
 
 
 class _LossModule(torch.nn.Module):
@@ -122,7 +125,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         optimizer=None, num_particles: int = 1, device=None, progress: bool = True,
         shuffle: bool = True, seed: int | None = None, clip_norm: float | None = None,
         num_data: int | None = None, objective=None, checkpoint: str | os.PathLike | None = None,
-        marglik: dict | None = None, **options) -> FitResult:
+        marglik: dict | None = None, distributed: bool | _dist.DistributedOptions = False,
+        **options) -> FitResult:
     """Train ``model`` and ``guide`` by stochastic variational inference.
 
     Parameters
@@ -156,6 +160,12 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         Write model, guide and optimiser state there after each epoch (atomically).
     marglik : dict, optional
         Online marginal-likelihood options for guides that support it (Laplace).
+    distributed : bool or pyro_bnn.distributed.DistributedOptions
+        Data-parallel training under ``torchrun`` (see ``docs/distributed.md``): each rank
+        reads ``batch_size / world_size`` examples of every global minibatch of size
+        ``batch_size``, the loss module is wrapped in ``DistributedDataParallel``, all ranks
+        share the seed (so the guide noise), and only rank 0 shows progress and writes
+        checkpoints.  The result equals one process training with the same ``batch_size``.
 
     Returns
     -------
@@ -170,13 +180,20 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     """
     if epochs < 0:
         raise ValueError(f"epochs must be >= 0, got {epochs}")
-    if seed is not None:
+    dstate = None
+    if distributed:
+        dstate = _dist.start(distributed, device, seed)  # joins the group, seeds all ranks alike
+        device = dstate.device
+    elif seed is not None:
         pyro.set_rng_seed(seed)
     device = torch.device(device) if device is not None else _module_device(model)
     if isinstance(model, torch.nn.Module):
         model.to(device)
     _validate_data(model, data, device)
-    loader = make_loader(data, batch_size=batch_size, shuffle=shuffle, device=device)
+    if dstate is not None:
+        loader = _dist.shard_loader(data, batch_size, dstate, shuffle=shuffle, device=device)
+    else:
+        loader = make_loader(data, batch_size=batch_size, shuffle=shuffle, device=device)
     n = int(num_data) if num_data is not None else dataset_size(loader)
     x0, y0 = split_batch(next(iter(loader)))
     x0 = x0.to(device)
@@ -189,7 +206,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         raise TypeError(f"marglik= needs a guide that learns hyperparameters (e.g. Laplace); "
                         f"got {type(guide).__name__}")
     options = dict(options, marglik=marglik)
-    ctx = FitContext(model, guide, loader, n, device, epochs, options=options)
+    ctx = FitContext(model, guide, loader, n, device, epochs, options=options, distributed=dstate)
     history: dict[str, list[float]] = {"loss": [], "elbo": [], "epoch_seconds": []}
     ctx.history = history
     t_start = time.perf_counter()
@@ -200,9 +217,13 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         opt = optimizer(params) if optimizer is not None else torch.optim.Adam(params, lr=lr)
         ctx.optimizer = opt
         loss_module = _LossModule(model, guide, objective, n)
-        bar = _progress(epochs, progress)
+        if dstate is not None:
+            loss_module = dstate.wrap(loss_module, x0, y0)
+        bar = _progress(epochs, progress and (dstate is None or dstate.is_main))
         for epoch in range(1, epochs + 1):
             ctx.epoch = epoch
+            if dstate is not None:
+                _dist.set_epoch(loader, epoch)
             good_state = _snapshot(model, guide, opt)
             t0 = time.perf_counter()
             total, steps, extras_sum = 0.0, 0, {}
@@ -216,7 +237,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                 loss.backward()
                 if clip_norm is not None:
                     torch.nn.utils.clip_grad_norm_(params, clip_norm)
-                value = loss.detach().item()
+                value = (loss.detach().item() if dstate is None
+                         else _dist.all_reduce_mean_(loss.detach().clone()).item())
                 if not math.isfinite(value):
                     _restore(model, guide, opt, good_state)
                     raise FloatingPointError(
@@ -228,6 +250,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                 steps += 1
                 for k, v in extras.items():
                     extras_sum[k] = extras_sum.get(k, 0.0) + float(v)
+            if dstate is not None:
+                extras_sum = dstate.mean_of(extras_sum)
             mean_loss = total / max(steps, 1)
             history["loss"].append(mean_loss)
             if "elbo" not in extras_sum:  # an objective may report the plain ELBO itself
@@ -237,7 +261,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
             if hasattr(guide, "on_epoch_end"):
                 guide.on_epoch_end(ctx)
             history["epoch_seconds"].append(time.perf_counter() - t0)
-            if checkpoint is not None:
+            if checkpoint is not None and (dstate is None or dstate.is_main):
                 save_checkpoint(checkpoint, model, guide, opt, epoch=epoch, history=history)
             if bar is not None:
                 bar.update(1)

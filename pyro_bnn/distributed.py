@@ -1,0 +1,403 @@
+"""Data-parallel training with ``torch.distributed``: process group, shards, reductions.
+
+:func:`pyro_bnn.fit` with ``distributed=True`` uses these pieces when a script is
+launched by ``torchrun`` (one process per GPU, or several CPU processes):
+
+* :func:`init_process_group` joins the group from torchrun's environment variables
+  (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) with NCCL on
+  CUDA and Gloo on CPU;
+* every rank seeds Pyro/torch with the same seed (rank 0's, broadcast), so all ranks draw
+  the same guide noise (weight samples, the symmetrised guide's permutations) each step;
+* each rank reads ``1/world`` of every global minibatch (:class:`ShardedTensorBatches`
+  or a ``DataLoader`` with a ``DistributedSampler``) and scales its minibatch log-likelihood
+  by the *global* ``N / M_rank``;
+* the loss module (model + guide + objective) is wrapped in
+  ``DistributedDataParallel``, which averages the gradients:
+  ``(1/W) Σ_r ∇[(N/M_r) Σ_{i∈B_r} −log p(y_i|w) + KL] = ∇[(N/M) Σ_{i∈B} −log p(y_i|w) + KL]``
+  with ``M = W M_r``, the single-process gradient of the global batch ``B = ∪_r B_r``.
+
+:func:`launch_local` runs a function in several local processes set up as torchrun would
+(Gloo on localhost), for tests and CPU experiments.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pyro
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+from .data import as_tensors
+
+__all__ = [
+    "DistributedOptions", "DistributedState", "default_backend", "torchrun_env",
+    "init_process_group", "is_distributed", "is_main_process", "get_rank", "get_world_size",
+    "all_reduce_sum_", "all_reduce_mean_", "broadcast_seed", "local_batch_size",
+    "ShardedTensorBatches", "shard_loader", "launch_local", "find_free_port",
+]
+
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistributedOptions:
+    """Options for ``pb.fit(..., distributed=DistributedOptions(...))``.
+
+    Parameters
+    ----------
+    backend : {"nccl", "gloo"}, optional
+        Default: NCCL when training on CUDA, Gloo on CPU.
+    shared_noise : bool
+        All ranks draw the same guide noise each step (default).  Training then equals
+        single-process training with the same global batch.  ``False`` seeds rank ``r``
+        with ``seed + r``: independent weight samples per rank (still an unbiased gradient,
+        lower variance, but no longer identical to one process).
+    find_unused_parameters : bool, optional
+        Passed to ``DistributedDataParallel``; ``None`` (default) detects it with one
+        gradient evaluation before training.
+    timeout_s : float
+        Timeout of collective operations (seconds).
+    """
+
+    backend: str | None = None
+    shared_noise: bool = True
+    find_unused_parameters: bool | None = None
+    timeout_s: float = 1800.0
+
+
+def default_backend(device: torch.device | str) -> str:
+    """``"nccl"`` for CUDA devices, ``"gloo"`` for the CPU."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "nccl"
+    if kind == "cpu":
+        return "gloo"
+    raise ValueError(f"distributed training supports cpu and cuda devices, got {kind!r}")
+
+
+def torchrun_env() -> dict[str, int | str] | None:
+    """torchrun's variables (``rank``, ``world_size``, ``local_rank``, ...) or ``None``."""
+    if not all(v in os.environ for v in _ENV_VARS):
+        return None
+    return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "master_addr": os.environ["MASTER_ADDR"], "master_port": os.environ["MASTER_PORT"]}
+
+
+def is_distributed() -> bool:
+    """Whether a ``torch.distributed`` process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    """Number of processes (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main_process() -> bool:
+    """True on rank 0, or when not running distributed: the process that logs and saves."""
+    return get_rank() == 0
+
+
+def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place (a no-op without a process group)."""
+    if is_distributed() and get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_mean_(tensor: torch.Tensor) -> torch.Tensor:
+    """Average ``tensor`` over all ranks in place (a no-op without a process group)."""
+    return all_reduce_sum_(tensor).div_(get_world_size())
+
+
+def broadcast_seed(seed: int | None, device: torch.device | str = "cpu") -> int:
+    """Rank 0's ``seed`` on every rank; rank 0 draws a fresh one when ``seed`` is None."""
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31) if is_main_process() else 0
+    if not is_distributed():
+        return int(seed)
+    t = torch.tensor([int(seed)], dtype=torch.int64, device=device)
+    dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+def local_batch_size(global_batch_size: int, world_size: int) -> int:
+    """Per-rank minibatch ``M / W``; raise if the global batch does not split evenly."""
+    if global_batch_size < world_size or global_batch_size % world_size:
+        raise ValueError(
+            f"batch_size is the global minibatch and must be a multiple of the number of "
+            f"processes ({world_size}), got {global_batch_size}")
+    return global_batch_size // world_size
+
+
+def _resolve_device(device, local_rank: int) -> torch.device:
+    if device is None:
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{local_rank}")
+    return device
+
+
+@dataclass
+class DistributedState:
+    """Where this process stands in the group; made by :func:`init_process_group`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    options: DistributedOptions
+    seed: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks in place (the ``reduce_fn`` curvature code can use)."""
+        return all_reduce_sum_(tensor)
+
+    def mean_of(self, values: dict[str, float]) -> dict[str, float]:
+        """Average a dict of floats over ranks (one collective)."""
+        if not values or self.world_size == 1:
+            return dict(values)
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
+        all_reduce_mean_(t)
+        return dict(zip(keys, t.tolist()))
+
+    def wrap(self, module: torch.nn.Module, x, y) -> torch.nn.Module:
+        """``module`` in ``DistributedDataParallel`` (its parameters must already exist)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        find_unused = self.options.find_unused_parameters
+        if find_unused is None:
+            find_unused = _has_unused_parameters(module, x, y)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids, output_device=None if ids is None else ids[0],
+                                       find_unused_parameters=find_unused)
+
+
+def init_process_group(device=None, options: DistributedOptions | None = None) -> DistributedState:
+    """Join (or reuse) the ``torch.distributed`` process group.
+
+    Parameters
+    ----------
+    device : str or torch.device, optional
+        Training device; ``"cuda"`` (or ``None`` with CUDA available) becomes
+        ``cuda:LOCAL_RANK``.  Decides the default backend.
+    options : DistributedOptions, optional
+        Backend and timeout.
+
+    Returns
+    -------
+    DistributedState
+
+    Raises
+    ------
+    ValueError
+        No process group exists and the torchrun variables are not set.
+    """
+    options = options or DistributedOptions()
+    env = torchrun_env()
+    if is_distributed():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(env["local_rank"]) if env else int(os.environ.get("LOCAL_RANK", 0))
+        device = _resolve_device(device, local_rank)
+        backend = str(dist.get_backend())
+    else:
+        if env is None:
+            raise ValueError(
+                "distributed=True expected a process group or the torchrun variables "
+                f"{', '.join(_ENV_VARS)}; got none (launch with `torchrun --nproc_per_node=K "
+                "script.py`, or call torch.distributed.init_process_group first)")
+        rank, world, local_rank = int(env["rank"]), int(env["world_size"]), int(env["local_rank"])
+        device = _resolve_device(device, local_rank)
+        backend = options.backend or default_backend(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=options.timeout_s))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return DistributedState(rank, world, local_rank, device, backend, options)
+
+
+def start(distributed, device=None, seed: int | None = None) -> DistributedState:
+    """What ``fit(distributed=...)`` does first: join the group, then seed every rank.
+
+    With ``shared_noise`` all ranks get rank 0's seed (so identical guide noise);
+    otherwise rank ``r`` gets ``seed + r``.
+    """
+    if distributed is True:
+        options = DistributedOptions()
+    elif isinstance(distributed, DistributedOptions):
+        options = distributed
+    else:
+        raise TypeError(f"distributed must be a bool or DistributedOptions, got {type(distributed).__name__}")
+    state = init_process_group(device, options)
+    state.seed = broadcast_seed(seed, state.device if state.backend == "nccl" else "cpu")
+    pyro.set_rng_seed(state.seed if options.shared_noise else state.seed + state.rank)
+    return state
+
+
+def _has_unused_parameters(module: torch.nn.Module, x, y) -> bool:
+    """One gradient evaluation (RNG state restored): does any parameter get no gradient?"""
+    params = [p for p in module.parameters() if p.requires_grad]
+    rng = pyro.util.get_rng_state()
+    try:
+        out = module(x, y)
+        loss = out[0] if isinstance(out, tuple) else out
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    finally:
+        pyro.util.set_rng_state(rng)
+    return any(g is None for g in grads)
+
+
+class ShardedTensorBatches:
+    """This rank's share of every global minibatch of in-memory tensors.
+
+    A ``DistributedSampler`` (same ``seed`` on all ranks, reshuffled by
+    :meth:`set_epoch`) deals the indices round-robin; rank ``r`` takes its consecutive
+    chunks of ``batch_size`` (the *local* size ``M / W``).  The local batches ``i`` of all
+    ranks together are the global batch ``i``: with ``shuffle=False`` exactly
+    ``x[i M:(i+1) M]``, as in one process.  When ``W`` does not divide ``N`` the sampler
+    repeats a few examples to even the shards out.
+
+    Attributes
+    ----------
+    dataset : TensorDataset
+        All ``N`` examples (``len`` gives the global ``N`` used for scaling).
+    sampler : DistributedSampler
+    """
+
+    def __init__(self, x, y, batch_size: int, *, num_replicas: int, rank: int,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.x, self.y = x, y
+        self.batch_size = int(batch_size)
+        self.drop_last = drop_last
+        self.dataset = TensorDataset(*(t for t in (x, y) if t is not None))
+        self.sampler = DistributedSampler(self.dataset, num_replicas=num_replicas, rank=rank,
+                                          shuffle=shuffle, seed=seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self):
+        idx = torch.as_tensor(list(iter(self.sampler)), dtype=torch.long).to(self.x.device)
+        for i in range(len(self)):
+            chunk = idx[i * self.batch_size:(i + 1) * self.batch_size]
+            yield self.x[chunk], (None if self.y is None else self.y[chunk])
+
+
+def shard_loader(data, batch_size: int, state: DistributedState, *, shuffle: bool = True,
+                 device=None):
+    """This rank's minibatches; ``batch_size`` is the global minibatch ``M``.
+
+    Tensors give :class:`ShardedTensorBatches` (moved to ``device`` once), a ``Dataset``
+    a ``DataLoader`` with a ``DistributedSampler`` and batch size ``M / W``; a
+    ``DataLoader`` is used as it is (its batch size is per rank) and must already have a
+    ``DistributedSampler``.
+    """
+    if isinstance(data, DataLoader):
+        if not isinstance(data.sampler, DistributedSampler) and not isinstance(
+                getattr(data.batch_sampler, "sampler", None), DistributedSampler):
+            raise ValueError(
+                "distributed=True with a DataLoader expected one built with a DistributedSampler "
+                f"(each rank reads its shard), got sampler {type(data.sampler).__name__}; "
+                "or pass tensors / a Dataset and fit builds it")
+        return data
+    local = local_batch_size(int(batch_size), state.world_size)
+    if isinstance(data, Dataset) and not isinstance(data, TensorDataset):
+        sampler = DistributedSampler(data, num_replicas=state.world_size, rank=state.rank,
+                                     shuffle=shuffle, seed=state.seed)
+        return DataLoader(data, batch_size=local, sampler=sampler)
+    x, y = as_tensors(data)
+    if device is not None:
+        x = x.to(device)
+        y = None if y is None else y.to(device)
+    return ShardedTensorBatches(x, y, local, num_replicas=state.world_size, rank=state.rank,
+                                shuffle=shuffle, seed=state.seed)
+
+
+def set_epoch(loader, epoch: int) -> None:
+    """Call ``set_epoch`` on the loader's (or its sampler's) ``DistributedSampler``."""
+    for obj in (loader, getattr(loader, "sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if hasattr(obj, "set_epoch"):
+            obj.set_epoch(epoch)
+            return
+
+
+# ----------------------------------------------------------------- local launching
+def find_free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(rank: int, fn: Callable, nprocs: int, port: int, threads: int, args: Sequence):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
+    torch.set_num_threads(threads)
+    try:
+        fn(rank, *args)
+    finally:
+        if is_distributed():
+            dist.destroy_process_group()
+
+
+def launch_local(fn: Callable, nprocs: int = 2, args: Sequence = (), *, timeout_s: float = 120.0,
+                 threads_per_process: int = 1) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` local processes, set up as torchrun would.
+
+    Each process gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and a free ``MASTER_PORT``
+    on 127.0.0.1, so ``pb.fit(..., distributed=True)`` inside ``fn`` joins a Gloo group.
+    ``fn`` must be importable (a module-level function): processes are spawned.
+
+    Raises
+    ------
+    TimeoutError
+        The processes did not finish within ``timeout_s``; all of them are killed.
+    torch.multiprocessing.ProcessRaisedException
+        A process raised; the others are terminated.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    port = find_free_port()
+    ctx = torch.multiprocessing.start_processes(
+        _child, args=(fn, nprocs, port, threads_per_process, tuple(args)), nprocs=nprocs,
+        join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=max(0.05, deadline - time.monotonic()), grace_period=5):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{nprocs} processes did not finish within {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(10)

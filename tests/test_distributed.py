@@ -1,0 +1,136 @@
+"""Data-parallel training (``fit(distributed=True)``) against one process.
+
+The two-process checks spawn 2 CPU processes with the Gloo backend on 127.0.0.1 (a free
+port) through :func:`pyro_bnn.distributed.launch_local`, which kills them on failure or
+timeout.  Both ranks share the seed, so they draw the same weight sample each step; each
+rank scales its half of the global batch by ``N / (M/2)`` and DDP averages the gradients,
+which gives exactly the single-process gradient of the global batch ``M``.  We compare in
+float64, where the only difference is the summation order: tolerance 1e-9 (relative to the
+parameter scale) after 30 Adam steps.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn import distributed as pbd
+
+N, GLOBAL_BATCH, EPOCHS, SEED = 96, 16, 5, 123
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 5, generator=g, dtype=torch.float64)
+    y = (x[:, 0] - x[:, 1] > 0).long() + (x[:, 2] > 0.5).long()
+    return x, y
+
+
+def _meanfield():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    model = pb.BNN(net, "categorical").double()
+    return model, pb.guides.MeanField(model, init_scale=0.05)
+
+
+def _fit_meanfield(**kw):
+    model, guide = _meanfield()
+    result = pb.fit(model, guide, _data(), epochs=EPOCHS, batch_size=GLOBAL_BATCH, lr=0.02,
+                    seed=SEED, shuffle=False, progress=False, **kw)
+    state = {k: v.detach().clone() for k, v in guide.state_dict().items()}
+    return state, result.history
+
+
+def _meanfield_worker(rank, out_dir):
+    calls = []
+    real_save = pb.training.save_checkpoint
+    pb.training.save_checkpoint = lambda *a, **k: (calls.append(1), real_save(*a, **k))
+    state, history = _fit_meanfield(distributed=True, checkpoint=os.path.join(out_dir, "ckpt.pt"))
+    torch.save({"state": state, "history": history, "saves": len(calls),
+                "world": pbd.get_world_size(), "main": pbd.is_main_process()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_two_gloo_processes_match_one_process(tmp_path):
+    pbd.launch_local(_meanfield_worker, nprocs=2, args=(str(tmp_path),), timeout_s=50)
+    ref_state, ref_history = _fit_meanfield()
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert (r0["world"], r1["world"], r0["main"], r1["main"]) == (2, 2, True, False)
+    assert (r0["saves"], r1["saves"]) == (EPOCHS, 0)           # only rank 0 checkpoints
+    assert (tmp_path / "ckpt.pt").exists()
+    assert ref_state.keys() == r0["state"].keys()
+    for k, ref in ref_state.items():
+        assert torch.equal(r0["state"][k], r1["state"][k]), k   # DDP keeps ranks identical
+        torch.testing.assert_close(r0["state"][k], ref, rtol=1e-9, atol=1e-9, msg=k)
+    init = _initial_state()
+    moved = max((ref - init[k]).abs().max().item() for k, ref in ref_state.items())
+    assert moved > 1e-2                                            # training did move them
+    torch.testing.assert_close(torch.tensor(r0["history"]["loss"]),
+                               torch.tensor(ref_history["loss"]), rtol=1e-9, atol=0)
+
+
+def _initial_state():
+    model, guide = _meanfield()
+    pb.fit(model, guide, _data(), epochs=0, batch_size=GLOBAL_BATCH, progress=False, seed=SEED)
+    return guide.state_dict()
+
+
+# ------------------------------------------------------------------ single-process units
+def test_backend_choice():
+    assert pbd.default_backend("cpu") == "gloo"
+    assert pbd.default_backend(torch.device("cuda", 1)) == "nccl"
+    with pytest.raises(ValueError, match="cpu and cuda"):
+        pbd.default_backend("meta")
+
+
+def test_without_group_helpers_are_single_process():
+    assert not pbd.is_distributed()
+    assert (pbd.get_rank(), pbd.get_world_size(), pbd.is_main_process()) == (0, 1, True)
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(pbd.all_reduce_sum_(t), torch.tensor([1.0, 2.0]))
+    assert pbd.broadcast_seed(7) == 7
+
+
+def test_fit_distributed_without_torchrun_says_how_to_launch(monkeypatch):
+    for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(v, raising=False)
+    model, guide = _meanfield()
+    with pytest.raises(ValueError, match="torchrun"):
+        pb.fit(model, guide, _data(), epochs=1, distributed=True, progress=False)
+    with pytest.raises(TypeError, match="DistributedOptions"):
+        pb.fit(model, guide, _data(), epochs=1, distributed="yes", progress=False)
+
+
+def test_local_batch_size_must_split_evenly():
+    assert pbd.local_batch_size(16, 2) == 8
+    with pytest.raises(ValueError, match="multiple of the number of processes"):
+        pbd.local_batch_size(15, 2)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_shards_of_each_batch_form_the_global_batch(shuffle):
+    x = torch.arange(20.0).unsqueeze(1)
+    y = torch.arange(20)
+    shards = [pbd.ShardedTensorBatches(x, y, 2, num_replicas=2, rank=r, shuffle=shuffle, seed=3)
+              for r in range(2)]
+    orders = []
+    for epoch in (0, 1):
+        for s in shards:
+            s.set_epoch(epoch)
+        batches = [list(s) for s in shards]
+        assert [len(b) for b in batches] == [5, 5]
+        seen = []
+        for i, (b0, b1) in enumerate(zip(*batches)):
+            ids = torch.cat([b0[1], b1[1]])
+            assert torch.equal(b0[0].squeeze(1).long(), b0[1])
+            if not shuffle:                                    # global batch i = x[4i:4i+4]
+                assert sorted(ids.tolist()) == list(range(4 * i, 4 * i + 4))
+            seen += ids.tolist()
+        assert sorted(seen) == list(range(20))                 # each example once per epoch
+        orders.append(seen)
+    assert (orders[0] != orders[1]) == shuffle                 # set_epoch reshuffles
