@@ -1,0 +1,127 @@
+"""Posterior draws shared by the uncertainty tools (pruning, OOD, FGSM, active learning).
+
+Only public guide behaviour is used: joint draws come from
+:func:`pyro_bnn.prediction.sample_latents`, so every guide (mean-field, Laplace, hypernet,
+symmetrised, Pyro's autoguides) works.  Draws are kept as a list of ``{site: value}``
+dicts so that several evaluations can reuse the *same* weights (common random numbers):
+accuracy-vs-ε or accuracy-vs-angle curves then differ only through the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pyro import poutine
+from pyro.infer.autoguide import AutoNormal
+
+from ._local_params import local_params
+from .guides.meanfield import _run_with_values
+from .prediction import _params_from_bnn, _params_from_distribution, sample_latents
+
+__all__ = ["draw_latents", "probs_from_latents", "site_moments", "is_bnn"]
+
+
+def is_bnn(model) -> bool:
+    """True for :class:`pyro_bnn.BNN`-like models (``site_names`` and ``function``)."""
+    return hasattr(model, "site_names") and hasattr(model, "function")
+
+
+def draw_latents(model, guide, x: torch.Tensor, num_samples: int) -> list[dict[str, torch.Tensor]]:
+    """``num_samples`` joint posterior draws ``[{site: value}, ...]`` (detached)."""
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    with local_params(model, guide), torch.no_grad():
+        return [{k: v.detach() for k, v in sample_latents(model, guide, x[:1]).items()}
+                for _ in range(num_samples)]
+
+
+def _device(model, guide, x):
+    for module in (model, guide):
+        if isinstance(module, torch.nn.Module):
+            for t in list(module.parameters()) + list(module.buffers()):
+                return t.device
+    return x.device
+
+
+def probs_from_latents(model, latents: list[dict], x: torch.Tensor, batch_size: int = 1024,
+                       grad: bool = False, obs_site: str = "obs") -> torch.Tensor:
+    """Class probabilities ``(S, N, C)`` of the network under each draw in ``latents``.
+
+    With ``grad=True`` the computation is differentiable with respect to ``x`` (used by
+    FGSM); otherwise it runs under ``torch.no_grad``.
+    """
+    out = []
+    ctx = torch.enable_grad() if grad else torch.no_grad()
+    with ctx, local_params(model):
+        for values in latents:
+            chunks = []
+            for start in range(0, len(x), batch_size):
+                xb = x[start:start + batch_size]
+                if is_bnn(model):
+                    kind, params = _params_from_bnn(model, _run_with_values(model, values, xb))
+                else:
+                    tr = poutine.trace(poutine.condition(model, data=values)).get_trace(xb, None)
+                    kind, params = _params_from_distribution(tr.nodes[obs_site]["fn"])
+                if kind != "categorical":
+                    raise ValueError(f"expected a categorical likelihood (class probabilities), "
+                                     f"got a {kind!r} model")
+                chunks.append(params["probs"])
+            out.append(torch.cat(chunks))
+    return torch.stack(out)
+
+
+def site_moments(model, guide, x: torch.Tensor | None = None, num_samples: int = 200
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], str]:
+    """Marginal posterior mean and standard deviation of every latent site.
+
+    Sources, in order of preference:
+
+    1. ``guide.loc_and_scale(site)`` (MeanField and guides built on it): exact μ, σ;
+    2. Pyro's ``AutoNormal``: exact, from its public ``quantiles`` (σ = q(Φ(1)) − q(½));
+    3. otherwise the empirical mean and (biased) std of ``num_samples`` joint draws from
+       the guide (hypernetwork, Laplace, low-rank, ``AutoDelta``...).  The Monte Carlo
+       relative error of σ is about ``1/sqrt(2 num_samples)`` (5% at 200 draws).
+
+    Returns
+    -------
+    mean, std : dict[str, Tensor]
+        Site-shaped tensors.
+    source : str
+        ``"loc_and_scale"``, ``"quantiles"`` or ``"samples"``.
+    """
+    names = list(model.site_names) if hasattr(model, "site_names") else None
+    if hasattr(guide, "loc_and_scale") and names is not None:
+        mean, std = {}, {}
+        with torch.no_grad():
+            for name in names:
+                loc, scale = guide.loc_and_scale(name)
+                mean[name], std[name] = loc.detach().clone(), scale.detach().clone()
+        return mean, std, "loc_and_scale"
+    if isinstance(guide, AutoNormal):
+        z = 0.5 * (1.0 + math.erf(1.0 / math.sqrt(2.0)))  # Φ(1)
+        with torch.no_grad(), local_params(guide):
+            q = guide.quantiles([0.5, z])
+        mean = {k: v[0].detach().clone() for k, v in q.items()}
+        std = {k: (v[1] - v[0]).detach().clone() for k, v in q.items()}
+        return mean, std, "quantiles"
+    if x is None:
+        x = example_input(model)
+    draws = draw_latents(model, guide, x, num_samples)
+    mean, std = {}, {}
+    for name in draws[0]:
+        stack = torch.stack([d[name] for d in draws])
+        mean[name] = stack.mean(0)
+        std[name] = stack.std(0, unbiased=False)
+    return mean, std, "samples"
+
+
+def example_input(model) -> torch.Tensor:
+    """A one-row dummy input for drawing from a guide (guides ignore input values)."""
+    spec = getattr(model, "_input_spec", None)
+    if spec is not None and spec[0] == "linear":
+        for t in list(model.parameters()) + list(model.buffers()):
+            return torch.zeros(1, spec[1], device=t.device)
+        return torch.zeros(1, spec[1])
+    raise ValueError("could not build an example input for this model; pass x= (one batch of "
+                     "inputs) so the guide can be sampled")
