@@ -1,0 +1,255 @@
+"""``to_arviz``: posterior draws of any guide as an ArviZ 1.x ``DataTree``.
+
+Groups (``S`` draws from the guide, one chain, ``N`` observations):
+
+``posterior``
+    Parameter draws, dims ``(chain, draw, *site dims)``.  Linear/Conv weights of a
+    :class:`~pyro_bnn.BNN` get named dims (``net.0.out``, ``net.0.in``, ``net.0.k0`` ...),
+    biases share their layer's ``out`` dim; other sites get ``<site>_dim_<i>``.
+``log_likelihood``
+    Pointwise ``log p(y_n | x_n, θ_s)`` of the observed site ``obs``, dims
+    ``(chain, draw, obs_id)`` — what ``az.loo`` / ``az.compare`` read.
+``posterior_predictive``
+    ``y_n ~ p(y | x_n, θ_s)``, one replicate per draw.
+``observed_data``
+    The targets ``y``.
+``sample_stats``
+    ``lp`` = ``log p(θ_s, y) = log p(θ_s) + Σ_n log p(y_n | x_n, θ_s)`` (ArviZ's name for the
+    unnormalised log posterior; computed on the data passed in), ``log_prior`` and
+    ``log_q`` = ``log q(θ_s)`` (:mod:`pyro_bnn.guide_density`).
+
+ArviZ has no fixed group for the densities of an approximate posterior: its
+``loo_approximate_posterior(data, log_p, log_q)`` takes them as arguments.  We store them in
+``sample_stats`` and :func:`loo_approximate` passes them::
+
+    az.loo_approximate_posterior(dt, log_p=dt["sample_stats"]["lp"],
+                                 log_q=dt["sample_stats"]["log_q"])
+
+LOO estimates the predictive density of each observation *left out of the data the
+posterior was fitted to*, so call ``to_arviz`` with the training data for ``az.loo`` /
+``loo_approximate_posterior``; on held-out data the ``log_likelihood`` group gives the
+test log predictive density instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from pyro import poutine
+from torch import nn
+
+from ._local_params import local_params
+from .data import check_finite
+from .guide_density import sample_with_log_density
+from .guides.meanfield import _run_with_values
+from .likelihoods import log_likelihood
+
+__all__ = ["to_arviz", "loo_approximate", "site_dims"]
+
+OBS_DIM = "obs_id"
+
+
+def site_dims(model, site: str, shape: Sequence[int]) -> list[str]:
+    """Readable dim names for a parameter site (``net.0.weight`` -> ``[net.0.out, net.0.in]``)."""
+    generic = [f"{site}_dim_{i}" for i in range(len(shape))]
+    net = getattr(model, "net", None)
+    if not isinstance(net, nn.Module) or not site.startswith("net."):
+        return generic
+    path, _, pname = site[4:].rpartition(".")
+    try:
+        module = net.get_submodule(path) if path else net
+    except AttributeError:
+        return generic
+    layer = f"net.{path}" if path else "net"
+    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if pname == "weight" and len(shape) >= 2:
+            return [f"{layer}.out", f"{layer}.in"] + [f"{layer}.k{i}" for i in range(len(shape) - 2)]
+        if pname == "bias" and len(shape) == 1:
+            return [f"{layer}.out"]
+    return generic
+
+
+def _pointwise_bnn(model, values, x, y, batch_size, device, want_pp):
+    loglik, pp = [], []
+    for start in range(0, len(x), batch_size):
+        xb = x[start:start + batch_size].to(device)
+        yb = y[start:start + batch_size].to(device)
+        f = _run_with_values(model, values, xb)
+        loglik.append(log_likelihood(model.likelihood, f, yb))
+        if want_pp:
+            pp.append(model.likelihood.distribution(f).sample())
+    return torch.cat(loglik), (torch.cat(pp) if want_pp else None)
+
+
+def _log_prior_bnn(model, values):
+    return sum(model.site_prior(name).log_prob(values[name]).sum() for name in model.site_names)
+
+
+def _pointwise_trace(model, values, x, y, batch_size, device, want_pp, obs_site):
+    """Hand-written Pyro models: read ``obs_site``'s distribution from a conditioned trace."""
+    loglik, pp, log_prior = [], [], None
+    for start in range(0, len(x), batch_size):
+        xb = x[start:start + batch_size].to(device)
+        yb = y[start:start + batch_size].to(device)
+        tr = poutine.trace(poutine.condition(model, data=values)).get_trace(xb, yb)
+        if obs_site not in tr.nodes:
+            raise ValueError(f"model has no observed site {obs_site!r}; sites: {list(tr.nodes)}")
+        node = tr.nodes[obs_site]
+        d = node["fn"]
+        lp = d.log_prob(node["value"])
+        loglik.append(lp.reshape(len(xb), -1).sum(-1))
+        if want_pp:
+            pp.append(d.sample())
+        if log_prior is None:
+            log_prior = sum(n["fn"].log_prob(n["value"]).sum() for name, n in tr.nodes.items()
+                            if n["type"] == "sample" and name in values)
+    return torch.cat(loglik), (torch.cat(pp) if want_pp else None), log_prior
+
+
+def _device_of(model, guide, x):
+    for module in (model, guide):
+        if isinstance(module, nn.Module):
+            for t in list(module.parameters()) + list(module.buffers()):
+                return t.device
+    return x.device
+
+
+@torch.no_grad()
+def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 200,
+             var_names: Sequence[str] | None = None, batch_size: int = 1024, *,
+             posterior_predictive: bool = True, obs_site: str = "obs", seed: int | None = None,
+             device=None):
+    """Posterior draws, pointwise log-likelihood and densities as an ArviZ ``DataTree``.
+
+    Parameters
+    ----------
+    model : pyro_bnn.BNN or PyroModule
+        The model (on CPU or CUDA).
+    guide : Pyro guide
+        A trained guide: ``pb.guides.*``, Pyro autoguides, any guide with latent sites.
+    x : Tensor, shape (N, ...)
+        Inputs.  Use the training data for LOO (see the module docstring).
+    y : Tensor, shape (N,) or (N, D)
+        Targets.
+    num_samples : int
+        Number of joint draws ``S`` from the guide.
+    var_names : sequence of str, optional
+        Parameter sites to store in ``posterior`` (default: all).  Pass a few sites for
+        large networks: the group holds ``S × (size of the selected sites)`` floats.
+        The log-likelihood and densities always use all sites.
+    batch_size : int
+        Inputs per forward pass; memory is bounded by one batch per draw.
+    posterior_predictive : bool
+        Also sample one replicate ``y`` per draw.
+    obs_site : str
+        Observed site of a hand-written Pyro model (a :class:`~pyro_bnn.BNN` uses ``obs``).
+    seed : int, optional
+        Seed of torch's global RNG before drawing (``torch.manual_seed``).
+    device : optional
+        Where to evaluate; default where the model's parameters are.
+
+    Returns
+    -------
+    xarray.DataTree
+        Groups ``posterior``, ``log_likelihood``, ``posterior_predictive``,
+        ``observed_data``, ``sample_stats`` (``lp``, ``log_prior``, ``log_q``).
+
+    Raises
+    ------
+    ValueError
+        Bad ``num_samples``/``batch_size``, mismatched ``x``/``y`` or unknown ``var_names``.
+
+    Examples
+    --------
+    >>> dt = pb.to_arviz(model, guide, x_train, y_train, num_samples=200)   # doctest: +SKIP
+    >>> az.loo(dt); pb.arviz.loo_approximate(dt)                           # doctest: +SKIP
+    """
+    from arviz_base import from_dict
+
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise TypeError(f"x and y must be torch.Tensors, got {type(x).__name__} and {type(y).__name__}")
+    if len(x) != len(y):
+        raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
+    if int(num_samples) < 1 or int(batch_size) < 1:
+        raise ValueError(f"num_samples and batch_size must be >= 1, got {num_samples} and {batch_size}")
+    check_finite(x, "x")
+    if seed is not None:
+        torch.manual_seed(seed)
+    device = torch.device(device) if device is not None else _device_of(model, guide, x)
+    is_bnn = hasattr(model, "site_names") and hasattr(model, "function") and hasattr(model, "site_prior")
+
+    draws: dict[str, list[np.ndarray]] = {}
+    loglik, pp, lp, log_prior, log_q = [], [], [], [], []
+    with local_params(model, guide):
+        for s in range(int(num_samples)):
+            values, lq = sample_with_log_density(model, guide, x[:1].to(device), y[:1].to(device))
+            if s == 0:
+                names = list(values) if var_names is None else list(var_names)
+                unknown = sorted(set(names) - set(values))
+                if unknown:
+                    raise ValueError(f"var_names {unknown} are not latent sites; sites: {sorted(values)}")
+            if is_bnn:
+                ll, yrep = _pointwise_bnn(model, values, x, y, batch_size, device, posterior_predictive)
+                lprior = _log_prior_bnn(model, values)
+            else:
+                ll, yrep, lprior = _pointwise_trace(model, values, x, y, batch_size, device,
+                                                    posterior_predictive, obs_site)
+            for name in names:
+                draws.setdefault(name, []).append(values[name].detach().float().cpu().numpy())
+            loglik.append(ll.double().cpu().numpy())
+            if yrep is not None:
+                pp.append(yrep.cpu().numpy())
+            lprior = torch.as_tensor(lprior).double().cpu()
+            log_prior.append(float(lprior))
+            lp.append(float(lprior + ll.double().sum().cpu()))
+            log_q.append(float(lq.double().cpu()))
+
+    def chain(arrs):
+        return np.stack(arrs)[None]
+
+    y_np = y.detach().cpu().numpy()
+    extra = [f"obs_dim_{i}" for i in range(1, y_np.ndim)]
+    dims = {name: site_dims(model, name, draws[name][0].shape) for name in draws}
+    dims["obs"] = [OBS_DIM, *extra]
+    data = {
+        "posterior": {name: chain(v) for name, v in draws.items()},
+        "log_likelihood": {"obs": chain(loglik)},
+        "observed_data": {"obs": y_np},
+        "sample_stats": {"lp": chain(lp), "log_prior": chain(log_prior), "log_q": chain(log_q)},
+    }
+    if pp:
+        data["posterior_predictive"] = {"obs": chain(pp)}
+    dt = from_dict(data, dims=dims, attrs=None)
+    # log_likelihood is per observation: extra target dims are already summed over
+    ll_da = dt["log_likelihood"]["obs"]
+    if ll_da.dims[-1] != OBS_DIM:  # pragma: no cover - from_dict keeps our order
+        raise RuntimeError(f"unexpected log_likelihood dims {ll_da.dims}")
+    dt.attrs.update({
+        "guide": type(guide).__name__,
+        "num_samples": int(num_samples),
+        "log_p": "sample_stats/lp  (log prior + sum of log_likelihood/obs)",
+        "log_q": "sample_stats/log_q (log density of the guide at each draw)",
+    })
+    return dt
+
+
+def loo_approximate(dt, **kwargs):
+    """``az.loo_approximate_posterior`` with ``log_p``/``log_q`` read from ``sample_stats``.
+
+    Parameters
+    ----------
+    dt : xarray.DataTree
+        Output of :func:`to_arviz`.
+    **kwargs
+        Passed on (``pointwise=True`` ...).
+
+    Returns
+    -------
+    arviz_stats.ELPDDataLOO
+    """
+    import arviz_stats
+
+    stats = dt["sample_stats"]
+    return arviz_stats.loo_approximate_posterior(dt, log_p=stats["lp"], log_q=stats["log_q"], **kwargs)
