@@ -1,0 +1,25 @@
+"""Curvature of the log-likelihood for Laplace approximations: GGN as KFAC, diagonal or full.
+
+* :mod:`~.structures` — matrix types (``KronBlock``, ``DiagBlock``, ``DenseBlock``) with
+  ``logdet``, sampling, covariance and functional variance for ``P = s·H + diag(δ)``;
+* :mod:`~.layers` — Linear/Conv2d layers as parameter groups, hooks capturing Jacobian
+  factors;
+* :mod:`~.kfac`, :mod:`~.ggn` — per-batch KFAC factors, diagonal and full GGN;
+* :mod:`~.fit` — accumulation over a loader (with an optional ``reduce_fn`` all-reduce);
+* :mod:`~.glm` — streamed linearised predictive;
+* :mod:`~.network` — how a model is run with given weights, likelihood Hessian factors.
+"""
+
+from .fit import STRUCTURES, CurvatureFit, accumulate_curvature
+from .ggn import diag_ggn_sums, full_ggn_sum, per_example_gradients
+from .glm import functional_covariance, glm_predictive, probit_probs
+from .kfac import batch_kfac_factors, kfac_blocks, kfac_sums_from_factors
+from .layers import Layer, capture_factors, find_layers
+from .network import hessian_columns, identity_columns, likelihood_kind, network_output
+from .structures import DenseBlock, DiagBlock, KronBlock
+
+__all__ = ["STRUCTURES", "CurvatureFit", "accumulate_curvature", "diag_ggn_sums", "full_ggn_sum",
+           "per_example_gradients", "functional_covariance", "glm_predictive", "probit_probs",
+           "batch_kfac_factors", "kfac_blocks", "kfac_sums_from_factors", "Layer",
+           "capture_factors", "find_layers", "hessian_columns", "identity_columns",
+           "likelihood_kind", "network_output", "DenseBlock", "DiagBlock", "KronBlock"]

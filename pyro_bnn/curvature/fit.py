@@ -1,0 +1,107 @@
+"""Accumulate curvature over a data loader; the single point where sums are finalised.
+
+``accumulate_curvature`` runs :func:`~pyro_bnn.curvature.layers.capture_factors` batch by
+batch, adds up the per-batch sums (KFAC factors, diagonal or full GGN, log-likelihood
+statistics, N) and then — optionally after ``reduce_fn`` (e.g. an all-reduce across
+ranks: it receives and returns a flat ``{name: tensor}`` of *sums*) — turns them into
+posterior-precision blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..data import split_batch
+from .ggn import diag_blocks, diag_ggn_sums, full_block, full_ggn_sum
+from .kfac import kfac_blocks, kfac_sums_from_factors
+from .layers import Layer, capture_factors
+from .network import hessian_columns, log_likelihood_terms
+
+__all__ = ["CurvatureFit", "accumulate_curvature", "STRUCTURES"]
+
+STRUCTURES = ("kron", "diag", "full")
+
+
+@dataclass
+class CurvatureFit:
+    """Result of :func:`accumulate_curvature`.
+
+    Attributes
+    ----------
+    blocks : list
+        ``KronBlock``/``DiagBlock`` per layer, or one ``DenseBlock``.
+    kind : str
+        Likelihood kind the curvature was computed for.
+    loglik_stats : dict
+        ``{"loglik"}`` or Gaussian ``{"sse", "count"}`` summed over the data.
+    num_data : int
+    """
+
+    blocks: list
+    kind: str
+    loglik_stats: dict = field(default_factory=dict)
+    num_data: int = 0
+
+
+def _batch_sums(layers, a, g, structure):
+    if structure == "kron":
+        return {f"{layer.path}/{k}": v for layer in layers
+                for k, v in kfac_sums_from_factors(a[layer.path], g[layer.path]).items()}
+    if structure == "diag":
+        return {f"{layer.path}/diag": diag_ggn_sums(a[layer.path], g[layer.path]) for layer in layers}
+    return {"full": full_ggn_sum(layers, a, g)}
+
+
+def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, kind: str,
+                         structure: str = "kron", *, device=None,
+                         reduce_fn: Callable[[dict], dict] | None = None) -> CurvatureFit:
+    """GGN curvature (``structure``) and log-likelihood at fixed weights over ``batches``.
+
+    Parameters
+    ----------
+    layers : list of Layer
+    batches : iterable of (x, y)
+    run : callable
+        ``run(x) -> f`` under the fixed weights (which must require grad).
+    kind : str
+        Likelihood kind (:func:`~pyro_bnn.curvature.network.hessian_columns`).
+    structure : {"kron", "diag", "full"}
+    device : torch.device, optional
+        Batches are moved there.
+    reduce_fn : callable, optional
+        Applied to the flat dict of sums before finalising (distributed all-reduce).
+    """
+    if structure not in STRUCTURES:
+        raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
+    sums: dict[str, torch.Tensor] = {}
+    with torch.enable_grad():
+        for batch in batches:
+            x, y = split_batch(batch)
+            if y is None:
+                raise ValueError("curvature needs targets: data must be (x, y)")
+            if device is not None:
+                x, y = x.to(device), y.to(device)
+            f, a, g = capture_factors(layers, lambda: run(x), lambda out: hessian_columns(kind, out))
+            part = _batch_sums(layers, a, g, structure)
+            part.update({f"loglik/{k}": v for k, v in log_likelihood_terms(kind, f, y).items()})
+            part["num_data"] = torch.tensor(float(len(x)), dtype=f.dtype, device=f.device)
+            for k, v in part.items():
+                sums[k] = sums[k] + v if k in sums else v
+    if not sums:
+        raise ValueError("no data: the loader yielded no batches")
+    if reduce_fn is not None:
+        sums = reduce_fn(sums)
+    nested: dict = {}
+    for k, v in sums.items():
+        head, _, tail = k.rpartition("/")
+        nested.setdefault(head, {})[tail] = v
+    if structure == "kron":
+        blocks = kfac_blocks(layers, nested)
+    elif structure == "diag":
+        blocks = diag_blocks(layers, nested)
+    else:
+        blocks = full_block(sums)
+    return CurvatureFit(blocks, kind, nested["loglik"], int(sums["num_data"].item()))

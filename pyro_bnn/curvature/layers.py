@@ -1,0 +1,192 @@
+"""Layers of a model as curvature groups, and the hooks that capture their Jacobian factors.
+
+A :class:`Layer` is one Linear or Conv2d module whose weight and/or bias are sample sites.
+Its parameters are handled as one matrix ``W̃ = [W, b]`` of shape ``(out, in')``
+(``in' = in·k_h·k_w (+1 for the bias)``), flattened row-major.  For one example the
+Jacobian of an output ``f_c`` w.r.t. ``W̃`` is ``Σ_t g_{c,t} ã_tᵀ``: ``ã_t`` are the layer
+inputs (unfolded patches for a convolution, ``t`` runs over output positions; a trailing 1
+for the bias) and ``g_{c,t} = ∂f_c/∂s_t`` the gradients w.r.t. the layer outputs.
+:func:`capture_factors` gets ``ã`` from forward hooks and ``g`` (against any set of
+column vectors, e.g. the factor ``L`` of ``Λ = L Lᵀ``) from autograd, never forming ``J``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Layer", "find_layers", "capture_factors"]
+
+
+@dataclass
+class Layer:
+    """One curvature group: a Linear/Conv2d module with its weight/bias sites."""
+
+    path: str
+    module: nn.Module
+    weight: str | None
+    bias: str | None
+    out_features: int
+    in_dim: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_dim)
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_dim
+
+    @property
+    def sites(self) -> list[str]:
+        return [s for s in (self.weight, self.bias) if s is not None]
+
+    def flatten(self, values: dict) -> torch.Tensor:
+        """``W̃ = [W.reshape(out, -1), b]``, shape ``(out, in')``."""
+        parts = []
+        if self.weight is not None:
+            parts.append(values[self.weight].reshape(self.out_features, -1))
+        if self.bias is not None:
+            parts.append(values[self.bias].reshape(self.out_features, 1))
+        return torch.cat(parts, 1)
+
+    def unflatten(self, mat: torch.Tensor, shapes: dict) -> dict:
+        """Inverse of :meth:`flatten`; ``mat`` is ``(..., out, in')`` or ``(..., numel)``."""
+        mat = mat.reshape(*mat.shape[:-1], *self.shape) if mat.shape[-1] == self.numel else mat
+        lead = mat.shape[:-2]
+        out = {}
+        if self.weight is not None:
+            w = mat[..., :-1] if self.bias is not None else mat
+            out[self.weight] = w.reshape(*lead, *shapes[self.weight])
+        if self.bias is not None:
+            out[self.bias] = mat[..., -1].reshape(*lead, *shapes[self.bias])
+        return out
+
+    def expand_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Layer input → ``ã`` of shape ``(M, T, in')``."""
+        m = self.module
+        if isinstance(m, nn.Conv2d):
+            a = F.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride).transpose(1, 2)
+        else:
+            a = x.reshape(len(x), -1, x.shape[-1])
+        if self.weight is None:
+            a = a[..., :0]
+        if self.bias is not None:
+            a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], -1)
+        return a
+
+    def expand_grads(self, g: torch.Tensor) -> torch.Tensor:
+        """Gradient w.r.t. the layer output → ``(M, T, out)``."""
+        if isinstance(self.module, nn.Conv2d):
+            return g.flatten(2).transpose(1, 2)
+        return g.reshape(len(g), -1, g.shape[-1])
+
+
+def find_layers(model: nn.Module, site_shapes: dict[str, torch.Size]) -> list[Layer]:
+    """Group sample sites by the Linear/Conv2d module that owns them.
+
+    Raises
+    ------
+    ValueError
+        A site is not the weight or bias of a Linear or (ungrouped, zero-padded) Conv2d.
+    """
+    groups: dict[str, dict] = {}
+    for site in site_shapes:
+        path, _, pname = site.rpartition(".")
+        try:
+            module = model.get_submodule(path) if path else model
+        except AttributeError:
+            module = None
+        ok = (isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.groups == 1
+              and module.padding_mode == "zeros")) and pname in ("weight", "bias")
+        if not ok:
+            raise ValueError(
+                "Laplace curvature supports sites that are the weight or bias of nn.Linear / "
+                f"nn.Conv2d layers; site {site!r} belongs to "
+                f"{type(module).__name__ if module is not None else 'no module'}")
+        groups.setdefault(path, {"module": module})[pname] = site
+    layers = []
+    for path, g in groups.items():
+        m = g["module"]
+        if isinstance(m, nn.Conv2d):
+            out_f, in_f = m.out_channels, m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+        else:
+            out_f, in_f = m.out_features, m.in_features
+        w, b = g.get("weight"), g.get("bias")
+        layers.append(Layer(path, m, w, b, out_f, (in_f if w else 0) + (1 if b else 0)))
+    return layers
+
+
+def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
+                    columns: Callable[[torch.Tensor], torch.Tensor], *,
+                    num_augmentations: int = 1, create_graph: bool = False):
+    """Run ``forward`` once; return ``f``, per-layer inputs ``ã`` and output gradients ``g``.
+
+    Parameters
+    ----------
+    layers : list of Layer
+    forward : callable
+        ``forward() -> f`` of shape ``(M, C)``; runs the network (each layer once).  The
+        weights must require grad (or the input must), so the outputs have a graph.
+    columns : callable
+        ``columns(f) -> L`` of shape ``(M, C, K)``: the vectors pulled back through the
+        network (``L`` with ``Λ = L Lᵀ`` for the GGN; the identity for Jacobians).
+    num_augmentations : int
+        ``S``: the network saw ``M·S`` rows ordered example-major (row ``n·S + s``) and
+        ``f`` averages over copies; then ``ã_n = mean_s ã_{n,s}`` and
+        ``g_n = Σ_s g_{n,s}`` (the 1/S is already in ``g``).
+    create_graph : bool
+        Keep the graph of ``ã`` and ``g`` (to differentiate the curvature).
+
+    Returns
+    -------
+    f : Tensor, shape (M, C)
+    a : dict path -> Tensor (M, T, in')
+    g : dict path -> Tensor (K, M, T, out)
+    """
+    inputs, outputs = {}, {}
+
+    def make_hook(path):
+        def hook(module, inp, out):
+            if path in outputs:
+                raise ValueError(f"layer {path!r} ran twice in one forward pass; curvature "
+                                 "hooks support each layer being applied once")
+            inputs[path], outputs[path] = inp[0], out
+        return hook
+
+    handles = [layer.module.register_forward_hook(make_hook(layer.path)) for layer in layers]
+    try:
+        f = forward()
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [layer.path for layer in layers if layer.path not in outputs]
+    if missing:
+        raise ValueError(f"layers {missing} did not run in the forward pass")
+    L = columns(f)
+    if not create_graph:
+        L = L.detach()
+    outs = [outputs[layer.path] for layer in layers]
+    grads = [[] for _ in layers]
+    for k in range(L.shape[-1]):
+        gk = torch.autograd.grad(f, outs, grad_outputs=L[..., k], retain_graph=True,
+                                 create_graph=create_graph, allow_unused=True)
+        for i, g in enumerate(gk):
+            grads[i].append(torch.zeros_like(outs[i]) if g is None else g)
+    S = int(num_augmentations)
+    a_out, g_out = {}, {}
+    for layer, gl in zip(layers, grads):
+        x_in = inputs[layer.path]
+        a = layer.expand_inputs(x_in if create_graph else x_in.detach())
+        g = torch.stack([layer.expand_grads(gk) for gk in gl])
+        if S > 1:
+            a = a.reshape(-1, S, *a.shape[1:]).mean(1)
+            g = g.reshape(g.shape[0], -1, S, *g.shape[2:]).sum(2)
+        a_out[layer.path], g_out[layer.path] = a, g
+    if not create_graph:
+        f = f.detach()
+    return f, a_out, g_out

@@ -1,0 +1,109 @@
+"""The one place that knows how to run a model with given weights and read its likelihood.
+
+* :class:`pyro_bnn.BNN`: the weights go into the ``PyroModule`` sample cache
+  (:func:`pyro_bnn.guides.meanfield._run_with_values`) and ``f = model.function(x)``.
+* A hand-written ``PyroModule`` model: it is traced conditioned on the weights and ``f``
+  is read from the observed site's distribution (``logits`` of a Categorical/Bernoulli,
+  ``loc`` of a Normal, whose fixed ``scale`` becomes the noise).
+"""
+
+from __future__ import annotations
+
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+
+from ..guides.meanfield import _run_with_values
+from ..likelihoods import Bernoulli, Categorical, Gaussian
+
+__all__ = ["network_output", "likelihood_kind", "hessian_columns", "log_likelihood_terms"]
+
+
+def _is_bnn(model) -> bool:
+    return hasattr(model, "site_names") and hasattr(model, "function") and hasattr(model, "likelihood")
+
+
+def _obs_distribution(model, values, x, obs_site="obs"):
+    tr = poutine.trace(poutine.condition(model, data=values)).get_trace(x, None)
+    if obs_site not in tr.nodes:
+        raise ValueError(f"model has no observed site {obs_site!r}; sites: {list(tr.nodes)}")
+    d = tr.nodes[obs_site]["fn"]
+    while isinstance(d, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
+        d = d.base_dist
+    return d
+
+
+def network_output(model, values: dict, x: torch.Tensor) -> torch.Tensor:
+    """Network output ``f`` (logits or regression mean), shape ``(M, C)``, under ``values``."""
+    if _is_bnn(model):
+        return _run_with_values(model, values, x)
+    d = _obs_distribution(model, values, x)
+    if isinstance(d, (dist.Categorical, dist.Bernoulli)):
+        return d.logits
+    if isinstance(d, dist.Normal):
+        return d.loc
+    raise TypeError(f"Laplace supports Categorical, Bernoulli or Normal observations, got {type(d).__name__}")
+
+
+def likelihood_kind(model, values: dict, x: torch.Tensor) -> tuple[str, torch.Tensor | None]:
+    """``("categorical" | "bernoulli" | "gaussian", σ or None)``; ``σ`` keeps its graph."""
+    if _is_bnn(model):
+        lik = model.likelihood
+        if isinstance(lik, Categorical):
+            return "categorical", None
+        if isinstance(lik, Bernoulli):
+            return "bernoulli", None
+        if isinstance(lik, Gaussian):
+            return "gaussian", lik.noise
+        raise TypeError(f"Laplace supports categorical, bernoulli and gaussian likelihoods, got {lik.name!r}")
+    with torch.no_grad():
+        d = _obs_distribution(model, values, x)
+    if isinstance(d, dist.Categorical):
+        return "categorical", None
+    if isinstance(d, dist.Bernoulli):
+        return "bernoulli", None
+    if isinstance(d, dist.Normal):
+        scale = d.scale.detach()
+        if scale.numel() > 1 and not torch.allclose(scale, scale.flatten()[0]):
+            raise ValueError("Laplace needs one observation noise σ for all outputs of a hand-written model")
+        return "gaussian", scale.flatten()[0]
+    raise TypeError(f"Laplace supports Categorical, Bernoulli or Normal observations, got {type(d).__name__}")
+
+
+def hessian_columns(kind: str, f: torch.Tensor) -> torch.Tensor:
+    """``L`` with ``Λ = −∇²_f log p(y|f) = L Lᵀ``, shape ``(M, C, C)`` (exact, C columns).
+
+    Categorical: ``Λ = diag(p) − ppᵀ = (diag(√p) − p√pᵀ)(diag(√p) − √p pᵀ)``.
+    Bernoulli: ``diag(√(p(1−p)))``.  Gaussian: ``I`` (the ``1/σ²`` is applied as a scale
+    outside, so the noise can be learned without refitting).
+    """
+    f2 = f.reshape(len(f), -1)
+    if kind == "categorical":
+        p = torch.softmax(f2, -1)
+        s = p.sqrt()
+        return torch.diag_embed(s) - p.unsqueeze(-1) * s.unsqueeze(-2)
+    if kind == "bernoulli":
+        p = torch.sigmoid(f2)
+        return torch.diag_embed((p * (1 - p)).sqrt())
+    if kind == "gaussian":
+        return torch.eye(f2.shape[-1], dtype=f.dtype, device=f.device).expand(len(f2), -1, -1)
+    raise ValueError(f"unknown likelihood kind {kind!r}")
+
+
+def identity_columns(f: torch.Tensor) -> torch.Tensor:
+    """``I`` of shape ``(M, C, C)``: pulls back every output (the full Jacobian)."""
+    f2 = f.reshape(len(f), -1)
+    return torch.eye(f2.shape[-1], dtype=f.dtype, device=f.device).expand(len(f2), -1, -1)
+
+
+def log_likelihood_terms(kind: str, f: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sufficient statistics of ``Σ_n log p(y_n|f_n)``: ``{"loglik"}`` or, Gaussian,
+    ``{"sse", "count"}`` so that ``log p = −sse/(2σ²) − count·log(σ√(2π))`` stays a
+    function of σ."""
+    if kind == "categorical":
+        return {"loglik": -torch.nn.functional.cross_entropy(f, y, reduction="sum")}
+    if kind == "bernoulli":
+        return {"loglik": -torch.nn.functional.binary_cross_entropy_with_logits(
+            f, y.to(f.dtype), reduction="sum")}
+    r = f - y.reshape(f.shape).to(f.dtype)
+    return {"sse": (r ** 2).sum(), "count": torch.tensor(float(r.numel()), dtype=f.dtype, device=f.device)}

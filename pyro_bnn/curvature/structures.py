@@ -1,0 +1,173 @@
+"""Posterior-precision blocks: small matrix types for ``P = s·H + diag(δ)``.
+
+Each block covers the parameters of one layer (Kronecker, diagonal) or of all layers
+(dense), flattened as the rows of ``W̃ = [W, b]`` (shape ``(out, in')``, row-major, see
+:class:`pyro_bnn.curvature.layers.Layer`).  ``s`` is the likelihood's curvature scale
+(``1/σ²`` for a Gaussian likelihood whose factors were computed with ``Λ = I``; 1
+otherwise) and ``δ`` the prior precision, a 0-d tensor or a vector of the block's size.
+Everything stays differentiable in ``δ`` and ``s`` (the eigendecompositions are computed
+once, from ``H`` only).
+
+Shared methods
+
+``logdet(delta, scale)``
+    ``log det(s H + δ)``.
+``sample(eps, delta, scale)``
+    Map standard normal ``eps`` (``(S, numel)``) to draws of ``N(0, P⁻¹)``.
+``covariance(delta, scale)``
+    Dense ``P⁻¹`` (tests and small nets only).
+``functional_variance(...)``
+    ``J P⁻¹ Jᵀ`` from per-layer Jacobian factors, without building ``J`` (Kron, Diag).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KronBlock", "DiagBlock", "DenseBlock", "as_delta"]
+
+
+def as_delta(delta, numel: int, like: torch.Tensor, allow_vector: bool = True) -> torch.Tensor:
+    """Validate a prior precision: a 0-d tensor or a vector of length ``numel``."""
+    delta = torch.as_tensor(delta, dtype=like.dtype, device=like.device)
+    if delta.dim() == 0:
+        return delta
+    if not allow_vector:
+        raise ValueError("a Kronecker-factored block needs a scalar prior precision per layer; "
+                         f"got a tensor of shape {tuple(delta.shape)} (use structure='diag' or "
+                         "'full' for per-weight prior precisions)")
+    if delta.shape != (numel,):
+        raise ValueError(f"prior precision must be scalar or of shape ({numel},), got {tuple(delta.shape)}")
+    return delta
+
+
+class KronBlock:
+    """``H = G ⊗ A`` for one layer, in eigen form ``(Q_G ⊗ Q_A) diag(λ_G ⊗ λ_A) (Q_G ⊗ Q_A)ᵀ``.
+
+    With row-major flattening of ``W̃`` (shape ``(out, in')``), ``(G ⊗ A) vec(W̃) =
+    vec(G W̃ A)``.  ``log det(sH + δI) = Σ_ij log(s λ^G_i λ^A_j + δ)``.
+
+    Parameters
+    ----------
+    A : Tensor, shape (in', in')
+        Input factor (already normalised so that ``H = G ⊗ A``).
+    G : Tensor, shape (out, out)
+        Output-gradient factor.
+    """
+
+    def __init__(self, A: torch.Tensor, G: torch.Tensor):
+        self.A, self.G = A, G
+        la, self.QA = torch.linalg.eigh(A)
+        lg, self.QG = torch.linalg.eigh(G)
+        self.lA, self.lG = la.clamp_min(0), lg.clamp_min(0)
+        self.shape = (G.shape[0], A.shape[0])
+        self.numel = self.shape[0] * self.shape[1]
+
+    def eigenvalues(self, scale=1.0) -> torch.Tensor:
+        """``s λ^G_i λ^A_j``, shape ``(out, in')``."""
+        return scale * torch.outer(self.lG, self.lA)
+
+    def _dinv(self, delta, scale):
+        return 1.0 / (self.eigenvalues(scale) + as_delta(delta, self.numel, self.A, False))
+
+    def logdet(self, delta, scale=1.0) -> torch.Tensor:
+        return torch.log(self.eigenvalues(scale) + as_delta(delta, self.numel, self.A, False)).sum()
+
+    def sample(self, eps: torch.Tensor, delta, scale=1.0) -> torch.Tensor:
+        """``(S, numel)`` normal ``eps`` → draws of ``N(0, P⁻¹)``: ``Q_G (ε ⊘ √D) Q_Aᵀ``."""
+        e = eps.reshape(-1, *self.shape) * self._dinv(delta, scale).sqrt()
+        return (self.QG @ e @ self.QA.T).reshape(len(eps), -1)
+
+    def to_dense(self, scale=1.0) -> torch.Tensor:
+        return scale * torch.kron(self.G, self.A)
+
+    def covariance(self, delta, scale=1.0) -> torch.Tensor:
+        Q = torch.kron(self.QG, self.QA)
+        return (Q * self._dinv(delta, scale).reshape(-1)) @ Q.T
+
+    def functional_variance(self, a: torch.Tensor, g: torch.Tensor, delta, scale=1.0) -> torch.Tensor:
+        """``J P⁻¹ Jᵀ`` for ``J_c = Σ_t g_{c,t} a_tᵀ`` (per example), shape ``(M, C, C)``.
+
+        Parameters
+        ----------
+        a : Tensor, shape (M, T, in')
+            Layer inputs (bias column included).
+        g : Tensor, shape (C, M, T, out)
+            Gradients of each output ``f_c`` w.r.t. the layer outputs.
+        """
+        return _factored_variance(a @ self.QA, g @ self.QG, self._dinv(delta, scale))
+
+
+class DiagBlock:
+    """Diagonal ``H = diag(h)`` for one layer; ``h`` has shape ``(out, in')``."""
+
+    def __init__(self, h: torch.Tensor):
+        self.h = h.clamp_min(0)
+        self.shape = tuple(h.shape)
+        self.numel = h.numel()
+
+    def _dinv(self, delta, scale):
+        d = as_delta(delta, self.numel, self.h)
+        return 1.0 / (scale * self.h + d.reshape(self.shape) if d.dim() else scale * self.h + d)
+
+    def logdet(self, delta, scale=1.0) -> torch.Tensor:
+        return -torch.log(self._dinv(delta, scale)).sum()
+
+    def sample(self, eps, delta, scale=1.0):
+        return eps * self._dinv(delta, scale).reshape(-1).sqrt()
+
+    def to_dense(self, scale=1.0):
+        return torch.diag(scale * self.h.reshape(-1))
+
+    def covariance(self, delta, scale=1.0):
+        return torch.diag(self._dinv(delta, scale).reshape(-1))
+
+    def functional_variance(self, a, g, delta, scale=1.0):
+        """As :meth:`KronBlock.functional_variance`, with ``P⁻¹`` diagonal."""
+        return _factored_variance(a, g, self._dinv(delta, scale))
+
+
+class DenseBlock:
+    """Dense ``H`` (shape ``(P, P)``) over all layers; Cholesky-based."""
+
+    def __init__(self, H: torch.Tensor):
+        self.H = 0.5 * (H + H.T)
+        self.numel = H.shape[0]
+
+    def precision(self, delta, scale=1.0) -> torch.Tensor:
+        d = as_delta(delta, self.numel, self.H)
+        return scale * self.H + torch.diag(d.expand(self.numel))
+
+    def _chol(self, delta, scale):
+        return torch.linalg.cholesky(self.precision(delta, scale))
+
+    def logdet(self, delta, scale=1.0):
+        return 2 * torch.log(torch.diagonal(self._chol(delta, scale))).sum()
+
+    def sample(self, eps, delta, scale=1.0):
+        # x = L⁻ᵀ ε has covariance (L Lᵀ)⁻¹ = P⁻¹
+        L = self._chol(delta, scale)
+        return torch.linalg.solve_triangular(L.T, eps.T, upper=True).T
+
+    def to_dense(self, scale=1.0):
+        return scale * self.H
+
+    def covariance(self, delta, scale=1.0):
+        return torch.cholesky_inverse(self._chol(delta, scale))
+
+    def functional_variance_dense(self, J: torch.Tensor, delta, scale=1.0) -> torch.Tensor:
+        """``J P⁻¹ Jᵀ`` for a per-example Jacobian ``J`` of shape ``(C, M, P)`` → ``(M, C, C)``."""
+        L = self._chol(delta, scale)
+        V = torch.linalg.solve_triangular(L, J.reshape(-1, self.numel).T, upper=False)
+        V = V.T.reshape(J.shape)
+        return torch.einsum("cmp,dmp->mcd", V, V)
+
+
+def _factored_variance(a, g, dinv):
+    """``Σ_ij J_c[i,j] J_d[i,j] D⁻¹[i,j]`` with ``J_c = Σ_t g[c,:,t,i] a[:,t,j]``."""
+    if a.shape[1] == 1:
+        w = (a[:, 0] ** 2) @ dinv.T                          # (M, out)
+        u = g[:, :, 0]                                       # (C, M, out)
+        return torch.einsum("cmo,dmo,mo->mcd", u, u, w)
+    J = torch.einsum("cmto,mti->cmoi", g, a)
+    return torch.einsum("cmoi,dmoi,oi->mcd", J, J, dinv)
