@@ -55,7 +55,8 @@ from ..symmetry import (enumerate_group, find_symmetries, group_sizes, log_group
 from .base import register_guide
 from .meanfield import MeanField, MeanFieldELBO, _run_with_values
 
-__all__ = ["Symmetrized", "SymmetrizedELBO", "symmetrized_elbo", "log_density_ratios", "entropy_gap"]
+__all__ = ["Symmetrized", "SymmetrizedELBO", "symmetrized_elbo", "symmetrized_terms",
+           "log_density_ratios", "entropy_gap"]
 
 
 class Symmetrized(MeanField):
@@ -97,6 +98,7 @@ class Symmetrized(MeanField):
         self.num_permutations = num_permutations
         self.declared_permutations = None if permutations is None else list(permutations)
         self._symmetry: list[dict[str, int]] | None = None
+        self._original_model = (model,)  # a tuple: not registered as a submodule
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
@@ -108,11 +110,17 @@ class Symmetrized(MeanField):
         return {name: self.loc_and_scale(name)[0].shape for name in self.site_names()}
 
     def symmetry(self) -> list[dict[str, int]]:
-        """The groups ``{site: axis}`` that are permuted (declared or discovered)."""
+        """The groups ``{site: axis}`` that are permuted (declared or discovered).
+
+        Returns
+        -------
+        list of dict
+            ``[{site: axis}, ...]``, one per permutable hidden layer (``[]`` if none).
+        """
         if self.prototype_trace is None:
             raise RuntimeError("the guide is not set up yet: call it (or pb.fit) on data first")
         if self._symmetry is None:
-            self._symmetry = find_symmetries(self.model, self.site_shapes())
+            self._symmetry = find_symmetries(self._original_model[0], self.site_shapes())
         return self._symmetry
 
     def make_objective(self, num_particles: int = 1):
@@ -164,6 +172,34 @@ def entropy_gap(values, locs, scales, groups, perms) -> torch.Tensor:
     return math.log(logits.shape[0]) - torch.logsumexp(logits, 0)
 
 
+def symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=None):
+    """One-sample data term and entropy gap of a BNN at ``ω = μ + σ ε`` (random numbers given).
+
+    Parameters
+    ----------
+    model : pyro_bnn.BNN
+    locs, scales, noise : dict site -> Tensor
+        μ, σ and ε (same shapes).
+    x, y : Tensor
+        A minibatch; the log-likelihood is scaled by ``num_data / len(x)``.
+    groups, perms
+        The symmetry and ``K − 1`` elements (``(K−1, d_k)`` each), or ``perms=None`` (K = 1).
+
+    Returns
+    -------
+    (Tensor, Tensor)
+        ``−(N/M) log p(y|x, ω)`` and ``Ĥ_K − H(q)`` estimate (scalars).  The loss of one
+        particle is ``nll + KL(q‖p) − gap``.
+    """
+    scale_factor = (num_data or len(x)) / len(x)
+    values = {name: locs[name] + scales[name] * noise[name] for name in locs}
+    f = _run_with_values(model, values, x)
+    nll = 0.0 - log_likelihood(model.likelihood, f, y).sum() * scale_factor
+    if perms is None or not groups:
+        return nll, torch.zeros((), device=nll.device, dtype=nll.dtype)
+    return nll, entropy_gap(values, locs, scales, groups, perms)
+
+
 class SymmetrizedELBO:
     """Loss ``−L̂^G = −E_q log p(D|ω) + KL(q‖p) − (Ĥ_K − H(q))`` of a mean-field guide.
 
@@ -211,14 +247,15 @@ class SymmetrizedELBO:
                     break
         gap = 0.0
         if fast:  # the same arithmetic as meanfield_loss, plus the gap on the same ω
-            scale_factor = (num_data or len(x)) / len(x)
             nll = 0.0
             for _ in range(self.num_particles):
-                values = {name: locs[name] + scales[name] * torch.randn_like(locs[name])
-                          for name in sites}
-                f = _run_with_values(model, values, x)
-                nll = nll - log_likelihood(model.likelihood, f, y).sum() * scale_factor
-                gap = gap + gap_of(values)
+                noise = {name: torch.randn_like(locs[name]) for name in sites}
+                perms = (sample_permutations(sizes, K - 1, device=device)
+                         if groups and K > 1 else None)
+                nll_p, gap_p = symmetrized_terms(model, locs, scales, x, y, noise, groups, perms,
+                                                 num_data=num_data)
+                nll = nll + nll_p
+                gap = gap + gap_p
             neg_elbo = nll / self.num_particles + kl_closed
         else:
             neg_elbo = self._meanfield(model, guide, x, y, num_data)
