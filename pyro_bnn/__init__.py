@@ -6,9 +6,11 @@ from .prediction import evaluate, predict, predictive_samples
 from .training import FitResult, fit, load_checkpoint, save_checkpoint
 from . import symmetry
 from .guides.symmetrized import symmetrized_elbo
+from .arviz import to_arviz
+from .compare import compare
 
 __version__ = "0.1.0"
 
 __all__ = ["BNN", "fit", "FitResult", "predict", "predictive_samples", "evaluate",
            "save_checkpoint", "load_checkpoint", "priors", "guides", "likelihoods",
-           "metrics", "datasets"] + ["symmetry", "symmetrized_elbo"]
+           "metrics", "datasets"] + ["symmetry", "symmetrized_elbo"] + ["to_arviz", "compare"]

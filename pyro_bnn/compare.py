@@ -1,0 +1,314 @@
+"""``compare``: train several guides on one architecture and data split, tabulate the results.
+
+Every guide is trained from the same initial network (the same seed), evaluated on the same
+test set and converted to an ArviZ ``DataTree`` on the training data, where PSIS-LOO is
+meaningful.  The table has one row per guide:
+
+* predictive metrics on the test set (Monte Carlo model average of ``num_samples`` draws):
+  ``accuracy, nll, ece, brier`` (classification) or ``rmse, nll, coverage_95`` (regression);
+* ``elbo``: Monte Carlo ``mean_s [log p(θ_s, D) − log q(θ_s)]`` over the training data
+  (a point-mass guide, ``AutoDelta``, has ``log q = 0``: its value is the log joint);
+* ``log_evidence``: the guide's own estimate where it has one (Laplace), else NaN;
+* ``elpd_loo`` (``az.loo_approximate_posterior``, the importance-sampling correction for
+  draws from an approximate posterior) with its standard error and the share of Pareto
+  ``k̂`` above ArviZ's threshold, and ``elpd_loo_psis`` (``az.loo``, which treats the draws as
+  exact posterior draws); both NaN when the draws are identical (point estimates);
+* ``train_seconds``, ``predict_seconds`` (the test-set predictive), ``num_params``
+  (variational parameters: the guide's parameters and floating-point buffers).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import pyro
+import torch
+
+from . import metrics
+from .datasets import DataSplit
+from .guides.base import registered_guides
+from .prediction import predictive_samples
+from .training import FitResult, fit
+
+__all__ = ["compare", "Comparison", "GuideRun", "count_variational_parameters", "as_split"]
+
+
+@dataclass
+class GuideRun:
+    """Everything :func:`compare` produced for one guide.
+
+    ``probs`` are the test-set predictive samples (``(S, N, C)`` probabilities, or ``(S, N, D)``
+    means for regression); ``error`` holds the traceback if the guide failed.
+    """
+
+    name: str
+    model: Any = None
+    guide: Any = None
+    fit: FitResult | None = None
+    metrics: dict = field(default_factory=dict)
+    probs: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    datatree: Any = None
+    error: str | None = None
+
+
+@dataclass
+class Comparison:
+    """Result of :func:`compare` with ``details=True``: the table and each guide's run."""
+
+    table: pd.DataFrame
+    runs: dict[str, GuideRun]
+    data: DataSplit | None = None
+
+    @property
+    def datatrees(self) -> dict[str, Any]:
+        """``{guide: DataTree}`` for the guides that ran (input for ``az.compare``)."""
+        return {k: r.datatree for k, r in self.runs.items() if r.datatree is not None}
+
+
+def count_variational_parameters(guide) -> int:
+    """Number of values that define ``q``: ``guide.num_variational_parameters`` if given,
+    else the guide's parameters plus its floating-point buffers (e.g. KFAC factors)."""
+    own = getattr(guide, "num_variational_parameters", None)
+    if own is not None:
+        return int(own() if callable(own) else own)
+    if not isinstance(guide, torch.nn.Module):
+        return 0
+    n = sum(p.numel() for p in guide.parameters())
+    n += sum(b.numel() for b in guide.buffers() if b.is_floating_point())
+    return int(n)
+
+
+def as_split(data) -> DataSplit:
+    """Accept a :class:`DataSplit`, ``((x_tr, y_tr), (x_te, y_te))`` or ``(x_tr, y_tr, x_te, y_te)``."""
+    if isinstance(data, DataSplit):
+        return data
+    if isinstance(data, Mapping):
+        return DataSplit(data["x_train"], data["y_train"], data["x_test"], data["y_test"])
+    if isinstance(data, Sequence) and len(data) == 2 and all(isinstance(p, Sequence) and len(p) == 2 for p in data):
+        (a, b), (c, d) = data
+        return DataSplit(a, b, c, d)
+    if isinstance(data, Sequence) and len(data) == 4:
+        return DataSplit(*data)
+    raise TypeError("data must be a DataSplit, ((x_train, y_train), (x_test, y_test)) or "
+                    f"(x_train, y_train, x_test, y_test); got {type(data).__name__}")
+
+
+def _resolve_guides(guides) -> dict[str, Callable]:
+    registry = registered_guides()
+    if guides is None:
+        guides = list(registry)
+    if isinstance(guides, str):
+        guides = [guides]
+    if not isinstance(guides, Mapping):
+        guides = {name: name for name in guides}
+    out = {}
+    for name, spec in guides.items():
+        spec = name if spec is None else spec
+        if isinstance(spec, str):
+            if spec not in registry:
+                raise ValueError(f"unknown guide {spec!r}; registered guides: {sorted(registry)}")
+            out[name] = registry[spec]
+        elif callable(spec):
+            out[name] = spec
+        else:
+            raise TypeError(f"guide {name!r}: expected a registered name or a callable "
+                            f"guide_fn(model), got {type(spec).__name__}")
+    if not out:
+        raise ValueError("no guides to compare")
+    return out
+
+
+def _takes_argument(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
+
+
+def _per_guide(value, name, default):
+    if isinstance(value, Mapping):
+        return value.get(name, default)
+    return default if value is None else value
+
+
+def _loo_columns(dt) -> dict:
+    import arviz_stats
+
+    from .arviz import loo_approximate
+
+    out = {"elpd_loo": math.nan, "elpd_loo_se": math.nan, "pareto_k_bad": math.nan,
+           "elpd_loo_psis": math.nan}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            res = loo_approximate(dt, pointwise=True)
+            out["elpd_loo"], out["elpd_loo_se"] = float(res.elpd), float(res.se)
+            out["pareto_k_bad"] = float((res.pareto_k.values > res.good_k).mean())
+        except (ValueError, FloatingPointError):  # identical draws: PSIS is undefined
+            pass
+        try:
+            out["elpd_loo_psis"] = float(arviz_stats.loo(dt).elpd)
+        except (ValueError, FloatingPointError):
+            pass
+    return out
+
+
+def _log_evidence(guide) -> float:
+    fn = getattr(guide, "log_evidence", None)
+    if fn is None:
+        return math.nan
+    try:
+        value = fn() if callable(fn) else fn
+        return float(value)
+    except TypeError:
+        return math.nan
+
+
+def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_samples, loo_samples,
+             device, seed, progress, guide_kw, fit_kw) -> GuideRun:
+    from .arviz import to_arviz
+
+    run = GuideRun(name)
+    pyro.set_rng_seed(seed)
+    model = model_fn(name) if _takes_argument(model_fn) else model_fn()
+    if device is not None:
+        model.to(device)
+    run.model = model
+    run.guide = guide = guide_fn(model, **guide_kw)
+    run.fit = fit(model, guide, split.train, epochs=epochs, batch_size=batch_size, lr=lr,
+                  device=device, seed=seed, progress=progress, **fit_kw)
+    t0 = time.perf_counter()
+    out = predictive_samples(model, guide, split.x_test, num_samples=num_samples)
+    run.metrics["predict_seconds"] = time.perf_counter() - t0
+    y_test = split.y_test.to(out.probs.device if out.probs is not None else out.loc.device)
+    if out.kind == "categorical":
+        scores = metrics.classification_metrics(out.probs, y_test)
+        run.probs = out.probs.cpu()
+    elif out.kind == "gaussian":
+        scores = metrics.regression_metrics(out.loc, out.scale, y_test.reshape(out.loc.shape[1:]))
+        run.probs, run.scale = out.loc.cpu(), out.scale.cpu()
+    else:
+        p1 = out.probs.reshape(out.probs.shape[0], -1)
+        scores = metrics.classification_metrics(torch.stack([1 - p1, p1], -1), y_test.reshape(-1).long())
+        run.probs = out.probs.cpu()
+    run.metrics.update(scores)
+    run.metrics["train_seconds"] = run.fit.seconds
+    run.metrics["num_params"] = count_variational_parameters(guide)
+    run.metrics["log_evidence"] = _log_evidence(guide)
+    if loo_samples:
+        dt = to_arviz(model, guide, split.x_train, split.y_train, num_samples=loo_samples)
+        stats = dt["sample_stats"]
+        run.metrics["elbo"] = float((stats["lp"] - stats["log_q"]).mean())
+        run.metrics.update(_loo_columns(dt))
+        dt.attrs["guide_name"] = name
+        run.datatree = dt
+    return run
+
+
+def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping[str, int] = 20,
+            batch_size: int = 64, lr: float | Mapping[str, float] = 1e-3, num_samples: int = 100,
+            loo_samples: int = 200, device=None, seed: int = 0, progress: bool = True,
+            guide_options: Mapping[str, dict] | None = None,
+            fit_options: Mapping[str, dict] | None = None, errors: str = "record",
+            details: bool = False) -> pd.DataFrame | Comparison:
+    """Train each guide on a fresh model from ``model_fn`` and tabulate test metrics, ELBO,
+    ELPD-LOO and timings.
+
+    Parameters
+    ----------
+    model_fn : callable
+        ``model_fn()`` or ``model_fn(guide_name)`` -> a new model (e.g. a :class:`~pyro_bnn.BNN`).
+        It is called after seeding, so every guide starts from the same network.
+    guides : dict, list of str or None
+        ``{name: guide_fn or registered name}`` (``guide_fn(model, **options) -> guide``; Pyro
+        autoguide classes work), a list of registered names, or ``None`` for every guide
+        in :func:`pyro_bnn.guides.registered_guides`.
+    data : DataSplit or ((x_train, y_train), (x_test, y_test))
+        Training and test data.
+    epochs, lr : int/float or dict
+        Training length and learning rate, one value or ``{guide: value}`` (missing guides
+        use ``20`` epochs / ``1e-3``).
+    batch_size : int
+        Minibatch size of :func:`pyro_bnn.fit`.
+    num_samples : int
+        Posterior draws for the test-set predictive.
+    loo_samples : int
+        Draws in each guide's ``DataTree`` (training data) for ELBO and ELPD-LOO; 0 skips it.
+    device : str or torch.device, optional
+        Where to train and predict.
+    seed : int
+        Seed before building each model and training.
+    progress : bool
+        Progress bars and one status line per guide (on stderr).
+    guide_options, fit_options : dict, optional
+        ``{guide: {option: value}}`` passed to the guide factory / :func:`pyro_bnn.fit`
+        (e.g. ``{"laplace": {"marglik": {...}}}`` or ``{"hypernet": {"clip_norm": 10}}``).
+    errors : {"record", "raise"}
+        On a failing guide, record the error in its row (and warn) or re-raise.
+    details : bool
+        Return a :class:`Comparison` (table, each guide's model, guide, predictions and
+        ``DataTree``) instead of the table alone.
+
+    Returns
+    -------
+    pandas.DataFrame or Comparison
+        One row per guide, indexed by name.
+
+    Examples
+    --------
+    >>> split = pb.datasets.digits()                                           # doctest: +SKIP
+    >>> table = pb.compare(lambda: pb.BNN(mlp()), ["meanfield", "laplace"], split)  # doctest: +SKIP
+    """
+    if errors not in ("record", "raise"):
+        raise ValueError(f"errors must be 'record' or 'raise', got {errors!r}")
+    if not callable(model_fn):
+        raise TypeError(f"model_fn must be callable, got {type(model_fn).__name__}")
+    if data is None:
+        raise ValueError("data is required: a DataSplit or ((x_train, y_train), (x_test, y_test))")
+    split = as_split(data)
+    factories = _resolve_guides(guides)
+    runs: dict[str, GuideRun] = {}
+    for i, (name, guide_fn) in enumerate(factories.items(), 1):
+        if progress:
+            print(f"[{i}/{len(factories)}] {name}", file=sys.stderr, flush=True)
+        try:
+            runs[name] = _run_one(
+                name, guide_fn, model_fn, split, epochs=int(_per_guide(epochs, name, 20)),
+                batch_size=batch_size, lr=float(_per_guide(lr, name, 1e-3)), num_samples=num_samples,
+                loo_samples=loo_samples, device=device, seed=seed, progress=progress,
+                guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
+                fit_kw=dict(_per_guide(fit_options, name, {}) or {}))
+        except Exception as exc:
+            if errors == "raise":
+                raise
+            warnings.warn(f"guide {name!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning,
+                          stacklevel=2)
+            runs[name] = GuideRun(name, error="".join(traceback.format_exception_only(exc)).strip())
+    table = _table(runs)
+    return Comparison(table, runs, split) if details else table
+
+
+_ORDER = ["accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "elbo", "log_evidence", "elpd_loo",
+          "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "train_seconds", "predict_seconds", "num_params"]
+
+
+def _table(runs: Mapping[str, GuideRun]) -> pd.DataFrame:
+    rows = {name: {**r.metrics, "error": r.error} for name, r in runs.items()}
+    df = pd.DataFrame.from_dict(rows, orient="index")
+    cols = [c for c in _ORDER if c in df.columns] + [c for c in df.columns if c not in _ORDER]
+    df = df[cols]
+    if df["error"].isna().all():
+        df = df.drop(columns="error")
+    df.index.name = "guide"
+    return df
