@@ -1,0 +1,397 @@
+"""Laplace guide: MAP by SVI, then ``q(θ) = N(θ*, P⁻¹)`` with GGN curvature (Kron/diag/full).
+
+``P = s·H_GGN + diag(δ)`` (``s = 1/σ²`` for a Gaussian likelihood).  During
+:func:`pyro_bnn.fit` the guide is a Delta guide at ``θ`` and its objective is the negative
+log joint ``−(N/M) Σ log p(y|f(x; θ)) − log N(θ | 0, δ⁻¹)``; at the end of ``fit`` (or on
+``fit_curvature``) the curvature is computed at ``θ*`` and from then on the guide samples
+all sites jointly from ``N(θ*, P⁻¹)``.  The prior precision δ (scalar, per layer or per
+weight) is the guide's hyperparameter, initialised from the model's Normal prior (1/σ²)
+and learned by the Laplace evidence (:mod:`pyro_bnn.marglik`), post hoc or online.
+Math: METHODS.md §4.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide.initialization import InitMessenger
+from torch import nn
+
+from .. import marglik as ml
+from .._local_params import local_params
+from ..curvature import (STRUCTURES, accumulate_curvature, find_layers, functional_covariance,
+                         glm_predictive, likelihood_kind, network_output)
+from ..data import as_tensors, make_loader, split_batch
+from ..likelihoods import Gaussian
+from .base import init_to_network, register_guide
+from .laplace_objective import LaplaceMAPObjective
+
+__all__ = ["Laplace"]
+
+PRIOR_STRUCTURES = ("scalar", "layerwise", "diagonal")
+
+
+def _key(site: str) -> str:
+    return site.replace(".", "__")
+
+
+class Laplace(AutoGuide):
+    """Laplace approximation of a BNN posterior with GGN curvature.
+
+    Parameters
+    ----------
+    model : pyro_bnn.BNN or PyroModule
+        The model; the MAP starts from its network's current weights.
+    structure : {"kron", "diag", "full"}
+        Curvature: KFAC per layer, diagonal GGN, or full GGN (small nets).
+    prior_precision : float or Tensor, optional
+        Initial δ; default from the model's Normal prior (``1/σ²``), else 1.
+    prior_structure : {"scalar", "layerwise", "diagonal"}
+        One δ, one per layer, or one per weight (not with ``"kron"``).
+    curvature_batch_size : int
+        Batch size for curvature and the GLM predictive when given tensors.
+
+    Examples
+    --------
+    >>> guide = pb.guides.Laplace(model, structure="kron")            # doctest: +SKIP
+    >>> pb.fit(model, guide, (x, y), epochs=20)                        # doctest: +SKIP
+    >>> guide.optimize_prior_precision()                               # doctest: +SKIP
+    >>> probs = pb.predict(model, guide, x_test, method="glm")         # doctest: +SKIP
+    """
+
+    def __init__(self, model, structure: str = "kron", *, prior_precision=None,
+                 prior_structure: str = "scalar", init_loc_fn=None,
+                 curvature_batch_size: int = 256, create_plates=None):
+        if structure not in STRUCTURES:
+            raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
+        if prior_structure not in PRIOR_STRUCTURES:
+            raise ValueError(f"prior_structure must be one of {PRIOR_STRUCTURES}, got {prior_structure!r}")
+        if structure == "kron" and prior_structure == "diagonal":
+            raise ValueError("structure='kron' supports prior_structure 'scalar' or 'layerwise', "
+                             "got 'diagonal' (use structure='diag' or 'full')")
+        if prior_precision is not None and not bool((torch.as_tensor(prior_precision) > 0).all()):
+            raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
+        self.init_loc_fn = init_loc_fn or init_to_network(model)
+        super().__init__(InitMessenger(self.init_loc_fn)(model), create_plates=create_plates)
+        self._base_model = (model,)      # a tuple: not registered as a submodule
+        self.structure = structure
+        self.prior_structure = prior_structure
+        self.curvature_batch_size = int(curvature_batch_size)
+        self._init_prior_precision = prior_precision
+        self.posterior = None            # CurvatureFit once the curvature is fitted
+        self._map_mode = False
+        self._marglik: dict = {}
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def base_model(self):
+        return self._base_model[0]
+
+    def _setup_prototype(self, *args, **kwargs):
+        super()._setup_prototype(*args, **kwargs)
+        self.theta = nn.ParameterDict()
+        self.site_shapes: dict[str, torch.Size] = {}
+        prior_prec = {}
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            if any(f.full_size not in (None, f.size) for f in site["cond_indep_stack"]):
+                raise ValueError(f"Laplace does not support subsampled latent sites; {name!r} is subsampled")
+            value = site["value"].detach()
+            self.theta[_key(name)] = nn.Parameter(value.clone())
+            self.site_shapes[name] = value.shape
+            prior_prec[name] = _normal_precision(site["fn"], value)
+        self.layers = find_layers(self.base_model, self.site_shapes)
+        self.register_buffer("log_prior_precision", self._initial_log_prior_precision(prior_prec))
+
+    def _initial_log_prior_precision(self, prior_prec: dict) -> torch.Tensor:
+        per_layer = [torch.cat([prior_prec[s].reshape(-1) for s in layer.sites]) for layer in self.layers]
+        ref = per_layer[0]
+        if self._init_prior_precision is not None:
+            v = torch.as_tensor(self._init_prior_precision, dtype=ref.dtype, device=ref.device)
+            shape = {"scalar": (), "layerwise": (len(self.layers),),
+                     "diagonal": (sum(layer.numel for layer in self.layers),)}[self.prior_structure]
+            if v.dim() == 0:
+                v = v.expand(shape)
+            if v.shape != shape:
+                raise ValueError(f"prior_precision for prior_structure={self.prior_structure!r} must be "
+                                 f"scalar or of shape {shape}, got {tuple(v.shape)}")
+            return v.log().clone()
+        if self.prior_structure == "scalar":
+            return torch.cat(per_layer).mean().log()
+        if self.prior_structure == "layerwise":
+            return torch.stack([p.mean() for p in per_layer]).log()
+        # per weight, in each layer's W̃ order
+        return torch.cat([layer.flatten({s: prior_prec[s] for s in layer.sites}).reshape(-1)
+                          for layer in self.layers]).log()
+
+    def _ensure_setup(self, x, y=None, num_data=None):
+        if self.prototype_trace is None:
+            from ..objectives import call_model
+            args, kwargs, _ = call_model(self.base_model, x, y, num_data or len(x))
+            with torch.no_grad():
+                pyro.poutine.block(self)(*args, **kwargs)
+
+    # ------------------------------------------------------------------ values
+    @property
+    def prior_precision(self) -> torch.Tensor:
+        """δ: shape ``()``, ``(num_layers,)`` or ``(num_params,)``."""
+        return self.log_prior_precision.exp()
+
+    def map_values(self) -> dict[str, torch.Tensor]:
+        """θ* (the current MAP), ``{site: tensor}``."""
+        return {name: self.theta[_key(name)] for name in self.site_shapes}
+
+    def layer_prior_precisions(self, prior_precision: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """δ per layer: 0-d tensors, or ``(numel,)`` vectors for per-weight δ."""
+        d = self.prior_precision if prior_precision is None else prior_precision
+        if d.dim() == 0:
+            return [d] * len(self.layers)
+        if len(d) == len(self.layers) and self.prior_structure == "layerwise":
+            return list(d.unbind())
+        return list(d.split([layer.numel for layer in self.layers]))
+
+    def _block_inputs(self, prior_precision=None):
+        deltas = self.layer_prior_precisions(prior_precision)
+        theta = [layer.flatten(self.map_values()).reshape(-1).detach() for layer in self.layers]
+        if self.structure == "full":
+            return [torch.cat(theta)], [_concat_deltas(self.layers, deltas)]
+        return theta, deltas
+
+    def _kind_and_scale(self, noise=None):
+        kind = self.posterior.kind
+        if kind != "gaussian":
+            return kind, None, 1.0
+        if noise is None:
+            noise = self._noise()
+        return kind, noise, noise ** -2
+
+    def _noise(self):
+        lik = getattr(self.base_model, "likelihood", None)
+        if isinstance(lik, Gaussian):
+            return lik.noise.detach()
+        return self._fixed_noise
+
+    # ------------------------------------------------------------- pyro guide
+    def forward(self, *args, **kwargs):
+        """Delta at θ (MAP phase); after ``fit_curvature`` one joint draw of N(θ*, P⁻¹)."""
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        plates = self._create_plates(*args, **kwargs)
+        if self.posterior is not None and not self._map_mode:
+            values, log_q = self._joint_draw()
+        else:
+            values, log_q = self.map_values(), 0.0
+        result = {}
+        for i, (name, site) in enumerate(self.prototype_trace.iter_stochastic_nodes()):
+            with ExitStack() as stack:
+                for frame in site["cond_indep_stack"]:
+                    if frame.vectorized:
+                        stack.enter_context(plates[frame.name])
+                result[name] = pyro.sample(name, dist.Delta(
+                    values[name], log_density=log_q if i == 0 else 0.0, event_dim=site["fn"].event_dim))
+        return result
+
+    def _joint_draw(self):
+        """θ* + P^{-1/2} ε for all sites, and ``log q`` of the draw."""
+        theta, deltas = self._block_inputs()
+        _, _, scale = self._kind_and_scale()
+        values, log_q = {}, 0.0
+        draws = []
+        for block, th, d in zip(self.posterior.blocks, theta, deltas):
+            eps = torch.randn(1, block.numel, dtype=th.dtype, device=th.device)
+            draws.append(th + block.sample(eps, d, scale)[0])
+            log_q = log_q - 0.5 * (eps ** 2).sum() + 0.5 * block.logdet(d, scale) \
+                - 0.5 * block.numel * math.log(2 * math.pi)
+        flat = torch.cat(draws)
+        for layer, part in zip(self.layers, flat.split([layer.numel for layer in self.layers])):
+            values.update(layer.unflatten(part, self.site_shapes))
+        return values, log_q.detach()
+
+    def median(self, *args, **kwargs):
+        return {k: v.detach() for k, v in self.map_values().items()}
+
+    def make_objective(self, num_particles: int = 1):
+        return LaplaceMAPObjective()
+
+    # -------------------------------------------------------------- curvature
+    def fit_curvature(self, data, batch_size: int | None = None, reduce_fn=None) -> Laplace:
+        """Compute the GGN curvature at the current θ over ``data``; returns ``self``.
+
+        ``data``: ``(x, y)`` tensors, a Dataset or a DataLoader.  ``reduce_fn`` (optional)
+        all-reduces the flat dict of curvature sums before they are finalised.
+        """
+        model = self.base_model
+        with local_params(model, self):
+            first = next(iter(make_loader(data, batch_size or self.curvature_batch_size, shuffle=False)))
+            x0, y0 = split_batch(first)
+            device = self._device(x0)
+            self._ensure_setup(x0.to(device), None if y0 is None else y0.to(device))
+            values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
+            kind, noise = likelihood_kind(model, values, x0[:2].to(device))
+            self._fixed_noise = None if noise is None else noise.detach()
+            loader = make_loader(data, batch_size or self.curvature_batch_size, shuffle=False)
+            self.posterior = accumulate_curvature(
+                self.layers, loader, lambda x: network_output(model, values, x), kind,
+                self.structure, device=device, reduce_fn=reduce_fn)
+        return self
+
+    def _device(self, x):
+        return next(iter(self.theta.values())).device if self.prototype_trace is not None else x.device
+
+    def _require_posterior(self):
+        if self.posterior is None:
+            raise ValueError("the curvature is not fitted yet: call guide.fit_curvature(data) or pb.fit first")
+
+    def log_evidence(self, prior_precision: torch.Tensor | None = None,
+                     noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Laplace-GGN log marginal likelihood (0-d tensor, differentiable in δ and σ).
+
+        ``log p(D) ≈ log p(D|θ*) − ½[log det P − log det P₀ + θ*ᵀP₀θ*]`` (see
+        :func:`pyro_bnn.marglik.log_evidence`), at the guide's δ and σ unless given.
+        """
+        self._require_posterior()
+        theta, deltas = self._block_inputs(prior_precision)
+        kind, noise, scale = self._kind_and_scale(noise)
+        log_lik = ml.log_likelihood_from_stats(self.posterior.loglik_stats, noise)
+        return ml.log_evidence(log_lik, self.posterior.blocks, theta, deltas, scale)
+
+    def optimize_prior_precision(self, data=None, steps: int = 100, lr: float = 0.1,
+                                 learn_noise: bool | None = None) -> float:
+        """Maximise the evidence w.r.t. log δ (and log σ of a learned Gaussian noise).
+
+        Fits the curvature first when ``data`` is given or none is fitted.  Returns the
+        final log evidence.
+        """
+        if data is not None or self.posterior is None:
+            if data is None:
+                self._require_posterior()
+            self.fit_curvature(data)
+        return self._hyper_steps(steps, lr, learn_noise)
+
+    def _hyper_params(self, learn_noise):
+        log_pp = self.log_prior_precision.detach().clone().requires_grad_()
+        lik = getattr(self.base_model, "likelihood", None)
+        if learn_noise is None:
+            learn_noise = isinstance(lik, Gaussian) and lik.learned
+        if learn_noise and not isinstance(lik, Gaussian):
+            raise ValueError(f"learn_noise needs a Gaussian likelihood, got {type(lik).__name__}")
+        log_noise = lik.log_noise.detach().clone().requires_grad_() if learn_noise else None
+        return log_pp, log_noise
+
+    def _hyper_steps(self, steps, lr, learn_noise=None, params=None, optimizer=None):
+        log_pp, log_noise = params or self._hyper_params(learn_noise)
+
+        def evidence():
+            return self.log_evidence(log_pp.exp(), None if log_noise is None else log_noise.exp())
+
+        leaves = [log_pp] + ([log_noise] if log_noise is not None else [])
+        value = ml.maximize_evidence(evidence, leaves, steps, lr, optimizer)
+        with torch.no_grad():
+            self.log_prior_precision.copy_(log_pp)
+            if log_noise is not None:
+                self.base_model.likelihood.log_noise.copy_(log_noise)
+        return value
+
+    # ------------------------------------------------------------- fit hooks
+    def on_fit_start(self, ctx):
+        self._map_mode = True
+        self._marglik = ml.check_marglik_options(ctx.options.get("marglik"))
+        self._best = None
+        lik = getattr(self.base_model, "likelihood", None)
+        self._noise_frozen = bool(self._marglik) and isinstance(lik, Gaussian) and lik.learned
+        if self._noise_frozen:      # learned by the evidence, not by the MAP objective
+            lik.log_noise.requires_grad_(False)
+        if self._marglik:
+            self._hyper = self._hyper_params(None if not self._noise_frozen else True)
+            leaves = [p for p in self._hyper if p is not None]
+            self._hyper_opt = torch.optim.Adam(leaves, lr=float(self._marglik["lr"]))
+
+    def on_epoch_end(self, ctx):
+        if not ml.marglik_due(ctx.epoch, self._marglik):
+            if self._marglik:
+                ctx.history.setdefault("log_evidence", []).append(float("nan"))
+            return
+        self.fit_curvature(ctx.loader)
+        value = self._hyper_steps(int(self._marglik["steps"]), float(self._marglik["lr"]),
+                                  params=self._hyper, optimizer=self._hyper_opt)
+        ctx.history.setdefault("log_evidence", []).append(value)
+        ctx.history.setdefault("prior_precision", []).append(float(self.prior_precision.mean()))
+        if self._best is None or value > self._best[0]:
+            self._best = (value, self._state_copy())
+
+    def _state_copy(self):
+        state = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        lik = getattr(self.base_model, "likelihood", None)
+        noise = lik.log_noise.detach().clone() if isinstance(lik, Gaussian) else None
+        return state, noise
+
+    def on_fit_end(self, ctx):
+        self._map_mode = False
+        lik = getattr(self.base_model, "likelihood", None)
+        if self._best is not None:
+            state, noise = self._best[1]
+            self.load_state_dict(state)
+            if noise is not None:
+                with torch.no_grad():
+                    lik.log_noise.copy_(noise)
+            ctx.history["best_log_evidence"] = [self._best[0]]
+        if getattr(self, "_noise_frozen", False):
+            lik.log_noise.requires_grad_(True)
+        self._best = self._hyper = self._hyper_opt = None
+        self.fit_curvature(ctx.loader)
+
+    # ------------------------------------------------------------- predictive
+    def predict(self, model, x, method: str = "glm", num_samples: int = 100, batch_size: int = 256,
+                link_approx: str = "probit", **kwargs) -> torch.Tensor:
+        """Predictive of the Laplace posterior.
+
+        ``method="glm"``: linearised predictive — classification ``(1, N, C)`` probit
+        probabilities (``link_approx="mc"``: ``(S, N, C)``), regression ``(S, N, D)`` draws
+        of the linearised mean function.  ``method="sample"``: Monte Carlo over weight
+        draws (as :func:`pyro_bnn.predict`).
+        """
+        if method == "sample":
+            from ..prediction import predict as mc_predict
+            return mc_predict(model, self, x, num_samples, batch_size, method="sample", **kwargs)
+        if method != "glm":
+            raise ValueError(f"method must be 'glm' or 'sample', got {method!r}")
+        f, cov = self.functional_covariance(x, batch_size)
+        return glm_predictive(f, cov, self.posterior.kind, link_approx, num_samples)
+
+    def functional_covariance(self, x: torch.Tensor, batch_size: int = 256):
+        """``f(x; θ*)`` ``(N, C)`` and ``Σ_f = J P⁻¹ Jᵀ`` ``(N, C, C)``, streamed in batches."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        self._require_posterior()
+        model = self.base_model
+        with local_params(model, self):
+            device = self._device(x)
+            values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
+            theta, deltas = self._block_inputs()
+            _, _, scale = self._kind_and_scale()
+            return functional_covariance(
+                self.layers, self.posterior.blocks, [d.detach() for d in deltas],
+                scale, lambda xb: network_output(model, values, xb.to(device)), x, batch_size)
+
+
+def _normal_precision(fn, value) -> torch.Tensor:
+    """Elementwise 1/σ² of a (possibly Independent/expanded) Normal prior, else ones."""
+    d = fn
+    while isinstance(d, (dist.Independent, dist.ExpandedDistribution)) and not isinstance(d, dist.Normal):
+        d = d.base_dist
+    if isinstance(d, dist.Normal):
+        return (d.scale ** -2).expand(value.shape).to(value.dtype)
+    return torch.ones_like(value)
+
+
+def _concat_deltas(layers, deltas):
+    if all(d.dim() == 0 for d in deltas) and all(d is deltas[0] for d in deltas):
+        return deltas[0]
+    return torch.cat([d.expand(layer.numel) if d.dim() == 0 else d for layer, d in zip(layers, deltas)])
+
+
+register_guide("laplace", lambda model, **kw: Laplace(model, **kw))
