@@ -66,7 +66,7 @@ def site_dims(model, site: str, shape: Sequence[int]) -> list[str]:
     if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         if pname == "weight" and len(shape) >= 2:
             return [f"{layer}.out", f"{layer}.in"] + [f"{layer}.k{i}" for i in range(len(shape) - 2)]
-        if pname == "bias" and len(shape) == 1:
+        if pname in ("bias", "weight_g") and len(shape) == 1:
             return [f"{layer}.out"]
     return generic
 

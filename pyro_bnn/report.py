@@ -1,0 +1,323 @@
+"""Report of a guide comparison: tables, JSON and PNG figures a person wants to look at.
+
+:func:`write_report` writes, for a :class:`~pyro_bnn.compare.Comparison`:
+
+* ``table.md`` / ``table.csv`` — the comparison table;
+* ``metrics.json`` — every metric, per-epoch training history, OOD scores, settings;
+* ``reliability.png`` — reliability diagrams (accuracy vs confidence, ECE) per guide;
+* ``entropy.png`` — predictive entropy on test data vs out-of-distribution inputs (rotated
+  digits, uniform noise) per guide, with the AUROC of entropy as an OOD detector;
+* ``forest.png`` — ArviZ forest plot of selected weights across guides;
+* ``regression.png`` — predictive bands (regression data instead of the two above);
+* ``datatrees/<guide>.nc`` — each guide's ArviZ ``DataTree`` (``xarray.open_datatree``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import metrics
+from .prediction import predictive_samples
+
+__all__ = ["write_report", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
+           "regression_figure", "markdown_table"]
+
+
+def _plt():
+    import matplotlib
+
+    if "MPLBACKEND" not in os.environ:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _grid(n):
+    cols = min(n, 3)
+    return math.ceil(n / cols), cols
+
+
+def markdown_table(df, floatfmt: str = ".4g") -> str:
+    """A pandas DataFrame as a GitHub Markdown table (no ``tabulate`` needed)."""
+    cols = [df.index.name or ""] + [str(c) for c in df.columns]
+
+    def fmt(v):
+        if isinstance(v, (float, np.floating)):
+            return "" if math.isnan(v) else format(float(v), floatfmt)
+        return "" if v is None else str(v).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for idx, row in df.iterrows():
+        lines.append("| " + " | ".join([str(idx)] + [fmt(v) for v in row.tolist()]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def ood_inputs(x: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Out-of-distribution versions of image inputs ``x`` ``(N, D)`` or ``(N, C, H, W)``.
+
+    ``"rotated 90°"``: every image rotated by a quarter turn (square images only);
+    ``"uniform noise"``: pixels drawn from ``U(min x, max x)``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = float(x.min()), float(x.max())
+    out = {"uniform noise": lo + (hi - lo) * torch.rand(x.shape, generator=g, dtype=x.dtype)}
+    side = math.isqrt(x.shape[-1]) if x.dim() == 2 else None
+    if x.dim() == 2 and side * side == x.shape[-1]:
+        out["rotated 90°"] = torch.rot90(x.reshape(-1, side, side), 1, (1, 2)).reshape(x.shape)
+    elif x.dim() == 4 and x.shape[-1] == x.shape[-2]:
+        out["rotated 90°"] = torch.rot90(x, 1, (2, 3))
+    return dict(sorted(out.items(), reverse=True))
+
+
+def reliability_figure(probs: Mapping[str, torch.Tensor], y: torch.Tensor, num_bins: int = 15):
+    """Reliability diagram per guide: bin accuracy vs confidence of the model average.
+
+    ``probs`` maps a guide name to ``(S, N, C)`` predictive samples.
+    """
+    plt = _plt()
+    rows, cols = _grid(len(probs))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 4.0 * rows), squeeze=False)
+    width = 1.0 / num_bins
+    centers = (torch.arange(num_bins, dtype=torch.float64) + 0.5) * width
+    for ax, (name, p) in zip(axes.flat, probs.items()):
+        mean = p.mean(0)
+        conf, acc, count = metrics.calibration_bins(mean, y.to(mean.device), num_bins)
+        conf, acc, count = conf.cpu(), acc.cpu(), count.cpu()
+        ece = metrics.expected_calibration_error(mean, y.to(mean.device), num_bins)
+        filled = count > 0
+        ax.bar(centers[filled], acc[filled], width=width, edgecolor="black", color="tab:blue",
+               alpha=0.8, label="accuracy in bin")
+        ax.bar(centers[filled], (conf - acc)[filled], bottom=acc[filled], width=width,
+               color="tab:red", alpha=0.3, hatch="//", label="gap to confidence")
+        ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
+        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (max predictive probability)",
+               ylabel="accuracy", title=f"{name}: ECE = {ece:.3f}")
+        ax.legend(loc="upper left", fontsize=8)
+    for ax in list(axes.flat)[len(probs):]:
+        ax.axis("off")
+    fig.suptitle("Reliability diagrams (test set, posterior predictive)")
+    fig.tight_layout()
+    return fig
+
+
+def _auroc(in_scores, out_scores) -> float:
+    from sklearn.metrics import roc_auc_score
+
+    labels = np.r_[np.zeros(len(in_scores)), np.ones(len(out_scores))]
+    return float(roc_auc_score(labels, np.r_[in_scores, out_scores]))
+
+
+def entropy_figure(entropies: Mapping[str, Mapping[str, np.ndarray]], num_classes: int):
+    """Histograms of predictive entropy per guide: test data vs each OOD set.
+
+    ``entropies[guide][set]`` are per-input entropies (nats); the first set is in-distribution.
+    Returns ``(figure, {guide: {ood_set: AUROC}})``.
+    """
+    plt = _plt()
+    rows, cols = _grid(len(entropies))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+    bins = np.linspace(0, math.log(num_classes), 31)
+    aurocs = {}
+    for ax, (name, sets) in zip(axes.flat, entropies.items()):
+        keys = list(sets)
+        aurocs[name] = {k: _auroc(sets[keys[0]], sets[k]) for k in keys[1:]}
+        for k in keys:
+            label = k if k == keys[0] else f"{k} (AUROC {aurocs[name][k]:.2f})"
+            ax.hist(sets[k], bins=bins, alpha=0.5, density=True, label=label)
+        ax.set(xlabel="predictive entropy H[p̄] (nats)", ylabel="density", title=name)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(entropies):]:
+        ax.axis("off")
+    fig.suptitle("Predictive entropy: in-distribution vs out-of-distribution")
+    fig.tight_layout()
+    return fig, aurocs
+
+
+def _forest_selection(dts: Mapping[str, object]):
+    """Output-layer bias and the output weights from hidden unit 0, where present."""
+    common = None
+    for dt in dts.values():
+        names = set(dt["posterior"].data_vars)
+        common = names if common is None else common & names
+    candidates = [v for v in next(iter(dts.values()))["posterior"].data_vars if v in (common or ())]
+    if not candidates:
+        return [], {}
+    vectors = [v for v in candidates if dt_dims(dts, v) == 1]
+    last = vectors[-1] if vectors else candidates[-1]
+    layer = last.rsplit(".", 1)[0]
+    chosen, coords = [last], {}
+    weight = f"{layer}.weight"
+    if weight in candidates and weight != last:
+        chosen.append(weight)
+        in_dim = f"{layer}.in"
+        if in_dim in next(iter(dts.values()))["posterior"][weight].dims:
+            coords[in_dim] = [0]
+    for v in chosen:  # cap long vectors at 10 entries
+        for dim in next(iter(dts.values()))["posterior"][v].dims[2:]:
+            size = next(iter(dts.values()))["posterior"].sizes[dim]
+            if dim not in coords and size > 10:
+                coords[dim] = list(range(10))
+    return chosen, coords
+
+
+def dt_dims(dts, var) -> int:
+    """Number of non-sample dims of ``var`` in the first DataTree."""
+    return next(iter(dts.values()))["posterior"][var].ndim - 2
+
+
+def forest_figure(datatrees: Mapping[str, object], var_names=None, coords=None):
+    """ArviZ forest plot (50% and 89% equal-tailed intervals) of selected weights per guide.
+
+    By default: the output-layer bias and the output weights from hidden unit 0 of the
+    guides that share those sites.  Returns ``(figure, var_names, guides_shown)`` or
+    ``(None, [], [])`` when no site is common.
+    """
+    import arviz_plots
+
+    _plt()
+    if var_names is None:
+        var_names, coords = _forest_selection(datatrees)
+    if not var_names:
+        return None, [], []
+    shown = {k: v for k, v in datatrees.items() if all(n in v["posterior"].data_vars for n in var_names)}
+    pc = arviz_plots.plot_forest(shown, var_names=list(var_names), coords=coords or None,
+                                 combined=True, backend="matplotlib", ci_probs=(0.5, 0.89))
+    pc.add_legend("model", title="guide")
+    fig = pc.viz["figure"].item()
+    fig.axes[-1].set_xlabel("weight value")
+    fig.suptitle("Posterior of selected weights: point = mean, thick = 50%, thin = 89% interval")
+    return fig, list(var_names), list(shown)
+
+
+def regression_figure(runs: Mapping[str, object], split, num_samples: int = 100):
+    """Predictive mean ± 2 sd per guide on a grid wider than the training inputs (1-D x)."""
+    plt = _plt()
+    x_tr, y_tr = split.x_train.cpu(), split.y_train.cpu()
+    lo, hi = float(x_tr.min()), float(x_tr.max())
+    pad = hi - lo
+    grid = torch.linspace(lo - pad, hi + pad, 200).unsqueeze(-1)
+    rows, cols = _grid(len(runs))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+    for ax, (name, run) in zip(axes.flat, runs.items()):
+        out = predictive_samples(run.model, run.guide, grid.to(_device(run.model)), num_samples)
+        loc, scale = out.loc.cpu()[..., 0], out.scale.cpu()[..., 0]
+        mean = loc.mean(0)
+        sd = (loc.var(0, unbiased=False) + (scale ** 2).mean(0)).sqrt()
+        g = grid[:, 0]
+        ax.fill_between(g, mean - 2 * sd, mean + 2 * sd, alpha=0.3, label="±2 sd")
+        ax.plot(g, mean, label="predictive mean")
+        ax.scatter(x_tr[:, 0], y_tr[:, 0], s=8, c="k", label="training data")
+        ax.set(xlabel="x", ylabel="y", title=name)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(runs):]:
+        ax.axis("off")
+    fig.suptitle("Posterior predictive (uncertainty should grow away from the data)")
+    fig.tight_layout()
+    return fig
+
+
+def _device(model):
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _jsonable(v):
+    if isinstance(v, (float, np.floating)):
+        return None if math.isnan(float(v)) else float(v)
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, Mapping):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v if v is None or isinstance(v, (str, bool)) else str(v)
+
+
+def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
+                 settings: Mapping | None = None) -> dict[str, Path]:
+    """Write the report folder for a :class:`~pyro_bnn.compare.Comparison`.
+
+    Parameters
+    ----------
+    comparison : Comparison
+        ``pb.compare(..., details=True)``.
+    out : path
+        Folder (created).
+    num_samples : int
+        Posterior draws for the OOD predictive.
+    settings : dict, optional
+        Stored under ``"settings"`` in ``metrics.json``.
+
+    Returns
+    -------
+    dict[str, Path]
+        The artefacts written, by kind.
+    """
+    plt = _plt()
+    out = Path(out)
+    (out / "datatrees").mkdir(parents=True, exist_ok=True)
+    table = comparison.table
+    ok = {k: r for k, r in comparison.runs.items() if r.error is None and r.model is not None}
+    written: dict[str, Path] = {}
+    (out / "table.md").write_text(markdown_table(table))
+    table.to_csv(out / "table.csv")
+    written.update(table_md=out / "table.md", table_csv=out / "table.csv")
+    extra: dict = {}
+    split = comparison.data
+    classification = bool(ok) and next(iter(ok.values())).scale is None
+    if ok and classification:
+        fig = reliability_figure({k: r.probs for k, r in ok.items()}, split.y_test.cpu())
+        fig.savefig(out / "reliability.png", dpi=110)
+        plt.close(fig)
+        written["reliability"] = out / "reliability.png"
+        oods = ood_inputs(split.x_test.cpu())
+        entropies = {}
+        for name, run in ok.items():
+            sets = {"test data": metrics.predictive_entropy(run.probs).numpy()}
+            for k, xo in oods.items():
+                po = predictive_samples(run.model, run.guide, xo, num_samples=num_samples).probs
+                sets[k] = metrics.predictive_entropy(po).cpu().numpy()
+            entropies[name] = sets
+        fig, aurocs = entropy_figure(entropies, next(iter(ok.values())).probs.shape[-1])
+        fig.savefig(out / "entropy.png", dpi=110)
+        plt.close(fig)
+        written["entropy"] = out / "entropy.png"
+        extra["ood_auroc_entropy"] = aurocs
+        extra["mean_entropy"] = {k: {s: float(np.mean(v)) for s, v in sets.items()}
+                                 for k, sets in entropies.items()}
+    elif ok:
+        fig = regression_figure(ok, split, num_samples)
+        fig.savefig(out / "regression.png", dpi=110)
+        plt.close(fig)
+        written["regression"] = out / "regression.png"
+    dts = comparison.datatrees
+    if dts:
+        fig, names, shown = forest_figure(dts)
+        if fig is not None:
+            fig.savefig(out / "forest.png", dpi=110)
+            plt.close(fig)
+            written["forest"] = out / "forest.png"
+            extra["forest"] = {"var_names": names, "guides": shown}
+        for name, dt in dts.items():
+            path = out / "datatrees" / f"{name}.nc"
+            dt.to_netcdf(path, engine="h5netcdf")
+            written[f"datatree_{name}"] = path
+    payload = {
+        "settings": dict(settings or {}),
+        "table": {name: row for name, row in table.to_dict(orient="index").items()},
+        "history": {k: r.fit.history for k, r in comparison.runs.items() if r.fit is not None},
+        "errors": {k: r.error for k, r in comparison.runs.items() if r.error is not None},
+        **extra,
+    }
+    (out / "metrics.json").write_text(json.dumps(_jsonable(payload), indent=2))
+    written["metrics_json"] = out / "metrics.json"
+    return written
