@@ -40,8 +40,8 @@ from .data import as_tensors
 __all__ = [
     "DistributedOptions", "DistributedState", "default_backend", "torchrun_env",
     "init_process_group", "is_distributed", "is_main_process", "get_rank", "get_world_size",
-    "all_reduce_sum_", "all_reduce_mean_", "broadcast_seed", "local_batch_size",
-    "ShardedTensorBatches", "shard_loader", "launch_local", "find_free_port",
+    "all_reduce_sum_", "all_reduce_mean_", "all_reduce_sums", "broadcast_seed", "local_batch_size",
+    "ShardedTensorBatches", "shard_loader", "set_epoch", "start", "launch_local", "find_free_port",
 ]
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -119,6 +119,39 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sum a dict of tensors over all ranks (one collective per dtype).
+
+    The ``reduce_fn`` of :func:`pyro_bnn.curvature.accumulate_curvature`: per-rank KFAC /
+    GGN factor sums, log-likelihood statistics and counts become the sums over the whole
+    data set, so curvature, posterior and evidence equal the single-process ones.  Every
+    rank must pass the same keys and shapes.  The results carry no autograd graph.
+
+    Parameters
+    ----------
+    sums : dict of str -> Tensor
+        This rank's partial sums.
+
+    Returns
+    -------
+    dict of str -> Tensor
+        New tensors (inputs are not modified), same keys, shapes and dtypes.
+    """
+    if not is_distributed() or get_world_size() == 1:
+        return dict(sums)
+    keys = sorted(sums)
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for k in keys:
+        by_dtype.setdefault(sums[k].dtype, []).append(k)
+    for group in by_dtype.values():
+        flat = torch.cat([sums[k].detach().reshape(-1) for k in group])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for k, part in zip(group, flat.split([sums[k].numel() for k in group])):
+            out[k] = part.view_as(sums[k])
+    return {k: out[k] for k in sums}
+
+
 def all_reduce_mean_(tensor: torch.Tensor) -> torch.Tensor:
     """Average ``tensor`` over all ranks in place (a no-op without a process group)."""
     return all_reduce_sum_(tensor).div_(get_world_size())
@@ -170,8 +203,12 @@ class DistributedState:
         return self.rank == 0
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks in place (the ``reduce_fn`` curvature code can use)."""
+        """Sum over ranks in place."""
         return all_reduce_sum_(tensor)
+
+    def reduce_sums(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """:func:`all_reduce_sums`: the ``reduce_fn`` for curvature accumulation."""
+        return all_reduce_sums(sums)
 
     def mean_of(self, values: dict[str, float]) -> dict[str, float]:
         """Average a dict of floats over ranks (one collective)."""

@@ -45,24 +45,57 @@ def _fit_meanfield(**kw):
     return state, result.history
 
 
-def _meanfield_worker(rank, out_dir):
+def _curvature_evidence(structure, loader):
+    """Laplace-GGN log evidence at the network's initial weights, curvature from ``loader``."""
+    from pyro_bnn.curvature import accumulate_curvature, find_layers, network_output
+    from pyro_bnn.marglik import log_evidence, log_likelihood_from_stats
+
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = pb.BNN(net, "categorical")
+    values = {k: v.clone().requires_grad_(True) for k, v in model.initial_values().items()}
+    layers = find_layers(model, {k: v.shape for k, v in values.items()})
+    reduce_fn = pbd.all_reduce_sums if pbd.is_distributed() else None
+    fit = accumulate_curvature(layers, loader, lambda x: network_output(model, values, x),
+                               "categorical", structure, reduce_fn=reduce_fn)
+    theta = [layer.flatten(values).detach().reshape(-1) for layer in layers]
+    if structure == "full":
+        theta = [torch.cat(theta)]
+    delta = [torch.tensor(2.0)] * len(theta)
+    ev = log_evidence(log_likelihood_from_stats(fit.loglik_stats), fit.blocks, theta, delta)
+    return float(ev), fit.num_data
+
+
+STRUCTURES = ("kron", "diag", "full")
+
+
+def _worker(rank, out_dir):
     calls = []
     real_save = pb.training.save_checkpoint
     pb.training.save_checkpoint = lambda *a, **k: (calls.append(1), real_save(*a, **k))
     state, history = _fit_meanfield(distributed=True, checkpoint=os.path.join(out_dir, "ckpt.pt"))
-    torch.save({"state": state, "history": history, "saves": len(calls),
+    x, y = _data()
+    shard = pbd.ShardedTensorBatches(x.float(), y, 8, num_replicas=2, rank=rank, shuffle=True)
+    evidence = {s: _curvature_evidence(s, shard) for s in STRUCTURES}
+    torch.save({"state": state, "history": history, "saves": len(calls), "evidence": evidence,
                 "world": pbd.get_world_size(), "main": pbd.is_main_process()},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def test_two_gloo_processes_match_one_process(tmp_path):
-    pbd.launch_local(_meanfield_worker, nprocs=2, args=(str(tmp_path),), timeout_s=50)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Run :func:`_worker` on 2 Gloo processes once; the per-rank results and the folder."""
+    out = tmp_path_factory.mktemp("ddp")
+    pbd.launch_local(_worker, nprocs=2, args=(str(out),), timeout_s=50)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+
+
+def test_two_gloo_processes_match_one_process(two_ranks):
+    (r0, r1), out = two_ranks
     ref_state, ref_history = _fit_meanfield()
-    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
     assert (r0["world"], r1["world"], r0["main"], r1["main"]) == (2, 2, True, False)
     assert (r0["saves"], r1["saves"]) == (EPOCHS, 0)           # only rank 0 checkpoints
-    assert (tmp_path / "ckpt.pt").exists()
+    assert (out / "ckpt.pt").exists()
     assert ref_state.keys() == r0["state"].keys()
     for k, ref in ref_state.items():
         assert torch.equal(r0["state"][k], r1["state"][k]), k   # DDP keeps ranks identical
@@ -78,6 +111,17 @@ def _initial_state():
     model, guide = _meanfield()
     pb.fit(model, guide, _data(), epochs=0, batch_size=GLOBAL_BATCH, progress=False, seed=SEED)
     return guide.state_dict()
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_curvature_summed_across_ranks_gives_single_process_evidence(two_ranks, structure):
+    (r0, r1), _ = two_ranks
+    x, y = _data()
+    ref, n = _curvature_evidence(structure, [(x.float(), y)])
+    assert n == N and r0["evidence"][structure][1] == N            # global N after the all-reduce
+    for r in (r0, r1):
+        ev = r["evidence"][structure][0]
+        assert abs(ev - ref) <= 1e-6 * abs(ref), (structure, ev, ref)
 
 
 # ------------------------------------------------------------------ single-process units
