@@ -332,9 +332,14 @@ def symmetrized_elbo(model, guide, data, num_permutations: int = 500,
         except NotImplementedError:
             mc_kl.append(name)
     lls, gaps, kls = [], [], []
+    # ω gets its own stream (seeded from the global one), so two calls under the same seed
+    # see the same weight draws whatever permutations they sample: paired comparisons.
+    omega_rng = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
     with local_params(model, guide):
         for _ in range(num_samples):
-            values = {n: locs[n] + scales[n] * torch.randn_like(locs[n]) for n in sites}
+            values = {n: locs[n] + scales[n] * torch.randn(locs[n].shape, generator=omega_rng,
+                                                           device=device, dtype=locs[n].dtype)
+                      for n in sites}
             if is_bnn:
                 lls.append(_bnn_log_likelihood(model, values, x, y, batch_size))
                 kls.append(sum(float(dist.Normal(locs[n], scales[n]).log_prob(values[n]).sum()

@@ -1,0 +1,358 @@
+"""Permutation-symmetrised guide: discovery, group algebra, entropy bound, objective."""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.nn import PyroModule, PyroSample
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn import symmetry as sym
+from pyro_bnn.guides.meanfield import _run_with_values, meanfield_loss
+from pyro_bnn.guides.symmetrized import (entropy_gap, log_density_ratios, symmetrized_terms)
+
+
+def _random_values(shapes, gen, dtype=torch.float64):
+    return {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
+
+
+def _bnn_function(model, x):
+    return lambda values: _run_with_values(model, values, x)
+
+
+# ------------------------------------------------------------------------- discovery
+def test_discovers_mlp_hidden_layers_and_leaves_output_alone():
+    net = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3), nn.Tanh(), nn.Dropout(0.0),
+                        nn.Linear(3, 2))
+    model = pb.BNN(net).double().eval()
+    shapes = {k: v.shape for k, v in model.initial_values().items()}
+    groups = sym.find_symmetries(model, shapes)
+    assert groups == [{"net.0.weight": 0, "net.0.bias": 0, "net.2.weight": 1},
+                      {"net.2.weight": 0, "net.2.bias": 0, "net.5.weight": 1}]
+    assert all("net.5.bias" not in g and g.get("net.5.weight") != 0 for g in groups)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 5, generator=gen, dtype=torch.float64)
+    values = _random_values(shapes, gen)
+    with pb._local_params.local_params(model):
+        assert sym.check_symmetries(_bnn_function(model, x), values, groups, generator=gen) == [True, True]
+        # the output layer is *not* a symmetry: permuting its rows changes f
+        bad = [{"net.5.weight": 0, "net.5.bias": 0}]
+        assert sym.check_symmetries(_bnn_function(model, x), values, bad, generator=gen) == [False]
+
+
+def test_discovers_conv_channels_not_across_flatten():
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 2 * 2, 5),
+                        nn.ReLU(), nn.Linear(5, 3))
+    model = pb.BNN(net).double()
+    shapes = {k: v.shape for k, v in model.initial_values().items()}
+    groups = sym.find_symmetries(model, shapes)
+    assert groups == [{"net.0.weight": 0, "net.0.bias": 0, "net.3.weight": 1},
+                      {"net.6.weight": 0, "net.6.bias": 0, "net.8.weight": 1}]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 1, 8, 8, generator=gen, dtype=torch.float64)
+    with pb._local_params.local_params(model):
+        flags = sym.check_symmetries(_bnn_function(model, x), _random_values(shapes, gen), groups,
+                                     generator=gen)
+    assert flags == [True, True]
+
+
+def test_symmetry_broken_by_batchnorm_or_deterministic_layers():
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+    model = pb.BNN(net)
+    assert sym.find_symmetries(model, model.site_names) == []
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    model = pb.BNN(net, stochastic=["0.weight", "0.bias"])  # output layer deterministic
+    assert sym.find_symmetries(model, model.site_names) == []
+    model = pb.BNN(net, stochastic=["0.weight", "2.weight"])  # first bias deterministic
+    assert sym.find_symmetries(model, model.site_names) == []
+
+
+class _HandWritten(PyroModule):
+    def __init__(self):
+        super().__init__()
+        self.body = PyroModule[nn.Sequential](PyroModule[nn.Linear](2, 3), nn.ReLU(),
+                                              PyroModule[nn.Linear](3, 1))
+        for layer in (self.body[0], self.body[2]):
+            layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand(layer.weight.shape).to_event(2))
+            layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand(layer.bias.shape).to_event(1))
+
+    def forward(self, x, y=None):
+        f = self.body(x).squeeze(-1)
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(f, 0.5), obs=y)
+        return f
+
+
+def test_discovery_in_handwritten_pyromodule_and_function_invariance():
+    torch.manual_seed(0)
+    model = _HandWritten()
+    x, y = torch.randn(20, 2), torch.randn(20)
+    guide = pb.guides.Symmetrized(model, num_permutations=3)
+    pb.fit(model, guide, (x, y), epochs=1, batch_size=10, progress=False, seed=0)
+    groups = guide.symmetry()
+    assert groups == [{"body.0.weight": 0, "body.0.bias": 0, "body.2.weight": 1}]
+
+    def function(values):
+        return poutine.condition(model, data=values)(x)
+
+    values = {k: torch.randn(s) for k, s in guide.site_shapes().items()}
+    assert sym.check_symmetries(function, values, groups) == [True]
+    terms = pb.symmetrized_elbo(model, guide, (x, y), num_permutations=4, num_samples=4,
+                                return_terms=True)
+    assert math.isfinite(terms["symmetrized_elbo"]) and terms["entropy_gap"] <= math.log(4) + 1e-6
+
+
+def test_declared_symmetry_validation():
+    net = nn.Sequential(nn.Linear(1, 2, bias=False), nn.ReLU(), nn.Linear(2, 1, bias=False))
+    shapes = {"net.0.weight": torch.Size([2, 1]), "net.2.weight": torch.Size([1, 2])}
+    assert sym.resolve_symmetries([{"0.weight": 0, "net.2.weight": -1}], shapes) == [
+        {"net.0.weight": 0, "net.2.weight": 1}]
+    with pytest.raises(ValueError, match="not a random site"):
+        sym.resolve_symmetries([{"hidden.weight": 0}], shapes)
+    with pytest.raises(ValueError, match="out of range"):
+        sym.resolve_symmetries([{"net.0.weight": 2}], shapes)
+    with pytest.raises(ValueError, match="same size"):
+        sym.resolve_symmetries([{"net.0.weight": 0, "net.2.weight": 0}], shapes)
+    with pytest.raises(TypeError, match="list of dicts"):
+        sym.resolve_symmetries({"net.0.weight": 0}, shapes)
+    with pytest.raises(ValueError, match="num_permutations"):
+        pb.guides.Symmetrized(pb.BNN(net), num_permutations=0)
+    with pytest.raises(TypeError, match="num_permutations"):
+        pb.guides.Symmetrized(pb.BNN(net), num_permutations=2.0)
+
+
+# --------------------------------------------------------------------- group algebra
+def test_permutation_algebra_and_batched_application():
+    gen = torch.Generator().manual_seed(3)
+    groups = [{"a": 0, "b": 1}, {"b": 0}]
+    values = {"a": torch.randn(4, 2, generator=gen), "b": torch.randn(3, 4, generator=gen)}
+    p, r = [torch.randperm(4, generator=gen), torch.randperm(3, generator=gen)], \
+        [torch.randperm(4, generator=gen), torch.randperm(3, generator=gen)]
+    twice = sym.apply_permutation(sym.apply_permutation(values, groups, r), groups, p)
+    composed = sym.apply_permutation(values, groups, [sym.compose_permutations(a, b) for a, b in zip(p, r)])
+    for k in values:
+        assert torch.equal(twice[k], composed[k])
+    back = sym.apply_permutation(sym.apply_permutation(values, groups, p), groups,
+                                 [sym.invert_permutation(a) for a in p])
+    assert all(torch.equal(back[k], values[k]) for k in values)
+    perms = sym.sample_permutations([4, 3], 5, generator=gen)
+    batched = sym.permute_batched(values, groups, perms)
+    for j in range(5):
+        one = sym.apply_permutation(values, groups, [q[j] for q in perms])
+        assert all(torch.equal(batched[k][j], one[k]) for k in values)
+    elements = sym.enumerate_group([3, 2])
+    assert elements[0].shape == (12, 3) and elements[1].shape == (12, 2)
+    assert len({tuple(a.tolist()) + tuple(b.tolist()) for a, b in zip(*elements)}) == 12
+    assert sym.log_group_order([3, 2]) == pytest.approx(math.log(12))
+
+
+# ------------------------------------------------------------------- entropy bound
+def _small_net_guide(spread=0.4, scale=0.5, seed=0):
+    """A 1-3-1 net (|G| = 3! = 6) whose mixture components overlap substantially."""
+    torch.manual_seed(seed)
+    model = pb.BNN(nn.Sequential(nn.Linear(1, 3), nn.ReLU(), nn.Linear(3, 1)), "gaussian", noise=0.5)
+    guide = pb.guides.Symmetrized(model, num_permutations=2, init_scale=scale)
+    x = torch.randn(8, 1)
+    pb.training.setup_guide(model, guide, x, torch.randn(8, 1), 8)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in guide.site_names():
+            loc = guide.loc_and_scale(name)[0]
+            loc.copy_(spread * torch.randn(loc.shape, generator=gen))
+    locs = {n: guide.loc_and_scale(n)[0].detach().double() for n in guide.site_names()}
+    scales = {n: guide.loc_and_scale(n)[1].detach().double() for n in guide.site_names()}
+    return model, guide, locs, scales
+
+
+def _per_sample(fn, locs, scales, groups):
+    """Vectorise ``fn(values, locs, scales, groups, perms)`` over draws of ω (and perms)."""
+    return torch.vmap(lambda v, *p: fn(v, locs, scales, groups, list(p)))
+
+
+def _draws(locs, scales, n, gen):
+    return {k: locs[k] + scales[k] * torch.randn((n, *locs[k].shape), generator=gen, dtype=torch.float64)
+            for k in locs}
+
+
+def test_entropy_bound_against_brute_force_mixture_entropy():
+    model, guide, locs, scales = _small_net_guide()
+    groups = guide.symmetry()
+    sizes = sym.group_sizes(groups, {k: v.shape for k, v in locs.items()})
+    assert sizes == [3]
+    log_order = math.log(6)
+    all_g = sym.enumerate_group(sizes)
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    values = _draws(locs, scales, n, gen)
+    ratios = torch.vmap(lambda v: log_density_ratios(v, locs, scales, groups, all_g))(values)
+    exact = log_order - torch.logsumexp(ratios, -1)    # log q(ω) − log q_G(ω), exact in G
+    # H(q_G) − H(q) = E_q[log q − log q_G] ∈ [0, log|G|]; each term is ≤ log|G| exactly.
+    assert bool((exact <= log_order + 1e-9).all())
+    gap, se = exact.mean().item(), exact.std().item() / math.sqrt(n)
+    assert 5 * se < gap < log_order - 5 * se, (gap, se)   # components overlap: strictly inside
+    means = {1: 0.0}
+    for K in (2, 4, 16):
+        perms = torch.rand(n, K - 1, 3, generator=gen).argsort(-1)
+        vals = _per_sample(entropy_gap, locs, scales, groups)(values, perms)
+        assert bool((vals <= math.log(K) + 1e-9).all())
+        diff = exact - vals                     # paired: H(q_G) − Ĥ_K ≥ 0 in expectation
+        assert diff.mean().item() > -3 * diff.std().item() / math.sqrt(n)
+        means[K] = vals.mean().item()
+    assert means[1] < means[2] < means[4] < means[16] <= gap + 3 * se, means
+    # Ĥ_16 is already close to H(q_G) for |G| = 6
+    assert gap - means[16] < 0.1 * gap
+
+
+def test_k2_bound_has_closed_form_for_two_units():
+    """|G| = 2: m_2 = q or (q + q∘s)/2 with prob ½ each, so Ĥ_2 = ½ H(q) + ½ H(q_G).
+
+    ``H(q_G)`` of the 2-d mixture is computed by quadrature on a fine grid (brute force).
+    """
+    mu = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    sd = torch.tensor([0.35, 0.25], dtype=torch.float64)
+    locs, scales, groups = {"w": mu}, {"w": sd}, [{"w": 0}]
+    grid = torch.linspace(-2.5, 3.5, 1201, dtype=torch.float64)
+    w1, w2 = torch.meshgrid(grid, grid, indexing="ij")
+    pts = torch.stack([w1, w2], -1)
+    comp = dist.Normal(mu, sd).log_prob(pts).sum(-1)
+    comp_s = dist.Normal(mu.flip(0), sd.flip(0)).log_prob(pts).sum(-1)
+    log_qg = torch.logaddexp(comp, comp_s) - math.log(2)
+    h = float(grid[1] - grid[0]) ** 2
+    h_qg = -(log_qg.exp() * log_qg).sum().item() * h
+    h_q = dist.Normal(mu, sd).entropy().sum().item()
+    assert 0.05 < h_qg - h_q < math.log(2)
+    gen = torch.Generator().manual_seed(5)
+    n = 100000
+    values = _draws(locs, scales, n, gen)
+    all_g = sym.enumerate_group([2])
+    ratios = torch.vmap(lambda v: log_density_ratios(v, locs, scales, groups, all_g))(values)
+    gaps_exact = math.log(2) - torch.logsumexp(ratios, -1)
+    perms = torch.rand(n, 1, 2, generator=gen).argsort(-1)
+    gaps2 = _per_sample(entropy_gap, locs, scales, groups)(values, perms)
+    se = gaps_exact.std().item() / math.sqrt(n)
+    assert gaps_exact.mean().item() == pytest.approx(h_qg - h_q, abs=4 * se + 1e-4)
+    se2 = gaps2.std().item() / math.sqrt(n)
+    assert gaps2.mean().item() == pytest.approx(0.5 * (h_qg - h_q), abs=4 * se2 + 1e-4)
+
+
+def test_symmetrized_elbo_agrees_with_exact_enumeration():
+    model, guide, locs, scales = _small_net_guide()
+    x, y = torch.randn(30, 1), torch.randn(30, 1)
+    pyro.set_rng_seed(0)
+    exact = pb.symmetrized_elbo(model, guide, (x, y), exact=True, num_samples=200, return_terms=True)
+    pyro.set_rng_seed(0)   # same ω draws (their own stream), different permutations
+    approx = pb.symmetrized_elbo(model, guide, (x, y), num_permutations=500, num_samples=200,
+                                 return_terms=True)
+    assert exact["log_group_order"] == pytest.approx(math.log(6))
+    assert 0.05 < exact["entropy_gap"] < math.log(6) - 0.05
+    # K = 500 ≫ |G| = 6: the bound is tight to O(|G|/K) on the same ω
+    assert approx["entropy_gap"] == pytest.approx(exact["entropy_gap"], abs=0.01)
+    assert approx["expected_log_likelihood"] == exact["expected_log_likelihood"]
+    assert exact["symmetrized_elbo"] == pytest.approx(exact["elbo"] + exact["entropy_gap"])
+    assert exact["kl"] == approx["kl"]
+
+
+# ------------------------------------------------------------------------- objective
+def test_objective_invariant_under_permuting_mu_sigma():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+    model = pb.BNN(net, "gaussian", noise=0.3).double()
+    shapes = {k: v.shape for k, v in model.initial_values().items()}
+    groups = sym.find_symmetries(model, shapes)
+    sizes = sym.group_sizes(groups, shapes)
+    gen = torch.Generator().manual_seed(2)
+    locs = _random_values(shapes, gen)
+    scales = {k: 0.1 + torch.rand(s, generator=gen, dtype=torch.float64) for k, s in shapes.items()}
+    noise = _random_values(shapes, gen)
+    x = torch.randn(9, 3, generator=gen, dtype=torch.float64)
+    y = torch.randn(9, 2, generator=gen, dtype=torch.float64)
+    perms = sym.sample_permutations(sizes, 7, generator=gen)
+    g = [torch.randperm(d, generator=gen) for d in sizes]
+    g_inv = [sym.invert_permutation(a) for a in g]
+    # π_j ↦ g π_j g⁻¹, as index maps: compose(g⁻¹, compose(π_j, g))
+    perms_g = [sym.compose_permutations(gi.expand_as(p), sym.compose_permutations(p, gg.expand_as(p)))
+               for p, gg, gi in zip(perms, g, g_inv)]
+    with pb._local_params.local_params(model):
+        nll, gap = symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=20)
+        move = lambda v: sym.apply_permutation(v, groups, g)  # noqa: E731
+        nll_g, gap_g = symmetrized_terms(model, move(locs), move(scales), x, y, move(noise), groups,
+                                         perms_g, num_data=20)
+    assert nll_g.item() == pytest.approx(nll.item(), rel=1e-10)
+    assert gap_g.item() == pytest.approx(gap.item(), rel=1e-10, abs=1e-12)
+    assert 0 < gap.item() <= math.log(8)
+    kl = lambda lc, sc: sum(torch.distributions.kl_divergence(  # noqa: E731
+        dist.Normal(lc[k], sc[k]).to_event(lc[k].dim()), model.site_prior(k).to_event(0)) for k in lc)
+    assert kl(move(locs), move(scales)).item() == pytest.approx(kl(locs, scales).item(), rel=1e-12)
+
+
+def test_one_permutation_is_exactly_meanfield():
+    data = pb.datasets.digits()
+    net = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))
+    torch.manual_seed(0)
+    model = pb.BNN(net)
+    mf, sy = pb.guides.MeanField(model), pb.guides.Symmetrized(model, num_permutations=1)
+    x, y = data.x_train[:50], data.y_train[:50]
+    with pb._local_params.local_params(model, mf, sy):
+        for guide in (mf, sy):
+            pb.training.setup_guide(model, guide, x, y, 1000)
+        torch.manual_seed(7)
+        ref = meanfield_loss(model, mf, x, y, 1000, num_particles=2)
+        torch.manual_seed(7)
+        loss, extras = sy.make_objective(num_particles=2)(model, sy, x, y, num_data=1000)
+    assert torch.equal(loss, ref)
+    assert extras["elbo"].item() == extras["symmetrized_elbo"].item() == -ref.item()
+
+
+def test_fit_reports_both_elbos_and_predicts_with_base_guide():
+    data = pb.datasets.digits()
+    torch.manual_seed(0)
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 12), nn.ReLU(), nn.Linear(12, 10)))
+    guide = pb.guides.Symmetrized(model, num_permutations=5, init_scale=0.05)
+    res = pb.fit(model, guide, data.train, epochs=2, batch_size=128, lr=1e-2, progress=False, seed=0)
+    h = res.history
+    assert len(h["elbo"]) == len(h["symmetrized_elbo"]) == len(h["entropy_gap"]) == 2
+    for e, s, gap in zip(h["elbo"], h["symmetrized_elbo"], h["entropy_gap"]):
+        assert s == pytest.approx(e + gap, rel=1e-5)
+        assert gap <= math.log(5) + 1e-6
+    assert h["loss"][-1] == pytest.approx(-h["symmetrized_elbo"][-1])
+    probs = pb.predict(model, guide, data.x_test[:20], num_samples=4)
+    assert probs.shape == (4, 20, 10)
+    assert torch.allclose(probs.sum(-1), torch.ones(4, 20), atol=1e-5)
+    assert "symmetrized" in pb.guides.registered_guides()
+
+
+def test_declared_symmetry_for_toy_with_fixed_output_weights():
+    net = nn.Sequential(nn.Linear(1, 2, bias=False), nn.ReLU(), nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        net[2].weight.fill_(1.0)
+    net[2].weight.requires_grad_(False)
+    model = pb.BNN(net, "gaussian", noise=0.4, stochastic=["0.weight"])
+    x = torch.rand(40, 1) * 20 - 10
+    y = 0.1 * x.abs()
+    auto = pb.guides.Symmetrized(model, num_permutations=2)
+    declared = pb.guides.Symmetrized(model, num_permutations=2, permutations=[{"0.weight": 0}])
+    for guide in (auto, declared):
+        pb.fit(model, guide, (x, y), epochs=1, batch_size=10, lr=5e-3, progress=False, seed=0)
+    assert auto.symmetry() == []   # the fixed output weights hide the symmetry from discovery
+    assert declared.symmetry() == [{"net.0.weight": 0}]
+    assert not net[2].weight.requires_grad and torch.all(model.net[2].weight == 1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_symmetrized_fit_on_cuda():
+    data = pb.datasets.digits()
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 12), nn.ReLU(), nn.Linear(12, 10)))
+    guide = pb.guides.Symmetrized(model, num_permutations=4)
+    res = pb.fit(model, guide, data.train, epochs=1, batch_size=128, device="cuda", progress=False)
+    assert math.isfinite(res.history["symmetrized_elbo"][-1])
+    terms = pb.symmetrized_elbo(model, guide, data.train, num_permutations=8, num_samples=2,
+                                return_terms=True)
+    assert math.isfinite(terms["symmetrized_elbo"])
