@@ -1,56 +1,150 @@
-"""``pyro-bnn``: the main job — train a BNN on the offline default data and report metrics."""
+"""``pyro-bnn``: the main job — compare every registered guide and write a report folder.
+
+By default it trains each guide in :func:`pyro_bnn.guides.registered_guides` on the offline
+digits data (1,348 train / 449 test 8×8 images, an MLP 64-100-10), prints the comparison
+table and writes ``pyro-bnn-report/``: ``table.md``, ``table.csv``, ``metrics.json``,
+``reliability.png``, ``entropy.png``, ``forest.png`` and ``datatrees/<guide>.nc``
+(see :mod:`pyro_bnn.report`).  ``--smoke`` runs the whole pipeline in seconds.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 
 import torch
 from torch import nn
 
 from . import datasets
-from .guides.base import GUIDE_REGISTRY
+from .compare import compare
+from .guides.base import registered_guides
 from .model import BNN
-from .prediction import evaluate
-from .training import fit
+from .report import markdown_table, write_report
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "GUIDE_DEFAULTS"]
+
+#: Per-guide settings of the main job (tuned so that all guides finish within 10 minutes on
+#: 2 CPU cores).  Guides registered later without an entry use ``epochs`` from the command
+#: line (default ``DEFAULT_EPOCHS``) and library defaults.
+GUIDE_DEFAULTS: dict[str, dict] = {
+    "meanfield": {"epochs": 60, "lr": 1e-2},
+    "symmetrized": {"epochs": 60, "lr": 1e-2},
+    "hypernet": {"epochs": 60, "lr": 1e-3, "model": {"weight_norm": True}, "fit": {"clip_norm": 10.0}},
+    "laplace": {"epochs": 60, "lr": 1e-2, "predict": "glm"},
+}
+DEFAULT_EPOCHS = 40
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pyro-bnn", description=__doc__)
-    p.add_argument("--dataset", choices=["digits", "mnist"], default="digits")
-    p.add_argument("--data-dir", default="../shared/data/mnist", help="folder with MNIST IDX files")
-    p.add_argument("--guide", default="meanfield", help=f"one of {sorted(GUIDE_REGISTRY)}")
-    p.add_argument("--epochs", type=int, default=100)
+    p = argparse.ArgumentParser(prog="pyro-bnn", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", choices=["digits", "mnist", "toy"], default="digits",
+                   help="digits (offline, bundled with scikit-learn), mnist (IDX files in --data-dir; "
+                        "5,000 train / 5,000 test) or toy (Blundell et al.'s 1-D regression)")
+    p.add_argument("--data-dir", default="../shared/data/mnist", help="folder with the MNIST IDX files")
+    p.add_argument("--guides", default=None,
+                   help=f"comma-separated guide names (default: all registered: {','.join(registered_guides())})")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="epochs for every guide (default: tuned per guide, see GUIDE_DEFAULTS)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--hidden", type=int, default=100)
-    p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=100, help="hidden units of the MLP")
+    p.add_argument("--num-samples", type=int, default=100, help="posterior draws for test predictions")
+    p.add_argument("--loo-samples", type=int, default=200, help="draws in each DataTree (ELBO, ELPD-LOO)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default="pyro-bnn-report", help="report folder")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, at most 2)")
+    p.add_argument("--smoke", action="store_true", help="tiny data and 1 epoch: checks the pipeline")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
+def _data(args):
+    if args.dataset == "toy":
+        x_tr, y_tr = datasets.toy_regression(64, seed=args.seed)
+        x_te, y_te = datasets.toy_regression(64, seed=args.seed + 1)
+        split = datasets.DataSplit(x_tr, y_tr, x_te, y_te)
+    elif args.dataset == "mnist":
+        split = datasets.mnist_split(args.data_dir)
+    else:
+        split = datasets.digits(seed=args.seed)
+    if args.smoke:
+        split = datasets.DataSplit(split.x_train[:200], split.y_train[:200], split.x_test[:100],
+                                   split.y_test[:100])
+    return split
+
+
+def _model_fn(args, split):
+    d_in = split.x_train.shape[1]
+    regression = args.dataset == "toy"
+    hidden = 16 if args.smoke else args.hidden
+
+    def model_fn(name: str):
+        options = dict(GUIDE_DEFAULTS.get(name, {}).get("model", {}))
+        if regression:
+            net = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+            return BNN(net, likelihood="gaussian", noise=0.05, **options)
+        net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        return BNN(net, likelihood="categorical", **options)
+
+    return model_fn
+
+
+def _settings(args, names):
+    epochs, lr, fit_kw, predict = {}, {}, {}, {}
+    for name in names:
+        cfg = GUIDE_DEFAULTS.get(name, {})
+        epochs[name] = 1 if args.smoke else (args.epochs or cfg.get("epochs", DEFAULT_EPOCHS))
+        lr[name] = cfg.get("lr", 1e-3)
+        fit_kw[name] = dict(cfg.get("fit", {}))
+        predict[name] = cfg.get("predict", "sample")
+    return epochs, lr, fit_kw, predict
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    torch.manual_seed(args.seed)
-    split = datasets.digits() if args.dataset == "digits" else datasets.mnist_split(args.data_dir)
-    d_in = split.x_train.shape[1]
-    net = nn.Sequential(nn.Linear(d_in, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
-    model = BNN(net, likelihood="categorical")
-    if args.guide not in GUIDE_REGISTRY:
-        print(f"unknown guide {args.guide!r}; choose from {sorted(GUIDE_REGISTRY)}", file=sys.stderr)
+    t_start = time.perf_counter()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    else:
+        torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    registry = registered_guides()
+    names = list(registry) if args.guides is None else [g.strip() for g in args.guides.split(",") if g.strip()]
+    unknown = [g for g in names if g not in registry]
+    if unknown:
+        print(f"unknown guide(s) {unknown}; choose from {sorted(registry)}", file=sys.stderr)
         return 2
-    guide = GUIDE_REGISTRY[args.guide](model)
-    result = fit(model, guide, split.train, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                 device=args.device, seed=args.seed, progress=not args.no_progress)
-    scores = evaluate(model, guide, split.x_test, split.y_test, num_samples=args.num_samples)
-    scores["train_seconds"] = result.seconds
-    print(json.dumps({"dataset": args.dataset, "guide": args.guide, **scores}, indent=2))
-    return 0
+    try:
+        split = _data(args)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    epochs, lr, fit_kw, predict = _settings(args, names)
+    num_samples = 10 if args.smoke else args.num_samples
+    loo_samples = 64 if args.smoke else args.loo_samples
+    result = compare(_model_fn(args, split), names, split, epochs=epochs, lr=lr,
+                     batch_size=args.batch_size, num_samples=num_samples, loo_samples=loo_samples,
+                     device=args.device, seed=args.seed, progress=not args.no_progress,
+                     fit_options=fit_kw, predict_method=predict, details=True)
+    settings = {k: v for k, v in vars(args).items()}
+    settings.update(epochs=epochs, lr=lr, fit_options=fit_kw, predict_method=predict,
+                    num_samples=num_samples, loo_samples=loo_samples,
+                    num_train=len(split.x_train), num_test=len(split.x_test))
+    written = write_report(result, args.out, num_samples=num_samples, settings=settings)
+    wall = time.perf_counter() - t_start
+    _add_wall_time(written["metrics_json"], wall)
+    print(markdown_table(result.table))
+    print(f"report written to {args.out}/ ({len(written)} files) in {wall:.1f} s")
+    return 1 if result.table.get("error") is not None and result.table["error"].notna().all() else 0
+
+
+def _add_wall_time(path, seconds: float) -> None:
+    payload = json.loads(path.read_text())
+    payload["wall_seconds"] = seconds
+    path.write_text(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":  # pragma: no cover

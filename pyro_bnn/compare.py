@@ -36,7 +36,7 @@ import torch
 from . import metrics
 from .datasets import DataSplit
 from .guides.base import registered_guides
-from .prediction import predictive_samples
+from .prediction import PredictiveSamples, predict, predictive_samples
 from .training import FitResult, fit
 
 __all__ = ["compare", "Comparison", "GuideRun", "count_variational_parameters", "as_split"]
@@ -149,18 +149,21 @@ def _loo_columns(dt) -> dict:
 
     out = {"elpd_loo": math.nan, "elpd_loo_se": math.nan, "pareto_k_bad": math.nan,
            "elpd_loo_psis": math.nan}
+    notes = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             res = loo_approximate(dt, pointwise=True)
             out["elpd_loo"], out["elpd_loo_se"] = float(res.elpd), float(res.se)
             out["pareto_k_bad"] = float((res.pareto_k.values > res.good_k).mean())
-        except (ValueError, FloatingPointError):  # identical draws: PSIS is undefined
-            pass
+        except (ValueError, FloatingPointError) as exc:  # e.g. identical draws: PSIS undefined
+            notes.append(f"loo_approximate_posterior: {exc}")
         try:
             out["elpd_loo_psis"] = float(arviz_stats.loo(dt).elpd)
-        except (ValueError, FloatingPointError):
-            pass
+        except (ValueError, FloatingPointError) as exc:
+            notes.append(f"loo: {exc}")
+    for note in notes:
+        warnings.warn(f"ELPD-LOO not computed ({note})", RuntimeWarning, stacklevel=3)
     return out
 
 
@@ -175,8 +178,20 @@ def _log_evidence(guide) -> float:
         return math.nan
 
 
+def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSamples:
+    """A guide's own predictive (``pb.predict(method=...)``) as :class:`PredictiveSamples`."""
+    values = predict(model, guide, x, num_samples=num_samples, method=method)
+    if values.dim() == 2:
+        values = values.unsqueeze(0)
+    lik = getattr(model, "likelihood", None)
+    if lik is not None and not lik.is_classification:
+        return PredictiveSamples("gaussian", loc=values, scale=lik.noise.detach().expand_as(values))
+    kind = "bernoulli" if getattr(lik, "name", "") == "bernoulli" else "categorical"
+    return PredictiveSamples(kind, probs=values)
+
+
 def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_samples, loo_samples,
-             device, seed, progress, guide_kw, fit_kw) -> GuideRun:
+             device, seed, progress, guide_kw, fit_kw, predict_method) -> GuideRun:
     from .arviz import to_arviz
 
     run = GuideRun(name)
@@ -189,8 +204,12 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     run.fit = fit(model, guide, split.train, epochs=epochs, batch_size=batch_size, lr=lr,
                   device=device, seed=seed, progress=progress, **fit_kw)
     t0 = time.perf_counter()
-    out = predictive_samples(model, guide, split.x_test, num_samples=num_samples)
+    if predict_method == "sample":
+        out = predictive_samples(model, guide, split.x_test, num_samples=num_samples)
+    else:
+        out = _method_predictive(model, guide, split.x_test, num_samples, predict_method)
     run.metrics["predict_seconds"] = time.perf_counter() - t0
+    run.metrics["predictive"] = predict_method
     y_test = split.y_test.to(out.probs.device if out.probs is not None else out.loc.device)
     if out.kind == "categorical":
         scores = metrics.classification_metrics(out.probs, y_test)
@@ -220,7 +239,8 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
             batch_size: int = 64, lr: float | Mapping[str, float] = 1e-3, num_samples: int = 100,
             loo_samples: int = 200, device=None, seed: int = 0, progress: bool = True,
             guide_options: Mapping[str, dict] | None = None,
-            fit_options: Mapping[str, dict] | None = None, errors: str = "record",
+            fit_options: Mapping[str, dict] | None = None,
+            predict_method: str | Mapping[str, str] = "sample", errors: str = "record",
             details: bool = False) -> pd.DataFrame | Comparison:
     """Train each guide on a fresh model from ``model_fn`` and tabulate test metrics, ELBO,
     ELPD-LOO and timings.
@@ -254,6 +274,10 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     guide_options, fit_options : dict, optional
         ``{guide: {option: value}}`` passed to the guide factory / :func:`pyro_bnn.fit`
         (e.g. ``{"laplace": {"marglik": {...}}}`` or ``{"hypernet": {"clip_norm": 10}}``).
+    predict_method : str or dict
+        ``"sample"`` (Monte Carlo over guide draws, every guide) or a guide's own predictive
+        (``{"laplace": "glm"}``), one value or ``{guide: method}``; recorded in the
+        ``predictive`` column.  The ``DataTree`` always holds guide draws.
     errors : {"record", "raise"}
         On a failing guide, record the error in its row (and warn) or re-raise.
     details : bool
@@ -288,7 +312,8 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
                 batch_size=batch_size, lr=float(_per_guide(lr, name, 1e-3)), num_samples=num_samples,
                 loo_samples=loo_samples, device=device, seed=seed, progress=progress,
                 guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
-                fit_kw=dict(_per_guide(fit_options, name, {}) or {}))
+                fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
+                predict_method=str(_per_guide(predict_method, name, "sample")))
         except Exception as exc:
             if errors == "raise":
                 raise
@@ -300,7 +325,8 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
 
 
 _ORDER = ["accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "elbo", "log_evidence", "elpd_loo",
-          "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "train_seconds", "predict_seconds", "num_params"]
+          "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "train_seconds", "predict_seconds", "num_params",
+          "predictive"]
 
 
 def _table(runs: Mapping[str, GuideRun]) -> pd.DataFrame:

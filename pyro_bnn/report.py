@@ -142,35 +142,36 @@ def entropy_figure(entropies: Mapping[str, Mapping[str, np.ndarray]], num_classe
 
 
 def _forest_selection(dts: Mapping[str, object]):
-    """Output-layer bias and the output weights from hidden unit 0, where present."""
-    common = None
+    """Output-layer bias and the output weights from hidden unit 0, of the guides sharing them.
+
+    Sites differ between parametrisations (a weight-norm model has ``weight_g`` sites), so
+    the site shared by most guides wins; guides without it are left out of the plot.
+    """
+    counts: dict[str, int] = {}
+    order: list[str] = []
     for dt in dts.values():
-        names = set(dt["posterior"].data_vars)
-        common = names if common is None else common & names
-    candidates = [v for v in next(iter(dts.values()))["posterior"].data_vars if v in (common or ())]
-    if not candidates:
+        for v in dt["posterior"].data_vars:
+            counts[v] = counts.get(v, 0) + 1
+            if v not in order:
+                order.append(v)
+    if not order:
         return [], {}
-    vectors = [v for v in candidates if dt_dims(dts, v) == 1]
+    best = max(counts.values())
+    candidates = [v for v in order if counts[v] == best]
+    first = next(dt for dt in dts.values() if candidates[0] in dt["posterior"].data_vars)["posterior"]
+    vectors = [v for v in candidates if first[v].ndim == 3]
     last = vectors[-1] if vectors else candidates[-1]
     layer = last.rsplit(".", 1)[0]
     chosen, coords = [last], {}
     weight = f"{layer}.weight"
-    if weight in candidates and weight != last:
+    if weight in candidates and weight != last and f"{layer}.in" in first[weight].dims:
         chosen.append(weight)
-        in_dim = f"{layer}.in"
-        if in_dim in next(iter(dts.values()))["posterior"][weight].dims:
-            coords[in_dim] = [0]
-    for v in chosen:  # cap long vectors at 10 entries
-        for dim in next(iter(dts.values()))["posterior"][v].dims[2:]:
-            size = next(iter(dts.values()))["posterior"].sizes[dim]
-            if dim not in coords and size > 10:
+        coords[f"{layer}.in"] = [0]
+    for v in chosen:  # at most 10 entries along each remaining dim
+        for dim in first[v].dims[2:]:
+            if dim not in coords and first.sizes[dim] > 10:
                 coords[dim] = list(range(10))
     return chosen, coords
-
-
-def dt_dims(dts, var) -> int:
-    """Number of non-sample dims of ``var`` in the first DataTree."""
-    return next(iter(dts.values()))["posterior"][var].ndim - 2
 
 
 def forest_figure(datatrees: Mapping[str, object], var_names=None, coords=None):
@@ -309,7 +310,7 @@ def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
             extra["forest"] = {"var_names": names, "guides": shown}
         for name, dt in dts.items():
             path = out / "datatrees" / f"{name}.nc"
-            dt.to_netcdf(path, engine="h5netcdf")
+            dt.to_netcdf(path)
             written[f"datatree_{name}"] = path
     payload = {
         "settings": dict(settings or {}),
