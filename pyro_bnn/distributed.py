@@ -41,7 +41,7 @@ __all__ = [
     "DistributedOptions", "DistributedState", "default_backend", "torchrun_env",
     "init_process_group", "is_distributed", "is_main_process", "get_rank", "get_world_size",
     "all_reduce_sum_", "all_reduce_mean_", "all_reduce_sums", "broadcast_seed", "local_batch_size",
-    "ShardedTensorBatches", "shard_loader", "set_epoch", "start", "launch_local", "find_free_port",
+    "ShardedTensorBatches", "shard_loader", "unpadded_shard", "set_epoch", "start", "launch_local", "find_free_port",
 ]
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -219,6 +219,11 @@ class DistributedState:
         all_reduce_mean_(t)
         return dict(zip(keys, t.tolist()))
 
+    def curvature_data(self, loader):
+        """``(data, reduce_fn)`` for a pass over the whole data set split across ranks:
+        this rank's :func:`unpadded_shard` and :func:`all_reduce_sums` (Laplace hooks)."""
+        return unpadded_shard(loader, self.rank, self.world_size), all_reduce_sums
+
     def wrap(self, module: torch.nn.Module, x, y) -> torch.nn.Module:
         """``module`` in ``DistributedDataParallel`` (its parameters must already exist)."""
         from torch.nn.parallel import DistributedDataParallel
@@ -377,6 +382,40 @@ def shard_loader(data, batch_size: int, state: DistributedState, *, shuffle: boo
         y = None if y is None else y.to(device)
     return ShardedTensorBatches(x, y, local, num_replicas=state.world_size, rank=state.rank,
                                 shuffle=shuffle, seed=state.seed)
+
+
+def unpadded_shard(loader, rank: int, world_size: int):
+    """This rank's examples ``rank, rank + W, ...``, each exactly once over all ranks, unshuffled.
+
+    For passes whose per-rank sums are all-reduced (curvature, evidence): unlike the
+    training shards, which a ``DistributedSampler`` pads with repeated examples when ``W``
+    does not divide ``N``, these shards add up to the data set exactly.
+
+    Parameters
+    ----------
+    loader : ShardedTensorBatches or DataLoader
+        The training loader ``fit`` built (its ``dataset`` is the whole data set).
+    rank, world_size : int
+
+    Returns
+    -------
+    TensorBatches or DataLoader
+        Strided views of the tensors, or a ``DataLoader`` over a ``Subset``; same batch size.
+    """
+    from torch.utils.data import Subset
+
+    from .data import TensorBatches
+
+    if isinstance(loader, ShardedTensorBatches):
+        y = None if loader.y is None else loader.y[rank::world_size]
+        return TensorBatches(loader.x[rank::world_size], y, loader.batch_size, shuffle=False)
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(loader, DataLoader) and dataset is not None:
+        subset = Subset(dataset, range(rank, len(dataset), world_size))
+        return DataLoader(subset, batch_size=loader.batch_size or 1, collate_fn=loader.collate_fn,
+                          num_workers=loader.num_workers)
+    raise TypeError(f"expected the loader fit builds (ShardedTensorBatches or DataLoader), "
+                    f"got {type(loader).__name__}")
 
 
 def set_epoch(loader, epoch: int) -> None:

@@ -72,10 +72,10 @@ class Bernoulli(Likelihood):
     def validate(self, y, f=None):
         if y.numel() and not torch.all((y == 0) | (y == 1)):
             raise ValueError("bernoulli targets must be 0 or 1; got other values")
-        if f is not None and y.shape != f.shape:
+        if f is not None and y.shape[1:] != f.shape[1:]:
             raise ValueError(
-                f"bernoulli targets must have the network output's shape {tuple(f.shape)}, "
-                f"got {tuple(y.shape)}"
+                f"bernoulli targets must have shape (N, {', '.join(map(str, f.shape[1:]))}) like "
+                f"the network output, got {tuple(y.shape)}"
             )
 
 
@@ -116,10 +116,10 @@ class Gaussian(Likelihood):
     def validate(self, y, f=None):
         if not y.is_floating_point():
             raise TypeError(f"gaussian likelihood expects floating-point targets, got {y.dtype}")
-        if f is not None and y.shape != f.shape:
+        if f is not None and y.shape[1:] != f.shape[1:]:
             raise ValueError(
-                f"targets must have the network output's shape {tuple(f.shape)}, got "
-                f"{tuple(y.shape)} (for one output use y of shape (N, 1))"
+                f"targets must have shape (N, {', '.join(map(str, f.shape[1:]))}) like the network "
+                f"output, got {tuple(y.shape)} (for one output use y of shape (N, 1))"
             )
 
 

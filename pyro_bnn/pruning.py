@@ -53,6 +53,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 
+import pyro
 import torch
 from pyro.nn import PyroModule
 from torch import nn
@@ -333,7 +334,7 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
     if predictive not in ("sample", "mean"):
         raise ValueError(f"predictive must be 'sample' or 'mean', got {predictive!r}")
     score = scores(guide, kind, model, x[:1])
-    torch.manual_seed(seed)
+    pyro.set_rng_seed(seed)
     latents = draw_latents(model, guide, x, num_samples) if predictive == "sample" else None
     out = {"kind": kind, "fraction": [], "accuracy": [], "nll": [], "num_pruned": []}
     previous = model.__dict__.get(_HANDLE_ATTR)

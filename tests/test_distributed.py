@@ -30,19 +30,29 @@ def _data():
     return x, y
 
 
-def _meanfield():
+def _model_and_guide(kind):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     model = pb.BNN(net, "categorical").double()
-    return model, pb.guides.MeanField(model, init_scale=0.05)
+    if kind == "meanfield":
+        return model, pb.guides.MeanField(model, init_scale=0.05)
+    if kind == "symmetrized":      # K-1 random permutations per step: must agree across ranks
+        return model, pb.guides.Symmetrized(model, num_permutations=3, init_scale=0.05)
+    return model, pb.guides.Laplace(model, "kron")
 
 
-def _fit_meanfield(**kw):
-    model, guide = _meanfield()
+def _fit(kind, **kw):
+    """Train with a fixed seed, global batch 16, no shuffling; (guide state, history, evidence)."""
+    model, guide = _model_and_guide(kind)
+    extra = {"marglik": {"every": 1, "steps": 10, "lr": 0.1}} if kind == "laplace" else {}
     result = pb.fit(model, guide, _data(), epochs=EPOCHS, batch_size=GLOBAL_BATCH, lr=0.02,
-                    seed=SEED, shuffle=False, progress=False, **kw)
+                    seed=SEED, shuffle=False, progress=False, **extra, **kw)
     state = {k: v.detach().clone() for k, v in guide.state_dict().items()}
-    return state, result.history
+    evidence = float(guide.log_evidence()) if kind == "laplace" else None
+    return state, result.history, evidence
+
+
+KINDS = ("meanfield", "symmetrized", "laplace")
 
 
 def _curvature_evidence(structure, loader):
@@ -73,11 +83,13 @@ def _worker(rank, out_dir):
     calls = []
     real_save = pb.training.save_checkpoint
     pb.training.save_checkpoint = lambda *a, **k: (calls.append(1), real_save(*a, **k))
-    state, history = _fit_meanfield(distributed=True, checkpoint=os.path.join(out_dir, "ckpt.pt"))
+    fits = {"meanfield": _fit("meanfield", distributed=True,
+                              checkpoint=os.path.join(out_dir, "ckpt.pt"))}
+    fits.update({k: _fit(k, distributed=True) for k in KINDS[1:]})
     x, y = _data()
     shard = pbd.ShardedTensorBatches(x.float(), y, 8, num_replicas=2, rank=rank, shuffle=True)
     evidence = {s: _curvature_evidence(s, shard) for s in STRUCTURES}
-    torch.save({"state": state, "history": history, "saves": len(calls), "evidence": evidence,
+    torch.save({"fits": fits, "saves": len(calls), "evidence": evidence,
                 "world": pbd.get_world_size(), "main": pbd.is_main_process()},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -90,25 +102,38 @@ def two_ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
 
 
-def test_two_gloo_processes_match_one_process(two_ranks):
+def test_only_rank0_checkpoints(two_ranks):
     (r0, r1), out = two_ranks
-    ref_state, ref_history = _fit_meanfield()
     assert (r0["world"], r1["world"], r0["main"], r1["main"]) == (2, 2, True, False)
-    assert (r0["saves"], r1["saves"]) == (EPOCHS, 0)           # only rank 0 checkpoints
+    assert (r0["saves"], r1["saves"]) == (EPOCHS, 0)
     assert (out / "ckpt.pt").exists()
-    assert ref_state.keys() == r0["state"].keys()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_gloo_processes_match_one_process(two_ranks, kind):
+    (r0, r1), _ = two_ranks
+    ref_state, ref_history, ref_evidence = _fit(kind)
+    state0, history0, evidence0 = r0["fits"][kind]
+    state1, _, evidence1 = r1["fits"][kind]
+    assert ref_state.keys() == state0.keys()
     for k, ref in ref_state.items():
-        assert torch.equal(r0["state"][k], r1["state"][k]), k   # DDP keeps ranks identical
-        torch.testing.assert_close(r0["state"][k], ref, rtol=1e-9, atol=1e-9, msg=k)
-    init = _initial_state()
+        assert torch.equal(state0[k], state1[k]), k              # DDP keeps ranks identical
+        torch.testing.assert_close(state0[k], ref, rtol=1e-9, atol=1e-9, msg=k)
+    init = _initial_state(kind)
     moved = max((ref - init[k]).abs().max().item() for k, ref in ref_state.items())
     assert moved > 1e-2                                            # training did move them
-    torch.testing.assert_close(torch.tensor(r0["history"]["loss"]),
-                               torch.tensor(ref_history["loss"]), rtol=1e-9, atol=0)
+    for name in ("loss", "elbo", "log_evidence"):                  # histories are global
+        if name in ref_history:
+            torch.testing.assert_close(torch.tensor(history0[name]), torch.tensor(ref_history[name]),
+                                       rtol=1e-9, atol=0, msg=name)
+    if kind == "laplace":
+        assert "log_evidence" in ref_history
+        for ev in (evidence0, evidence1):
+            assert abs(ev - ref_evidence) <= 1e-6 * abs(ref_evidence), (ev, ref_evidence)
 
 
-def _initial_state():
-    model, guide = _meanfield()
+def _initial_state(kind):
+    model, guide = _model_and_guide(kind)
     pb.fit(model, guide, _data(), epochs=0, batch_size=GLOBAL_BATCH, progress=False, seed=SEED)
     return guide.state_dict()
 
@@ -143,7 +168,7 @@ def test_without_group_helpers_are_single_process():
 def test_fit_distributed_without_torchrun_says_how_to_launch(monkeypatch):
     for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(v, raising=False)
-    model, guide = _meanfield()
+    model, guide = _model_and_guide("meanfield")
     with pytest.raises(ValueError, match="torchrun"):
         pb.fit(model, guide, _data(), epochs=1, distributed=True, progress=False)
     with pytest.raises(TypeError, match="DistributedOptions"):

@@ -26,7 +26,7 @@ from .. import marglik as ml
 from .._local_params import local_params
 from ..curvature import (STRUCTURES, accumulate_curvature, find_layers, functional_covariance,
                          glm_predictive, likelihood_kind, network_output)
-from ..data import as_tensors, make_loader, split_batch
+from ..data import TensorBatches, make_loader, split_batch
 from ..likelihoods import Gaussian
 from .base import init_to_network, register_guide
 from .laplace_objective import LaplaceMAPObjective
@@ -226,14 +226,14 @@ class Laplace(AutoGuide):
         """
         model = self.base_model
         with local_params(model, self):
-            first = next(iter(make_loader(data, batch_size or self.curvature_batch_size, shuffle=False)))
+            first = next(iter(_batches(data, batch_size or self.curvature_batch_size)))
             x0, y0 = split_batch(first)
             device = self._device(x0)
             self._ensure_setup(x0.to(device), None if y0 is None else y0.to(device))
             values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
             kind, noise = likelihood_kind(model, values, x0[:2].to(device))
             self._fixed_noise = None if noise is None else noise.detach()
-            loader = make_loader(data, batch_size or self.curvature_batch_size, shuffle=False)
+            loader = _batches(data, batch_size or self.curvature_batch_size)
             self.posterior = accumulate_curvature(
                 self.layers, loader, lambda x: network_output(model, values, x), kind,
                 self.structure, device=device, reduce_fn=reduce_fn)
@@ -315,7 +315,7 @@ class Laplace(AutoGuide):
             if self._marglik:
                 ctx.history.setdefault("log_evidence", []).append(float("nan"))
             return
-        self.fit_curvature(ctx.loader)
+        self.fit_curvature(**_curvature_source(ctx))
         value = self._hyper_steps(int(self._marglik["steps"]), float(self._marglik["lr"]),
                                   params=self._hyper, optimizer=self._hyper_opt)
         ctx.history.setdefault("log_evidence", []).append(value)
@@ -342,7 +342,7 @@ class Laplace(AutoGuide):
         if getattr(self, "_noise_frozen", False):
             lik.log_noise.requires_grad_(True)
         self._best = self._hyper = self._hyper_opt = None
-        self.fit_curvature(ctx.loader)
+        self.fit_curvature(**_curvature_source(ctx))
 
     # ------------------------------------------------------------- predictive
     def predict(self, model, x, method: str = "glm", num_samples: int = 100, batch_size: int = 256,
@@ -378,6 +378,18 @@ class Laplace(AutoGuide):
                 scale, lambda xb: network_output(model, values, xb.to(device)), x, batch_size)
 
 
+def _batches(data, batch_size):
+    """Unshuffled batches of ``data``; loaders (also ``fit``'s own) are used as they are."""
+    if isinstance(data, TensorBatches):
+        return TensorBatches(data.x, data.y, batch_size, shuffle=False)
+    try:
+        return make_loader(data, batch_size, shuffle=False)
+    except TypeError:
+        if hasattr(data, "__iter__"):
+            return data
+        raise
+
+
 def _normal_precision(fn, value) -> torch.Tensor:
     """Elementwise 1/σ² of a (possibly Independent/expanded) Normal prior, else ones."""
     d = fn
@@ -395,3 +407,13 @@ def _concat_deltas(layers, deltas):
 
 
 register_guide("laplace", lambda model, **kw: Laplace(model, **kw))
+
+
+def _curvature_source(ctx) -> dict:
+    """``fit_curvature`` arguments in a fit hook.  Under ``fit(distributed=True)`` each rank
+    reads its share of the data and the sums are all-reduced (:mod:`pyro_bnn.distributed`),
+    so curvature and evidence equal the single-process ones."""
+    if getattr(ctx, "distributed", None) is None:
+        return {"data": ctx.loader}
+    data, reduce_fn = ctx.distributed.curvature_data(ctx.loader)
+    return {"data": data, "reduce_fn": reduce_fn}

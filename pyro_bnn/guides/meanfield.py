@@ -74,9 +74,8 @@ class MeanField(AutoNormal):
         the closed-form KL.  Constrained sites go through ``AutoNormal``'s transform."""
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
-        if any(site["fn"].support is not dist.constraints.real
-               and not isinstance(site["fn"].support, type(dist.constraints.real))
-               for _, site in self.prototype_trace.iter_stochastic_nodes()):
+        if not all(_is_real(site["fn"].support)
+                   for _, site in self.prototype_trace.iter_stochastic_nodes()):
             return super().forward(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
         result = {}
@@ -92,6 +91,12 @@ class MeanField(AutoNormal):
 
     def make_objective(self, num_particles: int = 1):
         return MeanFieldELBO(num_particles)
+
+
+def _is_real(support) -> bool:
+    while hasattr(support, "base_constraint"):
+        support = support.base_constraint
+    return support is dist.constraints.real
 
 
 register_guide("meanfield", lambda model, **kw: MeanField(model, **kw))

@@ -1,0 +1,25 @@
+import os
+
+import pyro
+import pytest
+import torch
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    pyro.set_rng_seed(0)
+    pyro.clear_param_store()
+    yield
+
+
+@pytest.fixture(scope="session")
+def digits_small():
+    import pyro_bnn as pb
+
+    d = pb.datasets.digits()
+    return d.x_train[:300], d.y_train[:300], d.x_test[:100], d.y_test[:100]

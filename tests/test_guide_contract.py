@@ -1,0 +1,111 @@
+"""Contract tests every guide must pass: fit, predict shapes, state_dict round-trip, devices.
+
+Parametrised over Pyro's own autoguides and every guide in the pyro_bnn registry, so a
+new guide joins these tests by calling ``register_guide``.
+"""
+
+import pyro
+import pytest
+import torch
+from helpers import HandWritten, mlp
+from pyro.infer.autoguide import AutoDelta, AutoLowRankMultivariateNormal, AutoNormal
+
+import pyro_bnn as pb
+from pyro_bnn.guides import init_to_network, registered_guides
+from pyro_bnn.training import setup_guide
+
+PYRO_GUIDES = {
+    "AutoNormal": lambda m: AutoNormal(m, init_loc_fn=init_to_network(m), init_scale=0.01),
+    "AutoDelta": lambda m: AutoDelta(m, init_loc_fn=init_to_network(m)),
+    "AutoLowRankMultivariateNormal": lambda m: AutoLowRankMultivariateNormal(
+        m, init_loc_fn=init_to_network(m), init_scale=0.01, rank=4),
+}
+ALL_GUIDES = {**PYRO_GUIDES, **registered_guides()}
+
+
+def _make(name, model):
+    return ALL_GUIDES[name](model)
+
+
+def _bnn():
+    torch.manual_seed(0)
+    return pb.BNN(mlp(), likelihood="categorical")
+
+
+@pytest.mark.parametrize("name", sorted(ALL_GUIDES))
+def test_fit_predict_evaluate(name, digits_small):
+    x, y, xt, yt = digits_small
+    model = _bnn()
+    guide = _make(name, model)
+    result = pb.fit(model, guide, (x, y), epochs=3, batch_size=64, lr=1e-2, progress=False)
+    assert len(result.history["loss"]) == 3
+    assert all(torch.isfinite(torch.tensor(result.history["loss"])))
+    probs = pb.predict(model, guide, xt, num_samples=5, batch_size=33)
+    assert probs.shape == (5, len(xt), 10)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5, len(xt)))
+    scores = pb.evaluate(model, guide, xt, yt, num_samples=5)
+    assert set(scores) >= {"accuracy", "nll", "ece", "brier"}
+    assert 0.0 <= scores["ece"] <= 1.0 and scores["nll"] > 0
+    # three short epochs already beat chance (10%) by a wide margin
+    assert scores["accuracy"] > 0.3
+
+
+@pytest.mark.parametrize("name", sorted(ALL_GUIDES))
+def test_hand_written_model(name, digits_small):
+    x, y, xt, yt = digits_small
+    model = HandWritten()
+    guide = _make(name, model)
+    pb.fit(model, guide, (x, y), epochs=3, batch_size=64, lr=1e-2, progress=False)
+    probs = pb.predict(model, guide, xt, num_samples=4)
+    assert probs.shape == (4, len(xt), 10)
+    scores = pb.evaluate(model, guide, xt, yt, num_samples=4)
+    assert scores["accuracy"] > 0.3
+
+
+@pytest.mark.parametrize("name", sorted(ALL_GUIDES))
+def test_state_dict_round_trip(name, digits_small):
+    x, y, xt, _ = digits_small
+    model = _bnn()
+    guide = _make(name, model)
+    pb.fit(model, guide, (x, y), epochs=1, batch_size=64, progress=False)
+    model2 = _bnn()
+    guide2 = _make(name, model2)
+    setup_guide(model2, guide2, x[:4], y[:4])
+    model2.load_state_dict(model.state_dict())
+    guide2.load_state_dict(guide.state_dict())
+    pyro.set_rng_seed(3)
+    p1 = pb.predict(model, guide, xt, num_samples=3)
+    pyro.set_rng_seed(3)
+    p2 = pb.predict(model2, guide2, xt, num_samples=3)
+    torch.testing.assert_close(p1, p2)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_GUIDES))
+def test_dtype_move_moves_everything(name, digits_small):
+    """``.to(dtype)`` reaches prior buffers and guide parameters (a proxy for ``.to(device)``)."""
+    x, y, xt, _ = digits_small
+    model = _bnn()
+    guide = _make(name, model)
+    setup_guide(model, guide, x[:4], y[:4])
+    model.to(torch.float64)
+    guide.to(torch.float64)
+    for site in model.site_names:
+        assert model.site_prior(site).sample().dtype == torch.float64
+    probs = pb.predict(model, guide, xt.double(), num_samples=2)
+    assert probs.dtype == torch.float64
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(ALL_GUIDES))
+def test_cuda(name, digits_small):
+    x, y, xt, yt = digits_small
+    model = _bnn()
+    guide = _make(name, model)
+    pb.fit(model, guide, (x, y), epochs=2, device="cuda", progress=False)
+    for site in model.site_names:
+        assert model.site_prior(site).sample().is_cuda
+    assert all(p.is_cuda for p in guide.parameters())
+    probs = pb.predict(model, guide, xt, num_samples=3)
+    assert probs.is_cuda and probs.shape == (3, len(xt), 10)
+    assert pb.evaluate(model, guide, xt, yt, num_samples=3)["accuracy"] > 0.2
