@@ -98,7 +98,7 @@ def _worker(rank, out_dir):
 def two_ranks(tmp_path_factory):
     """Run :func:`_worker` on 2 Gloo processes once; the per-rank results and the folder."""
     out = tmp_path_factory.mktemp("ddp")
-    pbd.launch_local(_worker, nprocs=2, args=(str(out),), timeout_s=50)
+    pbd.launch_local(_worker, nprocs=2, args=(str(out),), timeout_s=150)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
 
 
