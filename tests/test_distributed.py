@@ -203,3 +203,33 @@ def test_shards_of_each_batch_form_the_global_batch(shuffle):
         assert sorted(seen) == list(range(20))                 # each example once per epoch
         orders.append(seen)
     assert (orders[0] != orders[1]) == shuffle                 # set_epoch reshuffles
+
+
+def test_unpadded_shards_cover_the_data_exactly_once():
+    x, y = torch.arange(21.0).unsqueeze(1), torch.arange(21)          # 21 = 2·10 + 1
+    seen = []
+    for rank in range(2):
+        train = pbd.ShardedTensorBatches(x, y, 4, num_replicas=2, rank=rank, shuffle=True)
+        assert sum(len(b[1]) for b in train) == 11                     # the sampler pads ...
+        seen += [int(i) for _, yb in pbd.unpadded_shard(train, rank, 2) for i in yb]
+    assert sorted(seen) == list(range(21))                             # ... these shards don't
+
+
+class _Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), i
+
+
+def test_shard_loader_for_datasets_and_loaders():
+    state = pbd.DistributedState(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"),
+                                 backend="gloo", options=pbd.DistributedOptions(), seed=5)
+    loader = pbd.shard_loader(_Squares(), 4, state, shuffle=False)
+    assert isinstance(loader.sampler, torch.utils.data.DistributedSampler)
+    assert [b[1].tolist() for b in loader] == [[1, 3], [5, 7], [9]]   # local batch 4/2
+    assert len(loader.dataset) == 10                                  # global N for scaling
+    assert [b[1].tolist() for b in pbd.unpadded_shard(loader, 1, 2)] == [[1, 3], [5, 7], [9]]
+    with pytest.raises(ValueError, match="DistributedSampler"):
+        pbd.shard_loader(torch.utils.data.DataLoader(_Squares(), batch_size=2), 4, state)
