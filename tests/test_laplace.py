@@ -1,0 +1,222 @@
+"""Laplace guide: exact on Bayesian linear regression, evidence gradients, hyperparameter
+learning, predictives, Pyro-guide behaviour."""
+
+import math
+
+import pyro
+import pytest
+import torch
+from pyro.infer import Predictive
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.guides.laplace_objective import LaplaceMAPObjective
+
+from helpers import HandWritten
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+DELTA, SIGMA = 2.0, 0.5
+
+
+def _blr(structure="kron", n=40, d=3, seed=0):
+    """BLR model with the exact MAP put into the guide; float64 throughout."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)[:d, None] + 0.3 + \
+        SIGMA * torch.randn(n, 1, generator=g, dtype=torch.float64)
+    model = pb.BNN(nn.Linear(d, 1).double(), "gaussian", prior=pb.priors.IIDNormal(DELTA ** -0.5),
+                   noise=SIGMA).double()
+    guide = pb.guides.Laplace(model, structure=structure)
+    sigma = model.likelihood.noise.detach()
+    xt = torch.cat([x, torch.ones(n, 1, dtype=x.dtype)], 1)
+    P = xt.T @ xt / sigma ** 2 + DELTA * torch.eye(d + 1, dtype=x.dtype)
+    w = torch.linalg.solve(P, xt.T @ y[:, 0] / sigma ** 2)
+    guide.fit_curvature((x, y))                                # sets the guide up
+    with torch.no_grad():
+        guide.theta["net__weight"].copy_(w[:d].reshape(1, d))
+        guide.theta["net__bias"].copy_(w[d:])
+    guide.fit_curvature((x, y), batch_size=16)
+    return model, guide, x, y, xt, P, sigma
+
+
+def _closed_form_evidence(xt, y, sigma):
+    cov = sigma ** 2 * torch.eye(len(y), dtype=y.dtype) + xt @ xt.T / DELTA
+    return torch.distributions.MultivariateNormal(torch.zeros(len(y), dtype=y.dtype), cov).log_prob(y[:, 0])
+
+
+@pytest.mark.parametrize("structure", ["kron", "full"])
+def test_blr_evidence_and_posterior_are_exact(structure):
+    model, guide, x, y, xt, P, sigma = _blr(structure)
+    assert torch.allclose(guide.prior_precision.double(), torch.tensor(DELTA, dtype=torch.float64))
+    ev = guide.log_evidence()
+    exact = _closed_form_evidence(xt, y, sigma)
+    assert abs(float(ev) - float(exact)) <= 1e-6 * abs(float(exact))
+    block = guide.posterior.blocks[0]
+    cov = block.covariance(guide.layer_prior_precisions()[0].double(), sigma ** -2)
+    torch.testing.assert_close(cov, torch.linalg.inv(P), rtol=1e-9, atol=1e-12)
+
+
+def test_map_objective_is_stationary_at_exact_map():
+    model, guide, x, y, *_ = _blr("kron")
+    loss, _ = LaplaceMAPObjective()(model, guide, x, y, num_data=len(x))
+    grads = torch.autograd.grad(loss, list(guide.theta.values()))
+    # δ = 1/σ_prior² carries float32 rounding of the prior's σ buffer (~1e-7 relative)
+    assert max(float(g.abs().max()) for g in grads) < 1e-5
+
+
+def test_guide_draws_have_posterior_covariance():
+    model, guide, x, y, xt, P, sigma = _blr("kron")
+    torch.manual_seed(0)
+    draws = torch.stack([torch.cat([v.reshape(-1) for v in pb.prediction.sample_latents(model, guide, x[:2]).values()])
+                         for _ in range(4000)])
+    emp = torch.cov(draws.T)
+    exact = torch.linalg.inv(P)
+    # 4000 draws: relative standard error of a variance ≈ sqrt(2/4000) ≈ 2.2 %
+    assert torch.allclose(torch.diagonal(emp), torch.diagonal(exact), rtol=0.1)
+    assert torch.allclose(draws.mean(0), torch.cat([guide.theta["net__weight"].reshape(-1),
+                                                    guide.theta["net__bias"]]).detach(),
+                          atol=4 * float(torch.diagonal(exact).max().sqrt()) / math.sqrt(4000) * 3)
+
+
+@pytest.mark.parametrize("structure,prior_structure", [("kron", "scalar"), ("kron", "layerwise"),
+                                                       ("diag", "diagonal"), ("full", "layerwise")])
+def test_evidence_gradient_matches_finite_differences(structure, prior_structure):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(40, 3, dtype=torch.float64), torch.randint(0, 3, (40,))
+    model = pb.BNN(net, "categorical").double()
+    guide = pb.guides.Laplace(model, structure=structure, prior_structure=prior_structure,
+                              prior_precision=0.5).fit_curvature((x, y))
+    log_d = guide.log_prior_precision.detach().double().clone()
+    log_d = log_d + 0.1 * torch.randn(log_d.shape, dtype=log_d.dtype)
+    log_d.requires_grad_()
+    ev = guide.log_evidence(log_d.exp())
+    (grad,) = torch.autograd.grad(ev, log_d)
+    eps = 1e-6
+    flat = log_d.detach().reshape(-1)
+    idx = range(flat.numel()) if flat.numel() < 5 else [0, 7, flat.numel() - 1]
+    for i in idx:
+        e = torch.zeros_like(flat)
+        e[i] = eps
+        fd = (guide.log_evidence((flat + e).reshape(log_d.shape).exp())
+              - guide.log_evidence((flat - e).reshape(log_d.shape).exp())) / (2 * eps)
+        assert abs(float(fd) - float(grad.reshape(-1)[i])) < 1e-5 * max(1.0, abs(float(fd)))
+
+
+def test_evidence_gradient_in_noise_matches_finite_differences():
+    model, guide, *_ = _blr("kron")
+    log_s = torch.tensor(math.log(0.7), dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(guide.log_evidence(noise=log_s.exp()), log_s)
+    eps = 1e-6
+    fd = (guide.log_evidence(noise=torch.tensor(math.exp(math.log(0.7) + eps), dtype=torch.float64))
+          - guide.log_evidence(noise=torch.tensor(math.exp(math.log(0.7) - eps), dtype=torch.float64))) / (2 * eps)
+    assert abs(float(fd) - float(grad)) < 1e-6 * max(1.0, abs(float(fd)))
+
+
+def test_optimize_prior_precision_finds_the_evidence_maximum(digits_small):
+    x, y, *_ = digits_small
+    torch.manual_seed(0)
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
+    guide = pb.guides.Laplace(model, "kron")
+    pb.fit(model, guide, (x, y), epochs=5, lr=1e-2, progress=False, seed=0)
+    best = guide.optimize_prior_precision(steps=200, lr=0.1)
+    grid = torch.logspace(-3, 3, 41)
+    values = torch.stack([guide.log_evidence(d) for d in grid]).detach()
+    assert best >= float(values.max()) - 1e-3 * abs(float(values.max()))
+    assert torch.isclose(guide.log_evidence().detach(), torch.tensor(best), rtol=1e-5)
+
+
+def test_fit_predict_glm_and_sample(digits_small):
+    x, y, xt, yt = digits_small
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
+    guide = pb.guides.Laplace(model, "kron")
+    pb.fit(model, guide, (x, y), epochs=3, lr=1e-2, progress=False, seed=0)
+    assert guide.posterior is not None and guide.posterior.num_data == len(x)
+    p1 = pb.predict(model, guide, xt, method="glm", batch_size=7)
+    p2 = pb.predict(model, guide, xt, method="glm", batch_size=1000)
+    assert p1.shape == (1, len(xt), 10)
+    torch.testing.assert_close(p1, p2)
+    torch.testing.assert_close(p1.sum(-1), torch.ones(1, len(xt)))
+    ps = pb.predict(model, guide, xt, num_samples=5)
+    assert ps.shape == (5, len(xt), 10)
+    assert not torch.allclose(ps[0], ps[1])                      # joint posterior draws differ
+    pmc = guide.predict(model, xt, method="glm", link_approx="mc", num_samples=4)
+    assert pmc.shape == (4, len(xt), 10)
+    pred = Predictive(model, guide=guide, num_samples=3, return_sites=["obs"])(xt[:5])
+    assert pred["obs"].shape == (3, 5)
+
+
+def test_online_marglik_keeps_best_state(digits_small):
+    x, y, *_ = digits_small
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
+    guide = pb.guides.Laplace(model, "kron", prior_precision=1.0)
+    res = pb.fit(model, guide, (x, y), epochs=4, lr=1e-2, progress=False, seed=0,
+                 marglik=dict(every=1, burnin=1, steps=20, lr=0.1))
+    ev = res.history["log_evidence"]
+    assert len(ev) == 4 and math.isnan(ev[0]) and all(math.isfinite(v) for v in ev[1:])
+    best = res.history["best_log_evidence"][0]
+    assert best == max(ev[1:])
+    assert float(guide.prior_precision) != 1.0
+    assert abs(float(guide.log_evidence()) - best) < 1e-4 * abs(best)   # best state restored
+
+
+def test_online_marglik_learns_gaussian_noise():
+    torch.manual_seed(0)
+    x = torch.linspace(-2, 2, 80)[:, None]
+    y = torch.sin(2 * x) + 0.2 * torch.randn_like(x)
+    model = pb.BNN(nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1)), "gaussian", noise="learned")
+    guide = pb.guides.Laplace(model, "kron")
+    pb.fit(model, guide, (x, y), epochs=150, lr=1e-2, batch_size=80, progress=False, seed=0,
+           marglik=dict(every=10, burnin=50, steps=50, lr=0.1))
+    assert model.likelihood.log_noise.requires_grad          # unfrozen after fit
+    assert 0.1 < float(model.likelihood.noise) < 0.4         # true σ = 0.2, init 1.0
+    out = pb.predict(model, guide, x, method="glm", num_samples=7)
+    assert out.shape == (7, 80, 1)
+
+
+def test_post_hoc_laplace_of_pretrained_net_and_handwritten_model(digits_small):
+    x, y, *_ = digits_small
+    torch.manual_seed(0)
+    hw = HandWritten(64, 8, 10)
+    # the same weights as a BNN: evidence must agree
+    net = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))
+    model = pb.BNN(net, "categorical")
+    g_bnn = pb.guides.Laplace(model, "kron", prior_precision=2.0).fit_curvature((x, y))
+    g_hw = pb.guides.Laplace(hw, "kron", prior_precision=2.0, init_loc_fn=pyro.infer.autoguide.init_to_value(
+        values={"fc1.weight": net[0].weight.detach(), "fc1.bias": net[0].bias.detach(),
+                "fc2.weight": net[2].weight.detach(), "fc2.bias": net[2].bias.detach()}))
+    g_hw.fit_curvature((x, y))
+    torch.testing.assert_close(g_bnn.map_values()["net.0.weight"], net[0].weight)   # no training
+    torch.testing.assert_close(g_hw.log_evidence(), g_bnn.log_evidence(), rtol=1e-5, atol=1e-3)
+    p = pb.predict(hw, g_hw, x[:5], method="glm")
+    assert p.shape == (1, 5, 10)
+
+
+def test_user_errors():
+    model = pb.BNN(nn.Linear(3, 2), "categorical")
+    with pytest.raises(ValueError, match="structure"):
+        pb.guides.Laplace(model, structure="kfac")
+    with pytest.raises(ValueError, match="kron"):
+        pb.guides.Laplace(model, structure="kron", prior_structure="diagonal")
+    with pytest.raises(ValueError, match="prior_precision"):
+        pb.guides.Laplace(model, prior_precision=-1.0)
+    with pytest.raises(ValueError, match="fit_curvature"):
+        pb.guides.Laplace(model).log_evidence()
+    with pytest.raises(ValueError, match="marglik"):
+        pb.fit(model, pb.guides.Laplace(model), (torch.randn(4, 3), torch.tensor([0, 1, 0, 1])),
+               epochs=1, progress=False, marglik=dict(every=0))
+    assert "laplace" in pb.guides.registered_guides()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda(digits_small):
+    x, y, xt, _ = digits_small
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
+    guide = pb.guides.Laplace(model, "kron")
+    pb.fit(model, guide, (x, y), epochs=2, device="cuda", progress=False,
+           marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
+    assert guide.log_evidence().device.type == "cuda"
+    p = pb.predict(model, guide, xt.cuda(), method="glm")
+    assert p.device.type == "cuda" and p.shape == (1, len(xt), 10)
+    assert pb.predict(model, guide, xt.cuda(), num_samples=2).device.type == "cuda"
