@@ -30,9 +30,14 @@ Discovery (:func:`find_symmetries`) — supported architectures
   permuted, and the ``Conv → Flatten → Linear`` boundary is left alone (a subgroup of the
   true symmetry: still a valid, slightly looser bound).
 
-Anything else (layers called from a hand-written ``forward``, residual connections, fixed
-output weights as in the paper's toy) is declared by the user with the same list-of-dicts
-form and checked by :func:`check_symmetries`.
+* Linear/Conv layers called from a hand-written ``forward`` (not in a Sequential): chained in
+  the order they run on an example batch, and each candidate group is kept only if it is
+  verified numerically (permuting it leaves observation densities and the return value
+  unchanged on random weights).  Layers called twice disable this path.
+
+Anything else (residual connections, fixed output weights as in the paper's toy) is
+declared by the user with the same list-of-dicts form and can be checked with
+:func:`check_symmetries`.
 """
 
 from __future__ import annotations
@@ -89,8 +94,15 @@ def _link(a: nn.Module, b: nn.Module) -> int | None:
     return None
 
 
-def find_symmetries(model: nn.Module, sites: Mapping[str, torch.Size] | Iterable[str]) -> Symmetry:
+def find_symmetries(model: nn.Module, sites: Mapping[str, torch.Size] | Iterable[str],
+                    example: tuple | None = None, example_kwargs: dict | None = None) -> Symmetry:
     """Permutable hidden units of ``model`` whose weights are the random ``sites``.
+
+    Layers inside ``nn.Sequential`` containers are chained structurally.  Other Linear/Conv
+    layers (called from a hand-written ``forward``) are chained in the order they run on
+    ``example`` (model arguments, e.g. ``(x, y)``), and each such candidate group is kept
+    only if permuting it leaves the model's observation densities and return value
+    unchanged on random weights (:func:`check_symmetries`).
 
     Parameters
     ----------
@@ -99,6 +111,9 @@ def find_symmetries(model: nn.Module, sites: Mapping[str, torch.Size] | Iterable
         paths from this root (``"net.0.weight"``).
     sites : mapping site -> shape, or iterable of site names
         The random sites (with shapes, when given, used to check the widths).
+    example, example_kwargs : tuple, dict, optional
+        Arguments of ``model(*example, **example_kwargs)`` for the execution-order
+        discovery (needs shapes).
 
     Returns
     -------
@@ -132,7 +147,52 @@ def find_symmetries(model: nn.Module, sites: Mapping[str, torch.Size] | Iterable
                 continue
             elif not isinstance(child, _CONV_CHAIN if isinstance(prev[1], _CONVS) else _LINEAR_CHAIN):
                 prev = None
+    if example is not None and isinstance(sites, Mapping):
+        groups.extend(_groups_by_execution(model, shapes, covered, example, example_kwargs or {}))
     return groups
+
+
+def _groups_by_execution(model, shapes, covered, example, kwargs) -> Symmetry:
+    """Chain Linear/Conv layers outside Sequentials in call order; keep verified groups."""
+    from pyro import poutine
+
+    layers = {id(m): (path, m) for path, m in model.named_modules()
+              if isinstance(m, (nn.Linear,) + _CONVS) and id(m) not in covered
+              and f"{path}.weight" in shapes}
+    if len(layers) < 2:
+        return []
+    calls: list[int] = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: calls.append(id(mod)))
+             for _, m in layers.values()]
+    gen = torch.Generator().manual_seed(0)
+    device = next((t.device for t in example if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    values = {k: torch.randn(tuple(v), generator=gen).to(device) for k, v in shapes.items()}
+
+    def outputs(vals):
+        tr = poutine.trace(poutine.condition(model, data=vals)).get_trace(*example, **kwargs)
+        parts = [site["fn"].log_prob(site["value"]).reshape(-1) for name, site in tr.nodes.items()
+                 if site["type"] == "sample" and site["is_observed"] and name not in vals]
+        ret = tr.nodes["_RETURN"]["value"]
+        if isinstance(ret, torch.Tensor):
+            parts.append(ret.reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    try:
+        with torch.no_grad():
+            outputs(values)
+    finally:
+        for h in hooks:
+            h.remove()
+    order = [c for c in calls if c in layers]
+    if len(set(order)) != len(order):  # a layer used twice: no simple chain
+        return []
+    candidates = [g for a, b in zip(order, order[1:])
+                  if (g := _group_between(layers[a], layers[b], shapes)) is not None]
+    if not candidates:
+        return []
+    with torch.no_grad():
+        flags = check_symmetries(outputs, values, candidates, generator=gen)
+    return [g for g, ok in zip(candidates, flags) if ok]
 
 
 def _group_between(a, b, shapes) -> dict[str, int] | None:

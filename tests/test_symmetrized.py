@@ -380,3 +380,45 @@ def test_log_density_ratios_match_dense_normal_log_probs():
     got32 = log_density_ratios(f32, {k: v.float() for k, v in locs.items()},
                                {k: v.float() for k, v in scales.items()}, groups, perms)
     assert got32.dtype == torch.float32 and torch.allclose(got32.double(), ref, rtol=1e-4, atol=1e-3)
+
+
+class _CalledInForward(PyroModule):
+    """Layers called from ``forward`` (no Sequential): discovered by execution order + check."""
+
+    def __init__(self, skip: bool = False):
+        super().__init__()
+        self.skip = skip
+        self.fc1 = PyroModule[nn.Linear](3, 4)
+        self.fc2 = PyroModule[nn.Linear](4, 4)
+        self.out = PyroModule[nn.Linear](4, 1)
+        for layer in (self.fc1, self.fc2, self.out):
+            layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand(layer.weight.shape).to_event(2))
+            layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand(layer.bias.shape).to_event(1))
+
+    def forward(self, x, y=None):
+        h = torch.tanh(self.fc1(x))
+        h2 = torch.relu(self.fc2(h))
+        if self.skip:   # a residual connection ties fc1's and fc2's units: no free symmetry
+            h2 = h2 + h
+        f = self.out(h2).squeeze(-1)
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(f, 0.5), obs=y)
+        return f
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_execution_order_discovery_with_numerical_check(skip):
+    torch.manual_seed(0)
+    model = _CalledInForward(skip)
+    guide = pb.guides.Symmetrized(model, num_permutations=3)
+    x, y = torch.randn(16, 3), torch.randn(16)
+    pb.training.setup_guide(model, guide, x, y)
+    full = [{"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1},
+            {"fc2.weight": 0, "fc2.bias": 0, "out.weight": 1}]
+    assert guide.symmetry() == ([] if skip else full)
+
+    def function(values):
+        return poutine.condition(model, data=values)(x)
+
+    values = {k: torch.randn(s) for k, s in guide.site_shapes().items()}
+    assert sym.check_symmetries(function, values, full) == ([False, False] if skip else [True, True])

@@ -104,6 +104,11 @@ class Symmetrized(MeanField):
         super()._setup_prototype(*args, **kwargs)
         if self.declared_permutations is not None:  # fail early on a malformed declaration
             self._symmetry = resolve_symmetries(self.declared_permutations, self.site_shapes())
+        else:
+            example = tuple(a[:8] if isinstance(a, torch.Tensor) and a.dim() else a for a in args)
+            with poutine.block():
+                self._symmetry = find_symmetries(self._original_model[0], self.site_shapes(),
+                                                 example=example, example_kwargs=kwargs)
 
     def site_shapes(self) -> dict[str, torch.Size]:
         """Shapes of the random sites (the guide must be set up)."""
