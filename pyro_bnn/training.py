@@ -36,7 +36,8 @@ class FitResult:
     ----------
     history : dict[str, list[float]]
         Per-epoch ``loss`` (mean minibatch estimate of the full-data negative ELBO),
-        ``elbo`` (its negative), ``epoch_seconds``, and any extras the objective reports.
+        ``elbo`` (its negative, unless the objective reports an ``elbo`` extra itself, as
+        the symmetrised guide does), ``epoch_seconds``, and any extras the objective reports.
     seconds : float
         Wall time of the whole fit.
     """
