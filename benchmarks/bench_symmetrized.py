@@ -119,12 +119,15 @@ def main(argv=None):
     p.add_argument("--lg-permutations", type=int, default=500)
     p.add_argument("--lg-samples", type=int, default=8)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--skip-accuracy", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.epochs, args.steps, args.repeats, args.lg_samples = 1, 1, 10, 2, 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     split = pb.datasets.mnist_split(args.data_dir, 5000, 5000)
     print(f"# MNIST 5k/5k, 784-{args.width}-10, batch {args.batch_size}, device {args.device}, "
           f"torch threads {torch.get_num_threads()}")
