@@ -147,6 +147,8 @@ def invariant_kfac_factors(model, values: dict, x: torch.Tensor, *,
         ``f̂(x)`` of the same forward pass (same augmentation draws).
     """
     layers = kfac_layers(model)
+    # The layer outputs need a graph to take gradients in: weights become leaves if needed.
+    values = {k: v if v.requires_grad else v.detach().requires_grad_() for k, v in values.items()}
     aug = model._modules.get("augmentation")
     s = 1 if aug is None else int(aug.num_samples)
     m = len(x)
@@ -164,8 +166,6 @@ def invariant_kfac_factors(model, values: dict, x: torch.Tensor, *,
     finally:
         for h in hooks:
             h.remove()
-    if not f.requires_grad:
-        raise ValueError("the network output does not depend on its weights (no graph)")
     lam = likelihood_hessian_factor(model.likelihood, f if create_graph else f.detach())
     outs = [outputs[path] for path, *_ in layers]
     grads_per_col = []
