@@ -4,15 +4,18 @@ The two-process checks spawn 2 CPU processes with the Gloo backend on 127.0.0.1 
 port) through :func:`pyro_bnn.distributed.launch_local`, which kills them on failure or
 timeout.  Both ranks share the seed, so they draw the same weight sample each step; each
 rank scales its half of the global batch by ``N / (M/2)`` and DDP averages the gradients,
-which gives exactly the single-process gradient of the global batch ``M``.  We compare in
-float64, where the only difference is the summation order: tolerance 1e-9 (relative to the
-parameter scale) after 30 Adam steps.
+which gives exactly the single-process gradient of the global batch ``M``.  We compare
+guide parameters after 30 Adam steps in float64 (MeanField, Symmetrized, Laplace), where the
+only difference is the summation order: tolerance 1e-9 (observed ~1e-15); the float32-only
+guides (Hypernet, Pyro's AutoNormal through Trace_ELBO) to 1e-5 (observed ~5e-7).  The Laplace
+evidence must agree to 1e-6 relative, end to end and for the raw float32 KFAC/diag/full sums.
 """
 
 from __future__ import annotations
 
 import os
 
+import pyro
 import pytest
 import torch
 from torch import nn
@@ -21,6 +24,7 @@ import pyro_bnn as pb
 from pyro_bnn import distributed as pbd
 
 N, GLOBAL_BATCH, EPOCHS, SEED = 96, 16, 5, 123
+FLOAT32_KINDS = ("hypernet", "autonormal")
 
 
 def _data():
@@ -32,8 +36,13 @@ def _data():
 
 def _model_and_guide(kind):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    model = pb.BNN(net, "categorical").double()
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    if kind in FLOAT32_KINDS:           # flows are float32-only; Pyro's own Trace_ELBO path
+        model = pb.BNN(net, "categorical")
+        if kind == "hypernet":
+            return model, pb.guides.Hypernet(model, full=True, num_flows=2, hidden=16)
+        return model, pyro.infer.autoguide.AutoNormal(model)
+    model = pb.BNN(net.double(), "categorical").double()
     if kind == "meanfield":
         return model, pb.guides.MeanField(model, init_scale=0.05)
     if kind == "symmetrized":      # K-1 random permutations per step: must agree across ranks
@@ -41,18 +50,20 @@ def _model_and_guide(kind):
     return model, pb.guides.Laplace(model, "kron")
 
 
-def _fit(kind, **kw):
+def _fit(kind, epochs=EPOCHS, **kw):
     """Train with a fixed seed, global batch 16, no shuffling; (guide state, history, evidence)."""
     model, guide = _model_and_guide(kind)
     extra = {"marglik": {"every": 1, "steps": 10, "lr": 0.1}} if kind == "laplace" else {}
-    result = pb.fit(model, guide, _data(), epochs=EPOCHS, batch_size=GLOBAL_BATCH, lr=0.02,
+    x, y = _data()
+    x = x.float() if kind in FLOAT32_KINDS else x
+    result = pb.fit(model, guide, (x, y), epochs=epochs, batch_size=GLOBAL_BATCH, lr=0.02,
                     seed=SEED, shuffle=False, progress=False, **extra, **kw)
     state = {k: v.detach().clone() for k, v in guide.state_dict().items()}
-    evidence = float(guide.log_evidence()) if kind == "laplace" else None
+    evidence = float(guide.log_evidence()) if kind == "laplace" and epochs else None
     return state, result.history, evidence
 
 
-KINDS = ("meanfield", "symmetrized", "laplace")
+KINDS = ("meanfield", "symmetrized", "laplace", "hypernet", "autonormal")
 
 
 def _curvature_evidence(structure, loader):
@@ -116,16 +127,17 @@ def test_two_gloo_processes_match_one_process(two_ranks, kind):
     state0, history0, evidence0 = r0["fits"][kind]
     state1, _, evidence1 = r1["fits"][kind]
     assert ref_state.keys() == state0.keys()
+    tol = 1e-5 if kind in FLOAT32_KINDS else 1e-9
     for k, ref in ref_state.items():
         assert torch.equal(state0[k], state1[k]), k              # DDP keeps ranks identical
-        torch.testing.assert_close(state0[k], ref, rtol=1e-9, atol=1e-9, msg=k)
+        torch.testing.assert_close(state0[k], ref, rtol=tol, atol=tol, msg=k)
     init = _initial_state(kind)
     moved = max((ref - init[k]).abs().max().item() for k, ref in ref_state.items())
     assert moved > 1e-2                                            # training did move them
     for name in ("loss", "elbo", "log_evidence"):                  # histories are global
         if name in ref_history:
             torch.testing.assert_close(torch.tensor(history0[name]), torch.tensor(ref_history[name]),
-                                       rtol=1e-9, atol=0, msg=name)
+                                       rtol=tol, atol=0, msg=name)
     if kind == "laplace":
         assert "log_evidence" in ref_history
         for ev in (evidence0, evidence1):
@@ -133,9 +145,7 @@ def test_two_gloo_processes_match_one_process(two_ranks, kind):
 
 
 def _initial_state(kind):
-    model, guide = _model_and_guide(kind)
-    pb.fit(model, guide, _data(), epochs=0, batch_size=GLOBAL_BATCH, progress=False, seed=SEED)
-    return guide.state_dict()
+    return _fit(kind, epochs=0)[0]
 
 
 @pytest.mark.parametrize("structure", STRUCTURES)
