@@ -1,0 +1,156 @@
+"""Bad input gets clear errors; NaN losses stop fit without losing the trained state; checkpoints."""
+
+import math
+
+import pytest
+import torch
+from helpers import mlp
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.training import setup_guide
+
+
+def _model():
+    torch.manual_seed(0)
+    return pb.BNN(mlp(8, 6, 3))
+
+
+def test_labels_out_of_range():
+    model = _model()
+    x, y = torch.randn(20, 8), torch.randint(0, 3, (20,))
+    y[4] = 7
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\].*\[0, 7\]"):
+        pb.fit(model, pb.guides.MeanField(model), (x, y), epochs=1, progress=False)
+    guide = pb.guides.MeanField(model)
+    with pytest.raises(ValueError, match="no parameters yet"):
+        pb.predict(model, guide, x, num_samples=2)
+    pb.fit(model, guide, (x[:3], y[:3]), epochs=1, progress=False)
+    with pytest.raises(ValueError, match="labels must lie"):
+        pb.evaluate(model, guide, x, y, num_samples=2)
+
+
+def test_float_labels_for_categorical():
+    model = _model()
+    with pytest.raises(TypeError, match="integer class labels"):
+        pb.fit(model, pb.guides.MeanField(model), (torch.randn(5, 8), torch.rand(5)), epochs=1, progress=False)
+
+
+def test_wrong_input_width():
+    model = _model()
+    with pytest.raises(ValueError, match="input has 5 features.*expects 8"):
+        pb.fit(model, pb.guides.MeanField(model), (torch.randn(10, 5), torch.randint(0, 3, (10,))),
+               epochs=1, progress=False)
+
+
+def test_wrong_conv_input():
+    model = pb.BNN(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(2 * 6 * 6, 3)))
+    with pytest.raises(ValueError, match=r"shape \(N, 1, H, W\)"):
+        pb.fit(model, pb.guides.MeanField(model), (torch.randn(4, 64), torch.randint(0, 3, (4,))),
+               epochs=1, progress=False)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_data(bad):
+    model = _model()
+    x = torch.randn(10, 8)
+    x[3, 2] = bad
+    with pytest.raises(ValueError, match="x contains 1 NaN/inf"):
+        pb.fit(model, pb.guides.MeanField(model), (x, torch.randint(0, 3, (10,))), epochs=1, progress=False)
+    guide = pb.guides.MeanField(model)
+    pb.fit(model, guide, (x[4:], torch.randint(0, 3, (6,))), epochs=1, progress=False)
+    with pytest.raises(ValueError, match="NaN/inf"):
+        pb.predict(model, guide, x, num_samples=1)
+
+
+def test_regression_targets_shape():
+    model = pb.BNN(nn.Linear(3, 1), likelihood="gaussian", noise=0.1)
+    with pytest.raises(ValueError, match=r"shape \(N, 1\)"):
+        pb.fit(model, pb.guides.MeanField(model), (torch.randn(6, 3), torch.randn(6)), epochs=1, progress=False)
+
+
+def test_no_random_parameters():
+    with pytest.raises(ValueError, match="no parameter selected as random"):
+        pb.BNN(nn.Sequential(nn.ReLU()))
+    with pytest.raises(ValueError, match="lacks"):
+        pb.BNN(nn.Linear(2, 2), stochastic=["net.3.weight"])
+
+
+def test_bad_likelihood_and_prior():
+    with pytest.raises(ValueError, match="likelihood must be"):
+        pb.BNN(nn.Linear(2, 2), likelihood="poisson")
+    with pytest.raises(TypeError, match="prior must be"):
+        pb.BNN(nn.Linear(2, 2), prior=3.0)
+    with pytest.raises(ValueError, match="noise must be"):
+        pb.BNN(nn.Linear(2, 1), likelihood="gaussian", noise=-1.0)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        pb.BNN("not a net")
+
+
+def test_nan_loss_stops_with_epoch_and_restores_state():
+    model = pb.BNN(nn.Linear(3, 1), likelihood="gaussian", noise=1e-3)
+    guide = pb.guides.MeanField(model)
+    x, y = torch.randn(32, 3), torch.randn(32, 1)
+    pb.fit(model, guide, (x, y), epochs=1, batch_size=8, progress=False)
+    before = {k: v.clone() for k, v in guide.state_dict().items()}
+
+    calls = {"n": 0}
+
+    def objective(model, guide, x, y, num_data=None):  # turns NaN in the 3rd step of epoch 1
+        calls["n"] += 1
+        loss = guide.make_objective()(model, guide, x, y, num_data)
+        return loss * math.nan if calls["n"] == 3 else loss
+
+    with pytest.raises(FloatingPointError, match=r"epoch 1 \(step 3\)"):
+        pb.fit(model, guide, (x, y), epochs=2, batch_size=8, progress=False, objective=objective)
+    for k, v in guide.state_dict().items():
+        assert torch.isfinite(v).all()
+        torch.testing.assert_close(v, before[k])
+
+
+def test_checkpoint_written_atomically_and_loads(tmp_path, digits_small):
+    x, y, xt, _ = digits_small
+    model = pb.BNN(mlp())
+    guide = pb.guides.MeanField(model)
+    path = tmp_path / "ckpt" / "run.pt"
+    pb.fit(model, guide, (x, y), epochs=2, progress=False, checkpoint=path)
+    assert path.exists() and not list(path.parent.glob(".tmp-*"))
+    model2 = pb.BNN(mlp())
+    guide2 = pb.guides.MeanField(model2)
+    state = pb.load_checkpoint(path, model2, guide2, example_x=x[:2], example_y=y[:2])
+    assert state["epoch"] == 2 and len(state["history"]["loss"]) == 2
+    torch.manual_seed(1)
+    a = pb.predict(model, guide, xt, num_samples=2)
+    torch.manual_seed(1)
+    b = pb.predict(model2, guide2, xt, num_samples=2)
+    torch.testing.assert_close(a, b)
+
+
+def test_dataset_and_dataloader_inputs(digits_small):
+    x, y, _, _ = digits_small
+    model = pb.BNN(mlp())
+    guide = pb.guides.MeanField(model)
+    ds = torch.utils.data.TensorDataset(x, y)
+    r1 = pb.fit(model, guide, ds, epochs=1, progress=False)
+    loader = torch.utils.data.DataLoader(ds, batch_size=50, shuffle=True)
+    r2 = pb.fit(model, guide, loader, epochs=1, progress=False)
+    assert math.isfinite(r1.final_loss) and math.isfinite(r2.final_loss)
+    with pytest.raises(TypeError, match="data must be"):
+        pb.fit(model, guide, [1, 2, 3], epochs=1, progress=False)
+
+
+def test_pretrained_weights_are_the_initial_means():
+    torch.manual_seed(0)
+    net = mlp(8, 6, 3)
+    model = pb.BNN(net)
+    guide = pb.guides.MeanField(model, init_scale=1e-3)
+    setup_guide(model, guide, torch.randn(2, 8), torch.randint(0, 3, (2,)))
+    from pyro_bnn._local_params import local_params
+
+    with local_params(model, guide):
+        for name, p in net.named_parameters():
+            torch.testing.assert_close(guide.loc_and_scale(f"net.{name}")[0].detach(), p.detach())
+            torch.testing.assert_close(guide.loc_and_scale(f"net.{name}")[1].detach(),
+                                       torch.full_like(p, 1e-3))
+    # the user's network is left untouched (still a plain module with parameters)
+    assert type(net) is nn.Sequential and len(list(net.parameters())) == 4
