@@ -278,3 +278,31 @@ def test_invariant_kfac_and_learning_on_cuda():
     x, y = torch.rand(40, 64, device="cuda"), torch.randint(0, 3, (40,), device="cuda")
     res = learn_invariance(model, (x, y), epochs=2, burnin=1, batch_size=20)
     assert math.isfinite(res.history["log_evidence"][-1])
+
+
+def test_laplace_guide_learns_eta_online_and_uses_averaged_curvature():
+    """The issue's user API: pb.fit(model, Laplace, marglik=...) moves η by the evidence."""
+    d = transformed_digits("rotate", math.pi)
+    x, y = d.x_train[:150], d.y_train[:150]
+    aug = AffineAugmentation(num_samples=3)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 12), nn.Tanh(), nn.Linear(12, 10))
+    model = pb.BNN(net, "categorical", augmentation=aug)
+    guide = pb.guides.Laplace(model, structure="kron")
+    res = pb.fit(model, guide, (x, y), epochs=3, batch_size=50, lr=1e-2, progress=False,
+                 marglik=dict(every=1, burnin=1, steps=5, lr=0.1))
+    assert len(res.history["extent"]) == 2 and aug.extent.abs().sum() > 0.1
+    assert not aug.eta.requires_grad
+    # the guide's curvature of the invariant model at η = 0 equals the plain model's
+    aug0 = AffineAugmentation(num_samples=3)
+    aug0.eta.requires_grad_(True)                 # differentiable path, η = 0
+    inv = pb.BNN(net, "categorical", augmentation=aug0)
+    plain = pb.BNN(net, "categorical")
+    blocks = []
+    for m in (inv, plain):
+        g = pb.guides.Laplace(m, structure="kron")
+        g.fit_curvature((x, y))
+        blocks.append(g.posterior.blocks)
+    for b_inv, b_plain in zip(*blocks):
+        assert torch.allclose(b_inv.A, b_plain.A, rtol=1e-4, atol=1e-4)
+        assert torch.allclose(b_inv.G, b_plain.G, rtol=1e-4, atol=1e-6)

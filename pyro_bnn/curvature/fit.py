@@ -57,7 +57,8 @@ def _batch_sums(layers, a, g, structure):
 
 def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, kind: str,
                          structure: str = "kron", *, device=None,
-                         reduce_fn: Callable[[dict], dict] | None = None) -> CurvatureFit:
+                         reduce_fn: Callable[[dict], dict] | None = None,
+                         num_augmentations: int = 1) -> CurvatureFit:
     """GGN curvature (``structure``) and log-likelihood at fixed weights over ``batches``.
 
     Parameters
@@ -73,6 +74,8 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
         Batches are moved there.
     reduce_fn : callable, optional
         Applied to the flat dict of sums before finalising (distributed all-reduce).
+    num_augmentations : int
+        ``S`` copies per example averaged inside ``run`` (invariant models, LILA).
     """
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
@@ -84,7 +87,8 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
                 raise ValueError("curvature needs targets: data must be (x, y)")
             if device is not None:
                 x, y = x.to(device), y.to(device)
-            f, a, g = capture_factors(layers, lambda: run(x), lambda out: hessian_columns(kind, out))
+            f, a, g = capture_factors(layers, lambda: run(x), lambda out: hessian_columns(kind, out),
+                                      num_augmentations=num_augmentations)
             part = _batch_sums(layers, a, g, structure)
             part.update({f"loglik/{k}": v for k, v in log_likelihood_terms(kind, f, y).items()})
             part["num_data"] = torch.tensor(float(len(x)), dtype=f.dtype, device=f.device)

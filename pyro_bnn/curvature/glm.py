@@ -27,7 +27,7 @@ __all__ = ["functional_covariance", "probit_probs", "glm_predictive"]
 
 
 def functional_covariance(layers: list[Layer], blocks: list, deltas: list, scale, run: Callable,
-                          x: torch.Tensor, batch_size: int = 256):
+                          x: torch.Tensor, batch_size: int = 256, num_augmentations: int = 1):
     """``f(x; θ*)`` (``(N, C)``) and ``Σ_f = J P⁻¹ Jᵀ`` (``(N, C, C)``), batch by batch."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -36,7 +36,8 @@ def functional_covariance(layers: list[Layer], blocks: list, deltas: list, scale
     with torch.enable_grad():
         for start in range(0, len(x), batch_size):
             xb = x[start:start + batch_size]
-            f, a, g = capture_factors(layers, lambda: run(xb), identity_columns)
+            f, a, g = capture_factors(layers, lambda: run(xb), identity_columns,
+                                      num_augmentations=num_augmentations)
             if dense:
                 J = per_example_gradients(layers, a, g)
                 cov = blocks[0].functional_variance_dense(J, deltas[0], scale)

@@ -236,7 +236,8 @@ class Laplace(AutoGuide):
             loader = _batches(data, batch_size or self.curvature_batch_size)
             self.posterior = accumulate_curvature(
                 self.layers, loader, lambda x: network_output(model, values, x), kind,
-                self.structure, device=device, reduce_fn=reduce_fn)
+                self.structure, device=device, reduce_fn=reduce_fn,
+                num_augmentations=_num_augmentations(model))
         return self
 
     def _device(self, x):
@@ -309,6 +310,9 @@ class Laplace(AutoGuide):
             self._hyper = self._hyper_params(None if not self._noise_frozen else True)
             leaves = [p for p in self._hyper if p is not None]
             self._hyper_opt = torch.optim.Adam(leaves, lr=float(self._marglik["lr"]))
+            # A learnable augmentation (LILA): η follows the evidence too (pyro_bnn.invariance).
+            from ..invariance.learning import guide_eta_optimizer
+            self._eta_opt = guide_eta_optimizer(self.base_model, self._marglik["lr"])
 
     def on_epoch_end(self, ctx):
         if not ml.marglik_due(ctx.epoch, self._marglik):
@@ -320,6 +324,11 @@ class Laplace(AutoGuide):
                                   params=self._hyper, optimizer=self._hyper_opt)
         ctx.history.setdefault("log_evidence", []).append(value)
         ctx.history.setdefault("prior_precision", []).append(float(self.prior_precision.mean()))
+        if getattr(self, "_eta_opt", None) is not None:
+            from ..invariance.learning import guide_eta_step
+            guide_eta_step(self, self.base_model, _batches(ctx.loader, self.curvature_batch_size),
+                           self._eta_opt, seed=ctx.epoch)
+            ctx.history.setdefault("extent", []).append(self.base_model.augmentation.extent.tolist())
         if self._best is None or value > self._best[0]:
             self._best = (value, self._state_copy())
 
@@ -341,7 +350,7 @@ class Laplace(AutoGuide):
             ctx.history["best_log_evidence"] = [self._best[0]]
         if getattr(self, "_noise_frozen", False):
             lik.log_noise.requires_grad_(True)
-        self._best = self._hyper = self._hyper_opt = None
+        self._best = self._hyper = self._hyper_opt = self._eta_opt = None
         self.fit_curvature(**_curvature_source(ctx))
 
     # ------------------------------------------------------------- predictive
@@ -375,7 +384,8 @@ class Laplace(AutoGuide):
             _, _, scale = self._kind_and_scale()
             return functional_covariance(
                 self.layers, self.posterior.blocks, [d.detach() for d in deltas],
-                scale, lambda xb: network_output(model, values, xb.to(device)), x, batch_size)
+                scale, lambda xb: network_output(model, values, xb.to(device)), x, batch_size,
+                num_augmentations=_num_augmentations(model))
 
 
 def _batches(data, batch_size):
@@ -388,6 +398,12 @@ def _batches(data, batch_size):
         if hasattr(data, "__iter__"):
             return data
         raise
+
+
+def _num_augmentations(model) -> int:
+    """``S`` copies averaged by an invariant model (``pb.BNN(..., augmentation=)``), else 1."""
+    aug = getattr(model, "_modules", {}).get("augmentation")
+    return int(getattr(aug, "num_samples", 1)) if aug is not None else 1
 
 
 def _normal_precision(fn, value) -> torch.Tensor:

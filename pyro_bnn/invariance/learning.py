@@ -25,13 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..data import split_batch
 from ..guides.meanfield import _run_with_values
 from ..likelihoods import log_likelihood
 from .evidence import (_seeded, accumulate_factors, batch_surrogate, eigen_factors,
                        log_evidence)
 from .kfac import kfac_layers
 
-__all__ = ["METHODS", "InvarianceResult", "learn_invariance", "evidence_step", "map_predict"]
+__all__ = ["METHODS", "InvarianceResult", "learn_invariance", "evidence_step", "map_predict",
+           "learnable_augmentation", "guide_eta_optimizer", "guide_eta_step"]
 
 METHODS = ("lila", "augerino", "none")
 
@@ -81,9 +83,9 @@ def _batches(x, y, batch_size, generator=None):
         yield x[j], y[j]
 
 
-def evidence_step(model, values: dict, x: torch.Tensor, y: torch.Tensor, log_delta: torch.Tensor, *,
+def evidence_step(model, values: dict, batches, log_delta: torch.Tensor, *,
                   delta_optimizer=None, delta_steps: int = 0, eta_optimizer=None,
-                  batch_size: int = 256, seed: int = 0) -> float:
+                  seed: int = 0) -> float:
     """One hyperparameter step: refit KFAC, update ``log δ`` (closed form) and ``η`` (batched).
 
     Parameters
@@ -92,10 +94,14 @@ def evidence_step(model, values: dict, x: torch.Tensor, y: torch.Tensor, log_del
         With an augmentation whose ``η`` ``eta_optimizer`` updates (``None``: δ only).
     values : dict
         MAP weights.
-    x, y : Tensor
-        The training data (iterated in batches of ``batch_size``; never one big graph).
-    log_delta : Tensor, shape (L,), requires grad
-        Log prior precisions, updated in place by ``delta_optimizer`` (``delta_steps`` steps).
+    batches : sequence of (x, y)
+        The training data in minibatches, iterated twice in the same order (never one
+        big graph: memory of one batch).
+    log_delta : Tensor, shape (L,)
+        Log prior precisions per layer; updated in place by ``delta_optimizer``
+        (``delta_steps`` Adam steps on the closed-form evidence) when one is given.
+    eta_optimizer : torch.optim.Optimizer, optional
+        Over the augmentation's ``η``; takes one step up the evidence gradient.
     seed : int
         Base seed of the augmentation draws; both passes replay the same draws.
 
@@ -104,9 +110,9 @@ def evidence_step(model, values: dict, x: torch.Tensor, y: torch.Tensor, log_del
     float
         Log evidence per datum at the start of the ``η`` step (after the ``δ`` steps).
     """
-    n = len(x)
+    batches = [(xb, yb) for xb, yb in batches]
+    n = sum(len(xb) for xb, _ in batches)
     vals = {k: v.detach().requires_grad_() for k, v in values.items()}
-    batches = list(_batches(x, y, batch_size))
     seeds = [seed + i for i in range(len(batches))]
     aug = model._modules.get("augmentation")
     with _eta_grad(aug, False):
@@ -250,10 +256,10 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
         if epoch > burnin and (epoch - burnin) % every == 0:
             for _ in range(eta_steps):
                 th = time.perf_counter()
-                ev = evidence_step(model, values, x, y, log_delta, delta_optimizer=delta_opt,
-                                   delta_steps=delta_steps,
+                ev = evidence_step(model, values, _batches(x, y, mb), log_delta,
+                                   delta_optimizer=delta_opt, delta_steps=delta_steps,
                                    eta_optimizer=eta_opt if method == "lila" else None,
-                                   batch_size=mb, seed=int(torch.randint(0, 2**31 - 1, (1,),
+                                   seed=int(torch.randint(0, 2**31 - 1, (1,),
                                                                           generator=gen)))
                 hist["hyper_seconds"].append(time.perf_counter() - th)
                 hist["log_evidence"].append(ev)
@@ -276,3 +282,40 @@ def map_predict(model, values: dict, x: torch.Tensor, batch_size: int = 512) -> 
         out.append(torch.softmax(f, -1) if model.likelihood.name == "categorical"
                    else torch.sigmoid(f) if model.likelihood.name == "bernoulli" else f)
     return torch.cat(out)
+
+
+# ----------------------------------------------------------- Laplace-guide integration
+def learnable_augmentation(model):
+    """The model's augmentation if invariance learning may train it, else ``None``."""
+    modules = getattr(model, "_modules", {})
+    aug = modules.get("augmentation") if isinstance(modules, dict) else None
+    if aug is None or not getattr(aug, "learnable", False) or not hasattr(aug, "eta"):
+        return None
+    return aug
+
+
+def guide_eta_optimizer(model, lr: float):
+    """Adam over ``η`` for the online schedule of a Laplace guide (``None``: nothing to learn)."""
+    aug = learnable_augmentation(model)
+    return None if aug is None else torch.optim.Adam([aug.eta], lr=float(lr))
+
+
+def guide_eta_step(guide, model, batches, optimizer, seed: int = 0) -> float:
+    """One evidence-gradient step on ``η`` at a Laplace guide's MAP and prior precisions.
+
+    Called by :class:`pyro_bnn.guides.Laplace` in ``fit(..., marglik=...)`` when the model
+    has a learnable augmentation (after its ``δ`` steps).  ``batches``: unshuffled
+    ``(x, y)`` minibatches of the training data.  Returns the log evidence per datum.
+    """
+    values = guide.map_values()
+    device = next(iter(values.values())).device
+    site_delta = {}
+    for layer, d in zip(guide.layers, guide.layer_prior_precisions()):
+        if d.dim() != 0:
+            raise ValueError("learning an augmentation with a Laplace guide needs a scalar or "
+                             f"layer-wise prior precision, got one of shape {tuple(d.shape)}")
+        for s in layer.sites:
+            site_delta[s] = d.detach()
+    deltas = torch.stack([site_delta[w] for _, _, w, _ in kfac_layers(model)])
+    data = [(xb.to(device), yb.to(device)) for xb, yb in (split_batch(b) for b in batches)]
+    return evidence_step(model, values, data, deltas.log(), eta_optimizer=optimizer, seed=seed)
