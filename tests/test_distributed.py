@@ -243,3 +243,22 @@ def test_shard_loader_for_datasets_and_loaders():
     assert [b[1].tolist() for b in pbd.unpadded_shard(loader, 1, 2)] == [[1, 3], [5, 7], [9]]
     with pytest.raises(ValueError, match="DistributedSampler"):
         pbd.shard_loader(torch.utils.data.DataLoader(_Squares(), batch_size=2), 4, state)
+
+
+def test_laplace_refuses_to_learn_an_augmentation_across_ranks():
+    from pyro_bnn.invariance import AffineAugmentation
+    from pyro_bnn.training import FitContext
+
+    aug = AffineAugmentation(num_samples=2, image_shape=(1, 4, 4))
+    model = pb.BNN(nn.Linear(16, 3), "categorical", augmentation=aug)
+    guide = pb.guides.Laplace(model)
+    x, y = torch.rand(4, 16), torch.tensor([0, 1, 2, 0])
+    pb.training.setup_guide(model, guide, x, y)
+    state = pbd.DistributedState(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"),
+                                 backend="gloo", options=pbd.DistributedOptions())
+    ctx = FitContext(model, guide, None, 4, torch.device("cpu"), 1,
+                     options={"marglik": {"steps": 1}}, distributed=state)
+    with pytest.raises(ValueError, match="learnable augmentation"):
+        guide.on_fit_start(ctx)
+    ctx.distributed = None
+    guide.on_fit_start(ctx)                                           # one process: fine

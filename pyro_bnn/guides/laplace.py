@@ -313,6 +313,11 @@ class Laplace(AutoGuide):
             # A learnable augmentation (LILA): η follows the evidence too (pyro_bnn.invariance).
             from ..invariance.learning import guide_eta_optimizer
             self._eta_opt = guide_eta_optimizer(self.base_model, self._marglik["lr"])
+            if self._eta_opt is not None and getattr(ctx, "distributed", None) is not None:
+                raise ValueError(
+                    "fit(distributed=True, marglik=...) expected a model without a learnable "
+                    "augmentation: learning η across ranks is not supported yet (its evidence "
+                    "gradient is not all-reduced, see docs/distributed.md); got one")
 
     def on_epoch_end(self, ctx):
         if not ml.marglik_due(ctx.epoch, self._marglik):
