@@ -1,0 +1,273 @@
+"""pb.to_arviz and per-draw guide densities, for every registered guide and Pyro autoguides.
+
+Each guide is trained once (module fixture) on 200 digits with a 64-4-10 MLP; the DataTree
+holds 60 draws on 120 training points, enough for PSIS (tail of at least 5 draws).
+"""
+
+import math
+import warnings
+from contextlib import contextmanager
+
+import arviz as az
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import xarray as xr
+from helpers import HandWritten
+from pyro import poutine
+from pyro.infer.autoguide import AutoDelta, AutoLowRankMultivariateNormal, AutoNormal
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.arviz import loo_approximate
+from pyro_bnn.guide_density import guide_log_density, sample_with_log_density
+from pyro_bnn.guides import init_to_network, registered_guides
+
+S, N = 60, 120
+PYRO_GUIDES = {
+    "AutoNormal": lambda m: AutoNormal(m, init_loc_fn=init_to_network(m), init_scale=0.01),
+    "AutoLowRank": lambda m: AutoLowRankMultivariateNormal(m, init_loc_fn=init_to_network(m),
+                                                           init_scale=0.01, rank=2),
+    "AutoDelta": lambda m: AutoDelta(m, init_loc_fn=init_to_network(m)),
+}
+ALL = {**registered_guides(), **PYRO_GUIDES}
+#: guides whose draws differ (a point mass makes every draw identical: PSIS is undefined)
+SPREAD = sorted(n for n in ALL if n != "AutoDelta")
+
+
+@contextmanager
+def quiet():
+    """ArviZ warns about large Pareto k for high-dimensional approximate posteriors."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(64, 4), nn.ReLU(), nn.Linear(4, 10))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread avoids OpenMP spin-waits on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data():
+    d = pb.datasets.digits()
+    return d.x_train[:200], d.y_train[:200]
+
+
+@pytest.fixture(scope="module")
+def trained(data):
+    """{name: (model, guide, DataTree)} trained once per module."""
+    x, y = data
+    out = {}
+    for name, factory in ALL.items():
+        pyro.set_rng_seed(0)
+        model = pb.BNN(_mlp(), likelihood="categorical")
+        guide = factory(model)
+        pb.fit(model, guide, (x, y), epochs=4, batch_size=50, lr=1e-2, progress=False, seed=0)
+        dt = pb.to_arviz(model, guide, x[:N], y[:N], num_samples=S, batch_size=50, seed=1)
+        out[name] = (model, guide, dt)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_groups_and_dims(name, trained):
+    model, _, dt = trained[name]
+    assert {"posterior", "log_likelihood", "posterior_predictive", "observed_data",
+            "sample_stats"} <= set(dt.children)
+    post = dt["posterior"]
+    assert post.sizes["chain"] == 1 and post.sizes["draw"] == S
+    assert set(post.data_vars) == set(model.site_names)
+    assert post["net.0.weight"].dims == ("chain", "draw", "net.0.out", "net.0.in")
+    assert post["net.0.bias"].dims == ("chain", "draw", "net.0.out")
+    assert post.sizes["net.0.in"] == 64 and post.sizes["net.2.out"] == 10
+    assert dt["log_likelihood"]["obs"].dims == ("chain", "draw", "obs_id")
+    assert dt["log_likelihood"].sizes["obs_id"] == N
+    assert dt["posterior_predictive"]["obs"].shape == (1, S, N)
+    assert dt["observed_data"]["obs"].dims == ("obs_id",)
+    stats = dt["sample_stats"]
+    for var in ("lp", "log_prior", "log_q"):
+        assert stats[var].dims == ("chain", "draw")
+        assert np.isfinite(stats[var].values).all()
+    pp = dt["posterior_predictive"]["obs"].values
+    assert pp.min() >= 0 and pp.max() <= 9
+
+
+@pytest.mark.parametrize("name", SPREAD)
+def test_loo_and_approximate_loo_finite(name, trained):
+    _, _, dt = trained[name]
+    with quiet():
+        plain = az.loo(dt)
+        corrected = az.loo_approximate_posterior(dt, log_p=dt["sample_stats"]["lp"],
+                                                 log_q=dt["sample_stats"]["log_q"])
+    assert math.isfinite(plain.elpd) and math.isfinite(corrected.elpd)
+    assert corrected.approx_posterior
+    # a sum of N log predictive densities of class labels: negative
+    assert corrected.elpd < 0 and plain.elpd < 0
+    assert loo_approximate(dt).elpd == pytest.approx(corrected.elpd)
+
+
+def test_point_mass_guide_has_identical_draws(trained, data):
+    """AutoDelta: log q = 0, every draw is the MAP, lp = log joint; PSIS cannot run."""
+    model, guide, dt = trained["AutoDelta"]
+    w = dt["posterior"]["net.0.weight"].values[0]
+    assert np.all(w == w[0])
+    assert np.all(dt["sample_stats"]["log_q"].values == 0.0)
+    with pytest.raises(ValueError):
+        az.loo(dt)
+
+
+@pytest.mark.parametrize("name", SPREAD)
+def test_compare_ranks_two_guides(name, trained):
+    """az.compare orders two guides' DataTrees by their PSIS-LOO ELPD."""
+    other = "AutoNormal" if name != "AutoNormal" else "meanfield"
+    dts = {name: trained[name][2], other: trained[other][2]}
+    with quiet():
+        table = az.compare(dts)
+        elpd = {k: az.loo(v).elpd for k, v in dts.items()}
+    assert sorted(table.index) == sorted(dts)
+    assert list(table["rank"]) == [0, 1]
+    assert list(table.index) == sorted(elpd, key=elpd.get, reverse=True)
+    assert table["elpd"].to_dict() == pytest.approx(elpd, rel=0.01, abs=0.51)  # rounded for display
+    assert table["weight"].sum() == pytest.approx(1.0)
+
+
+def test_trained_guide_ranks_above_untrained(trained, data):
+    x, y = data
+    pyro.set_rng_seed(0)
+    model = pb.BNN(_mlp(), likelihood="categorical")
+    guide = pb.guides.MeanField(model)
+    pb.fit(model, guide, (x, y), epochs=0, progress=False)   # set up, not trained
+    untrained = pb.to_arviz(model, guide, x[:N], y[:N], num_samples=S, seed=1)
+    with quiet():
+        table = az.compare({"trained": trained["meanfield"][2], "untrained": untrained})
+    assert list(table.index) == ["trained", "untrained"]
+    assert table["elpd"].iloc[0] > table["elpd"].iloc[1] + 10
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_log_likelihood_and_lp_match_the_model(name, trained, data):
+    """Replay the stored draws through the Pyro model: pointwise log p(y|θ) and log p(θ, y)."""
+    x, y = data
+    model, _, dt = trained[name]
+    post = dt["posterior"]
+    for s in (0, S // 2, S - 1):
+        values = {k: torch.as_tensor(post[k].values[0, s]) for k in model.site_names}
+        with torch.no_grad():
+            tr = poutine.trace(poutine.condition(model, data=values)).get_trace(x[:N], y[:N])
+        tr.compute_log_prob()
+        direct = tr.nodes["obs"]["log_prob"].double().numpy()
+        np.testing.assert_allclose(dt["log_likelihood"]["obs"].values[0, s], direct, rtol=1e-5, atol=1e-4)
+        lp = float(tr.log_prob_sum())
+        assert dt["sample_stats"]["lp"].values[0, s] == pytest.approx(lp, rel=1e-4, abs=0.05)
+
+
+@pytest.mark.parametrize("name", ["meanfield", "AutoDelta", "laplace"])
+def test_netcdf_round_trip(name, trained, tmp_path):
+    if name not in trained:
+        pytest.skip(f"{name} is not registered")
+    _, _, dt = trained[name]
+    path = tmp_path / f"{name}.nc"
+    dt.to_netcdf(path)
+    back = xr.open_datatree(path)
+    for group in ("log_likelihood", "posterior", "sample_stats", "observed_data", "posterior_predictive"):
+        xr.testing.assert_identical(back[group].to_dataset(), dt[group].to_dataset())
+    if name != "AutoDelta":
+        assert az.loo(back).elpd == pytest.approx(az.loo(dt).elpd)
+
+
+def test_guide_log_density_matches_draws(trained, data):
+    x, _ = data
+    for name in ("meanfield", "AutoNormal", "AutoDelta"):
+        model, guide, _ = trained[name]
+        values, log_q = sample_with_log_density(model, guide, x[:1])
+        at_values = guide_log_density(guide, values)
+        assert float(at_values) == pytest.approx(float(log_q), rel=1e-5, abs=1e-3)
+    model, guide, _ = trained["meanfield"]
+    values, log_q = sample_with_log_density(model, guide, x[:1])
+    manual = sum(dist.Normal(*guide.loc_and_scale(k)).log_prob(v).sum() for k, v in values.items())
+    assert float(log_q) == pytest.approx(float(manual), rel=1e-5)
+    # a guide with auxiliary sites and no hook cannot be evaluated at arbitrary values
+    model, guide, _ = trained["AutoLowRank"]
+    with pytest.raises(TypeError, match="log_density"):
+        guide_log_density(guide, values, model=model, x=x[:1])
+
+
+def test_log_density_hook_is_used(data):
+    x, y = data
+    model = pb.BNN(_mlp(), likelihood="categorical")
+    guide = AutoNormal(model)
+    pb.fit(model, guide, (x, y), epochs=1, progress=False)
+    guide.log_density = lambda values: torch.tensor(-7.0)
+    dt = pb.to_arviz(model, guide, x[:40], y[:40], num_samples=3)
+    assert np.all(dt["sample_stats"]["log_q"].values == -7.0)
+
+
+def test_var_names_and_errors(trained, data):
+    x, y = data
+    model, guide, _ = trained["meanfield"]
+    dt = pb.to_arviz(model, guide, x[:30], y[:30], num_samples=4, var_names=["net.2.bias"])
+    assert list(dt["posterior"].data_vars) == ["net.2.bias"]
+    assert dt["log_likelihood"].sizes["obs_id"] == 30
+    with pytest.raises(ValueError, match="var_names"):
+        pb.to_arviz(model, guide, x[:30], y[:30], num_samples=2, var_names=["nope"])
+    with pytest.raises(ValueError, match="same length"):
+        pb.to_arviz(model, guide, x[:30], y[:20])
+    with pytest.raises(ValueError, match="num_samples"):
+        pb.to_arviz(model, guide, x[:30], y[:30], num_samples=0)
+    with pytest.raises(TypeError):
+        pb.to_arviz(model, guide, x[:30].numpy(), y[:30])
+
+
+def test_batches_do_not_change_results(trained, data):
+    x, y = data
+    model, guide, _ = trained["meanfield"]
+    a = pb.to_arviz(model, guide, x[:50], y[:50], num_samples=5, batch_size=7, seed=3)
+    b = pb.to_arviz(model, guide, x[:50], y[:50], num_samples=5, batch_size=1000, seed=3)
+    np.testing.assert_allclose(a["log_likelihood"]["obs"].values, b["log_likelihood"]["obs"].values,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_hand_written_model_and_regression(data):
+    x, y = data
+    model = HandWritten(d_hidden=4)
+    guide = AutoNormal(model, init_scale=0.01)
+    pb.fit(model, guide, (x, y), epochs=2, progress=False)
+    dt = pb.to_arviz(model, guide, x[:40], y[:40], num_samples=35)
+    assert dt["posterior"]["fc1.weight"].dims == ("chain", "draw", "fc1.weight_dim_0", "fc1.weight_dim_1")
+    values = {k: torch.as_tensor(dt["posterior"][k].values[0, 0]) for k in dt["posterior"].data_vars}
+    tr = poutine.trace(poutine.condition(model, data=values)).get_trace(x[:40], y[:40])
+    tr.compute_log_prob()
+    np.testing.assert_allclose(dt["log_likelihood"]["obs"].values[0, 0],
+                               tr.nodes["obs"]["log_prob"].detach().numpy(), rtol=1e-5, atol=1e-4)
+    assert math.isfinite(loo_approximate(dt).elpd)
+    # regression: targets (N, 1); the pointwise log-likelihood sums over output dims
+    xr_, yr = pb.datasets.toy_regression(40)
+    reg = pb.BNN(nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)), "gaussian", noise=0.1)
+    g = pb.guides.MeanField(reg)
+    pb.fit(reg, g, (xr_, yr), epochs=2, progress=False)
+    dtr = pb.to_arviz(reg, g, xr_, yr, num_samples=5)
+    assert dtr["log_likelihood"]["obs"].dims == ("chain", "draw", "obs_id")
+    assert dtr["observed_data"]["obs"].dims == ("obs_id", "obs_dim_1")
+    assert dtr["posterior_predictive"]["obs"].shape == (1, 5, 40, 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_model(data):
+    x, y = data
+    model = pb.BNN(_mlp(), likelihood="categorical").to("cuda")
+    guide = pb.guides.MeanField(model)
+    pb.fit(model, guide, (x, y), epochs=1, device="cuda", progress=False)
+    dt = pb.to_arviz(model, guide, x[:64], y[:64], num_samples=4, batch_size=16)
+    assert dt["log_likelihood"]["obs"].shape == (1, 4, 64)
+    assert np.isfinite(dt["sample_stats"]["log_q"].values).all()
