@@ -138,12 +138,16 @@ class HypernetFlow(nn.Module):
         Factor on the blocks' output-layer initial weights (near-identity start).
     seed : int
         Seed of the fixed permutations.
+    affine_last : bool
+        Put the affine layer after the blocks (``z = μ + s ⊙ T(ε)``: the blocks then act
+        on standardised coordinates); default ``False``, the paper's order.
     """
 
     def __init__(self, dim: int, flow: str = "iaf", num_flows: int = 8, hidden: int = 200,
                  init_loc: torch.Tensor | None = None, init_scale: float = 2e-3,
-                 init_gain: float = 1e-2, seed: int = 0):
+                 init_gain: float = 1e-2, seed: int = 0, affine_last: bool = False):
         super().__init__()
+        self.affine_last = bool(affine_last)
         if flow not in FLOW_TYPES:
             raise ValueError(f"flow must be one of {FLOW_TYPES}, got {flow!r}")
         if not isinstance(num_flows, int) or num_flows < 0:
@@ -178,13 +182,13 @@ class HypernetFlow(nn.Module):
 
     def transforms(self) -> list:
         """The transforms ``[A, T_1, (Permute,) T_2, …]`` (RealNVP: a permutation before
-        every coupling but the first)."""
-        out = [self.affine]
+        every coupling but the first); with ``affine_last`` the affine layer comes last."""
+        out = []
         for i, block in enumerate(self.blocks):
             if self.flow == "realnvp" and i > 0:
                 out.append(Permute(getattr(self, f"perm{i}")))
             out.append(block)
-        return out
+        return out + [self.affine] if self.affine_last else [self.affine] + out
 
     def base_dist(self) -> dist.TorchDistribution:
         """``N(0, I_D)`` on the flow's device."""

@@ -1,0 +1,319 @@
+"""Bayesian hypernetwork guide, flows and weight-norm models (issue 5)."""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import Trace_ELBO
+from pyro.nn import PyroModule, PyroSample
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn._local_params import local_params
+from pyro_bnn.flows import MADE, HypernetFlow
+from pyro_bnn.guides.hypernet import HypernetELBO, clipped_log_likelihood, log_weights
+from pyro_bnn.guides.meanfield import MeanFieldELBO
+from pyro_bnn.training import setup_guide
+from pyro_bnn.weight_norm import WeightNormConv2d, WeightNormLinear, to_weight_norm
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny problems: threads only add overhead
+    yield
+    torch.set_num_threads(n)
+
+
+def _flow_fn(flow):
+    def h(eps):
+        x = eps
+        for t in flow.transforms():
+            x = t(x)
+        return x
+    return h
+
+
+# ----------------------------------------------------------------------------- flows
+@pytest.mark.parametrize("kind", ["iaf", "realnvp"])
+@pytest.mark.parametrize("affine_last", [False, True])
+def test_flow_log_density_is_change_of_variables(kind, affine_last):
+    torch.manual_seed(0)
+    dim = 5
+    flow = HypernetFlow(dim, kind, num_flows=3, hidden=7, init_loc=torch.randn(dim),
+                        init_scale=0.5, init_gain=1.0, affine_last=affine_last)
+    eps = torch.randn(4, dim)
+    z, log_q = flow.rsample_with_log_prob(eps=eps)
+    for i in range(len(eps)):
+        jac = torch.autograd.functional.jacobian(_flow_fn(flow), eps[i])
+        ref = (dist.Normal(0.0, 1.0).log_prob(eps[i]).sum() - torch.linalg.slogdet(jac)[1])
+        assert torch.allclose(log_q[i], ref, atol=1e-4), (log_q[i], ref)
+    # Pyro's TransformedDistribution agrees, also without the inverse cache (fresh inverse)
+    assert torch.allclose(flow.distribution().log_prob(z.clone()), log_q, atol=1e-4)
+
+
+def test_made_is_autoregressive_for_narrow_hidden_layer():
+    torch.manual_seed(0)
+    dim, perm = 6, torch.tensor([3, 0, 5, 1, 4, 2])
+    made = MADE(dim, hidden=4, permutation=perm)  # hidden < D: Pyro's ARN refuses this
+    with torch.no_grad():
+        for p in made.parameters():
+            p.normal_()
+        made.hidden.bias.fill_(10.0)  # all ReLUs active
+    rank = torch.empty(dim, dtype=torch.long)
+    rank[perm] = torch.arange(dim)
+    jac = torch.autograd.functional.jacobian(lambda x: torch.cat(made(x)), torch.randn(dim))
+    allowed = (rank[:, None] > rank[None, :]).float().repeat(2, 1)
+    assert torch.all(jac.abs() * (1 - allowed) == 0)
+    assert (jac.abs() * allowed).sum() > 0
+
+
+def test_zero_flows_is_mean_field_gaussian():
+    loc = torch.randn(4)
+    flow = HypernetFlow(4, "iaf", num_flows=0, init_loc=loc, init_scale=0.3)
+    z, log_q = flow.rsample_with_log_prob(10)
+    ref = dist.Normal(loc, torch.full((4,), 0.3)).log_prob(z).sum(-1)
+    assert torch.allclose(log_q, ref, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- weight norm
+def test_weight_norm_model_sites_priors_and_function():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    model = pb.BNN(net, "categorical", weight_norm=True, weight_norm_precision=4.0)
+    assert model.site_names == ["net.0.weight_g", "net.2.weight_g"]
+    init = model.initial_values()
+    assert torch.allclose(init["net.0.weight_g"], net[0].weight.norm(dim=1))
+    prior = model.site_prior("net.2.weight_g")
+    assert prior.event_shape == (3,) and torch.allclose(prior.base_dist.scale, torch.tensor(0.5))
+    x = torch.randn(5, 4)
+    from pyro_bnn.guides.meanfield import _run_with_values
+
+    assert torch.allclose(_run_with_values(model, init, x), net(x), atol=1e-6)
+    doubled = {k: 2 * v for k, v in init.items()}
+    h = torch.relu(2 * (net[0](x) - net[0].bias) + net[0].bias)  # W = 2 v/|v|·|v|, same b
+    assert torch.allclose(_run_with_values(model, doubled, x), 2 * net[2](h) - net[2].bias,
+                          atol=1e-5)
+    with pytest.raises(ValueError, match="weight_norm_precision"):
+        pb.BNN(net, weight_norm_precision=2.0)
+    with pytest.raises(ValueError, match="either prior"):
+        pb.BNN(net, prior=pb.priors.IIDNormal(1.0), weight_norm=True, weight_norm_precision=2.0)
+    with pytest.raises(ValueError, match="weight-norm model"):
+        pb.guides.Hypernet(pb.BNN(net))
+
+
+def test_weight_norm_conv2d_and_layers():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    wn = to_weight_norm(conv)
+    assert isinstance(wn, WeightNormConv2d) and isinstance(wn, nn.Conv2d)
+    x = torch.randn(2, 2, 5, 5)
+    assert torch.allclose(wn(x), conv(x), atol=1e-6)
+    with torch.no_grad():
+        wn.weight_g.mul_(3.0)
+    assert torch.allclose(wn(x) - wn.bias[:, None, None], 3 * (conv(x) - conv.bias[:, None, None]),
+                          atol=1e-5)
+    lin = WeightNormLinear(4, 2)
+    assert sorted(n for n, _ in lin.named_parameters()) == ["bias", "weight_g", "weight_v"]
+    assert torch.allclose(lin.weight.norm(dim=1), lin.weight_g)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 10))
+    model = pb.BNN(net, "categorical", weight_norm=True)
+    assert model.site_names == ["net.0.weight_g", "net.3.weight_g"]
+    guide = pb.guides.Hypernet(model, num_flows=2, hidden=16)
+    xi, yi = torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    pb.fit(model, guide, (xi, yi), epochs=1, batch_size=4, progress=False)
+    assert pb.predict(model, guide, xi, num_samples=3).shape == (3, 8, 10)
+
+
+def test_handwritten_weight_norm_pyromodule():
+    class Net(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = PyroModule[WeightNormLinear](3, 6)
+            self.fc1.weight_g = PyroSample(dist.Normal(0.0, 1.0).expand([6]).to_event(1))
+            self.fc2 = PyroModule[WeightNormLinear](6, 1)
+            self.fc2.weight_g = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+        def forward(self, x, y=None):
+            f = self.fc2(torch.tanh(self.fc1(x))).squeeze(-1)
+            with pyro.plate("data", len(x)):
+                pyro.sample("obs", dist.Normal(f, 0.1), obs=y)
+            return f
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(32, 3)
+    y = x[:, 0] - x[:, 1]
+    guide = pb.guides.Hypernet(model, flow="realnvp", num_flows=2, hidden=16)
+    res = pb.fit(model, guide, (x, y), epochs=30, batch_size=32, lr=1e-2, progress=False)
+    assert res.history["loss"][-1] < res.history["loss"][0]
+    draws = pb.predict(model, guide, x, num_samples=4)
+    assert draws.shape == (4, 32)
+    assert set(pb.prediction.sample_latents(model, guide, x)) == {"fc1.weight_g", "fc2.weight_g"}
+
+
+# --------------------------------------------------------------------------- guide
+def _toy_model():
+    torch.manual_seed(0)
+    x = torch.randn(20, 3)
+    y = (x[:, :1] * 0.5 - x[:, 1:2]) + 0.1 * torch.randn(20, 1)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    return pb.BNN(net, "gaussian", noise=0.3, weight_norm=True), x, y
+
+
+@pytest.mark.parametrize("kind", ["iaf", "realnvp"])
+def test_guide_samples_have_the_flow_density(kind):
+    model, x, y = _toy_model()
+    guide = pb.guides.Hypernet(model, flow=kind, num_flows=2, hidden=8, init_scale=0.3,
+                               init_gain=1.0)
+    setup_guide(model, guide, x, y, 20)
+    with local_params(model, guide):
+        tr = poutine.trace(guide).get_trace(x, y, num_data=20)
+        tr.compute_log_prob()
+        aux = [n for n, s in tr.nodes.items() if s["type"] == "sample" and s["infer"].get("is_auxiliary")]
+        assert len(aux) == 1
+        z = tr.nodes[aux[0]]["value"]
+        # the real-named sites are the packed vector split up
+        assert torch.equal(torch.cat([tr.nodes[n]["value"].reshape(-1) for n in model.site_names]), z)
+        # the aux site's density is the change-of-variables density of the same draw
+        eps = z.detach().clone()
+        for t in reversed(guide.flow.transforms()):
+            eps = t.inv(eps)
+        _, log_q = guide.flow.rsample_with_log_prob(eps=eps.unsqueeze(0))
+        assert torch.allclose(tr.nodes[aux[0]]["log_prob"], log_q[0], atol=1e-4)
+        # statistical: q is normalised where its samples fall, E_{p0}[q/p0] = 1, and the
+        # importance-weighted mean under a wide Gaussian p0 equals the guide samples' mean
+        draws = torch.stack([pb.prediction.sample_latents(model, guide, x)["net.0.weight_g"]
+                             for _ in range(2000)])
+        with torch.no_grad():
+            zs, _ = guide.flow.rsample_with_log_prob(2000)
+            mu, sd = zs.mean(0), 3 * zs.std(0)
+            p0 = dist.Normal(mu, sd).to_event(1)
+            u = p0.sample((20000,))
+            w = (guide.flow.distribution().log_prob(u) - p0.log_prob(u)).exp()
+    assert abs(w.mean().item() - 1.0) < 0.05
+    iw_mean = (w[:, None] * u).mean(0)[:4]
+    assert torch.allclose(iw_mean, draws.mean(0), atol=0.05 * draws.std(0).max().item() * 4 + 0.02)
+
+
+def test_fast_objective_equals_pyro_trace_elbo():
+    model, x, y = _toy_model()
+    guide = pb.guides.Hypernet(model, flow="iaf", num_flows=2, hidden=8, init_scale=0.2,
+                               init_gain=1.0)
+    setup_guide(model, guide, x[:8], y[:8], 20)
+    with local_params(model, guide):
+        torch.manual_seed(3)
+        ours, extras = HypernetELBO()(model, guide, x[:8], y[:8], num_data=20)
+        torch.manual_seed(3)
+        ref = Trace_ELBO().differentiable_loss(model, guide, x[:8], y[:8], num_data=20)
+        torch.manual_seed(3)
+        renyi, _ = HypernetELBO(alpha=0.0)(model, guide, x[:8], y[:8], num_data=20)
+    assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-3), (ours, ref)
+    assert torch.allclose(renyi, ours)  # one particle: every Rényi bound is the ELBO
+    assert torch.allclose(ours, extras["nll"] + extras["kl"], atol=1e-3)
+
+
+def test_prob_clip_and_state_dict_roundtrip(digits_small):
+    xtr, ytr, xte, yte = digits_small
+    lik = pb.likelihoods.Categorical()
+    f = torch.tensor([[10.0, -10.0, 0.0], [0.0, 0.0, 0.0]])
+    y = torch.tensor([1, 2])
+    got = clipped_log_likelihood(lik, f, y, (1e-3, 0.999))
+    assert torch.allclose(got, torch.tensor([math.log(1e-3), math.log(1 / 3)]))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    model = pb.BNN(net, "categorical", weight_norm=True)
+    guide = pb.guides.Hypernet(model, num_flows=2, hidden=32, prob_clip=(1e-3, 0.999))
+    res = pb.fit(model, guide, (xtr, ytr), epochs=3, batch_size=100, lr=3e-3, progress=False,
+                 clip_norm=10.0)
+    assert set(res.history) >= {"loss", "nll", "kl"}
+    metrics = pb.evaluate(model, guide, xte, yte, num_samples=8)
+    assert metrics["accuracy"] > 0.5
+    guide2 = pb.guides.Hypernet(model, num_flows=2, hidden=32)
+    setup_guide(model, guide2, xtr[:2], ytr[:2], len(xtr))
+    guide2.load_state_dict(guide.state_dict())
+    with torch.no_grad():
+        eps = torch.randn(3, guide.flow.dim)
+        assert torch.allclose(guide.flow.rsample_with_log_prob(eps=eps)[1],
+                              guide2.flow.rsample_with_log_prob(eps=eps)[1])
+    assert "hypernet" in pb.guides.registered_guides()
+    with pytest.raises(ValueError, match="prob_clip"):
+        pb.guides.Hypernet(model, prob_clip=(0.5, 0.1))
+    with pytest.raises(ValueError, match="flow must be"):
+        pb.guides.Hypernet(model, flow="maf")
+
+
+# ----------------------------------------------------------------- statistical toys
+def _train(model, guide, objective, x, y, steps, lr):
+    setup_guide(model, guide, x, y, len(x))
+    opt = torch.optim.Adam(list(guide.parameters()), lr=lr)
+    with local_params(model, guide):
+        for _ in range(steps):
+            out = objective(model, guide, x, y, num_data=len(x))
+            loss = out[0] if isinstance(out, tuple) else out
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def test_bimodal_toy_full_guide_captures_ridge_and_beats_mean_field(one_thread):
+    """ŷ = a·b·x on y = x + 0.1 ε: within the a = b = 1 mode the ridge ab ≈ 1 makes the
+    deviations of a and b negatively correlated; a mean-field guide cannot."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 1)
+    y = x + 0.1 * torch.randn(64, 1)
+    net = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False))
+    with torch.no_grad():
+        net[0].weight.fill_(0.8)
+        net[1].weight.fill_(0.8)
+    model = pb.BNN(net, "gaussian", noise=0.1)
+    hn = pb.guides.Hypernet(model, flow="iaf", num_flows=4, hidden=32, full=True)
+    torch.manual_seed(1)
+    _train(model, hn, HypernetELBO(), x, y, steps=1500, lr=3e-3)
+    mf = pb.guides.MeanField(model, init_scale=0.01)
+    _train(model, mf, MeanFieldELBO(), x, y, steps=1000, lr=1e-2)
+    with torch.no_grad():
+        values, log_q = hn.sample_with_log_prob(4000)
+        elbo_hn = log_weights(model, values, log_q, x, y)[0].mean()
+        ab = torch.stack([values["net.0.weight"].reshape(-1), values["net.1.weight"].reshape(-1)])
+        ab = ab * torch.sign(ab[:1])  # fold the a = b = −1 mode onto the other one
+        corr = torch.corrcoef(ab)[0, 1]
+        mf_vals, mf_lq = {}, 0.0
+        for name in model.site_names:
+            loc, scale = mf.loc_and_scale(name)
+            w = loc + scale * torch.randn((4000,) + loc.shape)
+            mf_vals[name] = w
+            mf_lq = mf_lq + dist.Normal(loc, scale).log_prob(w).reshape(4000, -1).sum(1)
+        elbo_mf = log_weights(model, mf_vals, mf_lq, x, y)[0].mean()
+    assert corr <= -0.5, corr
+    assert elbo_hn > elbo_mf + 0.3, (elbo_hn, elbo_mf)
+
+
+def test_toy_regression_uncertainty_grows_away_from_data(one_thread):
+    torch.manual_seed(0)
+    x, y = pb.datasets.toy_regression(64, seed=0)
+    net = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    model = pb.BNN(net, "gaussian", noise=0.02, weight_norm=True)
+    guide = pb.guides.Hypernet(model, flow="iaf", num_flows=4, hidden=50)
+    _train(model, guide, HypernetELBO(), x, y, steps=300, lr=3e-3)
+    grid = torch.linspace(0.0, 1.0, 101).unsqueeze(-1)
+    f = pb.predict(model, guide, grid, num_samples=200)[..., 0]
+    std = f.std(0)
+    inside, outside = std[grid[:, 0] <= 0.5].mean(), std[grid[:, 0] >= 0.8].mean()
+    rmse = (pb.predict(model, guide, x, num_samples=50).mean(0) - y).pow(2).mean().sqrt()
+    assert rmse < 0.15, rmse  # it fits the data (std of y is ≈ 0.3)
+    assert outside >= 3 * inside, (outside, inside)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hypernet_on_cuda():
+    model, x, y = _toy_model()
+    guide = pb.guides.Hypernet(model, num_flows=2, hidden=8)
+    pb.fit(model, guide, (x, y), epochs=2, batch_size=10, device="cuda", progress=False)
+    assert guide.flow.affine.loc.is_cuda and guide.flow.blocks[0].arn.permutation.is_cuda
+    draws = pb.predict(model, guide, x.cuda(), num_samples=3)
+    assert draws.is_cuda and draws.shape == (3, 20, 1)
