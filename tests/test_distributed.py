@@ -262,3 +262,20 @@ def test_laplace_refuses_to_learn_an_augmentation_across_ranks():
         guide.on_fit_start(ctx)
     ctx.distributed = None
     guide.on_fit_start(ctx)                                           # one process: fine
+
+
+def test_example_script_runs_in_one_process(capsys, monkeypatch):
+    import importlib.util
+    import pathlib
+
+    for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(v, raising=False)
+    path = pathlib.Path(__file__).parents[1] / "examples" / "distributed_digits.py"
+    spec = importlib.util.spec_from_file_location("distributed_digits", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--epochs", "2", "--hidden", "16", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "processes=1" in out and "test accuracy=" in out
+    accuracy = float(out.split("test accuracy=")[1].split()[0])
+    assert accuracy > 0.5                                              # 10 classes: chance 0.1
