@@ -137,7 +137,7 @@ def test_compare_ranks_two_guides(name, trained):
     assert sorted(table.index) == sorted(dts)
     assert list(table["rank"]) == [0, 1]
     assert list(table.index) == sorted(elpd, key=elpd.get, reverse=True)
-    assert table["elpd"].to_dict() == pytest.approx(elpd, rel=0.01, abs=0.51)  # rounded for display
+    assert table["elpd"].to_dict() == pytest.approx(elpd, rel=0.05)  # 2 significant digits
     assert table["weight"].sum() == pytest.approx(1.0)
 
 
