@@ -20,7 +20,7 @@ from pyro_bnn.training import setup_guide
 from pyro_bnn.weight_norm import WeightNormConv2d, WeightNormLinear, to_weight_norm
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def one_thread():
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny problems: threads only add overhead
@@ -187,7 +187,7 @@ def test_guide_samples_have_the_flow_density(kind):
         # statistical: q is normalised where its samples fall, E_{p0}[q/p0] = 1, and the
         # importance-weighted mean under a wide Gaussian p0 equals the guide samples' mean
         draws = torch.stack([pb.prediction.sample_latents(model, guide, x)["net.0.weight_g"]
-                             for _ in range(2000)])
+                             for _ in range(400)])
         with torch.no_grad():
             zs, _ = guide.flow.rsample_with_log_prob(2000)
             mu, sd = zs.mean(0), 3 * zs.std(0)
@@ -196,7 +196,7 @@ def test_guide_samples_have_the_flow_density(kind):
             w = (guide.flow.distribution().log_prob(u) - p0.log_prob(u)).exp()
     assert abs(w.mean().item() - 1.0) < 0.05
     iw_mean = (w[:, None] * u).mean(0)[:4]
-    assert torch.allclose(iw_mean, draws.mean(0), atol=0.05 * draws.std(0).max().item() * 4 + 0.02)
+    assert torch.allclose(iw_mean, draws.mean(0), atol=0.3 * draws.std(0).max().item())
 
 
 def test_fast_objective_equals_pyro_trace_elbo():
@@ -227,7 +227,7 @@ def test_prob_clip_and_state_dict_roundtrip(digits_small):
     net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     model = pb.BNN(net, "categorical", weight_norm=True)
     guide = pb.guides.Hypernet(model, num_flows=2, hidden=32, prob_clip=(1e-3, 0.999))
-    res = pb.fit(model, guide, (xtr, ytr), epochs=3, batch_size=100, lr=3e-3, progress=False,
+    res = pb.fit(model, guide, (xtr, ytr), epochs=8, batch_size=50, lr=3e-3, progress=False,
                  clip_norm=10.0)
     assert set(res.history) >= {"loss", "nll", "kl"}
     metrics = pb.evaluate(model, guide, xte, yte, num_samples=8)
