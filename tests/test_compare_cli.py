@@ -1,0 +1,158 @@
+"""pb.compare, the report and the ``pyro-bnn`` main job (smoke mode), over every registered guide."""
+
+import json
+import math
+import warnings
+
+import arviz as az
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import xarray as xr
+from pyro.infer.autoguide import AutoNormal
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn import cli
+from pyro_bnn.guides import registered_guides
+from pyro_bnn.report import markdown_table, ood_inputs
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread avoids OpenMP spin-waits on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def split():
+    d = pb.datasets.digits()
+    return pb.datasets.DataSplit(d.x_train[:200], d.y_train[:200], d.x_test[:80], d.y_test[:80])
+
+
+def _model():
+    return pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10)), "categorical")
+
+
+@pytest.fixture(scope="module")
+def comparison(split):
+    guides = {**{n: n for n in registered_guides()}, "autonormal": AutoNormal}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pb.compare(_model, guides, split, epochs=3, lr=1e-2, num_samples=10, loo_samples=40,
+                          progress=False, details=True)
+
+
+def test_table_has_a_row_per_guide_and_every_column(comparison):
+    table = comparison.table
+    assert list(table.index) == [*registered_guides(), "autonormal"]
+    assert "error" not in table.columns, table.get("error")
+    for col in ("accuracy", "nll", "ece", "brier", "elbo", "log_evidence", "elpd_loo", "elpd_loo_psis",
+                "train_seconds", "predict_seconds", "num_params", "predictive"):
+        assert col in table.columns
+    assert table["accuracy"].between(0, 1).all() and (table["nll"] > 0).all()
+    assert (table["brier"] >= 0).all() and table["ece"].between(0, 1).all()
+    assert np.isfinite(table["elbo"]).all() and np.isfinite(table["elpd_loo"]).all()
+    assert (table["train_seconds"] > 0).all() and (table["predict_seconds"] > 0).all()
+    # mean-field: a location and a scale per weight (8*64 + 8 + 10*8 + 10 = 610 weights)
+    assert table.loc["autonormal", "num_params"] == 2 * 610
+    if "meanfield" in table.index:
+        assert table.loc["meanfield", "num_params"] == 2 * 610
+    if "laplace" in table.index:  # the only guide with its own evidence estimate
+        assert math.isfinite(table.loc["laplace", "log_evidence"])
+    assert table.loc["autonormal", "log_evidence"] != table.loc["autonormal", "log_evidence"]  # NaN
+
+
+def test_elbo_column_is_the_mean_log_weight(comparison):
+    dt = comparison.runs["autonormal"].datatree
+    stats = dt["sample_stats"]
+    assert comparison.table.loc["autonormal", "elbo"] == pytest.approx(
+        float((stats["lp"] - stats["log_q"]).mean()))
+    # ELBO <= log evidence estimate log mean exp(log p - log q) (Jensen)
+    w = (stats["lp"] - stats["log_q"]).values.ravel()
+    assert comparison.table.loc["autonormal", "elbo"] <= np.logaddexp.reduce(w) - np.log(len(w))
+
+
+def test_datatrees_feed_az_compare(comparison):
+    dts = comparison.datatrees
+    assert set(dts) == set(comparison.table.index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ranked = az.compare(dts)
+    assert sorted(ranked["rank"]) == list(range(len(dts)))
+
+
+def test_failing_guide_is_recorded_or_raised(split):
+    def broken(model):
+        raise RuntimeError("boom")
+
+    with pytest.warns(RuntimeWarning, match="boom"):
+        table = pb.compare(_model, {"broken": broken, "autonormal": AutoNormal}, split, epochs=1,
+                           num_samples=4, loo_samples=0, progress=False)
+    assert "boom" in table.loc["broken", "error"] and math.isnan(table.loc["broken", "accuracy"])
+    assert pd.isna(table.loc["autonormal", "error"]) and table.loc["autonormal", "accuracy"] > 0
+    with pytest.raises(RuntimeError, match="boom"):
+        pb.compare(_model, {"broken": broken}, split, epochs=1, errors="raise", progress=False)
+
+
+def test_compare_input_errors(split):
+    with pytest.raises(ValueError, match="unknown guide"):
+        pb.compare(_model, ["no-such-guide"], split)
+    with pytest.raises(TypeError, match="data must be"):
+        pb.compare(_model, ["meanfield"], "digits")
+    with pytest.raises(ValueError, match="errors"):
+        pb.compare(_model, ["meanfield"], split, errors="ignore")
+    with pytest.raises(TypeError, match="guide"):
+        pb.compare(_model, {"x": 3}, split)
+
+
+def test_ood_inputs_and_markdown():
+    x = torch.arange(2 * 9, dtype=torch.float32).reshape(2, 9) / 17
+    sets = ood_inputs(x)
+    rot = sets["rotated 90°"].reshape(2, 3, 3)
+    torch.testing.assert_close(rot[0], torch.rot90(x[0].reshape(3, 3)))
+    noise = sets["uniform noise"]
+    assert noise.shape == x.shape and float(noise.min()) >= 0 and float(noise.max()) <= 1
+    df = pd.DataFrame({"a": [1.23456, float("nan")], "b": ["x|y", "z"]}, index=pd.Index(["g1", "g2"], name="guide"))
+    md = markdown_table(df).splitlines()
+    assert md[0] == "| guide | a | b |" and md[2] == "| g1 | 1.235 | x\\|y |" and md[3] == "| g2 |  | z |"
+
+
+def test_cli_smoke_writes_every_artefact(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert cli.main(["--smoke", "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    names = list(registered_guides())
+    for name in names:
+        assert f"| {name} |" in printed
+    for png in ("reliability.png", "entropy.png", "forest.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == PNG and len(data) > 10_000
+    table = pd.read_csv(out / "table.csv", index_col=0)
+    assert list(table.index) == names
+    assert (out / "table.md").read_text().count("\n") == len(names) + 2
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["table"]) == set(names) and metrics["wall_seconds"] > 0
+    assert set(metrics["ood_auroc_entropy"]) == set(names)
+    assert set(metrics["history"]) == set(names)
+    for name in names:
+        dt = xr.open_datatree(out / "datatrees" / f"{name}.nc")
+        assert dt["log_likelihood"]["obs"].shape == (1, 64, 200)
+        assert metrics["table"][name]["accuracy"] == pytest.approx(table.loc[name, "accuracy"])
+
+
+def test_cli_toy_regression_and_bad_guide(tmp_path, capsys):
+    out = tmp_path / "toy"
+    assert cli.main(["--smoke", "--dataset", "toy", "--guides", "meanfield", "--out", str(out),
+                     "--no-progress"]) == 0
+    assert (out / "regression.png").read_bytes()[:8] == PNG
+    table = pd.read_csv(out / "table.csv", index_col=0)
+    assert {"rmse", "coverage_95"} <= set(table.columns)
+    assert cli.main(["--guides", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown guide" in capsys.readouterr().err
