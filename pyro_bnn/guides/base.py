@@ -13,6 +13,16 @@ which :func:`pyro_bnn.fit` and :func:`pyro_bnn.predict` look for:
     history, options such as ``marglik``).
 ``predict(model, x, method=..., num_samples=..., batch_size=...)``
     Alternative predictives (``method != "sample"``), e.g. Laplace's linearised one.
+``log_density(values) -> Tensor``
+    ``log q(θ)`` (0-d) at a joint draw ``values = {site: tensor}``.  Used by
+    :func:`pyro_bnn.to_arviz` (``sample_stats.log_q``, needed by
+    ``az.loo_approximate_posterior``) and ELBO estimates in :func:`pyro_bnn.compare`.
+    Without it, ``log q`` is read from the guide's own trace of the draw (the summed
+    ``log_prob`` of its sample sites, auxiliary ones included), which is right for
+    ``AutoNormal``/``MeanField``, ``AutoDelta`` (0), ``AutoContinuous`` guides and any guide
+    that puts its density in its sample sites; see :mod:`pyro_bnn.guide_density`.
+``log_evidence() -> Tensor``, ``num_variational_parameters``
+    Optional extra columns of :func:`pyro_bnn.compare` (e.g. Laplace's evidence).
 
 New guides join the registry with :func:`register_guide` so the parametrised contract tests
 and ``pb.compare`` pick them up.
