@@ -33,11 +33,17 @@ PAPER = {0.05: {"mf_elbo": -0.009, "sym_elbo": -0.004, "mf_mse": None, "sym_mse"
 SYMMETRY = [{"0.weight": 0}]
 
 
-def make_model(sigma: float, seed: int) -> pb.BNN:
-    """The toy network as a BNN whose only random weights are the two hidden ones."""
+def make_model(sigma: float, seed: int, init_range: float | None = None) -> pb.BNN:
+    """The toy network as a BNN whose only random weights are the two hidden ones.
+
+    The hidden weights (the guide's initial means) are PyTorch's default ``U(−1, 1)`` for
+    fan-in 1, or ``U(−init_range, init_range)``.
+    """
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(1, 2, bias=False), nn.ReLU(), nn.Linear(2, 1, bias=False))
     with torch.no_grad():
+        if init_range is not None:
+            net[0].weight.uniform_(-init_range, init_range)
         net[2].weight.fill_(1.0)
     net[2].weight.requires_grad_(False)
     return pb.BNN(net, "gaussian", noise=sigma, stochastic=["0.weight"])
@@ -50,7 +56,7 @@ def make_data(alpha: float, num_points: int, seed: int):
 
 
 def run_one(kind: str, alpha: float, seed: int, args) -> dict:
-    model = make_model(args.sigma, seed)
+    model = make_model(args.sigma, seed, args.init_range)
     if kind == "mf":
         guide = pb.guides.MeanField(model, init_scale=args.init_scale)
     else:
@@ -86,13 +92,16 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=10)
     p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--K", type=int, default=2)
-    p.add_argument("--init-scale", type=float, default=1e-2)
+    p.add_argument("--init-scale", type=float, default=1e-2, help="initial posterior std")
+    p.add_argument("--init-range", type=float, default=None,
+                   help="initial hidden weights U(-r, r) (default: PyTorch's U(-1, 1))")
     p.add_argument("--eval-samples", type=int, default=200)
     p.add_argument("--verbose", action="store_true", help="print every run's μ, σ")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     print(f"# toy: sigma={args.sigma} N={args.num_points} batch={args.batch_size} lr={args.lr} "
-          f"epochs={args.epochs} K={args.K} init_scale={args.init_scale} seeds={args.seeds}")
+          f"epochs={args.epochs} K={args.K} init_scale={args.init_scale} init_range={args.init_range} "
+          f"seeds={args.seeds}")
     print("| α | L^G/N MF | L^G/N Sym | ΔL^G/N (±se) | paper MF | paper Sym | gap MF | gap Sym "
           "| MSE MF | MSE Sym | paper MSE MF/Sym |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
