@@ -31,8 +31,8 @@ __all__ = ["batch_kfac_factors", "kfac_sums_from_factors", "kfac_blocks"]
 
 def kfac_sums_from_factors(a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{"A": Σ ã ãᵀ, "G": Σ g gᵀ, "count": M·T}`` from ``ã`` (M,T,in') and ``g`` (K,M,T,out)."""
-    A = torch.einsum("mti,mtj->ij", a, a)
-    G = torch.einsum("kmto,kmtp->op", g, g)
+    a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+    A, G = a2.T @ a2, g2.T @ g2
     count = torch.tensor(float(a.shape[0] * a.shape[1]), dtype=a.dtype, device=a.device)
     return {"A": A, "G": G, "count": count}
 

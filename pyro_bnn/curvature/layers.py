@@ -171,18 +171,13 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
     if not create_graph:
         L = L.detach()
     outs = [outputs[layer.path] for layer in layers]
-    grads = [[] for _ in layers]
-    for k in range(L.shape[-1]):
-        gk = torch.autograd.grad(f, outs, grad_outputs=L[..., k], retain_graph=True,
-                                 create_graph=create_graph, allow_unused=True)
-        for i, g in enumerate(gk):
-            grads[i].append(torch.zeros_like(outs[i]) if g is None else g)
+    grads = _pull_back(f, outs, L, create_graph)
     S = int(num_augmentations)
     a_out, g_out = {}, {}
     for layer, gl in zip(layers, grads):
         x_in = inputs[layer.path]
         a = layer.expand_inputs(x_in if create_graph else x_in.detach())
-        g = torch.stack([layer.expand_grads(gk) for gk in gl])
+        g = layer.expand_grads(gl.flatten(0, 1)).unflatten(0, gl.shape[:2])
         if S > 1:
             a = a.reshape(-1, S, *a.shape[1:]).mean(1)
             g = g.reshape(g.shape[0], -1, S, *g.shape[2:]).sum(2)
@@ -190,3 +185,22 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
     if not create_graph:
         f = f.detach()
     return f, a_out, g_out
+
+
+def _pull_back(f, outs, L, create_graph):
+    """``[Σ_c L[:, c, k] ∂f_c/∂out]_k`` for every layer output, stacked: ``(K, *out.shape)``.
+
+    One vmapped backward pass (``is_grads_batched``); falls back to a loop over ``k`` where
+    vmap is not supported.
+    """
+    K = L.shape[-1]
+    try:
+        gs = torch.autograd.grad(f, outs, grad_outputs=L.movedim(-1, 0), retain_graph=True,
+                                 create_graph=create_graph, allow_unused=True, is_grads_batched=True)
+        return [torch.zeros(K, *o.shape, dtype=o.dtype, device=o.device) if g is None else g
+                for g, o in zip(gs, outs)]
+    except RuntimeError:
+        cols = [torch.autograd.grad(f, outs, grad_outputs=L[..., k], retain_graph=True,
+                                    create_graph=create_graph, allow_unused=True) for k in range(K)]
+        return [torch.stack([torch.zeros_like(o) if c[i] is None else c[i] for c in cols])
+                for i, o in enumerate(outs)]
