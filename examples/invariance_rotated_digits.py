@@ -48,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--hyper-lr", type=float, default=0.05)
     p.add_argument("--eta-steps", type=int, default=1)
     p.add_argument("--marglik-batch-size", type=int, default=512)
+    p.add_argument("--size", type=int, default=8, help="digits: upsample to size×size first")
     p.add_argument("--num-train", type=int, default=5000)
     p.add_argument("--num-test", type=int, default=5000)
     p.add_argument("--seed", type=int, default=0)
@@ -59,7 +60,8 @@ def parse_args(argv=None):
 
 def load(args):
     if args.dataset == "digits":
-        return transformed_digits(args.kind, args.extent if args.kind != "none" else 0.0, seed=args.seed)
+        return transformed_digits(args.kind, args.extent if args.kind != "none" else 0.0,
+                                  seed=args.seed, size=args.size)
     return transformed_mnist(args.data_dir, args.kind, args.extent if args.kind != "none" else 0.0,
                              num_train=args.num_train, num_test=args.num_test, seed=args.seed)
 

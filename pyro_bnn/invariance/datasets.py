@@ -70,13 +70,22 @@ def transform_images(x: torch.Tensor, kind: str, extent: float, seed: int = 0,
 
 
 def transformed_digits(kind: str = "rotate", extent: float = math.pi, seed: int = 0,
-                       test_fraction: float = 0.25, image: bool = False) -> _datasets.DataSplit:
+                       test_fraction: float = 0.25, image: bool = False,
+                       size: int = 8) -> _datasets.DataSplit:
     """scikit-learn's 8×8 digits with one fixed random transform per example.
 
     ``transformed_digits("rotate", math.pi)`` is fully rotated digits (uniform ±180°);
     ``kind="none"`` gives the plain digits.  Split as :func:`pyro_bnn.datasets.digits`.
+    ``size > 8`` first upsamples the images bilinearly to ``size × size`` (less
+    interpolation blur when they are rotated again by a model's augmentation).
     """
-    d = _datasets.digits(test_fraction=test_fraction, seed=seed, image=image)
+    d = _datasets.digits(test_fraction=test_fraction, seed=seed, image=True)
+    if size != 8:
+        up = lambda t: torch.nn.functional.interpolate(t, size=(size, size), mode="bilinear",  # noqa: E731
+                                                       align_corners=True)
+        d = _datasets.DataSplit(up(d.x_train), d.y_train, up(d.x_test), d.y_test)
+    if not image:
+        d = _datasets.DataSplit(d.x_train.flatten(1), d.y_train, d.x_test.flatten(1), d.y_test)
     return _datasets.DataSplit(transform_images(d.x_train, kind, extent, seed=seed + 1),
                                d.y_train,
                                transform_images(d.x_test, kind, extent, seed=seed + 2),
