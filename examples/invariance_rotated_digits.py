@@ -28,8 +28,14 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.invariance import (GENERATORS, AffineAugmentation, learn_invariance, map_predict,
-                                 transformed_digits, transformed_mnist)
+from pyro_bnn.invariance import (
+    GENERATORS,
+    AffineAugmentation,
+    learn_invariance,
+    map_predict,
+    transformed_digits,
+    transformed_mnist,
+)
 
 
 def parse_args(argv=None):

@@ -8,10 +8,21 @@ from scipy import stats
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.invariance import (Affine1dAugmentation, AffineAugmentation, invariant_kfac_factors,
-                                 learn_invariance, map_predict, transformed_digits)
-from pyro_bnn.invariance.evidence import (_seeded, accumulate_factors, batch_surrogate,
-                                          eigen_factors, log_evidence)
+from pyro_bnn.invariance import (
+    Affine1dAugmentation,
+    AffineAugmentation,
+    invariant_kfac_factors,
+    learn_invariance,
+    map_predict,
+    transformed_digits,
+)
+from pyro_bnn.invariance.evidence import (
+    _seeded,
+    accumulate_factors,
+    batch_surrogate,
+    eigen_factors,
+    log_evidence,
+)
 from pyro_bnn.likelihoods import log_likelihood
 
 ROT_ONLY = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]

@@ -11,8 +11,16 @@ are chosen by the Laplace marginal likelihood (Immer, van der Ouderaa et al. 202
 * :mod:`~pyro_bnn.invariance.datasets` — rotated/translated/scaled digits and MNIST.
 """
 
-from .augmentation import (GENERATORS, GENERATORS_1D, Affine1dAugmentation, AffineAugmentation,
-                           affine_generators, affine_matrices, apply_affine, infer_image_shape)
+from .augmentation import (
+                           GENERATORS,
+                           GENERATORS_1D,
+                           Affine1dAugmentation,
+                           AffineAugmentation,
+                           affine_generators,
+                           affine_matrices,
+                           apply_affine,
+                           infer_image_shape,
+)
 from .datasets import transform_images, transformed_digits, transformed_mnist
 from .evidence import batch_surrogate, eigen_factors, log_evidence
 from .kfac import LayerFactors, invariant_kfac_factors

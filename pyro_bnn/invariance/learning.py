@@ -28,8 +28,7 @@ import torch
 from ..data import split_batch
 from ..guides.meanfield import _run_with_values
 from ..likelihoods import log_likelihood
-from .evidence import (_seeded, accumulate_factors, batch_surrogate, eigen_factors,
-                       log_evidence)
+from .evidence import _seeded, accumulate_factors, batch_surrogate, eigen_factors, log_evidence
 from .kfac import kfac_layers
 
 __all__ = ["METHODS", "InvarianceResult", "learn_invariance", "evidence_step", "map_predict",
