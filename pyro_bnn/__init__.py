@@ -9,10 +9,11 @@ from .guides.symmetrized import symmetrized_elbo
 from .arviz import to_arviz
 from .compare import compare
 from . import active, adversarial, corruption, ood, pruning
+from . import invariance
 
 __version__ = "0.1.0"
 
 __all__ = ["BNN", "fit", "FitResult", "predict", "predictive_samples", "evaluate",
            "save_checkpoint", "load_checkpoint", "priors", "guides", "likelihoods",
            "metrics", "datasets"] + ["symmetry", "symmetrized_elbo"] + ["to_arviz", "compare"] + [
-    "pruning", "ood", "adversarial", "active", "corruption"]
+    "pruning", "ood", "adversarial", "active", "corruption"] + ["invariance"]
