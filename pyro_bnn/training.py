@@ -261,6 +261,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                 history.setdefault(k, []).append(v / max(steps, 1))
             if hasattr(guide, "on_epoch_end"):
                 guide.on_epoch_end(ctx)
+                if dstate is not None:
+                    dstate.sync_rng_()  # the hook may have drawn per-shard random numbers
             history["epoch_seconds"].append(time.perf_counter() - t0)
             if checkpoint is not None and (dstate is None or dstate.is_main):
                 save_checkpoint(checkpoint, model, guide, opt, epoch=epoch, history=history)

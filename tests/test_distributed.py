@@ -100,7 +100,11 @@ def _worker(rank, out_dir):
     x, y = _data()
     shard = pbd.ShardedTensorBatches(x.float(), y, 8, num_replicas=2, rank=rank, shuffle=True)
     evidence = {s: _curvature_evidence(s, shard) for s in STRUCTURES}
-    torch.save({"fits": fits, "saves": len(calls), "evidence": evidence,
+    torch.manual_seed(0)
+    torch.rand(5 + rank)                          # ranks fall out of step ...
+    pbd.init_process_group("cpu").sync_rng_()     # ... and are put back on rank 0's stream
+    draws = torch.rand(3)
+    torch.save({"fits": fits, "saves": len(calls), "evidence": evidence, "draws": draws,
                 "world": pbd.get_world_size(), "main": pbd.is_main_process()},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -118,6 +122,13 @@ def test_only_rank0_checkpoints(two_ranks):
     assert (r0["world"], r1["world"], r0["main"], r1["main"]) == (2, 2, True, False)
     assert (r0["saves"], r1["saves"]) == (EPOCHS, 0)
     assert (out / "ckpt.pt").exists()
+
+
+def test_sync_rng_puts_ranks_on_rank0_stream(two_ranks):
+    (r0, r1), _ = two_ranks
+    torch.manual_seed(0)
+    torch.rand(5)
+    assert torch.equal(r0["draws"], torch.rand(3)) and torch.equal(r1["draws"], r0["draws"])
 
 
 @pytest.mark.parametrize("kind", KINDS)

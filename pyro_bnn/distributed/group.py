@@ -179,6 +179,25 @@ class DistributedState:
         """:func:`all_reduce_sums`: the ``reduce_fn`` for curvature accumulation."""
         return all_reduce_sums(sums)
 
+    def sync_rng_(self) -> None:
+        """Set every rank's torch RNG (CPU, and this CUDA device) to rank 0's.
+
+        ``fit`` calls it after the guide's epoch hooks: a pass over each rank's own shard
+        (e.g. curvature with random augmentations on shards of unequal size) may draw a
+        different amount of random numbers per rank, which would end the shared noise.
+        A no-op for the stream when the ranks are already in step.
+        """
+        if self.world_size == 1:
+            return
+        on = self.device if self.backend == "nccl" else torch.device("cpu")
+        state = torch.get_rng_state().to(on)
+        dist.broadcast(state, src=0)
+        torch.set_rng_state(state.cpu())
+        if self.device.type == "cuda":
+            state = torch.cuda.get_rng_state(self.device).to(on)
+            dist.broadcast(state, src=0)
+            torch.cuda.set_rng_state(state.cpu(), self.device)
+
     def mean_of(self, values: dict[str, float]) -> dict[str, float]:
         """Average a dict of floats over ranks (one collective)."""
         if not values or self.world_size == 1:
