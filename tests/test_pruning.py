@@ -80,13 +80,13 @@ def test_fraction_zero_unchanged_and_exact_counts(name):
     model, guide = trained(name)
     x = digits().x_test[:50]
     before = _predict(model, guide, x)
-    handle = pruning.prune_(model, guide, fraction=0.0)
+    handle = pruning.prune_(model, guide, fraction=0.0, num_samples=64)
     try:
         assert handle.num_pruned == 0
         torch.testing.assert_close(_predict(model, guide, x), before, rtol=0, atol=0)
     finally:
         handle.remove()
-    score = pruning.scores(guide, "snr", model)
+    score = pruning.scores(guide, "snr", model, num_samples=64)
     total = sum(v.numel() for v in score.values())
     for f in (0.1, 1 / 3, 0.9):
         h = pruning.prune_(model, guide, fraction=f, score=score)
@@ -102,16 +102,16 @@ def test_fraction_zero_unchanged_and_exact_counts(name):
 def test_export_pruned_is_plain_and_matches_masked_mean(name):
     model, guide = trained(name)
     x = digits().x_test[:40]
-    handle = pruning.prune_(model, guide, fraction=0.5, kind="zero_prob")
+    handle = pruning.prune_(model, guide, fraction=0.5, kind="zero_prob", num_samples=64)
     try:
         pyro.set_rng_seed(0)   # sample-based guides: the same draws give the same posterior mean
-        net = pruning.export_pruned(model, guide)
+        net = pruning.export_pruned(model, guide, num_samples=64)
     finally:
         handle.remove()
     assert not any(isinstance(m, PyroModule) for m in net.modules())
     assert not any(m._forward_pre_hooks for m in net.modules())
     pyro.set_rng_seed(0)
-    mean = pruning.posterior_mean(model, guide)
+    mean = pruning.posterior_mean(model, guide, num_samples=64)
     masked = {s: mean[s] * handle.masks[s] for s in mean}
     with torch.no_grad(), pb._local_params.local_params(model):
         expected = _run_with_values(model, masked, x)
