@@ -290,3 +290,24 @@ def test_example_script_runs_in_one_process(capsys, monkeypatch):
     assert "processes=1" in out and "test accuracy=" in out
     accuracy = float(out.split("test accuracy=")[1].split()[0])
     assert accuracy > 0.5                                              # 10 classes: chance 0.1
+
+
+def test_unused_parameter_probe_restores_the_rng():
+    from pyro_bnn.distributed.group import _has_unused_parameters
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(2, 1), nn.Linear(2, 1)
+
+        def forward(self, x, y):
+            return ((self.used(x + torch.randn_like(x)) - y) ** 2).sum()
+
+    x, y = torch.ones(3, 2), torch.zeros(3, 1)
+    torch.manual_seed(0)
+    module = Loss()
+    after_init = torch.get_rng_state()
+    assert _has_unused_parameters(module, x, y)                       # `unused` gets no grad
+    assert torch.equal(torch.get_rng_state(), after_init)            # the probe's randn undone
+    module.unused = None
+    assert not _has_unused_parameters(module, x, y)
