@@ -5,13 +5,20 @@ All checks run in float64 on tiny nets; tolerances are float64 round-off (1e-9 r
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.curvature import (DenseBlock, DiagBlock, KronBlock, accumulate_curvature,
-                                batch_kfac_factors, find_layers, functional_covariance,
-                                network_output)
+from pyro_bnn.curvature import (
+    DenseBlock,
+    DiagBlock,
+    KronBlock,
+    SplitBiasKronBlock,
+    accumulate_curvature,
+    batch_kfac_factors,
+    find_layers,
+    functional_covariance,
+    network_output,
+)
 
 torch.set_default_dtype(torch.float64)
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -136,13 +143,25 @@ def test_conv_full_and_diag_ggn_match_torch_func():
     assert kron.blocks[0].shape == (3, 2 * 9 + 1)        # conv factors: (out, in·k·k + 1)
 
 
-@pytest.mark.parametrize("block_type", ["kron", "diag", "dense"])
+@pytest.mark.parametrize("block_type", ["kron", "split", "diag", "dense"])
 def test_block_linear_algebra_matches_dense(block_type):
     torch.manual_seed(5)
     if block_type == "kron":
         A, G = torch.randn(4, 4), torch.randn(3, 3)
         block = KronBlock(A @ A.T, G @ G.T)
         delta = torch.tensor(0.7)
+    elif block_type == "split":
+        A, G = torch.randn(4, 4), torch.randn(3, 3)
+        A, G = A @ A.T, G @ G.T
+        block = SplitBiasKronBlock(A, G)
+        delta = torch.tensor(0.7)
+        A0 = A.clone()
+        A0[:-1, -1] = A0[-1, :-1] = 0                      # no weight-bias cross terms
+        torch.testing.assert_close(block.to_dense(), torch.kron(G, A0))
+        a, g = torch.randn(5, 1, 4), torch.randn(2, 5, 1, 3)
+        J = torch.einsum("cmto,mti->cmoi", g, a).flatten(2)
+        torch.testing.assert_close(block.functional_variance(a, g, delta),
+                                   torch.einsum("cmp,pq,dmq->mcd", J, block.covariance(delta), J))
     elif block_type == "diag":
         block = DiagBlock(torch.rand(3, 4))
         delta = torch.rand(12) + 0.1

@@ -6,13 +6,12 @@ import math
 import pyro
 import pytest
 import torch
+from helpers import HandWritten
 from pyro.infer import Predictive
 from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.guides.laplace_objective import LaplaceMAPObjective
-
-from helpers import HandWritten
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 DELTA, SIGMA = 2.0, 0.5
@@ -198,6 +197,8 @@ def test_user_errors():
         pb.guides.Laplace(model, structure="kfac")
     with pytest.raises(ValueError, match="kron"):
         pb.guides.Laplace(model, structure="kron", prior_structure="diagonal")
+    with pytest.raises(ValueError, match="kron_bias"):
+        pb.guides.Laplace(model, kron_bias="split")
     with pytest.raises(ValueError, match="prior_precision"):
         pb.guides.Laplace(model, prior_precision=-1.0)
     with pytest.raises(ValueError, match="fit_curvature"):

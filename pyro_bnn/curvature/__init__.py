@@ -16,10 +16,11 @@ from .glm import functional_covariance, glm_predictive, probit_probs
 from .kfac import batch_kfac_factors, kfac_blocks, kfac_sums_from_factors
 from .layers import Layer, capture_factors, find_layers
 from .network import hessian_columns, identity_columns, likelihood_kind, network_output
-from .structures import DenseBlock, DiagBlock, KronBlock
+from .structures import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
 
 __all__ = ["STRUCTURES", "CurvatureFit", "accumulate_curvature", "diag_ggn_sums", "full_ggn_sum",
            "per_example_gradients", "functional_covariance", "glm_predictive", "probit_probs",
            "batch_kfac_factors", "kfac_blocks", "kfac_sums_from_factors", "Layer",
            "capture_factors", "find_layers", "hessian_columns", "identity_columns",
-           "likelihood_kind", "network_output", "DenseBlock", "DiagBlock", "KronBlock"]
+           "likelihood_kind", "network_output", "DenseBlock", "DiagBlock", "KronBlock",
+           "SplitBiasKronBlock"]

@@ -58,7 +58,7 @@ def _batch_sums(layers, a, g, structure):
 def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, kind: str,
                          structure: str = "kron", *, device=None,
                          reduce_fn: Callable[[dict], dict] | None = None,
-                         num_augmentations: int = 1) -> CurvatureFit:
+                         num_augmentations: int = 1, split_bias: bool = False) -> CurvatureFit:
     """GGN curvature (``structure``) and log-likelihood at fixed weights over ``batches``.
 
     Parameters
@@ -74,6 +74,8 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
         Batches are moved there.
     reduce_fn : callable, optional
         Applied to the flat dict of sums before finalising (distributed all-reduce).
+    split_bias : bool
+        KFAC only: biases as separate blocks (see :func:`~pyro_bnn.curvature.kfac.kfac_blocks`).
     num_augmentations : int
         ``S`` copies per example averaged inside ``run`` (invariant models, LILA).
     """
@@ -87,7 +89,7 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
                 raise ValueError("curvature needs targets: data must be (x, y)")
             if device is not None:
                 x, y = x.to(device), y.to(device)
-            f, a, g = capture_factors(layers, lambda: run(x), lambda out: hessian_columns(kind, out),
+            f, a, g = capture_factors(layers, lambda x=x: run(x), lambda out: hessian_columns(kind, out),
                                       num_augmentations=num_augmentations)
             part = _batch_sums(layers, a, g, structure)
             part.update({f"loglik/{k}": v for k, v in log_likelihood_terms(kind, f, y).items()})
@@ -103,7 +105,7 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
         head, _, tail = k.rpartition("/")
         nested.setdefault(head, {})[tail] = v
     if structure == "kron":
-        blocks = kfac_blocks(layers, nested)
+        blocks = kfac_blocks(layers, nested, split_bias)
     elif structure == "diag":
         blocks = diag_blocks(layers, nested)
     else:

@@ -36,7 +36,7 @@ def functional_covariance(layers: list[Layer], blocks: list, deltas: list, scale
     with torch.enable_grad():
         for start in range(0, len(x), batch_size):
             xb = x[start:start + batch_size]
-            f, a, g = capture_factors(layers, lambda: run(xb), identity_columns,
+            f, a, g = capture_factors(layers, lambda xb=xb: run(xb), identity_columns,
                                       num_augmentations=num_augmentations)
             if dense:
                 J = per_example_gradients(layers, a, g)

@@ -24,7 +24,7 @@ import torch
 
 from .layers import Layer, capture_factors
 from .network import hessian_columns
-from .structures import KronBlock
+from .structures import KronBlock, SplitBiasKronBlock
 
 __all__ = ["batch_kfac_factors", "kfac_sums_from_factors", "kfac_blocks"]
 
@@ -65,7 +65,15 @@ def batch_kfac_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
     return f, {layer.path: kfac_sums_from_factors(a[layer.path], g[layer.path]) for layer in layers}
 
 
-def kfac_blocks(layers: list[Layer], sums: dict) -> list[KronBlock]:
-    """Turn summed factors into blocks: ``H_l = (G/N') ⊗ A``."""
-    return [KronBlock(sums[layer.path]["A"], sums[layer.path]["G"] / sums[layer.path]["count"])
-            for layer in layers]
+def kfac_blocks(layers: list[Layer], sums: dict, split_bias: bool = False) -> list:
+    """Turn summed factors into blocks: ``H_l = (G/N') ⊗ A``.
+
+    ``split_bias=True`` drops the weight-bias cross terms of ``A`` (the bias gets its own
+    block ``G/N' · Σ 1``, as in laplace-torch) for layers that have a bias site.
+    """
+    blocks = []
+    for layer in layers:
+        A, G = sums[layer.path]["A"], sums[layer.path]["G"] / sums[layer.path]["count"]
+        use_split = split_bias and layer.bias is not None and layer.weight is not None
+        blocks.append(SplitBiasKronBlock(A, G) if use_split else KronBlock(A, G))
+    return blocks

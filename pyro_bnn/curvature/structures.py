@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KronBlock", "DiagBlock", "DenseBlock", "as_delta"]
+__all__ = ["KronBlock", "SplitBiasKronBlock", "DiagBlock", "DenseBlock", "as_delta"]
 
 
 def as_delta(delta, numel: int, like: torch.Tensor, allow_vector: bool = True) -> torch.Tensor:
@@ -96,6 +96,47 @@ class KronBlock:
             Gradients of each output ``f_c`` w.r.t. the layer outputs.
         """
         return _factored_variance(a @ self.QA, g @ self.QG, self._dinv(delta, scale))
+
+
+class SplitBiasKronBlock:
+    """KFAC with the bias as its own block (laplace-torch's convention).
+
+    ``H = blockdiag(G ⊗ A_WW, G ⊗ A_bb)``: the joint factors without the weight-bias
+    cross terms of ``A``.  Same interface and ``W̃`` layout as :class:`KronBlock`.
+    """
+
+    def __init__(self, A: torch.Tensor, G: torch.Tensor):
+        self.w = KronBlock(A[:-1, :-1], G)
+        self.b = KronBlock(A[-1:, -1:], G)
+        self.A, self.G = A, G
+        self.shape = (G.shape[0], A.shape[0])
+        self.numel = self.shape[0] * self.shape[1]
+        idx = torch.arange(self.numel, device=A.device).reshape(self.shape)
+        self._perm = torch.cat([idx[:, :-1].reshape(-1), idx[:, -1]])   # W̃ order -> [W, b]
+
+    def logdet(self, delta, scale=1.0):
+        return self.w.logdet(delta, scale) + self.b.logdet(delta, scale)
+
+    def sample(self, eps, delta, scale=1.0):
+        e = eps.reshape(-1, *self.shape)
+        w = self.w.sample(e[..., :-1].reshape(len(eps), -1), delta, scale).reshape(-1, self.shape[0], self.shape[1] - 1)
+        b = self.b.sample(e[..., -1:].reshape(len(eps), -1), delta, scale).reshape(-1, self.shape[0], 1)
+        return torch.cat([w, b], -1).reshape(len(eps), -1)
+
+    def _unpermute(self, M):
+        out = torch.empty_like(M)
+        out[self._perm[:, None], self._perm[None, :]] = M
+        return out
+
+    def to_dense(self, scale=1.0):
+        return self._unpermute(torch.block_diag(self.w.to_dense(scale), self.b.to_dense(scale)))
+
+    def covariance(self, delta, scale=1.0):
+        return self._unpermute(torch.block_diag(self.w.covariance(delta, scale), self.b.covariance(delta, scale)))
+
+    def functional_variance(self, a, g, delta, scale=1.0):
+        return (self.w.functional_variance(a[..., :-1], g, delta, scale)
+                + self.b.functional_variance(a[..., -1:], g, delta, scale))
 
 
 class DiagBlock:

@@ -24,8 +24,15 @@ from torch import nn
 
 from .. import marglik as ml
 from .._local_params import local_params
-from ..curvature import (STRUCTURES, accumulate_curvature, find_layers, functional_covariance,
-                         glm_predictive, likelihood_kind, network_output)
+from ..curvature import (
+    STRUCTURES,
+    accumulate_curvature,
+    find_layers,
+    functional_covariance,
+    glm_predictive,
+    likelihood_kind,
+    network_output,
+)
 from ..data import TensorBatches, make_loader, split_batch
 from ..likelihoods import Gaussian
 from .base import init_to_network, register_guide
@@ -55,6 +62,9 @@ class Laplace(AutoGuide):
         One δ, one per layer, or one per weight (not with ``"kron"``).
     curvature_batch_size : int
         Batch size for curvature and the GLM predictive when given tensors.
+    kron_bias : {"joint", "separate"}
+        KFAC: one Kronecker block per layer for ``[W, b]`` (default, METHODS §4), or the
+        bias as its own block without weight-bias cross terms (laplace-torch's convention).
 
     Examples
     --------
@@ -66,7 +76,7 @@ class Laplace(AutoGuide):
 
     def __init__(self, model, structure: str = "kron", *, prior_precision=None,
                  prior_structure: str = "scalar", init_loc_fn=None,
-                 curvature_batch_size: int = 256, create_plates=None):
+                 curvature_batch_size: int = 256, kron_bias: str = "joint", create_plates=None):
         if structure not in STRUCTURES:
             raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
         if prior_structure not in PRIOR_STRUCTURES:
@@ -74,6 +84,8 @@ class Laplace(AutoGuide):
         if structure == "kron" and prior_structure == "diagonal":
             raise ValueError("structure='kron' supports prior_structure 'scalar' or 'layerwise', "
                              "got 'diagonal' (use structure='diag' or 'full')")
+        if kron_bias not in ("joint", "separate"):
+            raise ValueError(f"kron_bias must be 'joint' or 'separate', got {kron_bias!r}")
         if prior_precision is not None and not bool((torch.as_tensor(prior_precision) > 0).all()):
             raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
         self.init_loc_fn = init_loc_fn or init_to_network(model)
@@ -82,6 +94,7 @@ class Laplace(AutoGuide):
         self.structure = structure
         self.prior_structure = prior_structure
         self.curvature_batch_size = int(curvature_batch_size)
+        self.kron_bias = kron_bias
         self._init_prior_precision = prior_precision
         self.posterior = None            # CurvatureFit once the curvature is fitted
         self._map_mode = False
@@ -237,7 +250,8 @@ class Laplace(AutoGuide):
             self.posterior = accumulate_curvature(
                 self.layers, loader, lambda x: network_output(model, values, x), kind,
                 self.structure, device=device, reduce_fn=reduce_fn,
-                num_augmentations=_num_augmentations(model))
+                num_augmentations=_num_augmentations(model),
+                split_bias=self.kron_bias == "separate")
         return self
 
     def _device(self, x):
