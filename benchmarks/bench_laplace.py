@@ -163,7 +163,8 @@ def task_marglik(args, split, out):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=["evidence", "glm", "marglik", "all"], default="all")
+    p.add_argument("--task", choices=["evidence", "glm", "marglik", "mnist", "digits", "all"], default="all",
+                   help="mnist = evidence + GLM on MNIST; digits = GLM on digits + marglik")
     p.add_argument("--data-dir", default="../shared/data/mnist")
     p.add_argument("--epochs", type=int, default=20, help="MAP epochs on MNIST 5k")
     p.add_argument("--digits-epochs", type=int, default=100)
@@ -179,17 +180,18 @@ def main(argv=None):
     out = {}
     digits = pb.datasets.digits()
     trained = None
-    if args.task in ("evidence", "all", "glm"):
+    if args.task in ("evidence", "all", "glm", "mnist"):
         mnist = pb.datasets.mnist_split(args.data_dir, 5000, 5000)
         if args.quick:
             mnist = pb.datasets.DataSplit(mnist.x_train[:500], mnist.y_train[:500], mnist.x_test[:500],
                                           mnist.y_test[:500])
-    if args.task in ("evidence", "all"):
+    if args.task in ("evidence", "all", "mnist"):
         trained = task_evidence(args, mnist, out)
-    if args.task in ("glm", "all"):
+    if args.task in ("glm", "all", "digits"):
         task_glm(args, "digits", digits, [100], args.digits_epochs, out)
+    if args.task in ("glm", "all", "mnist"):
         task_glm(args, "mnist5k", mnist, [400, 400], args.epochs, out, trained)
-    if args.task in ("marglik", "all"):
+    if args.task in ("marglik", "all", "digits"):
         task_marglik(args, digits, out)
     return out
 
