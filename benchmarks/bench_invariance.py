@@ -69,6 +69,9 @@ def _peak_child(n, samples, hidden, batch_size):
     x, y = _data(n)
     inv = _model(samples, hidden)
     opt = torch.optim.Adam([inv.augmentation.eta], lr=0.01)
+    # warm-up on a few examples so lazy initialisation is not counted
+    evidence_step(inv, inv.initial_values(), _batches(x[:32], y[:32], 32), torch.zeros(2),
+                  eta_optimizer=opt)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     evidence_step(inv, inv.initial_values(), _batches(x, y, batch_size), torch.zeros(2),
                   eta_optimizer=opt)
@@ -90,6 +93,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--memory-n", type=int, nargs="+", default=[500, 1000, 2000, 4000])
+    p.add_argument("--memory-samples", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--child", nargs=4, type=int, help=argparse.SUPPRESS)
@@ -107,7 +111,7 @@ def main(argv=None):
     for s in args.samples:
         th, tp = time_step(s, args.n, args.hidden, args.batch_size, args.repeats)
         print(f"{s:>4} {th:13.3f} {tp:13.3f} {th / tp:7.1f} {th / tp / s:8.2f}", flush=True)
-    s = args.samples[-1]
+    s = args.memory_samples
     print(f"\npeak RSS added by one evidence step (S={s}), minibatches of {args.batch_size} "
           f"vs one whole-data batch")
     print(f"{'N':>6} {'minibatch MB':>13} {'whole-data MB':>14}")
