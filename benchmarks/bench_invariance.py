@@ -96,6 +96,7 @@ def main(argv=None):
     p.add_argument("--memory-samples", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--memory-only", action="store_true")
     p.add_argument("--child", nargs=4, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -108,7 +109,7 @@ def main(argv=None):
     print(f"one η evidence step vs a plain KFAC fit: N={args.n}, MLP 64-{args.hidden}-10, "
           f"batch {args.batch_size}, median of {args.repeats}")
     print(f"{'S':>4} {'hyper step s':>13} {'plain KFAC s':>13} {'ratio':>7} {'ratio/S':>8}")
-    for s in args.samples:
+    for s in [] if args.memory_only else args.samples:
         th, tp = time_step(s, args.n, args.hidden, args.batch_size, args.repeats)
         print(f"{s:>4} {th:13.3f} {tp:13.3f} {th / tp:7.1f} {th / tp / s:8.2f}", flush=True)
     s = args.memory_samples
