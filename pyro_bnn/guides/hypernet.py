@@ -152,8 +152,13 @@ class Hypernet(AutoContinuous):
                 f"full={self.full}")
 
 
-register_guide("hypernet", lambda model, **kw: Hypernet(model, **{"full": not getattr(
-    model, "weight_norm", True), **kw}))
+@register_guide("hypernet")
+def _hypernet_factory(model, **options) -> Hypernet:
+    """Registry entry: the paper's guide for weight-norm models; for any other model a small
+    flow over every weight (``full=True``, 2 blocks of 32 hidden units)."""
+    if not getattr(model, "weight_norm", False):
+        options = {"full": True, "num_flows": 2, "hidden": 32, **options}
+    return Hypernet(model, **options)
 
 
 def clipped_log_likelihood(lik, f: torch.Tensor, y: torch.Tensor,

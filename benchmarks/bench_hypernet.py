@@ -1,0 +1,155 @@
+"""Bayesian hypernetwork benchmarks: accuracy (digits, MNIST 5k/5k) and seconds per epoch.
+
+* ``--task digits``: MLP 64-100-10, MeanField (all weights) vs Hypernet (weight-norm scales,
+  IAF), same epochs, batch size and learning rate; test accuracy and NLL.
+* ``--task mnist``: weight-norm MLP 784-800-800-10 on MNIST 5k/5k (first 5,000 digits of the
+  MNIST test file for training, next 5,000 for testing), Hypernet with 0/4/8 blocks
+  (0 = Bayes by Backprop on g).
+* ``--task speed``: one epoch of plain PyTorch MAP vs ``pb.fit`` with Hypernet (8 IAF blocks,
+  weight-norm) on MLP 784-400-400-10, epochs interleaved in one process, medians and ratio.
+
+    python benchmarks/bench_hypernet.py --task digits --epochs 100
+    python benchmarks/bench_hypernet.py --task mnist --epochs 10 --data-dir ../shared/data/mnist
+    python benchmarks/bench_hypernet.py --task speed --epochs 5 --data-dir ../shared/data/mnist
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.data import TensorBatches
+
+
+def mlp(sizes):
+    layers = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _fit_eval(model, guide, train, test, args, **kw):
+    t0 = time.perf_counter()
+    pb.fit(model, guide, train, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+           progress=False, seed=args.seed, **kw)
+    secs = time.perf_counter() - t0
+    m = pb.evaluate(model, guide, *test, num_samples=args.num_samples)
+    return m, secs
+
+
+def task_digits(args):
+    d = pb.datasets.digits()
+    rows = []
+    torch.manual_seed(args.seed)
+    net = mlp([64, 100, 10])
+    mf_model = pb.BNN(net, "categorical")
+    rows.append(("MeanField (all weights)",)
+                + _fit_eval(mf_model, pb.guides.MeanField(mf_model), d.train, d.test, args))
+    for k in args.num_flows:
+        hn_model = pb.BNN(net, "categorical", weight_norm=True)
+        guide = pb.guides.Hypernet(hn_model, flow=args.flow, num_flows=k)
+        rows.append((f"Hypernet {args.flow} K={k} (weight-norm g)",)
+                    + _fit_eval(hn_model, guide, d.train, d.test, args, clip_norm=10.0))
+    print(f"digits 1348/449, MLP 64-100-10, {args.epochs} epochs, batch {args.batch_size}, "
+          f"lr {args.lr}, {args.num_samples} predictive samples")
+    _table(rows)
+
+
+def task_mnist(args):
+    split = pb.datasets.mnist_split(args.data_dir, 5000, 5000)
+    rows = []
+    torch.manual_seed(args.seed)
+    net = mlp([784, 800, 800, 10])
+    for k in args.num_flows:
+        model = pb.BNN(net, "categorical", weight_norm=True)
+        guide = pb.guides.Hypernet(model, flow=args.flow, num_flows=k)
+        rows.append((f"Hypernet {args.flow} K={k}",)
+                    + _fit_eval(model, guide, split.train, split.test, args, clip_norm=10.0))
+    print(f"MNIST 5k/5k, weight-norm MLP 784-800-800-10, {args.epochs} epochs, batch "
+          f"{args.batch_size}, lr {args.lr}, {args.num_samples} predictive samples")
+    _table(rows)
+
+
+def _table(rows):
+    print(f"  {'guide':40s} {'accuracy':>9s} {'nll':>8s} {'ece':>7s} {'fit s':>8s}")
+    for name, m, secs in rows:
+        print(f"  {name:40s} {m['accuracy']:9.4f} {m['nll']:8.4f} {m['ece']:7.4f} {secs:8.1f}")
+
+
+def task_speed(args):
+    try:
+        x, y = pb.datasets.mnist_split(args.data_dir, 5000, 5000).train
+    except FileNotFoundError:
+        print("MNIST not found; timing on random 784-d inputs")
+        x, y = torch.rand(5000, 784), torch.randint(0, 10, (5000,))
+    sizes = [784, 400, 400, 10]
+    torch.manual_seed(args.seed)
+    net_a = mlp(sizes)
+    opt_a = torch.optim.Adam(net_a.parameters(), lr=1e-3)
+    batches = TensorBatches(x, y, args.batch_size)
+
+    def epoch_map():
+        for xb, yb in batches:
+            loss = F.cross_entropy(net_a(xb), yb)
+            opt_a.zero_grad(set_to_none=True)
+            loss.backward()
+            opt_a.step()
+
+    model = pb.BNN(mlp(sizes), "categorical", weight_norm=True)
+    guide = pb.guides.Hypernet(model, flow="iaf", num_flows=8)
+
+    def epoch_hn():
+        pb.fit(model, guide, (x, y), epochs=1, batch_size=args.batch_size, lr=1e-3,
+               progress=False)
+
+    times = {"map": [], "hn": []}
+    epoch_map()
+    epoch_hn()  # warm-up, sets up the guide
+    for _ in range(args.epochs):
+        for key, fn in (("map", epoch_map), ("hn", epoch_hn)):
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"MNIST 5,000 train, MLP 784-400-400-10, batch {args.batch_size}, torch threads "
+          f"{torch.get_num_threads()}, {args.epochs} interleaved epochs (median s/epoch)")
+    print(f"  PyTorch MAP                          {med['map']:.3f}")
+    print(f"  pb.fit + Hypernet (8 IAF, weight-norm) {med['hn']:.3f}")
+    print(f"  ratio Hypernet / MAP = {med['hn'] / med['map']:.2f}   (target <= 2)")
+    return med
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=["digits", "mnist", "speed"], default="digits")
+    ap.add_argument("--data-dir", default="../shared/data/mnist")
+    ap.add_argument("--epochs", type=int, default=None,
+                    help="default: 100 (digits), 10 (mnist), 5 timed epochs (speed)")
+    ap.add_argument("--batch-size", type=int, default=None, help="default 64 (digits), 100, 128 (speed)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--flow", default=None, help="iaf (digits, speed) / realnvp couplings (mnist)")
+    ap.add_argument("--num-flows", type=int, nargs="+", default=None)
+    ap.add_argument("--num-samples", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    defaults = {"digits": (100, 64, "iaf", [8]), "mnist": (10, 100, "realnvp", [0, 4, 8]),
+                "speed": (5, 128, "iaf", [8])}[args.task]
+    args.epochs = defaults[0] if args.epochs is None else args.epochs
+    args.batch_size = defaults[1] if args.batch_size is None else args.batch_size
+    args.flow = defaults[2] if args.flow is None else args.flow
+    args.num_flows = defaults[3] if args.num_flows is None else args.num_flows
+    {"digits": task_digits, "mnist": task_mnist, "speed": task_speed}[args.task](args)
+
+
+if __name__ == "__main__":
+    main()
