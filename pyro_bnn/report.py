@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from . import metrics
-from .prediction import predictive_samples
 
 __all__ = ["write_report", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
            "regression_figure", "markdown_table"]
@@ -95,8 +94,12 @@ def reliability_figure(probs: Mapping[str, torch.Tensor], y: torch.Tensor, num_b
         filled = count > 0
         ax.bar(centers[filled], acc[filled], width=width, edgecolor="black", color="tab:blue",
                alpha=0.8, label="accuracy in bin")
-        ax.bar(centers[filled], (conf - acc)[filled], bottom=acc[filled], width=width,
-               color="tab:red", alpha=0.3, hatch="//", label="gap to confidence")
+        lo = torch.minimum(conf, acc)
+        ax.bar(centers[filled], (conf - acc).abs()[filled], bottom=lo[filled], width=width,
+               fill=False, edgecolor="tab:red", hatch="//", label="gap to mean confidence")
+        share = count / count.sum()
+        ax.bar(centers[filled], share[filled] * 0.25, width=0.35 * width, color="0.3",
+               zorder=3, label="share of examples (×0.25)")
         ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
         ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (max predictive probability)",
                ylabel="accuracy", title=f"{name}: ECE = {ece:.3f}")
@@ -194,7 +197,11 @@ def forest_figure(datatrees: Mapping[str, object], var_names=None, coords=None):
     pc.add_legend("model", title="guide")
     fig = pc.viz["figure"].item()
     fig.axes[-1].set_xlabel("weight value")
-    fig.suptitle("Posterior of selected weights: point = mean, thick = 50%, thin = 89% interval")
+    title = "Posterior of selected weights: point = mean, thick = 50%, thin = 89% interval"
+    missing = [k for k in datatrees if k not in shown]
+    if missing:
+        title += f"\n(not shown, other parameter sites: {', '.join(missing)})"
+    fig.suptitle(title)
     return fig, list(var_names), list(shown)
 
 
@@ -208,7 +215,7 @@ def regression_figure(runs: Mapping[str, object], split, num_samples: int = 100)
     rows, cols = _grid(len(runs))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
     for ax, (name, run) in zip(axes.flat, runs.items()):
-        out = predictive_samples(run.model, run.guide, grid.to(_device(run.model)), num_samples)
+        out = run.predictive(grid.to(_device(run.model)), num_samples)
         loc, scale = out.loc.cpu()[..., 0], out.scale.cpu()[..., 0]
         mean = loc.mean(0)
         sd = (loc.var(0, unbiased=False) + (scale ** 2).mean(0)).sqrt()
@@ -285,7 +292,7 @@ def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
         for name, run in ok.items():
             sets = {"test data": metrics.predictive_entropy(run.probs).numpy()}
             for k, xo in oods.items():
-                po = predictive_samples(run.model, run.guide, xo, num_samples=num_samples).probs
+                po = run.predictive(xo.to(_device(run.model)), num_samples).probs.cpu()
                 sets[k] = metrics.predictive_entropy(po).cpu().numpy()
             entropies[name] = sets
         fig, aurocs = entropy_figure(entropies, next(iter(ok.values())).probs.shape[-1])
