@@ -170,11 +170,14 @@ def log_density_ratios(values: Mapping[str, torch.Tensor], locs: Mapping[str, to
         for site in group:
             owners.setdefault(site, []).append(k)
     multi = [k for k, g in enumerate(groups) if any(len(owners[s]) > 1 for s in g)]
-    for site, ks in owners.items():
-        if len(ks) > 1:
+    for k, group in enumerate(groups):
+        single = [s for s in group if len(owners[s]) == 1]
+        if not single:
             continue
-        k = ks[0]
-        cost = _assignment_cost(values[site], locs[site], scales[site], groups[k][site])
+        # all sites this group alone moves, side by side as one (d, C) block: one cost matrix
+        w, mu, sd = (torch.cat([t[s].movedim(group[s], 0).reshape(t[s].shape[group[s]], -1)
+                                for s in single], 1) for t in (values, locs, scales))
+        cost = _assignment_cost(w, mu, sd, 0)
         rows = torch.arange(cost.shape[0], device=cost.device)
         moved = cost[perms[k], rows].sum(-1) - cost.diagonal().sum()
         total = total - 0.5 * moved.to(total.dtype)
