@@ -7,8 +7,10 @@ One loop, three methods (so they can be compared on equal terms):
   ``P⁻¹`` once per step, then the trace ``tr(P⁻¹ ∂H_b/∂η)`` and the batch log-likelihood
   are backpropagated batch by batch: memory of one minibatch.
 * ``"augerino"`` — ``η`` trained with ``θ`` on the MAP objective plus Augerino's width
-  reward: minimise ``mean_n −log p(y_n | f̂_n) − λ ‖η‖²`` (Benton et al. 2020, λ = 0.01),
-  no evidence.
+  reward: minimise ``mean_n −log p(y_n | f̂_n) − λ ‖η‖`` (Benton et al. 2020, λ = 0.01),
+  no evidence.  Augerino's paper rewards ``‖η‖²``, whose gradient vanishes at the
+  identity start ``η = 0`` (η then never leaves 0); the unsquared norm pushes with
+  constant strength λ, so the baseline actually learns a width.
 * ``"none"`` — ``η`` never moves (use ``AffineAugmentation(num_samples=1)`` at ``η = 0``,
   or no augmentation, for the non-invariant baseline).
 
@@ -242,7 +244,7 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
                           for d, (_, _, fac_w, fac_b) in zip(delta, layers)) / n
                 loss = nll + reg
                 if method == "augerino":
-                    loss = loss - augerino_weight * aug.coefficients().pow(2).sum()
+                    loss = loss - augerino_weight * (aug.coefficients().pow(2).sum() + 1e-12).sqrt()
                     eta_opt.zero_grad()
                 opt.zero_grad()
                 loss.backward()
