@@ -150,7 +150,7 @@ def main(argv=None):
             sel = [r for r in rows if r["kind"] == kind and r["K"] == K]
             acc = [r["acc"] for r in sel]
             sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
-            mean = lambda key: statistics.fmean(r[key] for r in sel)  # noqa: E731
+            mean = lambda key, sel=sel: statistics.fmean(r[key] for r in sel)  # noqa: E731
             print(f"| {kind} | {K} | {100 * statistics.fmean(acc):.2f} ± {100 * sd:.2f} | "
                   f"{mean('nll'):.4f} | {mean('elbo'):.4f} | {mean('lg'):.4f} | {mean('gap'):.2f} |")
         print(f"# accuracy runs: {time.perf_counter() - t0:.0f} s")

@@ -15,7 +15,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn import symmetry as sym
 from pyro_bnn.guides.meanfield import _run_with_values, meanfield_loss
-from pyro_bnn.guides.symmetrized import (entropy_gap, log_density_ratios, symmetrized_terms)
+from pyro_bnn.guides.symmetrized import entropy_gap, log_density_ratios, symmetrized_terms
 
 
 def _random_values(shapes, gen, dtype=torch.float64):

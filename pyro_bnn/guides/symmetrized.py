@@ -41,17 +41,23 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import pyro.distributions as dist
 import torch
 from pyro import poutine
 from torch.distributions import kl_divergence
 
-import pyro.distributions as dist
-
 from .._local_params import local_params
 from ..data import as_tensors
 from ..likelihoods import log_likelihood
-from ..symmetry import (enumerate_group, find_symmetries, group_sizes, log_group_order,
-                        permute_batched, resolve_symmetries, sample_permutations)
+from ..symmetry import (
+    enumerate_group,
+    find_symmetries,
+    group_sizes,
+    log_group_order,
+    permute_batched,
+    resolve_symmetries,
+    sample_permutations,
+)
 from .base import register_guide
 from .meanfield import MeanField, MeanFieldELBO, _run_with_values
 
