@@ -4,7 +4,7 @@ Every guide in the registry plus Pyro's AutoNormal / AutoDelta / low-rank autogu
 trained once per test process (cached), on scikit-learn's 8×8 digits with a 64-16-10 MLP.
 """
 
-from functools import lru_cache
+from functools import cache
 
 import pyro
 import torch
@@ -37,12 +37,12 @@ def mlp(d_in=64, d_hidden=16, d_out=10):
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(), nn.Linear(d_hidden, d_out))
 
 
-@lru_cache(maxsize=None)
+@cache
 def digits():
     return pb.datasets.digits()
 
 
-@lru_cache(maxsize=None)
+@cache
 def trained(name: str, classes: tuple = tuple(range(10)), epochs: int = 10, num_train: int = 600):
     """(model, guide) trained on the first ``num_train`` training digits of ``classes``
     (cached per process): 60 Adam steps, ≈ 85-93% test accuracy for every guide."""
