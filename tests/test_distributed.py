@@ -13,6 +13,7 @@ evidence must agree to 1e-6 relative, end to end and for the raw float32 KFAC/di
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pyro
@@ -63,6 +64,12 @@ def _fit(kind, epochs=EPOCHS, **kw):
     return state, result.history, evidence
 
 
+@functools.cache
+def _reference(kind):
+    """The single-process run (cached: several tests compare against it)."""
+    return _fit(kind)
+
+
 KINDS = ("meanfield", "symmetrized", "laplace", "hypernet", "autonormal")
 
 
@@ -97,6 +104,7 @@ def _worker(rank, out_dir):
     fits = {"meanfield": _fit("meanfield", distributed=True,
                               checkpoint=os.path.join(out_dir, "ckpt.pt"))}
     fits.update({k: _fit(k, distributed=True) for k in KINDS[1:]})
+    fits["independent"] = _fit("meanfield", distributed=pbd.DistributedOptions(shared_noise=False))
     x, y = _data()
     shard = pbd.ShardedTensorBatches(x.float(), y, 8, num_replicas=2, rank=rank, shuffle=True)
     evidence = {s: _curvature_evidence(s, shard) for s in STRUCTURES}
@@ -124,6 +132,14 @@ def test_only_rank0_checkpoints(two_ranks):
     assert (out / "ckpt.pt").exists()
 
 
+def test_independent_noise_is_not_the_single_process_run(two_ranks):
+    (r0, r1), _ = two_ranks
+    ref_state = _reference("meanfield")[0]
+    state0, state1 = r0["fits"]["independent"][0], r1["fits"]["independent"][0]
+    assert all(torch.equal(state0[k], state1[k]) for k in ref_state)   # still in sync via DDP
+    assert max((state0[k] - ref).abs().max().item() for k, ref in ref_state.items()) > 1e-3
+
+
 def test_sync_rng_puts_ranks_on_rank0_stream(two_ranks):
     (r0, r1), _ = two_ranks
     torch.manual_seed(0)
@@ -134,7 +150,7 @@ def test_sync_rng_puts_ranks_on_rank0_stream(two_ranks):
 @pytest.mark.parametrize("kind", KINDS)
 def test_two_gloo_processes_match_one_process(two_ranks, kind):
     (r0, r1), _ = two_ranks
-    ref_state, ref_history, ref_evidence = _fit(kind)
+    ref_state, ref_history, ref_evidence = _reference(kind)
     state0, history0, evidence0 = r0["fits"][kind]
     state1, _, evidence1 = r1["fits"][kind]
     assert ref_state.keys() == state0.keys()
