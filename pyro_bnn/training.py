@@ -181,6 +181,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     """
     if epochs < 0:
         raise ValueError(f"epochs must be >= 0, got {epochs}")
+    if not distributed:
+        _dist.warn_if_undistributed_launch()
     dstate = None
     if distributed:
         dstate = _dist.start(distributed, device, seed)  # joins the group, seeds all ranks alike

@@ -327,3 +327,13 @@ def test_unused_parameter_probe_restores_the_rng():
     assert torch.equal(torch.get_rng_state(), after_init)            # the probe's randn undone
     module.unused = None
     assert not _has_unused_parameters(module, x, y)
+
+
+def test_plain_fit_under_torchrun_warns(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    model, guide = _model_and_guide("meanfield")
+    with pytest.warns(UserWarning, match="distributed=False"):
+        pb.fit(model, guide, _data(), epochs=0, progress=False)

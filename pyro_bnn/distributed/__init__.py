@@ -35,6 +35,7 @@ from .group import (
     is_main_process,
     start,
     torchrun_env,
+    warn_if_undistributed_launch,
 )
 from .launch import find_free_port, launch_local
 from .sharding import ShardedTensorBatches, local_batch_size, set_epoch, shard_loader, unpadded_shard
@@ -44,5 +45,5 @@ __all__ = [
     "init_process_group", "start", "is_distributed", "is_main_process", "get_rank",
     "get_world_size", "all_reduce_sum_", "all_reduce_mean_", "all_reduce_sums", "broadcast_seed",
     "local_batch_size", "ShardedTensorBatches", "shard_loader", "unpadded_shard", "set_epoch",
-    "launch_local", "find_free_port",
+    "launch_local", "find_free_port", "warn_if_undistributed_launch",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import warnings
 from dataclasses import dataclass
 
 import pyro
@@ -267,6 +268,17 @@ def init_process_group(device=None, options: DistributedOptions | None = None) -
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return DistributedState(rank, world, local_rank, device, backend, options)
+
+
+def warn_if_undistributed_launch() -> None:
+    """Warn when several torchrun processes each run an ordinary (non-distributed) ``fit``."""
+    env = torchrun_env()
+    if env is not None and int(env["world_size"]) > 1:
+        warnings.warn(
+            f"this process is one of {env['world_size']} started by torchrun, but fit() got "
+            "distributed=False: every process trains on all the data on its own (and writes "
+            "the same checkpoint). Pass distributed=True for data-parallel training.",
+            stacklevel=3)
 
 
 def start(distributed, device=None, seed: int | None = None) -> DistributedState:
