@@ -108,6 +108,27 @@ def _pointwise_trace(model, values, x, y, batch_size, device, want_pp, obs_site)
     return torch.cat(loglik), (torch.cat(pp) if want_pp else None), log_prior
 
 
+#: Default cap on the posterior group (float32 values): 2.5e8 values = 1 GB.
+MAX_POSTERIOR_VALUES = 250_000_000
+
+
+def _select_sites(values: dict, var_names, num_samples: int) -> list[str]:
+    if var_names is None:
+        total = num_samples * sum(v.numel() for v in values.values())
+        if total > MAX_POSTERIOR_VALUES:
+            sizes = {k: int(v.numel()) for k, v in values.items()}
+            raise ValueError(
+                f"storing all {len(values)} sites for {num_samples} draws needs {total:,} values "
+                f"(> {MAX_POSTERIOR_VALUES:,}, 1 GB); pass var_names= with the sites to keep "
+                f"(sizes: {sizes}) — the log-likelihood and densities still use every site")
+        return list(values)
+    names = list(var_names)
+    unknown = sorted(set(names) - set(values))
+    if unknown:
+        raise ValueError(f"var_names {unknown} are not latent sites; sites: {sorted(values)}")
+    return names
+
+
 def _device_of(model, guide, x):
     for module in (model, guide):
         if isinstance(module, nn.Module):
@@ -136,8 +157,9 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     num_samples : int
         Number of joint draws ``S`` from the guide.
     var_names : sequence of str, optional
-        Parameter sites to store in ``posterior`` (default: all).  Pass a few sites for
-        large networks: the group holds ``S × (size of the selected sites)`` floats.
+        Parameter sites to store in ``posterior`` (default: all, unless that exceeds
+        ``MAX_POSTERIOR_VALUES`` = 2.5e8 floats, which raises).  Pass a few sites for large
+        networks: the group holds ``S × (size of the selected sites)`` floats.
         The log-likelihood and densities always use all sites.
     batch_size : int
         Inputs per forward pass; memory is bounded by one batch per draw.
@@ -186,10 +208,7 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
         for s in range(int(num_samples)):
             values, lq = sample_with_log_density(model, guide, x[:1].to(device), y[:1].to(device))
             if s == 0:
-                names = list(values) if var_names is None else list(var_names)
-                unknown = sorted(set(names) - set(values))
-                if unknown:
-                    raise ValueError(f"var_names {unknown} are not latent sites; sites: {sorted(values)}")
+                names = _select_sites(values, var_names, int(num_samples))
             if is_bnn:
                 ll, yrep = _pointwise_bnn(model, values, x, y, batch_size, device, posterior_predictive)
                 lprior = _log_prior_bnn(model, values)

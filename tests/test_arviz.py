@@ -212,7 +212,7 @@ def test_log_density_hook_is_used(data):
     assert np.all(dt["sample_stats"]["log_q"].values == -7.0)
 
 
-def test_var_names_and_errors(trained, data):
+def test_var_names_and_errors(trained, data, monkeypatch):
     x, y = data
     model, guide, _ = trained["meanfield"]
     dt = pb.to_arviz(model, guide, x[:30], y[:30], num_samples=4, var_names=["net.2.bias"])
@@ -220,6 +220,11 @@ def test_var_names_and_errors(trained, data):
     assert dt["log_likelihood"].sizes["obs_id"] == 30
     with pytest.raises(ValueError, match="var_names"):
         pb.to_arviz(model, guide, x[:30], y[:30], num_samples=2, var_names=["nope"])
+    monkeypatch.setattr(pb.arviz, "MAX_POSTERIOR_VALUES", 100)
+    with pytest.raises(ValueError, match="var_names="):
+        pb.to_arviz(model, guide, x[:30], y[:30], num_samples=2)
+    assert "net.2.bias" in pb.to_arviz(model, guide, x[:30], y[:30], num_samples=2,
+                                       var_names=["net.2.bias"])["posterior"]
     with pytest.raises(ValueError, match="same length"):
         pb.to_arviz(model, guide, x[:30], y[:20])
     with pytest.raises(ValueError, match="num_samples"):
