@@ -25,12 +25,12 @@ def _plt():
     return plt
 
 
-def _finish(fig, ax, title, xlabel, ylabel, path):
+def _finish(fig, ax, title, xlabel, ylabel, path, **legend_kw):
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(**legend_kw)
     fig.tight_layout()
     if path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -109,5 +109,6 @@ def plot_ood_scores(results: dict, path: str | None = None, metric: str = "auroc
         ax.bar(np.arange(len(scores)) + i * width, vals, width, label=label)
     ax.set_xticks(np.arange(len(scores)) + 0.4 - width / 2)
     ax.set_xticklabels([s.replace("_", " ") for s in scores], rotation=15)
-    ax.set_ylim(0, 1)
-    return _finish(fig, ax, title, "uncertainty score", metric.upper(), path)
+    ax.set_ylim(0, 1.25)
+    return _finish(fig, ax, title, "uncertainty score", metric.upper(), path, loc="upper center",
+                   ncol=min(5, len(labels)), fontsize=8)
