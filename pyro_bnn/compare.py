@@ -14,7 +14,7 @@ meaningful.  The table has one row per guide:
   ``k̂`` above ArviZ's threshold, and ``elpd_loo_psis`` (``az.loo``, which treats the draws as
   exact posterior draws); both NaN when the draws are identical (point estimates);
 * ``train_seconds``, ``predict_seconds`` (the test-set predictive), ``num_params``
-  (variational parameters: the guide's parameters and floating-point buffers).
+  (the guide's trained parameters; buffers such as curvature factors are not counted).
 """
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ class GuideRun:
     scale: torch.Tensor | None = None
     datatree: Any = None
     error: str | None = None
+    predict_method: str = "sample"
+
+    def predictive(self, x: torch.Tensor, num_samples: int = 100) -> PredictiveSamples:
+        """Predictive of this run's model and guide at ``x``, with the run's method."""
+        if self.predict_method == "sample":
+            return predictive_samples(self.model, self.guide, x, num_samples=num_samples)
+        return _method_predictive(self.model, self.guide, x, num_samples, self.predict_method)
 
 
 @dataclass
@@ -76,16 +83,15 @@ class Comparison:
 
 
 def count_variational_parameters(guide) -> int:
-    """Number of values that define ``q``: ``guide.num_variational_parameters`` if given,
-    else the guide's parameters plus its floating-point buffers (e.g. KFAC factors)."""
+    """Number of trained values of ``q``: ``guide.num_variational_parameters`` if given, else
+    the guide's ``nn.Parameter`` count (buffers such as MADE masks or Laplace's curvature
+    factors are not counted)."""
     own = getattr(guide, "num_variational_parameters", None)
     if own is not None:
         return int(own() if callable(own) else own)
     if not isinstance(guide, torch.nn.Module):
         return 0
-    n = sum(p.numel() for p in guide.parameters())
-    n += sum(b.numel() for b in guide.buffers() if b.is_floating_point())
-    return int(n)
+    return int(sum(p.numel() for p in guide.parameters()))
 
 
 def as_split(data) -> DataSplit:
@@ -203,11 +209,9 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     run.guide = guide = guide_fn(model, **guide_kw)
     run.fit = fit(model, guide, split.train, epochs=epochs, batch_size=batch_size, lr=lr,
                   device=device, seed=seed, progress=progress, **fit_kw)
+    run.predict_method = predict_method
     t0 = time.perf_counter()
-    if predict_method == "sample":
-        out = predictive_samples(model, guide, split.x_test, num_samples=num_samples)
-    else:
-        out = _method_predictive(model, guide, split.x_test, num_samples, predict_method)
+    out = run.predictive(split.x_test, num_samples)
     run.metrics["predict_seconds"] = time.perf_counter() - t0
     run.metrics["predictive"] = predict_method
     y_test = split.y_test.to(out.probs.device if out.probs is not None else out.loc.device)
