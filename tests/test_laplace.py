@@ -191,6 +191,18 @@ def test_post_hoc_laplace_of_pretrained_net_and_handwritten_model(digits_small):
     assert p.shape == (1, 5, 10)
 
 
+def test_curvature_survives_state_dict_round_trip(digits_small):
+    x, y, xt, _ = digits_small
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 10)), "categorical")
+    guide = pb.guides.Laplace(model, "kron", kron_bias="separate").fit_curvature((x, y))
+    guide2 = pb.guides.Laplace(model, "kron", kron_bias="separate")
+    guide2._ensure_setup(x[:2], y[:2])
+    assert guide2.posterior is None
+    guide2.load_state_dict(guide.state_dict())
+    torch.testing.assert_close(guide2.log_evidence(), guide.log_evidence())
+    torch.testing.assert_close(pb.predict(model, guide2, xt, method="glm"), pb.predict(model, guide, xt, method="glm"))
+
+
 def test_user_errors():
     model = pb.BNN(nn.Linear(3, 2), "categorical")
     with pytest.raises(ValueError, match="structure"):

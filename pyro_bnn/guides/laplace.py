@@ -37,6 +37,7 @@ from ..data import TensorBatches, make_loader, split_batch
 from ..likelihoods import Gaussian
 from .base import init_to_network, register_guide
 from .laplace_objective import LaplaceMAPObjective
+from .laplace_state import CurvatureState
 
 __all__ = ["Laplace"]
 
@@ -96,7 +97,8 @@ class Laplace(AutoGuide):
         self.curvature_batch_size = int(curvature_batch_size)
         self.kron_bias = kron_bias
         self._init_prior_precision = prior_precision
-        self.posterior = None            # CurvatureFit once the curvature is fitted
+        self._posterior_cache = None     # CurvatureFit once the curvature is fitted
+        self.register_load_state_dict_post_hook(lambda module, keys: module._invalidate())
         self._map_mode = False
         self._marglik: dict = {}
 
@@ -119,6 +121,35 @@ class Laplace(AutoGuide):
             prior_prec[name] = _normal_precision(site["fn"], value)
         self.layers = find_layers(self.base_model, self.site_shapes)
         self.register_buffer("log_prior_precision", self._initial_log_prior_precision(prior_prec))
+        like = next(iter(self.theta.values()))
+        self.curvature_state = CurvatureState(self.layers, self.structure, self.kron_bias == "separate",
+                                              torch.empty((), dtype=like.dtype, device=like.device))
+
+    # ------------------------------------------------------- fitted curvature
+    @property
+    def posterior(self):
+        """The fitted curvature (:class:`~pyro_bnn.curvature.CurvatureFit`) or ``None``.
+
+        Stored in buffers (``curvature_state``), so it survives ``state_dict`` round
+        trips and ``.to(device)``; the eigendecompositions are rebuilt on demand.
+        """
+        if self._posterior_cache is None and "curvature_state" in self._modules:
+            self._posterior_cache = self.curvature_state.load()
+        return self._posterior_cache
+
+    @posterior.setter
+    def posterior(self, fit):
+        self._posterior_cache = fit
+        if "curvature_state" in self._modules:
+            self.curvature_state.store(fit, getattr(self, "_fixed_noise", None))
+
+    def _invalidate(self):
+        self._posterior_cache = None
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._posterior_cache = None
+        return out
 
     def _initial_log_prior_precision(self, prior_prec: dict) -> torch.Tensor:
         per_layer = [torch.cat([prior_prec[s].reshape(-1) for s in layer.sites]) for layer in self.layers]
@@ -186,7 +217,7 @@ class Laplace(AutoGuide):
         lik = getattr(self.base_model, "likelihood", None)
         if isinstance(lik, Gaussian):
             return lik.noise.detach()
-        return self._fixed_noise
+        return self.curvature_state.noise
 
     # ------------------------------------------------------------- pyro guide
     def forward(self, *args, **kwargs):
