@@ -82,7 +82,7 @@ class WeightNormLinear(_WeightNormMixin, nn.Linear):
         self._split_weight_()
 
     @classmethod
-    def from_linear(cls, layer: nn.Linear) -> "WeightNormLinear":
+    def from_linear(cls, layer: nn.Linear) -> WeightNormLinear:
         """The same function as ``layer``: ``g`` = row norms, ``v`` = its weight."""
         new = copy.deepcopy(layer)
         new.__class__ = cls
@@ -99,7 +99,7 @@ class WeightNormConv2d(_WeightNormMixin, nn.Conv2d):
         self._split_weight_()
 
     @classmethod
-    def from_conv2d(cls, layer: nn.Conv2d) -> "WeightNormConv2d":
+    def from_conv2d(cls, layer: nn.Conv2d) -> WeightNormConv2d:
         """The same function as ``layer``: ``g`` = filter norms, ``v`` = its weight."""
         new = copy.deepcopy(layer)
         new.__class__ = cls
@@ -139,7 +139,7 @@ def to_weight_norm(net: nn.Module) -> nn.Module:
     root = _convert(net)
     if root is not net:
         return root
-    for name, module in list(net.named_modules()):
+    for module in list(net.modules()):
         for child_name, child in list(module.named_children()):
             new = _convert(child)
             if new is not child:
