@@ -34,6 +34,9 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=50)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--batch", choices=["topk", "power"], default="topk",
+                   help="take the top scores or sample ∝ score^beta (stochastic batch acquisition)")
+    p.add_argument("--beta", type=float, default=1.0)
     p.add_argument("--cold-start", action="store_true", help="retrain from scratch each round")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 20 epochs")
@@ -58,7 +61,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             r = pb.active.run(model_fn, factory, d.train, d.test, acquisition=acq, initial=args.initial,
                               per_round=args.per_round, rounds=args.rounds, warm_start=not args.cold_start,
-                              epochs=args.epochs, lr=args.lr, seed=seed)
+                              epochs=args.epochs, lr=args.lr, seed=seed, batch=args.batch, beta=args.beta)
             results[acq].append(r)
             print(f"{acq:16s} seed {seed}: {[round(a, 3) for a in r.accuracy]} "
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -69,7 +72,7 @@ def main(argv=None):
     for acq, s in summary.items():
         print(f"{acq:16s} final accuracy mean {s['final_mean']:.4f}  per seed {s['final_per_seed']}")
     os.makedirs(args.out, exist_ok=True)
-    tag = "quick" if args.quick else f"{args.guide}_r{args.rounds}_s{args.seeds}"
+    tag = "quick" if args.quick else f"{args.guide}_r{args.rounds}_s{args.seeds}_{args.batch}"
     with open(os.path.join(args.out, f"active_digits_{tag}.json"), "w") as fh:
         json.dump({"args": vars(args), "summary": summary}, fh, indent=1)
     plot_active_curves(results, path=os.path.join(args.out, f"active_digits_{tag}.png"),

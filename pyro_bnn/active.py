@@ -11,6 +11,11 @@ Acquisition functions:
 * ``"variation_ratio"``: ``1 − (votes of the modal class)/S``;
 * ``"random"``: uniform baseline.
 
+Batch selection: ``batch="topk"`` labels the ``per_round`` highest scores (the classic rule;
+its batches can be redundant — many near-identical points of one class); ``batch="power"``
+samples ``per_round`` points without replacement with probability ∝ ``score^β``
+(Gumbel-top-k; Kirsch et al. 2023, "stochastic batch acquisition").
+
 ``warm_start=True`` continues training the previous round's model and guide on the
 enlarged set (the BHN paper found this helps); ``False`` retrains from scratch.
 """
@@ -89,6 +94,13 @@ def balanced_initial(y: torch.Tensor, size: int, generator: torch.Generator) -> 
     return torch.cat(chosen)
 
 
+def _power_k(scores: torch.Tensor, k: int, beta: float, generator: torch.Generator) -> torch.Tensor:
+    """k indices sampled without replacement with probability ∝ ``scores^beta`` (Gumbel-top-k)."""
+    u = torch.rand(len(scores), generator=generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+    keys = beta * torch.log(scores.cpu().double().clamp_min(1e-30)) - torch.log(-torch.log(u))
+    return torch.argsort(-keys, stable=True)[:k]
+
+
 def _top_k(scores: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
     """Indices of the k largest scores, ties broken at random."""
     perm = torch.randperm(len(scores), generator=generator)
@@ -99,7 +111,8 @@ def _top_k(scores: torch.Tensor, k: int, generator: torch.Generator) -> torch.Te
 def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "bald",
         initial: int = 20, per_round: int = 10, rounds: int = 10, warm_start: bool = True,
         epochs: int = 100, num_samples: int = 32, seed: int = 0, batch_size: int = 32,
-        lr: float = 1e-2, eval_samples: int = 32, progress: bool = False, **fit_kwargs) -> ActiveResult:
+        lr: float = 1e-2, eval_samples: int = 32, progress: bool = False, batch: str = "topk",
+        beta: float = 1.0, **fit_kwargs) -> ActiveResult:
     """Run pool-based active learning and return the test-accuracy curve.
 
     Parameters
@@ -123,6 +136,8 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
         Posterior draws for the acquisition scores; ``eval_samples`` for test accuracy.
     seed : int
         Seeds the initial set, the tie-breaking, training and sampling.
+    batch : {"topk", "power"}
+        Take the ``per_round`` best scores, or sample them ∝ ``score^beta``.
 
     Returns
     -------
@@ -132,6 +147,8 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
     """
     if acquisition not in ACQUISITIONS:
         raise ValueError(f"acquisition must be one of {ACQUISITIONS}, got {acquisition!r}")
+    if batch not in ("topk", "power"):
+        raise ValueError(f"batch must be 'topk' or 'power', got {batch!r}")
     x_pool, y_pool = pool
     x_test, y_test = test
     if initial + rounds * per_round > len(x_pool):
@@ -163,7 +180,10 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
             pick = rest[torch.randperm(len(rest), generator=g)[:per_round]]
         else:
             probs = predict(model, guide, x_pool[rest], num_samples=num_samples)
-            pick = rest[_top_k(acquisition_scores(probs, acquisition), per_round, g)]
+            score = acquisition_scores(probs, acquisition)
+            chosen = (_top_k(score, per_round, g) if batch == "topk"
+                      else _power_k(score, per_round, beta, g))
+            pick = rest[chosen]
         mask[pick] = True
         result.acquired.append(pick.tolist())
     return result

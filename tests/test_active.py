@@ -42,6 +42,18 @@ def test_top_k_picks_largest_and_breaks_ties_randomly():
     assert len(picks) > 1
 
 
+def test_power_batch_sampling():
+    g = torch.Generator().manual_seed(0)
+    # zero scores are never picked while positive ones remain
+    s = torch.tensor([0.0, 2.0, 0.0, 1.0, 0.0])
+    assert set(active._power_k(s, 2, 1.0, g).tolist()) == {1, 3}
+    # first pick ∝ score: P(index 1) = 2/3 (binomial sd over 3000 draws ≈ 0.009)
+    firsts = torch.tensor([int(active._power_k(s, 1, 1.0, g)) for _ in range(3000)])
+    assert float((firsts == 1).double().mean()) == pytest.approx(2 / 3, abs=0.04)
+    # large β -> top-k
+    assert set(active._power_k(torch.tensor([0.1, 0.9, 0.5, 0.8]), 2, 200.0, g).tolist()) == {1, 3}
+
+
 @pytest.mark.parametrize("name", GUIDE_NAMES)
 def test_run_every_guide(name):
     d = digits()
