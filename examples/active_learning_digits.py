@@ -37,6 +37,8 @@ def main(argv=None):
     p.add_argument("--batch", choices=["topk", "power"], default="topk",
                    help="take the top scores or sample ∝ score^beta (stochastic batch acquisition)")
     p.add_argument("--beta", type=float, default=1.0)
+    p.add_argument("--weight-norm", action="store_true",
+                   help="weight-norm BNN: only the per-unit scales are random (BHN paper's setup)")
     p.add_argument("--cold-start", action="store_true", help="retrain from scratch each round")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 20 epochs")
@@ -48,7 +50,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     d = pb.datasets.digits()
     factory = registered_guides()[args.guide]
-    weight_norm = args.guide == "hypernet"
+    weight_norm = args.guide == "hypernet" or args.weight_norm
 
     def model_fn():
         net = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
@@ -72,7 +74,7 @@ def main(argv=None):
     for acq, s in summary.items():
         print(f"{acq:16s} final accuracy mean {s['final_mean']:.4f}  per seed {s['final_per_seed']}")
     os.makedirs(args.out, exist_ok=True)
-    tag = "quick" if args.quick else f"{args.guide}_r{args.rounds}_s{args.seeds}_{args.batch}"
+    tag = "quick" if args.quick else f"{args.guide}_r{args.rounds}_s{args.seeds}_{args.batch}{'_wn' if weight_norm else ''}"
     with open(os.path.join(args.out, f"active_digits_{tag}.json"), "w") as fh:
         json.dump({"args": vars(args), "summary": summary}, fh, indent=1)
     plot_active_curves(results, path=os.path.join(args.out, f"active_digits_{tag}.png"),
