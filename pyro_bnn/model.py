@@ -228,6 +228,10 @@ class BNN(PyroModule):
         """Weights of the network it was built from, keyed by site name."""
         return dict(self._initial_values)
 
+    def site_normal_prior(self, site: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(loc, scale)`` of an i.i.d. Normal prior on ``site`` (closed-form KL), else ``None``."""
+        return self.priors[site.replace(".", "__")].normal_params(self._fan_in[site])
+
     def site_prior(self, site: str):
         """The prior distribution of one site (on the prior's current device)."""
         return self.priors[site.replace(".", "__")](self._initial_values[site].shape, self._fan_in[site])

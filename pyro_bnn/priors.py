@@ -49,6 +49,10 @@ class Prior(nn.Module):
     def forward(self, shape: torch.Size | tuple[int, ...], fan_in: int | None = None):
         raise NotImplementedError
 
+    def normal_params(self, fan_in: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(loc, scale)`` if this prior is an i.i.d. Normal (closed-form KL), else ``None``."""
+        return None
+
     @staticmethod
     def _to_event(d: dist.TorchDistribution, shape) -> dist.TorchDistribution:
         return d.expand(torch.Size(shape)).to_event(len(shape))
@@ -74,6 +78,9 @@ class IIDNormal(Prior):
 
     def forward(self, shape, fan_in=None):
         return self._to_event(dist.Normal(self.loc, self.scale), shape)
+
+    def normal_params(self, fan_in=None):
+        return self.loc, self.scale
 
     def extra_repr(self) -> str:
         return f"loc={self.loc.item():g}, scale={self.scale.item():g}"
@@ -103,6 +110,11 @@ class FanInNormal(Prior):
             fan_in = int(math.prod(shape[1:])) if len(shape) > 1 else int(shape[0])
         scale = self.gain / math.sqrt(max(fan_in, 1))
         return self._to_event(dist.Normal(torch.zeros_like(self.gain), scale), shape)
+
+    def normal_params(self, fan_in=None):
+        if fan_in is None:
+            return None
+        return torch.zeros_like(self.gain), self.gain / math.sqrt(max(fan_in, 1))
 
     def extra_repr(self) -> str:
         return f"gain={self.gain.item():g}"

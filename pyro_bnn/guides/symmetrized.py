@@ -59,7 +59,8 @@ from ..symmetry import (
     sample_permutations,
 )
 from .base import register_guide
-from .meanfield import MeanField, MeanFieldELBO, _run_with_values
+from .meanfield import (MeanField, MeanFieldELBO, _run_with_values, closed_form_kl,
+                        standard_normal_like)
 
 __all__ = ["Symmetrized", "SymmetrizedELBO", "symmetrized_elbo", "symmetrized_terms",
            "log_density_ratios", "entropy_gap"]
@@ -298,18 +299,13 @@ class SymmetrizedELBO:
                 and not guide.local_reparameterization)
         kl_closed = 0.0
         if fast:
-            for name in sites:
-                try:
-                    kl_closed = kl_closed + kl_divergence(
-                        dist.Normal(*qs[name]).to_event(qs[name][0].dim()), model.site_prior(name))
-                except NotImplementedError:
-                    fast = False
-                    break
+            kl_closed, mc_sites = closed_form_kl(model, qs)
+            fast = not mc_sites
         gap = 0.0
         if fast:  # the same arithmetic as meanfield_loss, plus the gap on the same ω
             nll = 0.0
             for _ in range(self.num_particles):
-                noise = {name: torch.randn_like(locs[name]) for name in sites}
+                noise = {name: standard_normal_like(locs[name]) for name in sites}
                 perms = (sample_permutations(sizes, K - 1, device=device)
                          if groups and K > 1 else None)
                 nll_p, gap_p = symmetrized_terms(model, locs, scales, x, y, noise, groups, perms,
@@ -320,7 +316,7 @@ class SymmetrizedELBO:
         else:
             neg_elbo = self._meanfield(model, guide, x, y, num_data)
             for _ in range(self.num_particles):
-                gap = gap + gap_of({n: locs[n] + scales[n] * torch.randn_like(locs[n]) for n in sites})
+                gap = gap + gap_of({n: locs[n] + scales[n] * standard_normal_like(locs[n]) for n in sites})
         gap = gap / self.num_particles
         loss = neg_elbo - gap if K > 1 else neg_elbo
         extras = {"elbo": -neg_elbo.detach(), "symmetrized_elbo": -loss.detach(),
