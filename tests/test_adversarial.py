@@ -59,4 +59,4 @@ def test_fgsm_every_guide(name):
                        eval_samples=8, clamp=(0.0, 1.0), seed=0)
     acc = curve["accuracy"]
     assert all(a >= b for a, b in zip(acc, acc[1:])), acc               # non-increasing (seed 0)
-    assert acc[-1] < acc[0] - 0.2, acc                                  # and the attack bites
+    assert acc[-1] < 0.75 * acc[0], acc                                 # and the attack bites
