@@ -34,7 +34,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--epochs", type=int, default=100)
-    ap.add_argument("--init-scale", type=float, default=1e-2)
+    ap.add_argument("--init-scale", type=float, default=1e-3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--num-samples", type=int, default=64)

@@ -29,8 +29,8 @@ __all__ = ["main", "build_parser", "GUIDE_DEFAULTS"]
 #: 2 CPU cores).  Guides registered later without an entry use ``epochs`` from the command
 #: line (default ``DEFAULT_EPOCHS``) and library defaults.
 GUIDE_DEFAULTS: dict[str, dict] = {
-    "meanfield": {"epochs": 100, "lr": 1e-2},
-    "symmetrized": {"epochs": 100, "lr": 1e-2},
+    "meanfield": {"epochs": 100, "lr": 1e-3},
+    "symmetrized": {"epochs": 100, "lr": 1e-3},
     "hypernet": {"epochs": 100, "lr": 1e-3, "model": {"weight_norm": True}, "fit": {"clip_norm": 10.0}},
     # prior precision learned online by the Laplace evidence (every 5 epochs after 10)
     "laplace": {"epochs": 100, "lr": 1e-2, "predict": "glm",

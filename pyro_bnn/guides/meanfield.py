@@ -43,7 +43,9 @@ class MeanField(AutoNormal):
     model : pyro_bnn.BNN or PyroModule
         The model.
     init_scale : float
-        Initial posterior standard deviation of every weight (default 1e-2).
+        Initial posterior standard deviation of every weight (default 1e-3: small against
+        typical weights ~1/sqrt(fan_in); on digits 1e-3 gave ECE 0.028 vs 0.045 for 1e-2
+        after 100 epochs, see benchmarks/digits_meanfield.py).
     init_loc_fn : callable, optional
         Pyro init strategy; default :class:`~pyro_bnn.guides.base.init_to_network`.
     local_reparameterization : bool
@@ -56,7 +58,7 @@ class MeanField(AutoNormal):
     >>> pb.fit(model, guide, (x, y), epochs=10)                     # doctest: +SKIP
     """
 
-    def __init__(self, model, *, init_scale: float = 1e-2, init_loc_fn=None,
+    def __init__(self, model, *, init_scale: float = 1e-3, init_loc_fn=None,
                  local_reparameterization: bool = False):
         super().__init__(model, init_loc_fn=init_loc_fn or init_to_network(model),
                          init_scale=float(init_scale))
