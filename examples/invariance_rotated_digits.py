@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=31, help="S augmented copies")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--hyper-lr", type=float, default=0.05)
     p.add_argument("--eta-steps", type=int, default=1)
     p.add_argument("--marglik-batch-size", type=int, default=512)
