@@ -20,12 +20,17 @@ from pyro_bnn.curvature import (
     network_output,
 )
 
-torch.set_default_dtype(torch.float64)
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-def teardown_module(module):
-    torch.set_default_dtype(torch.float32)
+@pytest.fixture(autouse=True)
+def _float64():
+    """Oracle comparisons run in float64; restore the default for the rest of the suite
+    (a module-level ``set_default_dtype`` leaks into every module collected after it)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 # ------------------------------------------------------------------ oracle
