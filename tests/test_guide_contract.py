@@ -27,6 +27,16 @@ def _make(name, model):
     return ALL_GUIDES[name](model)
 
 
+def _accuracy_method(guide):
+    """The predictive a guide is meant to be judged by: the Laplace guide's linearised one.
+
+    Weight samples from N(θ*, P⁻¹) with an untuned prior precision are known to predict
+    badly (posterior variance ≈ prior variance in low-curvature directions; Immer et al.
+    2021), so its Monte Carlo predictive is only checked for shapes here.
+    """
+    return "glm" if isinstance(guide, pb.guides.Laplace) else "sample"
+
+
 def _bnn():
     torch.manual_seed(0)
     return pb.BNN(mlp(), likelihood="categorical")
@@ -43,7 +53,7 @@ def test_fit_predict_evaluate(name, digits_small):
     probs = pb.predict(model, guide, xt, num_samples=5, batch_size=33)
     assert probs.shape == (5, len(xt), 10)
     torch.testing.assert_close(probs.sum(-1), torch.ones(5, len(xt)))
-    scores = pb.evaluate(model, guide, xt, yt, num_samples=5)
+    scores = pb.evaluate(model, guide, xt, yt, num_samples=5, method=_accuracy_method(guide))
     assert set(scores) >= {"accuracy", "nll", "ece", "brier"}
     assert 0.0 <= scores["ece"] <= 1.0 and scores["nll"] > 0
     # three short epochs already beat chance (10%) by a wide margin
@@ -58,7 +68,7 @@ def test_hand_written_model(name, digits_small):
     pb.fit(model, guide, (x, y), epochs=3, batch_size=64, lr=1e-2, progress=False)
     probs = pb.predict(model, guide, xt, num_samples=4)
     assert probs.shape == (4, len(xt), 10)
-    scores = pb.evaluate(model, guide, xt, yt, num_samples=4)
+    scores = pb.evaluate(model, guide, xt, yt, num_samples=4, method=_accuracy_method(guide))
     assert scores["accuracy"] > 0.3
 
 
