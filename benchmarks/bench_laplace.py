@@ -161,6 +161,33 @@ def task_marglik(args, split, out):
               f"GLM nll {g['nll']:.4f} | {s:.1f}s")
 
 
+def task_timing(args, split, out):
+    """Fit KFAC + evidence, ours vs laplace-torch, interleaved repeats on an untrained MLP."""
+    from laplace import KronLaplace
+    torch.manual_seed(args.seed)
+    net = mlp(784, [400, 400], 10)
+    model = pb.BNN(net, "categorical")
+    guide = pb.guides.Laplace(model, "kron")
+    guide.fit_curvature(split.train)                         # warm-up (setup, allocations)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(split.x_train, split.y_train),
+                                         batch_size=256)
+    ours, theirs = [], []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        guide.fit_curvature(split.train)
+        guide.log_evidence()
+        ours.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        la = KronLaplace(net, "classification")
+        la.fit(loader)
+        la.log_marginal_likelihood()
+        theirs.append(time.perf_counter() - t)
+    out["timing"] = dict(ours=ours, laplace_torch=theirs)
+    print(f"[timing] ours {[round(v, 2) for v in ours]} laplace-torch {[round(v, 2) for v in theirs]}; "
+          f"medians {statistics.median(ours):.2f}s vs {statistics.median(theirs):.2f}s, "
+          f"ratio {statistics.median(ours) / statistics.median(theirs):.2f}")
+
+
 def task_crosscheck(args, split, out):
     """Evidence and GLM probit predictive vs laplace-torch on digits (same MAP net, same δ)."""
     from laplace import KronLaplace
@@ -191,7 +218,7 @@ def task_crosscheck(args, split, out):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=["evidence", "glm", "marglik", "mnist", "digits", "crosscheck", "all"], default="all",
+    p.add_argument("--task", choices=["evidence", "glm", "marglik", "mnist", "digits", "crosscheck", "timing", "all"], default="all",
                    help="mnist = evidence + GLM on MNIST; digits = GLM on digits + marglik")
     p.add_argument("--data-dir", default="../shared/data/mnist")
     p.add_argument("--epochs", type=int, default=20, help="MAP epochs on MNIST 5k")
@@ -208,7 +235,7 @@ def main(argv=None):
     out = {}
     digits = pb.datasets.digits()
     trained = None
-    if args.task in ("evidence", "all", "glm", "mnist"):
+    if args.task in ("evidence", "all", "glm", "mnist", "timing"):
         mnist = pb.datasets.mnist_split(args.data_dir, 5000, 5000)
         if args.quick:
             mnist = pb.datasets.DataSplit(mnist.x_train[:500], mnist.y_train[:500], mnist.x_test[:500],
@@ -221,6 +248,8 @@ def main(argv=None):
         task_glm(args, "mnist5k", mnist, [400, 400], args.epochs, out, trained)
     if args.task in ("marglik", "all", "digits"):
         task_marglik(args, digits, out)
+    if args.task == "timing":
+        task_timing(args, mnist, out)
     if args.task in ("crosscheck", "all"):
         task_crosscheck(args, digits, out)
     return out
