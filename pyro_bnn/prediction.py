@@ -165,10 +165,15 @@ def evaluate(model, guide, x, y, num_samples: int = 64, batch_size: int = 1024, 
     if len(y) != len(x):
         raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
     if method != "sample":
-        probs = predict(model, guide, x, num_samples, batch_size, method=method, **kwargs)
-        if probs.dim() == 2:
-            probs = probs.unsqueeze(0)
-        return metrics.classification_metrics(probs.cpu(), y.cpu(), num_bins)
+        out = predict(model, guide, x, num_samples, batch_size, method=method, **kwargs)
+        lik = getattr(model, "likelihood", None)
+        if isinstance(lik, Gaussian):  # draws of the (linearised) function, (S, N, D)
+            out = out if out.dim() == 3 else out.unsqueeze(0)
+            return metrics.regression_metrics(out.cpu(), lik.noise.detach().cpu(),
+                                              y.reshape(out.shape[1:]).to(out.dtype).cpu())
+        if out.dim() == 2:
+            out = out.unsqueeze(0)
+        return metrics.classification_metrics(out.cpu(), y.cpu(), num_bins)
     out = predictive_samples(model, guide, x, num_samples, batch_size, **kwargs)
     y = y.to(out.probs.device if out.probs is not None else out.loc.device)
     if out.kind == "categorical":

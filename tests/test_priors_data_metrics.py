@@ -156,3 +156,16 @@ def test_toy_regression_curve():
     x, y = pb.datasets.toy_regression(100, seed=1)
     assert x.shape == (100, 1) and y.shape == (100, 1)
     assert float(x.min()) >= 0 and float(x.max()) <= 0.5
+
+
+def test_evaluate_linearised_regression_uses_regression_metrics():
+    torch.manual_seed(0)
+    x = torch.rand(200, 1)
+    y = 2 * x + 0.1 * torch.randn(200, 1)
+    model = pb.BNN(nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1)),
+                   likelihood="gaussian", noise=0.1)
+    guide = pb.guides.Laplace(model)
+    pb.fit(model, guide, (x, y), epochs=60, batch_size=50, lr=1e-2, progress=False)
+    scores = pb.evaluate(model, guide, x, y, method="glm", num_samples=50)
+    assert set(scores) == {"rmse", "nll", "coverage_95"}
+    assert scores["rmse"] < 0.15 and 0.85 < scores["coverage_95"] <= 1.0
