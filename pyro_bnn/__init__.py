@@ -1,15 +1,25 @@
 """pyro_bnn: Bayesian neural networks in Pyro — swap guides, compare, analyse in ArviZ."""
 
-from . import datasets, guides, likelihoods, metrics, priors
+from . import (
+    active,
+    adversarial,
+    corruption,
+    datasets,
+    guides,
+    invariance,
+    likelihoods,
+    metrics,
+    ood,
+    priors,
+    pruning,
+    symmetry,
+)
+from .arviz import to_arviz
+from .compare import compare
+from .guides.symmetrized import symmetrized_elbo
 from .model import BNN
 from .prediction import evaluate, predict, predictive_samples
 from .training import FitResult, fit, load_checkpoint, save_checkpoint
-from . import symmetry
-from .guides.symmetrized import symmetrized_elbo
-from .arviz import to_arviz
-from .compare import compare
-from . import active, adversarial, corruption, ood, pruning
-from . import invariance
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import pyro
 import pyro.distributions as dist
 import torch
 from pyro import poutine

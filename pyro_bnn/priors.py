@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Union
 
 import pyro.distributions as dist
 import torch
@@ -150,7 +149,7 @@ class ScaleMixtureNormal(dist.TorchDistribution):
         lp2 = dist.Normal(0.0, self.sigma2).log_prob(value) + torch.log1p(-self.pi)
         return torch.logaddexp(lp1, lp2)
 
-    def sample(self, sample_shape=torch.Size()):
+    def sample(self, sample_shape=torch.Size()):  # noqa: B008 (torch's own signature)
         shape = self._extended_shape(sample_shape)
         with torch.no_grad():
             pick = torch.rand(shape, device=self.pi.device) < self.pi.expand(shape)
@@ -193,7 +192,7 @@ class ScaleMixture(Prior):
         return self._to_event(ScaleMixtureNormal(self.pi, self.sigma1, self.sigma2), shape)
 
 
-PriorSpec = Union[Prior, Mapping[str, Prior], Callable[[str, torch.Tensor], Prior]]
+PriorSpec = Prior | Mapping[str, Prior] | Callable[[str, torch.Tensor], Prior]
 
 
 def resolve_prior(spec: PriorSpec, name: str, param: torch.Tensor) -> Prior:

@@ -5,8 +5,8 @@ See :mod:`pyro_bnn.guides.base` for the small contract a new guide implements.
 
 from .base import GUIDE_REGISTRY, init_to_network, register_guide, registered_guides
 from .hypernet import Hypernet, HypernetELBO
-from .meanfield import MeanField, MeanFieldELBO
 from .laplace import Laplace
+from .meanfield import MeanField, MeanFieldELBO
 from .symmetrized import Symmetrized, SymmetrizedELBO
 
 __all__ = ["Laplace", "Hypernet", "HypernetELBO", "MeanField", "MeanFieldELBO", "Symmetrized", "SymmetrizedELBO", "init_to_network", "register_guide",

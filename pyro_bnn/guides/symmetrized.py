@@ -59,8 +59,7 @@ from ..symmetry import (
     sample_permutations,
 )
 from .base import register_guide
-from .meanfield import (MeanField, MeanFieldELBO, _run_with_values, closed_form_kl,
-                        standard_normal_like)
+from .meanfield import MeanField, MeanFieldELBO, _run_with_values, closed_form_kl, standard_normal_like
 
 __all__ = ["Symmetrized", "SymmetrizedELBO", "symmetrized_elbo", "symmetrized_terms",
            "log_density_ratios", "entropy_gap"]
