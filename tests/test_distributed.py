@@ -96,6 +96,76 @@ def _curvature_evidence(structure, loader):
 
 STRUCTURES = ("kron", "diag", "full")
 
+# ---- invariance learning (LILA): η by the evidence gradient, batches split across ranks
+LILA_N, LILA_EPOCHS, LILA_BATCH = 48, 3, 16
+
+
+def _lila_data():
+    g = torch.Generator().manual_seed(2)
+    x = torch.rand(LILA_N, 16, generator=g, dtype=torch.float64)      # 4×4 grey "images"
+    y = (x[:, :8].sum(1) > x[:, 8:].sum(1)).long() + (x[:, 5] > 0.7).long()
+    return x, y
+
+
+def _lila_fit(**kw):
+    """MAP for 2 epochs at η = 0 (identity: no draws), then one δ + η evidence step after
+    epoch 3 with S = 2 augmentation draws per example (seeded per global batch)."""
+    from pyro_bnn.invariance import AffineAugmentation
+
+    torch.manual_seed(0)
+    aug = AffineAugmentation(num_samples=2, image_shape=(1, 4, 4))
+    net = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = pb.BNN(net.double(), "categorical", augmentation=aug.double()).double()
+    guide = pb.guides.Laplace(model, "kron", curvature_batch_size=LILA_BATCH)
+    pb.fit(model, guide, _lila_data(), epochs=LILA_EPOCHS, batch_size=LILA_BATCH, lr=0.02,
+           seed=SEED, shuffle=False, progress=False,
+           marglik={"every": 1, "burnin": LILA_EPOCHS - 1, "steps": 5, "lr": 0.1}, **kw)
+    return model, guide
+
+
+def _lila_sgd_step(model, guide, batches, distributed=None):
+    """One more η step with plain SGD (step ∝ gradient, unlike Adam's first step ≈ lr·sign):
+    (η after it, log evidence per datum); η is put back afterwards."""
+    from pyro_bnn.invariance.learning import guide_eta_step
+
+    eta0 = model.augmentation.eta.detach().clone()
+    opt = torch.optim.SGD([model.augmentation.eta], lr=1.0)
+    ev = guide_eta_step(guide, model, batches, opt, seed=7, distributed=distributed)
+    eta = model.augmentation.eta.detach().clone()
+    with torch.no_grad():
+        model.augmentation.eta.copy_(eta0)
+    return eta, ev
+
+
+class _NoReduce:
+    """A DistributedState whose all-reduce is missing: each rank uses its own batches only."""
+
+    def __init__(self, state):
+        self.rank, self.world_size = state.rank, state.world_size
+
+    @staticmethod
+    def reduce_sums(sums):
+        return dict(sums)
+
+
+def _lila_worker():
+    model, guide = _lila_fit(distributed=True)
+    state = pbd.init_process_group("cpu")
+    batches = pbd.unsharded_batches(pbd.ShardedTensorBatches(
+        *_lila_data(), LILA_BATCH // 2, num_replicas=2, rank=state.rank, shuffle=False), LILA_BATCH)
+    return {"eta": model.augmentation.eta.detach().clone(),
+            "sgd": _lila_sgd_step(model, guide, batches, state),
+            "sgd_no_reduce": _lila_sgd_step(model, guide, batches, _NoReduce(state))}
+
+
+@functools.cache
+def _lila_reference():
+    model, guide = _lila_fit()
+    x, y = _lila_data()
+    batches = [(x[i:i + LILA_BATCH], y[i:i + LILA_BATCH]) for i in range(0, LILA_N, LILA_BATCH)]
+    return {"eta": model.augmentation.eta.detach().clone(),
+            "sgd": _lila_sgd_step(model, guide, batches)}
+
 
 def _worker(rank, out_dir):
     calls = []
@@ -112,7 +182,8 @@ def _worker(rank, out_dir):
     torch.rand(5 + rank)                          # ranks fall out of step ...
     pbd.init_process_group("cpu").sync_rng_()     # ... and are put back on rank 0's stream
     draws = torch.rand(3)
-    torch.save({"fits": fits, "saves": len(calls), "evidence": evidence, "draws": draws,
+    lila = _lila_worker()
+    torch.save({"fits": fits, "saves": len(calls), "evidence": evidence, "draws": draws, "lila": lila,
                 "world": pbd.get_world_size(), "main": pbd.is_main_process()},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -272,7 +343,25 @@ def test_shard_loader_for_datasets_and_loaders():
         pbd.shard_loader(torch.utils.data.DataLoader(_Squares(), batch_size=2), 4, state)
 
 
-def test_laplace_refuses_to_learn_an_augmentation_across_ranks():
+def test_invariance_learning_across_ranks_equals_one_process(two_ranks):
+    """η after training with one evidence step (Adam), and after one more SGD step, equals the
+    single-process value (float64, summation order only: 1e-9); without the all-reduce of
+    the factor sums, N, log-likelihood and η gradient it does not."""
+    (r0, r1), _ = two_ranks
+    ref = _lila_reference()
+    assert ref["eta"].abs().max() > 0.05                               # η did move
+    for r in (r0, r1):
+        lila = r["lila"]
+        torch.testing.assert_close(lila["eta"], ref["eta"], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(lila["sgd"][0], ref["sgd"][0], rtol=1e-9, atol=1e-9)
+        assert abs(lila["sgd"][1] - ref["sgd"][1]) <= 1e-9 * abs(ref["sgd"][1])
+        eta_local, ev_local = lila["sgd_no_reduce"]
+        assert (eta_local - ref["sgd"][0]).abs().max() > 1e-4          # a missing all-reduce shows
+        assert abs(ev_local - ref["sgd"][1]) > 1e-3
+    assert torch.equal(r0["lila"]["sgd"][0], r1["lila"]["sgd"][0])
+
+
+def test_laplace_accepts_learning_an_augmentation_across_ranks():
     from pyro_bnn.invariance import AffineAugmentation
     from pyro_bnn.training import FitContext
 
@@ -285,10 +374,8 @@ def test_laplace_refuses_to_learn_an_augmentation_across_ranks():
                                  backend="gloo", options=pbd.DistributedOptions())
     ctx = FitContext(model, guide, None, 4, torch.device("cpu"), 1,
                      options={"marglik": {"steps": 1}}, distributed=state)
-    with pytest.raises(ValueError, match="learnable augmentation"):
-        guide.on_fit_start(ctx)
-    ctx.distributed = None
-    guide.on_fit_start(ctx)                                           # one process: fine
+    guide.on_fit_start(ctx)                        # η learning under distributed=True: no guard
+    assert guide._eta_opt is not None
 
 
 def test_example_script_runs_in_one_process(capsys, monkeypatch):

@@ -38,12 +38,20 @@ from .group import (
     warn_if_undistributed_launch,
 )
 from .launch import find_free_port, launch_local
-from .sharding import ShardedTensorBatches, local_batch_size, set_epoch, shard_loader, unpadded_shard
+from .sharding import (
+    ShardedTensorBatches,
+    local_batch_size,
+    set_epoch,
+    shard_loader,
+    unpadded_shard,
+    unsharded_batches,
+)
 
 __all__ = [
     "DistributedOptions", "DistributedState", "default_backend", "torchrun_env",
     "init_process_group", "start", "is_distributed", "is_main_process", "get_rank",
     "get_world_size", "all_reduce_sum_", "all_reduce_mean_", "all_reduce_sums", "broadcast_seed",
-    "local_batch_size", "ShardedTensorBatches", "shard_loader", "unpadded_shard", "set_epoch",
+    "local_batch_size", "ShardedTensorBatches", "shard_loader", "unpadded_shard", "unsharded_batches",
+    "set_epoch",
     "launch_local", "find_free_port", "warn_if_undistributed_launch",
 ]

@@ -7,7 +7,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, Te
 
 from ..data import TensorBatches, as_tensors
 
-__all__ = ["ShardedTensorBatches", "shard_loader", "unpadded_shard", "set_epoch", "local_batch_size"]
+__all__ = ["ShardedTensorBatches", "shard_loader", "unpadded_shard", "unsharded_batches", "set_epoch",
+           "local_batch_size"]
 
 
 def local_batch_size(global_batch_size: int, world_size: int) -> int:
@@ -116,6 +117,24 @@ def unpadded_shard(loader, rank: int, world_size: int):
     if isinstance(loader, DataLoader) and dataset is not None:
         subset = Subset(dataset, range(rank, len(dataset), world_size))
         return DataLoader(subset, batch_size=loader.batch_size or 1, collate_fn=loader.collate_fn,
+                          num_workers=loader.num_workers)
+    raise TypeError(f"expected the loader fit builds (ShardedTensorBatches or DataLoader), "
+                    f"got {type(loader).__name__}")
+
+
+def unsharded_batches(loader, batch_size: int):
+    """All ``N`` examples of the training loader ``fit`` built, unshuffled, in batches of
+    ``batch_size`` (the same batches on every rank, as in one process).
+
+    For passes that split *batches* across ranks (the invariance evidence step takes
+    batches ``i ≡ rank (mod W)`` and seeds batch ``i``'s augmentation draws with ``i``,
+    so the draws equal the single-process ones).
+    """
+    if isinstance(loader, ShardedTensorBatches):
+        return TensorBatches(loader.x, loader.y, batch_size, shuffle=False)
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(loader, DataLoader) and dataset is not None:
+        return DataLoader(dataset, batch_size=batch_size, collate_fn=loader.collate_fn,
                           num_workers=loader.num_workers)
     raise TypeError(f"expected the loader fit builds (ShardedTensorBatches or DataLoader), "
                     f"got {type(loader).__name__}")

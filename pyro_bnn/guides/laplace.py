@@ -358,11 +358,6 @@ class Laplace(AutoGuide):
             # A learnable augmentation (LILA): η follows the evidence too (pyro_bnn.invariance).
             from ..invariance.learning import guide_eta_optimizer
             self._eta_opt = guide_eta_optimizer(self.base_model, self._marglik["lr"])
-            if self._eta_opt is not None and getattr(ctx, "distributed", None) is not None:
-                raise ValueError(
-                    "fit(distributed=True, marglik=...) expected a model without a learnable "
-                    "augmentation: learning η across ranks is not supported yet (its evidence "
-                    "gradient is not all-reduced, see docs/distributed.md); got one")
 
     def on_epoch_end(self, ctx):
         if not ml.marglik_due(ctx.epoch, self._marglik):
@@ -376,8 +371,14 @@ class Laplace(AutoGuide):
         ctx.history.setdefault("prior_precision", []).append(float(self.prior_precision.mean()))
         if getattr(self, "_eta_opt", None) is not None:
             from ..invariance.learning import guide_eta_step
-            guide_eta_step(self, self.base_model, _batches(ctx.loader, self.curvature_batch_size),
-                           self._eta_opt, seed=ctx.epoch)
+            dstate = getattr(ctx, "distributed", None)
+            if dstate is None:
+                batches = _batches(ctx.loader, self.curvature_batch_size)
+            else:       # whole-data batches, split across ranks and all-reduced in the step
+                from ..distributed import unsharded_batches
+                batches = unsharded_batches(ctx.loader, self.curvature_batch_size)
+            guide_eta_step(self, self.base_model, batches, self._eta_opt, seed=ctx.epoch,
+                           distributed=dstate)
             ctx.history.setdefault("extent", []).append(self.base_model.augmentation.extent.tolist())
         if self._best is None or value > self._best[0]:
             self._best = (value, self._state_copy())

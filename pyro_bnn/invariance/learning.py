@@ -86,7 +86,7 @@ def _batches(x, y, batch_size, generator=None):
 
 def evidence_step(model, values: dict, batches, log_delta: torch.Tensor, *,
                   delta_optimizer=None, delta_steps: int = 0, eta_optimizer=None,
-                  seed: int = 0) -> float:
+                  seed: int = 0, rank: int = 0, world_size: int = 1, reduce_fn=None) -> float:
     """One hyperparameter step: refit KFAC, update ``log δ`` (closed form) and ``η`` (batched).
 
     Parameters
@@ -104,20 +104,45 @@ def evidence_step(model, values: dict, batches, log_delta: torch.Tensor, *,
     eta_optimizer : torch.optim.Optimizer, optional
         Over the augmentation's ``η``; takes one step up the evidence gradient.
     seed : int
-        Base seed of the augmentation draws; both passes replay the same draws.
+        Base seed of the augmentation draws: batch ``i`` (its index among *all* the data's
+        batches) is drawn with seed ``seed + i``; both passes replay the same draws.
+    rank, world_size, reduce_fn : int, int, callable, optional
+        Data-parallel evidence step (``fit(distributed=True)``): ``batches`` are the whole
+        data's batches (same on every rank) and this rank takes batches ``i ≡ rank (mod
+        world_size)``, with the same seeds as one process; ``reduce_fn`` (e.g.
+        :func:`pyro_bnn.distributed.all_reduce_sums`) sums the Kronecker factors, ``N``,
+        the log-likelihood and the ``η`` gradient over ranks, so every rank takes the
+        single-process step (up to summation order).
 
     Returns
     -------
     float
         Log evidence per datum at the start of the ``η`` step (after the ``δ`` steps).
     """
-    batches = [(xb, yb) for xb, yb in batches]
+    indexed = [(i, xb, yb) for i, (xb, yb) in enumerate(batches)]
+    if not indexed:
+        raise ValueError("no batches given")
+    mine = [(i, xb, yb) for i, xb, yb in indexed if i % world_size == rank]
+    batches = [(xb, yb) for _, xb, yb in mine]
+    seeds = [seed + i for i, _, _ in mine]
     n = sum(len(xb) for xb, _ in batches)
     vals = {k: v.detach().requires_grad_() for k, v in values.items()}
-    seeds = [seed + i for i in range(len(batches))]
     aug = model._modules.get("augmentation")
     with _eta_grad(aug, False):
-        factors = accumulate_factors(model, vals, batches, seeds=seeds)
+        if batches:
+            factors = accumulate_factors(model, vals, batches, seeds=seeds)
+        else:       # more ranks than batches: contribute zeros of the right shapes
+            factors = accumulate_factors(model, vals, [indexed[0][1:]], seeds=[seed])
+            for fac in factors:
+                fac.A, fac.G = fac.A * 0, fac.G * 0
+    if reduce_fn is not None:
+        sums = {"n": torch.tensor(float(n), dtype=torch.float64)}
+        for j, fac in enumerate(factors):
+            sums[f"A{j}"], sums[f"G{j}"] = fac.A.detach(), fac.G.detach()
+        sums = reduce_fn(sums)
+        n = int(round(float(sums["n"])))
+        for j, fac in enumerate(factors):
+            fac.A, fac.G = sums[f"A{j}"], sums[f"G{j}"]
     eig = eigen_factors(factors, n)
     sq = []
     for fac in factors:
@@ -133,7 +158,7 @@ def evidence_step(model, values: dict, batches, log_delta: torch.Tensor, *,
         (-obj / n).backward()
         delta_optimizer.step()
     delta = log_delta.detach().exp()
-    ll_total = 0.0
+    ll_total = torch.zeros((), dtype=factors[0].A.dtype, device=factors[0].A.device)
     learn_eta = eta_optimizer is not None and aug is not None
     if learn_eta:
         eta_optimizer.zero_grad()
@@ -148,6 +173,14 @@ def evidence_step(model, values: dict, batches, log_delta: torch.Tensor, *,
                         f = _run_with_values(model, vals, xb)
                         ll = log_likelihood(model.likelihood, f, yb).sum()
             ll_total = ll_total + ll
+    if reduce_fn is not None:
+        sums = {"ll": ll_total.detach()}
+        if learn_eta:
+            sums["eta"] = aug.eta.grad if aug.eta.grad is not None else torch.zeros_like(aug.eta)
+        sums = reduce_fn(sums)
+        ll_total = sums["ll"]
+        if learn_eta:
+            aug.eta.grad = sums["eta"].clone()
     if learn_eta:
         eta_optimizer.step()
     ev = log_evidence(torch.as_tensor(ll_total), vals, factors, eig, delta)
@@ -301,12 +334,15 @@ def guide_eta_optimizer(model, lr: float):
     return None if aug is None else torch.optim.Adam([aug.eta], lr=float(lr))
 
 
-def guide_eta_step(guide, model, batches, optimizer, seed: int = 0) -> float:
+def guide_eta_step(guide, model, batches, optimizer, seed: int = 0, distributed=None) -> float:
     """One evidence-gradient step on ``η`` at a Laplace guide's MAP and prior precisions.
 
     Called by :class:`pyro_bnn.guides.Laplace` in ``fit(..., marglik=...)`` when the model
     has a learnable augmentation (after its ``δ`` steps).  ``batches``: unshuffled
-    ``(x, y)`` minibatches of the training data.  Returns the log evidence per datum.
+    ``(x, y)`` minibatches of the *whole* training data.  ``distributed``: a
+    :class:`pyro_bnn.distributed.DistributedState` (``fit(distributed=True)``'s
+    ``ctx.distributed``) to split the batches across ranks and all-reduce the sums
+    (:func:`evidence_step`); ``None``: one process.  Returns the log evidence per datum.
     """
     values = guide.map_values()
     device = next(iter(values.values())).device
@@ -318,5 +354,9 @@ def guide_eta_step(guide, model, batches, optimizer, seed: int = 0) -> float:
         for s in layer.sites:
             site_delta[s] = d.detach()
     deltas = torch.stack([site_delta[w] for _, _, w, _ in kfac_layers(model)])
-    data = [(xb.to(device), yb.to(device)) for xb, yb in (split_batch(b) for b in batches)]
-    return evidence_step(model, values, data, deltas.log(), eta_optimizer=optimizer, seed=seed)
+    rank, world = (0, 1) if distributed is None else (distributed.rank, distributed.world_size)
+    data = [(xb.to(device), yb.to(device)) if i % world == rank or i == 0 else (xb, yb)
+            for i, (xb, yb) in enumerate(split_batch(b) for b in batches)]
+    return evidence_step(model, values, data, deltas.log(), eta_optimizer=optimizer, seed=seed,
+                         rank=rank, world_size=world,
+                         reduce_fn=None if distributed is None else distributed.reduce_sums)
