@@ -145,6 +145,37 @@ def test_fit_predict_glm_and_sample(digits_small):
     assert pred["obs"].shape == (3, 5)
 
 
+def test_glm_probit_matches_brute_force_dense_laplace(digits_small):
+    """End to end: GGN summed over N with the softmax Λ = diag(p) − ppᵀ at θ*,
+    Σ_f = J (H + δI)⁻¹ Jᵀ and probit κ = (1 + π/8 diag Σ_f)^{-1/2}, all from torch.func."""
+    x, y, xt, _ = digits_small
+    x, xt = x[:60].double(), xt[:15].double()
+    y = y[:60]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 6), nn.Tanh(), nn.Linear(6, 10)).double()
+    model = pb.BNN(net, "categorical").double()
+    guide = pb.guides.Laplace(model, "full", prior_precision=0.7)
+    guide.fit_curvature((x, y))                                 # post hoc, at the net's weights
+    mods = [m for m in net if isinstance(m, nn.Linear)]
+    names = [f"{i}.{p}" for i, m in enumerate(net) if isinstance(m, nn.Linear) for p in ("weight", "bias")]
+    shapes = [p.shape for m in mods for p in (m.weight, m.bias)]
+    theta = torch.cat([p.detach().reshape(-1) for m in mods for p in (m.weight, m.bias)])
+
+    def f(th, inp):
+        parts = th.split([s.numel() for s in shapes])
+        return torch.func.functional_call(net, {n: t.reshape(s) for n, t, s in zip(names, parts, shapes)}, (inp,))
+
+    J = torch.func.jacrev(f)(theta, x)                          # (N, C, P)
+    p = torch.softmax(f(theta, x), -1)
+    Lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    P = torch.einsum("ncp,ncd,ndq->pq", J, Lam, J) + 0.7 * torch.eye(len(theta), dtype=theta.dtype)
+    Jt = torch.func.jacrev(f)(theta, xt)
+    var = torch.einsum("ncp,pq,ncq->nc", Jt, torch.linalg.inv(P), Jt)
+    expected = torch.softmax(f(theta, xt) / torch.sqrt(1 + math.pi / 8 * var), -1)
+    got = pb.predict(model, guide, xt, method="glm")[0]
+    torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10)
+
+
 def test_online_marglik_keeps_best_state(digits_small):
     x, y, *_ = digits_small
     model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
