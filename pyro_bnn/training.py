@@ -52,7 +52,8 @@ class FitResult:
 
 @dataclass
 class FitContext:
-    """State handed to a guide's ``on_fit_start`` / ``on_epoch_end`` / ``on_fit_end`` hooks."""
+    """State handed to a guide's ``on_fit_start`` / ``on_epoch_start`` / ``on_epoch_end`` /
+    ``on_fit_end`` hooks."""
 
     model: Any
     guide: Any
@@ -244,6 +245,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
             if dstate is not None:
                 _dist.set_epoch(loader, epoch)
             good_state = _snapshot(model, guide, opt)
+            if hasattr(guide, "on_epoch_start"):
+                guide.on_epoch_start(ctx)
             t0 = time.perf_counter()
             total, steps, extras_sum = 0.0, 0, {}
             for step, batch in enumerate(loader, 1):

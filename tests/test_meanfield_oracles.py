@@ -172,3 +172,37 @@ def test_pyro_default_param_store_untouched():
     with local_params(model, guide, guide2):
         assert not torch.allclose(guide.loc_and_scale("net.weight")[1], guide2.loc_and_scale("net.weight")[1])
     assert isinstance(dist.Normal(0, 1), dist.Distribution)
+
+
+def test_kl_annealing_weights_the_kl_term():
+    """loss(w) = data term + w·KL exactly; w = epoch/K during the first K epochs of a fit."""
+    from pyro_bnn.guides.meanfield import closed_form_kl
+    from pyro_bnn.training import FitContext
+
+    torch.manual_seed(0)
+    model = pb.BNN(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)))
+    guide = pb.guides.MeanField(model, init_scale=1e-9, kl_annealing=4)  # deterministic samples
+    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+    setup_guide(model, guide, x, y, 12)
+    with local_params(model, guide):
+        full = meanfield_loss(model, guide, x, y, 12)
+        kl, _ = closed_form_kl(model, {n: guide.loc_and_scale(n) for n in model.site_names})
+        weights = []
+        for epoch in (1, 2, 3, 4, 5):
+            guide.on_epoch_start(FitContext(model, guide, None, 12, torch.device("cpu"), 5, epoch=epoch))
+            weights.append(guide.kl_weight)
+            if epoch == 1:
+                annealed = meanfield_loss(model, guide, x, y, 12)
+    assert weights == [0.25, 0.5, 0.75, 1.0, 1.0]
+    torch.testing.assert_close(annealed, full - 0.75 * kl, rtol=1e-5, atol=1e-3)
+    seen = []
+    objective = guide.make_objective()
+
+    def recording(model, guide, x, y, num_data=None):
+        seen.append(guide.kl_weight)
+        return objective(model, guide, x, y, num_data)
+
+    pb.fit(model, guide, (x, y), epochs=5, batch_size=12, progress=False, objective=recording)
+    assert seen == [0.25, 0.5, 0.75, 1.0, 1.0] and guide.kl_weight == 1.0
+    with pytest.raises(ValueError, match="kl_annealing"):
+        pb.guides.MeanField(model, kl_annealing=-1)

@@ -8,7 +8,7 @@ which :func:`pyro_bnn.fit` and :func:`pyro_bnn.predict` look for:
     The training loss ``objective(model, guide, x, y, num_data=N)`` returning a scalar
     tensor or ``(loss, extras)`` where ``extras`` is a dict of scalar tensors recorded in
     the fit history.  Default: Pyro's ``Trace_ELBO``.
-``on_fit_start(ctx)``, ``on_epoch_end(ctx)``, ``on_fit_end(ctx)``
+``on_fit_start(ctx)``, ``on_epoch_start(ctx)``, ``on_epoch_end(ctx)``, ``on_fit_end(ctx)``
     Called with a :class:`pyro_bnn.training.FitContext` (model, loader, device, epoch,
     history, options such as ``marglik``).
 ``predict(model, x, method=..., num_samples=..., batch_size=...)``

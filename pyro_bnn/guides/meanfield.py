@@ -51,6 +51,10 @@ class MeanField(AutoNormal):
     local_reparameterization : bool
         Sample Linear/Conv pre-activations instead of weights during training
         (:class:`~pyro_bnn.BNN` models only).
+    kl_annealing : int
+        KL annealing (a "warm-up"): during the first ``kl_annealing`` epochs of each
+        :func:`pyro_bnn.fit` the KL term is weighted by ``epoch / kl_annealing``, so the
+        reported loss is not the negative ELBO until the weight reaches 1.  0 (default): off.
 
     Examples
     --------
@@ -59,10 +63,22 @@ class MeanField(AutoNormal):
     """
 
     def __init__(self, model, *, init_scale: float = 1e-3, init_loc_fn=None,
-                 local_reparameterization: bool = False):
+                 local_reparameterization: bool = False, kl_annealing: int = 0):
         super().__init__(model, init_loc_fn=init_loc_fn or init_to_network(model),
                          init_scale=float(init_scale))
         self.local_reparameterization = bool(local_reparameterization)
+        if int(kl_annealing) < 0:
+            raise ValueError(f"kl_annealing must be a number of epochs >= 0, got {kl_annealing!r}")
+        self.kl_annealing = int(kl_annealing)
+        #: weight of the KL term in the training loss (1 outside annealing)
+        self.kl_weight = 1.0
+
+    def on_epoch_start(self, ctx) -> None:
+        """Set the KL weight for the coming epoch (KL annealing)."""
+        self.kl_weight = min(1.0, ctx.epoch / self.kl_annealing) if self.kl_annealing else 1.0
+
+    def on_fit_end(self, ctx) -> None:
+        self.kl_weight = 1.0
 
     def loc_and_scale(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Posterior mean μ and standard deviation σ of site ``name``."""
@@ -195,6 +211,7 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1):
     qs = {name: guide.loc_and_scale(name) for name in sites}
     kl_closed, mc_sites = closed_form_kl(model, qs)
     priors = {name: model.site_prior(name) for name in mc_sites}
+    kl_weight = getattr(guide, "kl_weight", 1.0)
     local = guide.local_reparameterization
     nll = 0.0
     for _ in range(num_particles):
@@ -213,9 +230,9 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1):
         for name in mc_sites:
             loc, scale = qs[name]
             w = values[name] if not local else loc + scale * standard_normal_like(loc)
-            nll = nll + (dist.Normal(loc, scale, validate_args=False).log_prob(w).sum()
-                         - priors[name].log_prob(w))
-    return nll / num_particles + kl_closed
+            nll = nll + kl_weight * (dist.Normal(loc, scale, validate_args=False).log_prob(w).sum()
+                                     - priors[name].log_prob(w))
+    return nll / num_particles + (kl_closed if kl_weight == 1.0 else kl_weight * kl_closed)
 
 
 def _run_with_values(model, values: dict, x):

@@ -311,13 +311,16 @@ class SymmetrizedELBO:
                                                  num_data=num_data)
                 nll = nll + nll_p
                 gap = gap + gap_p
-            neg_elbo = nll / self.num_particles + kl_closed
+            kl_weight = getattr(guide, "kl_weight", 1.0)  # KL annealing of the base guide
+            neg_elbo = nll / self.num_particles + (
+                kl_closed if kl_weight == 1.0 else kl_weight * kl_closed)
         else:
             neg_elbo = self._meanfield(model, guide, x, y, num_data)
             for _ in range(self.num_particles):
                 gap = gap + gap_of({n: locs[n] + scales[n] * standard_normal_like(locs[n]) for n in sites})
         gap = gap / self.num_particles
-        loss = neg_elbo - gap if K > 1 else neg_elbo
+        w = getattr(guide, "kl_weight", 1.0)  # the modified KL, KL(q‖p) − gap, is annealed as one
+        loss = (neg_elbo - (gap if w == 1.0 else w * gap)) if K > 1 else neg_elbo
         extras = {"elbo": -neg_elbo.detach(), "symmetrized_elbo": -loss.detach(),
                   "entropy_gap": torch.as_tensor(gap).detach()}
         return loss, extras
