@@ -12,12 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
-from pyro import poutine
 from pyro.infer.autoguide import AutoNormal
 
 from ._local_params import local_params
-from .guides.meanfield import _run_with_values
-from .prediction import _params_from_bnn, _params_from_distribution, sample_latents
+from .prediction import params_under, sample_latents
 
 __all__ = ["draw_latents", "probs_from_latents", "site_moments", "is_bnn"]
 
@@ -36,14 +34,6 @@ def draw_latents(model, guide, x: torch.Tensor, num_samples: int) -> list[dict[s
                 for _ in range(num_samples)]
 
 
-def _device(model, guide, x):
-    for module in (model, guide):
-        if isinstance(module, torch.nn.Module):
-            for t in list(module.parameters()) + list(module.buffers()):
-                return t.device
-    return x.device
-
-
 def probs_from_latents(model, latents: list[dict], x: torch.Tensor, batch_size: int = 1024,
                        grad: bool = False, obs_site: str = "obs") -> torch.Tensor:
     """Class probabilities ``(S, N, C)`` of the network under each draw in ``latents``.
@@ -55,19 +45,11 @@ def probs_from_latents(model, latents: list[dict], x: torch.Tensor, batch_size: 
     ctx = torch.enable_grad() if grad else torch.no_grad()
     with ctx, local_params(model):
         for values in latents:
-            chunks = []
-            for start in range(0, len(x), batch_size):
-                xb = x[start:start + batch_size]
-                if is_bnn(model):
-                    kind, params = _params_from_bnn(model, _run_with_values(model, values, xb))
-                else:
-                    tr = poutine.trace(poutine.condition(model, data=values)).get_trace(xb, None)
-                    kind, params = _params_from_distribution(tr.nodes[obs_site]["fn"])
-                if kind != "categorical":
-                    raise ValueError(f"expected a categorical likelihood (class probabilities), "
-                                     f"got a {kind!r} model")
-                chunks.append(params["probs"])
-            out.append(torch.cat(chunks))
+            kind, params = params_under(model, values, x, batch_size, obs_site)
+            if kind != "categorical":
+                raise ValueError(f"expected a categorical likelihood (class probabilities), "
+                                 f"got a {kind!r} model")
+            out.append(params["probs"])
     return torch.stack(out)
 
 

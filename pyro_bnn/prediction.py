@@ -81,6 +81,37 @@ def _params_from_bnn(model, f) -> tuple[str, dict]:
     return _params_from_distribution(lik.distribution(f))
 
 
+def params_under(model, latents: dict, x, batch_size: int = 1024, obs_site: str = "obs",
+                 device=None) -> tuple[str, dict]:
+    """Predictive parameters of every input in ``x`` under one joint draw ``latents``.
+
+    Batched over inputs.  For a :class:`~pyro_bnn.BNN` the network runs directly with the
+    drawn weights; for a hand-written model the observed site's distribution is read from a
+    conditioned trace.  Differentiable if called with gradients enabled.
+
+    Returns
+    -------
+    kind : str
+        ``"categorical"``, ``"bernoulli"`` or ``"gaussian"``.
+    params : dict
+        ``probs`` ``(N, C)`` or ``loc``/``scale`` ``(N, D)``.
+    """
+    is_bnn = hasattr(model, "site_names") and hasattr(model, "function")
+    kind, chunks = None, []
+    for start in range(0, len(x), batch_size):
+        xb = x[start:start + batch_size]
+        xb = xb if device is None else xb.to(device)
+        if is_bnn:
+            kind, params = _params_from_bnn(model, _run_with_values(model, latents, xb))
+        else:
+            tr = poutine.trace(poutine.condition(model, data=latents)).get_trace(xb, None)
+            if obs_site not in tr.nodes:
+                raise ValueError(f"model has no observed site {obs_site!r}; sites: {list(tr.nodes)}")
+            kind, params = _params_from_distribution(tr.nodes[obs_site]["fn"])
+        chunks.append(params)
+    return kind, {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}
+
+
 @torch.no_grad()
 def predictive_samples(model, guide, x, num_samples: int = 64, batch_size: int = 1024,
                        obs_site: str = "obs", device=None) -> PredictiveSamples:
@@ -95,25 +126,12 @@ def predictive_samples(model, guide, x, num_samples: int = 64, batch_size: int =
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     check_finite(x, "x")
     device = device or _device_of(model, guide, x)
-    is_bnn = hasattr(model, "site_names") and hasattr(model, "function")
     with local_params(model, guide):
         per_sample = []
-        kind = None
         for _ in range(num_samples):
             latents = sample_latents(model, guide, x[:1].to(device))
-            chunks = []
-            for start in range(0, len(x), batch_size):
-                xb = x[start:start + batch_size].to(device)
-                if is_bnn:
-                    f = _run_with_values(model, latents, xb)
-                    kind, params = _params_from_bnn(model, f)
-                else:
-                    tr = poutine.trace(poutine.condition(model, data=latents)).get_trace(xb, None)
-                    if obs_site not in tr.nodes:
-                        raise ValueError(f"model has no observed site {obs_site!r}; sites: {list(tr.nodes)}")
-                    kind, params = _params_from_distribution(tr.nodes[obs_site]["fn"])
-                chunks.append(params)
-            per_sample.append({k: torch.cat([c[k] for c in chunks]) for k in chunks[0]})
+            kind, params = params_under(model, latents, x, batch_size, obs_site, device)
+            per_sample.append(params)
     stacked = {k: torch.stack([p[k] for p in per_sample]) for k in per_sample[0]}
     return PredictiveSamples(kind, **stacked)
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import metrics
+from .ood import auroc
 
 __all__ = ["write_report", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
            "regression_figure", "markdown_table"]
@@ -112,10 +113,10 @@ def reliability_figure(probs: Mapping[str, torch.Tensor], y: torch.Tensor, num_b
 
 
 def _auroc(in_scores, out_scores) -> float:
-    from sklearn.metrics import roc_auc_score
-
-    labels = np.r_[np.zeros(len(in_scores)), np.ones(len(out_scores))]
-    return float(roc_auc_score(labels, np.r_[in_scores, out_scores]))
+    """AUROC of separating ``out_scores`` (positives) from ``in_scores`` (:func:`pyro_bnn.ood.auroc`)."""
+    scores = torch.as_tensor(np.r_[in_scores, out_scores], dtype=torch.float64)
+    labels = torch.cat([torch.zeros(len(in_scores)), torch.ones(len(out_scores))]).bool()
+    return auroc(scores, labels)
 
 
 def entropy_figure(entropies: Mapping[str, Mapping[str, np.ndarray]], num_classes: int):

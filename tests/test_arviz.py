@@ -49,15 +49,6 @@ def _mlp():
     return nn.Sequential(nn.Linear(64, 4), nn.ReLU(), nn.Linear(4, 10))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread avoids OpenMP spin-waits on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def data():
     d = pb.datasets.digits()

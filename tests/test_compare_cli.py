@@ -21,15 +21,6 @@ from pyro_bnn.report import markdown_table, ood_inputs
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread avoids OpenMP spin-waits on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def split():
     d = pb.datasets.digits()

@@ -20,14 +20,6 @@ from pyro_bnn.training import setup_guide
 from pyro_bnn.weight_norm import WeightNormConv2d, WeightNormLinear, to_weight_norm
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny problems: threads only add overhead
-    yield
-    torch.set_num_threads(n)
-
-
 def _flow_fn(flow):
     def h(eps):
         x = eps
@@ -259,7 +251,7 @@ def _train(model, guide, objective, x, y, steps, lr):
             opt.step()
 
 
-def test_bimodal_toy_full_guide_captures_ridge_and_beats_mean_field(one_thread):
+def test_bimodal_toy_full_guide_captures_ridge_and_beats_mean_field():
     """ŷ = a·b·x on y = x + 0.1 ε: within the a = b = 1 mode the ridge ab ≈ 1 makes the
     deviations of a and b negatively correlated; a mean-field guide cannot."""
     torch.manual_seed(0)
@@ -292,7 +284,7 @@ def test_bimodal_toy_full_guide_captures_ridge_and_beats_mean_field(one_thread):
     assert elbo_hn > elbo_mf + 0.3, (elbo_hn, elbo_mf)
 
 
-def test_toy_regression_uncertainty_grows_away_from_data(one_thread):
+def test_toy_regression_uncertainty_grows_away_from_data():
     torch.manual_seed(0)
     x, y = pb.datasets.toy_regression(64, seed=0)
     net = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
