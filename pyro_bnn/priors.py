@@ -29,7 +29,6 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 from torch import nn
-from torch.distributions import kl_divergence, register_kl
 
 __all__ = [
     "Prior",
@@ -165,12 +164,6 @@ class ScaleMixtureNormal(dist.TorchDistribution):
         return self.pi * self.sigma1**2 + (1 - self.pi) * self.sigma2**2
 
 
-@register_kl(dist.Normal, ScaleMixtureNormal)
-def _kl_normal_scale_mixture(p, q):  # pragma: no cover - dispatch guard
-    # No closed form: make TraceMeanField_ELBO fall back to Monte Carlo.
-    raise NotImplementedError
-
-
 class ScaleMixture(Prior):
     """Blundell's scale-mixture prior ``π N(0, σ1²) + (1−π) N(0, σ2²)``.
 
@@ -229,11 +222,3 @@ def resolve_prior(spec: PriorSpec, name: str, param: torch.Tensor) -> Prior:
             f"prior for {name!r} must be a pyro_bnn.priors.Prior, got {type(prior).__name__}"
         )
     return prior
-
-
-def closed_form_kl(q: dist.Distribution, p: dist.Distribution) -> torch.Tensor | None:
-    """``KL(q‖p)`` summed over all dims if a closed form is registered, else ``None``."""
-    try:
-        return kl_divergence(q, p).sum()
-    except NotImplementedError:
-        return None
