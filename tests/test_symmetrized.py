@@ -306,8 +306,10 @@ def test_one_permutation_is_exactly_meanfield():
         ref = meanfield_loss(model, mf, x, y, 1000, num_particles=2)
         torch.manual_seed(7)
         loss, extras = sy.make_objective(num_particles=2)(model, sy, x, y, num_data=1000)
-    assert torch.equal(loss, ref)
-    assert extras["elbo"].item() == extras["symmetrized_elbo"].item() == -ref.item()
+    # same random numbers, same terms; MeanField's fused sample-and-KL node sums in another
+    # order, so equal to float32 rounding rather than bit for bit
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0.0)
+    assert extras["elbo"].item() == extras["symmetrized_elbo"].item() == -loss.item()
 
 
 def test_fit_reports_both_elbos_and_predicts_with_base_guide():

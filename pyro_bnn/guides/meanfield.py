@@ -1,6 +1,6 @@
 """Mean-field Gaussian guide (Bayes by Backprop, Blundell et al. 2015).
 
-``q(w) = Π_i N(w_i | μ_i, σ_i²)``, ``σ = softplus(ρ)``, built on Pyro's ``AutoNormal``:
+``q(w) = Π_i N(w_i | μ_i, σ_i²)``, ``σ = exp(ρ)`` (or ``softplus(ρ)``), built on Pyro's ``AutoNormal``:
 
 * locations start at the network's current weights (pretrained nets work);
 * the initial σ is small and configurable (``init_scale``);
@@ -17,7 +17,6 @@ straight into the ``PyroModule`` sample cache); it computes the same ELBO as
 from __future__ import annotations
 
 from contextlib import ExitStack
-from operator import attrgetter
 
 import pyro
 import pyro.distributions as dist
@@ -30,6 +29,7 @@ from torch.distributions import kl_divergence
 
 from ..likelihoods import log_likelihood
 from ..objectives import PyroObjective
+from ._fused_gaussian import can_fuse, sample_and_kl
 from .base import init_to_network, register_guide
 
 __all__ = ["MeanField", "MeanFieldELBO"]
@@ -55,6 +55,13 @@ class MeanField(AutoNormal):
         KL annealing (a "warm-up"): during the first ``kl_annealing`` epochs of each
         :func:`pyro_bnn.fit` the KL term is weighted by ``epoch / kl_annealing``, so the
         reported loss is not the negative ELBO until the weight reaches 1.  0 (default): off.
+    scale_parameterization : {"exp", "softplus"}
+        ``σ = exp(ρ)`` (default) or ``σ = softplus(ρ)`` (Blundell et al.; Pyro's
+        ``AutoNormal``).  The two agree to first order for the small σ of weight posteriors
+        (``softplus(ρ) = exp(ρ)(1 + O(exp(ρ)))``); ``exp`` is the faster on CPU: it needs no
+        softplus, ``log σ`` or sigmoid pass over the weights in the training step
+        (``benchmarks/bench_core.py``).  The unconstrained parameters in ``state_dict`` are
+        ``ρ`` of the chosen map.
 
     Examples
     --------
@@ -63,9 +70,15 @@ class MeanField(AutoNormal):
     """
 
     def __init__(self, model, *, init_scale: float = 1e-3, init_loc_fn=None,
-                 local_reparameterization: bool = False, kl_annealing: int = 0):
+                 local_reparameterization: bool = False, kl_annealing: int = 0,
+                 scale_parameterization: str = "exp"):
+        if scale_parameterization not in _SCALE_CONSTRAINTS:
+            raise ValueError(f"scale_parameterization must be one of {sorted(_SCALE_CONSTRAINTS)}, "
+                             f"got {scale_parameterization!r}")
         super().__init__(model, init_loc_fn=init_loc_fn or init_to_network(model),
                          init_scale=float(init_scale))
+        self.scale_parameterization = scale_parameterization
+        self.scale_constraint = _SCALE_CONSTRAINTS[scale_parameterization]
         self.local_reparameterization = bool(local_reparameterization)
         if int(kl_annealing) < 0:
             raise ValueError(f"kl_annealing must be a number of epochs >= 0, got {kl_annealing!r}")
@@ -82,16 +95,19 @@ class MeanField(AutoNormal):
 
     def loc_and_scale(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Posterior mean μ and standard deviation σ of site ``name``."""
-        if self.scale_constraint is dist.constraints.softplus_positive:
-            # Direct parameter access: PyroModule attribute lookups cost ~10 µs per level,
-            # which adds up in the per-step hot path of large nets.
-            *path, leaf = name.split(".")
-            loc_mod, scale_mod = self.locs, self.scales
-            for part in path:
-                loc_mod, scale_mod = loc_mod._modules[part], scale_mod._modules[part]
-            return (loc_mod._parameters[leaf + "_unconstrained"],
-                    F.softplus(scale_mod._parameters[leaf + "_unconstrained"]))
-        return attrgetter(name)(self.locs), attrgetter(name)(self.scales)
+        loc, rho = self.loc_and_raw_scale(name)
+        return loc, (rho.exp() if self.scale_parameterization == "exp" else F.softplus(rho))
+
+    def loc_and_raw_scale(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Posterior mean μ and the unconstrained scale ρ (``σ = exp(ρ)`` or ``softplus(ρ)``)."""
+        # Direct parameter access: PyroModule attribute lookups cost ~10 µs per level,
+        # which adds up in the per-step hot path of large nets.
+        *path, leaf = name.split(".")
+        loc_mod, scale_mod = self.locs, self.scales
+        for part in path:
+            loc_mod, scale_mod = loc_mod._modules[part], scale_mod._modules[part]
+        return (loc_mod._parameters[leaf + "_unconstrained"],
+                scale_mod._parameters[leaf + "_unconstrained"])
 
     def site_names(self) -> list[str]:
         return [name for name, _ in self.prototype_trace.iter_stochastic_nodes()]
@@ -118,6 +134,9 @@ class MeanField(AutoNormal):
 
     def make_objective(self, num_particles: int = 1):
         return MeanFieldELBO(num_particles)
+
+
+_SCALE_CONSTRAINTS = {"exp": dist.constraints.positive, "softplus": dist.constraints.softplus_positive}
 
 
 def _is_real(support) -> bool:
@@ -205,19 +224,29 @@ def closed_form_kl(model, qs: dict) -> tuple[torch.Tensor | float, list[str]]:
 
 
 def meanfield_loss(model, guide, x, y, num_data, num_particles=1):
-    """Negative ELBO for a BNN and a MeanField guide (see :class:`MeanFieldELBO`)."""
+    """Negative ELBO for a BNN and a MeanField guide (see :class:`MeanFieldELBO`).
+
+    Sites with a Normal prior are sampled together with their KL by one
+    fused autograd node (:mod:`._fused_gaussian`); the rest go through ``closed_form_kl`` or
+    a Monte Carlo KL.
+    """
     scale_factor = (num_data or len(x)) / len(x)
     sites = model.site_names
-    qs = {name: guide.loc_and_scale(name) for name in sites}
+    local = guide.local_reparameterization
+    fused = {} if local else _fusable_sites(model, guide, sites)
+    positive = getattr(guide, "scale_parameterization", "softplus")
+    qs = {name: guide.loc_and_scale(name) for name in sites if name not in fused}
     kl_closed, mc_sites = closed_form_kl(model, qs)
     priors = {name: model.site_prior(name) for name in mc_sites}
     kl_weight = getattr(guide, "kl_weight", 1.0)
-    local = guide.local_reparameterization
     nll = 0.0
     for _ in range(num_particles):
         values, hooks = {}, []
-        for name in sites:
-            loc, scale = qs[name]
+        for name, (loc, rho, prior_loc, prior_scale) in fused.items():
+            values[name], kl = sample_and_kl(loc, rho, standard_normal_like(loc), prior_loc, prior_scale,
+                                             positive)
+            kl_closed = kl_closed + kl / num_particles
+        for name, (loc, scale) in qs.items():
             values[name] = loc if local else loc + scale * standard_normal_like(loc)
         if local:
             hooks = _install_local_reparam(model, qs)
@@ -233,6 +262,20 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1):
             nll = nll + kl_weight * (dist.Normal(loc, scale, validate_args=False).log_prob(w).sum()
                                      - priors[name].log_prob(w))
     return nll / num_particles + (kl_closed if kl_weight == 1.0 else kl_weight * kl_closed)
+
+
+def _fusable_sites(model, guide, sites) -> dict:
+    """``{site: (μ, ρ, prior_loc, prior_scale)}`` for the sites :func:`sample_and_kl` handles."""
+    normal = getattr(model, "site_normal_prior", lambda name: None)
+    out = {}
+    for name in sites:
+        params = normal(name)
+        if params is None:
+            continue
+        loc, rho = guide.loc_and_raw_scale(name)
+        if can_fuse(loc, *params):
+            out[name] = (loc, rho, *params)
+    return out
 
 
 def _run_with_values(model, values: dict, x):
