@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributions import Normal, kl_divergence
 
+from pyro_bnn.guides import _fused_gaussian as fused
 from pyro_bnn.guides._fused_gaussian import can_fuse, sample_and_kl
 
 
@@ -30,9 +31,12 @@ PRIORS = {
 }
 
 
+@pytest.mark.parametrize("tensor_constants", [False, True], ids=["cpu_floats", "tensor_path"])
 @pytest.mark.parametrize("positive", ["exp", "softplus"])
 @pytest.mark.parametrize("prior", sorted(PRIORS))
-def test_matches_autograd_value_and_gradient(prior, positive, float64):
+def test_matches_autograd_value_and_gradient(prior, positive, tensor_constants, float64, monkeypatch):
+    if tensor_constants:  # the path a CUDA prior takes (no host read of its value)
+        monkeypatch.setattr(fused, "_cpu_floats", lambda prior_loc, prior_scale: None)
     torch.manual_seed(0)
     shape = (5, 4)
     loc = torch.randn(shape, requires_grad=True)

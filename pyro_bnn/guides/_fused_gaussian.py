@@ -19,6 +19,8 @@ The maths, per weight with prior ``N(m, s²)``::
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,9 @@ def can_fuse(loc: torch.Tensor, prior_loc: torch.Tensor, prior_scale: torch.Tens
     broadcast to the site's shape."""
     if prior_loc.requires_grad or prior_scale.requires_grad:
         return False
+    if prior_loc.numel() == 1 and prior_scale.numel() == 1 and prior_loc.dim() <= loc.dim() \
+            and prior_scale.dim() <= loc.dim():
+        return True  # the usual case, without broadcast_shapes' Python overhead
     try:
         shape = torch.broadcast_shapes(loc.shape, prior_loc.shape, prior_scale.shape)
     except RuntimeError:
@@ -37,24 +42,53 @@ def can_fuse(loc: torch.Tensor, prior_loc: torch.Tensor, prior_scale: torch.Tens
     return shape == loc.shape
 
 
-def _is_zero_on_cpu(t: torch.Tensor) -> bool:
-    # Only checked for one-number CPU tensors: reading a CUDA value would synchronise.
-    return t.device.type == "cpu" and t.numel() == 1 and float(t) == 0.0
+def _cpu_floats(prior_loc, prior_scale):
+    """``(m, s)`` as Python floats for a one-number CPU prior (reading a CUDA value would
+    synchronise), else ``None``."""
+    if prior_scale.numel() == 1 and prior_loc.numel() == 1 and prior_scale.device.type == "cpu":
+        return float(prior_loc), float(prior_scale)
+    return None
 
 
 def _kl_terms(loc, sigma, prior_loc, prior_scale):
-    """``(μ − m, 1/s², Σ (σ² + (μ − m)²) / s², Σ log s)`` for the closed-form KL."""
-    # μ − m; skipped (one pass less each way) for the usual zero-mean prior
-    diff = loc if _is_zero_on_cpu(prior_loc) else loc - prior_loc
+    """``(μ − m, 1/s², ½ Σ (σ² + (μ − m)²) / s² + Σ log s − n/2)`` for the closed-form KL.
+
+    For a one-number prior on the CPU the constants are Python floats: a dozen fewer
+    scalar tensor operations per site and step.
+    """
+    n = loc.numel()
+    floats = _cpu_floats(prior_loc, prior_scale)
+    if floats is not None:
+        m, s = floats
+        diff = loc if m == 0.0 else loc - m    # one pass less each way for a zero-mean prior
+        inv_var = 1.0 / (s * s)
+        sig, d = sigma.reshape(-1), diff.reshape(-1)
+        quad = (torch.dot(sig, sig) + torch.dot(d, d)) * (0.5 * inv_var)
+        return diff, inv_var, quad + (n * (math.log(s) - 0.5))
+    diff = loc - prior_loc
     inv_var = prior_scale.reciprocal().square()
     if inv_var.numel() == 1:
-        s, d = sigma.reshape(-1), diff.reshape(-1)
-        quad = (torch.dot(s, s) + torch.dot(d, d)) * inv_var.reshape(())
-        log_prior_scale = loc.numel() * prior_scale.log().reshape(())
+        sig, d = sigma.reshape(-1), diff.reshape(-1)
+        quad = (torch.dot(sig, sig) + torch.dot(d, d)) * inv_var.reshape(())
+        log_prior_scale = n * prior_scale.log().reshape(())
     else:
         quad = (torch.addcmul(sigma.square(), diff, diff) * inv_var).sum()
         log_prior_scale = prior_scale.log().expand(loc.shape).sum()
-    return diff, inv_var, quad, log_prior_scale
+    return diff, inv_var, 0.5 * quad + log_prior_scale - 0.5 * n
+
+
+def _save(ctx, inv_var, *tensors):
+    if isinstance(inv_var, float):
+        ctx.inv_var = inv_var
+        ctx.save_for_backward(*tensors)
+    else:
+        ctx.inv_var = None
+        ctx.save_for_backward(*tensors, inv_var)
+
+
+def _saved(ctx):
+    saved = ctx.saved_tensors
+    return (ctx.inv_var, saved) if ctx.inv_var is not None else (saved[-1], saved[:-1])
 
 
 class _SampleAndKLExp(torch.autograd.Function):
@@ -64,14 +98,14 @@ class _SampleAndKLExp(torch.autograd.Function):
     def forward(ctx, loc, rho, eps, prior_loc, prior_scale):
         sigma = rho.exp()
         w = torch.addcmul(loc, sigma, eps)
-        diff, inv_var, quad, log_prior_scale = _kl_terms(loc, sigma, prior_loc, prior_scale)
-        kl = 0.5 * quad - rho.sum() + log_prior_scale - 0.5 * loc.numel()
-        ctx.save_for_backward(sigma, eps, diff, inv_var)
+        diff, inv_var, kl_rest = _kl_terms(loc, sigma, prior_loc, prior_scale)
+        kl = kl_rest - rho.sum()
+        _save(ctx, inv_var, sigma, eps, diff)
         return w, kl
 
     @staticmethod
     def backward(ctx, grad_w, grad_kl):
-        sigma, eps, diff, inv_var = ctx.saved_tensors
+        inv_var, (sigma, eps, diff) = _saved(ctx)
         k = grad_kl * inv_var                                  # scalar or per-weight
         grad_loc = diff * k if grad_w is None else torch.addcmul(grad_w, diff, k)
         # ∂L/∂ρ = σ ∂L/∂σ = σ (ε ∂L/∂w + σ k) − ∂L/∂KL
@@ -87,14 +121,14 @@ class _SampleAndKLSoftplus(torch.autograd.Function):
     def forward(ctx, loc, rho, eps, prior_loc, prior_scale):
         sigma = F.softplus(rho)
         w = torch.addcmul(loc, sigma, eps)
-        diff, inv_var, quad, log_prior_scale = _kl_terms(loc, sigma, prior_loc, prior_scale)
-        kl = 0.5 * quad - sigma.log().sum() + log_prior_scale - 0.5 * loc.numel()
-        ctx.save_for_backward(rho, sigma, eps, diff, inv_var)
+        diff, inv_var, kl_rest = _kl_terms(loc, sigma, prior_loc, prior_scale)
+        kl = kl_rest - sigma.log().sum()
+        _save(ctx, inv_var, rho, sigma, eps, diff)
         return w, kl
 
     @staticmethod
     def backward(ctx, grad_w, grad_kl):
-        rho, sigma, eps, diff, inv_var = ctx.saved_tensors
+        inv_var, (rho, sigma, eps, diff) = _saved(ctx)
         k = grad_kl * inv_var
         grad_loc = diff * k if grad_w is None else torch.addcmul(grad_w, diff, k)
         # ∂L/∂σ = ε ∂L/∂w + (σ / s² − 1 / σ) ∂L/∂KL
