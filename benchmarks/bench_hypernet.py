@@ -11,6 +11,7 @@
     python benchmarks/bench_hypernet.py --task digits --epochs 100
     python benchmarks/bench_hypernet.py --task mnist --epochs 10 --data-dir ../shared/data/mnist
     python benchmarks/bench_hypernet.py --task speed --epochs 5 --data-dir ../shared/data/mnist
+    python benchmarks/bench_hypernet.py --task speed --threads 1 --fused --hidden 200 64 32
 """
 
 from __future__ import annotations
@@ -48,14 +49,16 @@ def task_digits(args):
     rows = []
     torch.manual_seed(args.seed)
     net = mlp([64, 100, 10])
-    mf_model = pb.BNN(net, "categorical")
-    rows.append(("MeanField (all weights)",)
-                + _fit_eval(mf_model, pb.guides.MeanField(mf_model), d.train, d.test, args))
+    if not args.no_meanfield:
+        mf_model = pb.BNN(net, "categorical")
+        rows.append(("MeanField (all weights)",)
+                    + _fit_eval(mf_model, pb.guides.MeanField(mf_model), d.train, d.test, args))
     for k in args.num_flows:
-        hn_model = pb.BNN(net, "categorical", weight_norm=True)
-        guide = pb.guides.Hypernet(hn_model, flow=args.flow, num_flows=k)
-        rows.append((f"Hypernet {args.flow} K={k} (weight-norm g)",)
-                    + _fit_eval(hn_model, guide, d.train, d.test, args, clip_norm=10.0))
+        for h in args.hidden:
+            hn_model = pb.BNN(net, "categorical", weight_norm=True)
+            guide = pb.guides.Hypernet(hn_model, flow=args.flow, num_flows=k, hidden=h)
+            rows.append((f"Hypernet {args.flow} K={k} H={h} (weight-norm g)",)
+                        + _fit_eval(hn_model, guide, d.train, d.test, args, clip_norm=10.0))
     print(f"digits 1348/449, MLP 64-100-10, {args.epochs} epochs, batch {args.batch_size}, "
           f"lr {args.lr}, {args.num_samples} predictive samples")
     _table(rows)
@@ -65,13 +68,15 @@ def task_mnist(args):
     split = pb.datasets.mnist_split(args.data_dir, 5000, 5000)
     rows = []
     torch.manual_seed(args.seed)
-    net = mlp([784, 800, 800, 10])
+    w = args.mlp_width
+    net = mlp([784, w, w, 10])
     for k in args.num_flows:
-        model = pb.BNN(net, "categorical", weight_norm=True)
-        guide = pb.guides.Hypernet(model, flow=args.flow, num_flows=k)
-        rows.append((f"Hypernet {args.flow} K={k}",)
-                    + _fit_eval(model, guide, split.train, split.test, args, clip_norm=10.0))
-    print(f"MNIST 5k/5k, weight-norm MLP 784-800-800-10, {args.epochs} epochs, batch "
+        for h in args.hidden:
+            model = pb.BNN(net, "categorical", weight_norm=True)
+            guide = pb.guides.Hypernet(model, flow=args.flow, num_flows=k, hidden=h)
+            rows.append((f"Hypernet {args.flow} K={k} H={h}",)
+                        + _fit_eval(model, guide, split.train, split.test, args, clip_norm=10.0))
+    print(f"MNIST 5k/5k, weight-norm MLP 784-{w}-{w}-10, {args.epochs} epochs, batch "
           f"{args.batch_size}, lr {args.lr}, {args.num_samples} predictive samples")
     _table(rows)
 
@@ -102,32 +107,44 @@ def task_speed(args):
             loss.backward()
             opt_a.step()
 
-    model = pb.BNN(mlp(sizes), "categorical", weight_norm=True)
-    guide = pb.guides.Hypernet(model, flow="iaf", num_flows=8)
+    guides = {}
+    for h in args.hidden:
+        torch.manual_seed(args.seed)
+        model = pb.BNN(mlp(sizes), "categorical", weight_norm=True)
+        guides[h] = (model, pb.guides.Hypernet(model, flow="iaf", num_flows=8, hidden=h))
 
-    def epoch_hn():
+    def epoch_hn(h):
+        model, guide = guides[h]
         pb.fit(model, guide, (x, y), epochs=1, batch_size=args.batch_size, progress=False,
                optimizer=lambda params: torch.optim.Adam(params, **adam))
 
-    times = {"map": [], "hn": []}
-    epoch_map()
-    epoch_hn()  # warm-up, sets up the guide
+    runs = [("map", epoch_map)] + [(h, lambda h=h: epoch_hn(h)) for h in args.hidden]
+    wall = {k: [] for k, _ in runs}
+    cpu = {k: [] for k, _ in runs}
+    for _, fn in runs:  # warm-up (sets up the guides)
+        fn()
     for _ in range(args.epochs):
-        for key, fn in (("map", epoch_map), ("hn", epoch_hn)):
-            t0 = time.perf_counter()
+        for key, fn in runs:
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            times[key].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+            wall[key].append(time.perf_counter() - t0)
+            cpu[key].append(time.process_time() - c0)
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     print(f"MNIST 5,000 train, MLP 784-400-400-10, batch {args.batch_size}, torch threads "
           f"{torch.get_num_threads()}, Adam{' (fused)' if args.fused else ''}, {args.epochs} "
-          "interleaved epochs (median s/epoch)")
-    n_flow = sum(p.numel() for p in guide.parameters())
+          "interleaved epochs (median s/epoch, wall and CPU time)")
     n_net = sum(p.numel() for p in net_a.parameters())
-    print(f"  parameters: network {n_net:,}, hypernetwork flow {n_flow:,}")
-    print(f"  PyTorch MAP                          {med['map']:.3f}")
-    print(f"  pb.fit + Hypernet (8 IAF, weight-norm) {med['hn']:.3f}")
-    print(f"  ratio Hypernet / MAP = {med['hn'] / med['map']:.2f}   (target <= 2)")
-    return med
+    print(f"  network parameters {n_net:,}")
+    print(f"  {'':38s} {'params':>10s} {'wall s':>8s} {'cpu s':>8s} {'ratio wall':>10s} "
+          f"{'ratio cpu':>9s}")
+    print(f"  {'PyTorch MAP':38s} {n_net:10,d} {med['map']:8.3f} {med_cpu['map']:8.3f}")
+    for h in args.hidden:
+        n_flow = sum(p.numel() for p in guides[h][1].parameters())
+        print(f"  {f'pb.fit + Hypernet (8 IAF, H={h})':38s} {n_flow:10,d} {med[h]:8.3f} "
+              f"{med_cpu[h]:8.3f} {med[h] / med['map']:10.2f} {med_cpu[h] / med_cpu['map']:9.2f}")
+    print("  (ratio target <= 2; params: flow parameters stored)")
+    return med, med_cpu
 
 
 def main(argv=None):
@@ -141,6 +158,10 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--flow", default=None, help="iaf (digits, speed) / realnvp couplings (mnist)")
     ap.add_argument("--num-flows", type=int, nargs="+", default=None)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[200],
+                    help="hidden units of the IAF/coupling conditioners (several: one run each)")
+    ap.add_argument("--mlp-width", type=int, default=800, help="MLP hidden width (mnist)")
+    ap.add_argument("--no-meanfield", action="store_true", help="skip MeanField (digits)")
     ap.add_argument("--num-samples", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fused", action="store_true", help="fused Adam on both sides (speed)")

@@ -223,12 +223,29 @@ def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, p
     log-likelihood, ``kl = log q − log p``).
     """
     scale = (num_data or len(x)) / len(x)
-    nll, log_p = [], []
+    nll = []
     for s in range(len(log_q)):
         sample = {name: v[s] for name, v in values.items()}
         f = _run_with_values(model, sample, x)
         nll.append(-clipped_log_likelihood(model.likelihood, f, y, prob_clip).sum() * scale)
-        log_p.append(sum(model.site_prior(name).log_prob(v) for name, v in sample.items()))
-    nll, log_p = torch.stack(nll), torch.stack(log_p)
+    nll = torch.stack(nll)
+    log_p = sum(_prior_log_prob(model, name, v) for name, v in values.items())
     kl = log_q - log_p
     return -nll - kl, nll, kl
+
+
+def _prior_log_prob(model, name: str, value: torch.Tensor) -> torch.Tensor:
+    """``log p(θ_site)`` of S draws ``value`` (S, *site shape), summed over the site: (S,).
+
+    An i.i.d. Normal prior (``model.site_normal_prior``) is evaluated in closed form,
+    ``Σ −(θ−m)²/(2s²) − log s − ½ log 2π`` (Pyro's ``Normal.log_prob`` without building
+    distributions and validating arguments); any other prior through Pyro."""
+    normal = getattr(model, "site_normal_prior", lambda site: None)(name)
+    if normal is None:
+        return torch.stack([model.site_prior(name).log_prob(v) for v in value])
+    loc, s = normal
+    lp = -0.5 * ((value - loc) / s).square() - torch.as_tensor(s).log() - _HALF_LOG_2PI
+    return lp.reshape(len(value), -1).sum(-1)
+
+
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
