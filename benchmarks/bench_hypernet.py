@@ -6,7 +6,8 @@
   MNIST test file for training, next 5,000 for testing), Hypernet with 0/4/8 blocks
   (0 = Bayes by Backprop on g).
 * ``--task speed``: one epoch of plain PyTorch MAP vs ``pb.fit`` with Hypernet (8 IAF blocks,
-  weight-norm) on MLP 784-400-400-10, epochs interleaved in one process, medians and ratio.
+  weight-norm; ``--num-flows``, ``--hidden`` lists) on MLP 784-400-400-10, epochs interleaved in
+  one process, medians of wall and CPU (``time.process_time``) seconds and ratios.
 
     python benchmarks/bench_hypernet.py --task digits --epochs 100
     python benchmarks/bench_hypernet.py --task mnist --epochs 10 --data-dir ../shared/data/mnist
@@ -25,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyro_bnn as pb
+from pyro_bnn._local_params import local_params
 from pyro_bnn.data import TensorBatches
+from pyro_bnn.training import setup_guide
 
 
 def mlp(sizes):
@@ -108,17 +111,35 @@ def task_speed(args):
             opt_a.step()
 
     guides = {}
-    for h in args.hidden:
+    configs = [(k, h) for k in args.num_flows for h in (args.hidden if k else args.hidden[:1])]
+    for k, h in configs:
         torch.manual_seed(args.seed)
         model = pb.BNN(mlp(sizes), "categorical", weight_norm=True)
-        guides[h] = (model, pb.guides.Hypernet(model, flow="iaf", num_flows=8, hidden=h))
+        guides[k, h] = (model, pb.guides.Hypernet(model, flow="iaf", num_flows=k, hidden=h))
 
     def epoch_hn(h):
         model, guide = guides[h]
-        pb.fit(model, guide, (x, y), epochs=1, batch_size=args.batch_size, progress=False,
-               optimizer=lambda params: torch.optim.Adam(params, **adam))
+        if not args.loop:
+            pb.fit(model, guide, (x, y), epochs=1, batch_size=args.batch_size, progress=False,
+                   optimizer=lambda params: torch.optim.Adam(params, **adam))
+            return
+        # --loop: the same steps as MAP's loop (no pb.fit setup, snapshot or checks)
+        if h not in loops:
+            setup_guide(model, guide, x[:2], y[:2], len(x))
+            with local_params(model, guide):
+                params = list(model.parameters()) + list(guide.parameters())
+            loops[h] = (guide.make_objective(1), torch.optim.Adam(params, **adam))
+        objective, opt = loops[h]
+        with local_params(model, guide):
+            for xb, yb in batches:
+                loss, _ = objective(model, guide, xb, yb, len(x))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
 
-    runs = [("map", epoch_map)] + [(h, lambda h=h: epoch_hn(h)) for h in args.hidden]
+    loops = {}
+
+    runs = [("map", epoch_map)] + [(c, lambda c=c: epoch_hn(c)) for c in configs]
     wall = {k: [] for k, _ in runs}
     cpu = {k: [] for k, _ in runs}
     for _, fn in runs:  # warm-up (sets up the guides)
@@ -139,10 +160,11 @@ def task_speed(args):
     print(f"  {'':38s} {'params':>10s} {'wall s':>8s} {'cpu s':>8s} {'ratio wall':>10s} "
           f"{'ratio cpu':>9s}")
     print(f"  {'PyTorch MAP':38s} {n_net:10,d} {med['map']:8.3f} {med_cpu['map']:8.3f}")
-    for h in args.hidden:
-        n_flow = sum(p.numel() for p in guides[h][1].parameters())
-        print(f"  {f'pb.fit + Hypernet (8 IAF, H={h})':38s} {n_flow:10,d} {med[h]:8.3f} "
-              f"{med_cpu[h]:8.3f} {med[h] / med['map']:10.2f} {med_cpu[h] / med_cpu['map']:9.2f}")
+    for c in configs:
+        n_flow = sum(p.numel() for p in guides[c][1].parameters())
+        name = f"{'loop' if args.loop else 'pb.fit'} + Hypernet ({c[0]} IAF, H={c[1]})"
+        print(f"  {name:38s} {n_flow:10,d} {med[c]:8.3f} "
+              f"{med_cpu[c]:8.3f} {med[c] / med['map']:10.2f} {med_cpu[c] / med_cpu['map']:9.2f}")
     print("  (ratio target <= 2; params: flow parameters stored)")
     return med, med_cpu
 
@@ -162,6 +184,8 @@ def main(argv=None):
                     help="hidden units of the IAF/coupling conditioners (several: one run each)")
     ap.add_argument("--mlp-width", type=int, default=800, help="MLP hidden width (mnist)")
     ap.add_argument("--no-meanfield", action="store_true", help="skip MeanField (digits)")
+    ap.add_argument("--loop", action="store_true",
+                    help="speed: Hypernet epochs as a plain loop like MAP's instead of pb.fit")
     ap.add_argument("--num-samples", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fused", action="store_true", help="fused Adam on both sides (speed)")

@@ -102,7 +102,9 @@ class MADE(nn.Module):
     applied in the forward pass and gradient-based optimisers (SGD, Adam, weight decay) keep
     them zero; after editing the parameters by hand call :meth:`apply_masks_`.  For one
     noise sample the layers are matrix-vector products, memory-bound: the cost of a training
-    step (forward, backward, Adam) scales with the number of stored entries.
+    step (forward, backward, Adam) scales with the number of stored entries.  The layers are
+    a custom ``torch.autograd.Function``: first-order autograd only (no ``torch.func``
+    transforms such as ``vmap``/``jacrev``, no double backward).
 
     Parameters
     ----------

@@ -52,7 +52,12 @@ class Hypernet(AutoContinuous):
     num_flows : int
         Number of blocks K; 0 is Bayes by Backprop (mean-field Gaussian) on the same path.
     hidden : int
-        Hidden units of each block's one-hidden-layer conditioner (paper: 200).
+        Hidden units of each block's one-hidden-layer conditioner (paper: 200).  The
+        flow's cost per step grows with it (8 IAF blocks over D = 810 scales store 2.44M
+        parameters at 200, 1.25M at 64, 0.63M at 32); measured (``docs/results/hypernet.md``):
+        on MNIST 5k/5k (784-400-400-10, 10 epochs, 3 seeds) 200 was more accurate than 64
+        (93.9% vs 92.6%, NLL 0.30 both) and 32 worse still (91.0%, 0.44), on digits 64 was
+        as good as 200 — so the default stays 200.
     full : bool
         Allow a flow over every weight of an ordinary (non weight-norm) BNN.
     init_scale : float
