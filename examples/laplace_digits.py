@@ -2,6 +2,7 @@
 
     .venv/bin/python examples/laplace_digits.py --epochs 60            # post-hoc δ
     .venv/bin/python examples/laplace_digits.py --epochs 60 --marglik  # online (Immer 2021)
+    .venv/bin/python examples/laplace_digits.py --subset last_layer    # last-layer Laplace
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def main(argv=None):
     p.add_argument("--structure", choices=["kron", "diag", "full"], default="kron")
     p.add_argument("--hidden", type=int, default=100)
     p.add_argument("--marglik", action="store_true", help="learn δ online during training")
+    p.add_argument("--subset", choices=["all", "last_layer"], default="all",
+                   help="Laplace over all layers or the last one only (the rest a point estimate)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -28,7 +31,7 @@ def main(argv=None):
     data = pb.datasets.digits()
     net = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     model = pb.BNN(net, "categorical")
-    guide = pb.guides.Laplace(model, structure=args.structure)
+    guide = pb.guides.Laplace(model, structure=args.structure, subset=args.subset)
     marglik = dict(every=1, burnin=10, steps=100, lr=0.1) if args.marglik else None
     result = pb.fit(model, guide, data.train, epochs=args.epochs, lr=1e-3, seed=args.seed,
                     marglik=marglik)

@@ -258,3 +258,28 @@ def test_unsupported_layer_raises():
                    stochastic=lambda n, m, p: True)
     with pytest.raises(ValueError, match="Linear"):
         find_layers(model, {k: v.shape for k, v in model.initial_values().items()})
+
+
+def test_dense_block_eigen_path_equals_cholesky_path():
+    """Scalar δ uses one cached eigendecomposition of H; a per-weight δ the Cholesky of P.
+    Both give the same log det, covariance, draws' covariance map and J P⁻¹ Jᵀ, and the
+    eigen path stays differentiable in δ and s."""
+    g = torch.Generator().manual_seed(0)
+    V = torch.randn(8, 5, generator=g)
+    H = V @ V.T                                           # rank 5 < 8: singular H
+    block = DenseBlock(H)
+    d, s = torch.tensor(0.3, requires_grad=True), torch.tensor(2.0, requires_grad=True)
+    dvec = d.detach().expand(8).clone()                   # same δ, Cholesky path
+    P = s.detach() * H + 0.3 * torch.eye(8)
+    torch.testing.assert_close(block.logdet(d, s), torch.logdet(P))
+    torch.testing.assert_close(block.logdet(dvec, s.detach()), torch.logdet(P))
+    torch.testing.assert_close(block.covariance(d, s), torch.linalg.inv(P))
+    torch.testing.assert_close(block.covariance(dvec, s.detach()), torch.linalg.inv(P))
+    R = block.sample(torch.eye(8), d, s)                  # rows: P^{-1/2} e_i
+    torch.testing.assert_close(R.T @ R, torch.linalg.inv(P))
+    J = torch.randn(3, 4, 8, generator=g)
+    torch.testing.assert_close(block.functional_variance_dense(J, d, s),
+                               block.functional_variance_dense(J, dvec, s.detach()))
+    gd, gs = torch.autograd.grad(block.logdet(d, s), (d, s))
+    torch.testing.assert_close(gd, torch.linalg.inv(P).trace())
+    torch.testing.assert_close(gs, (torch.linalg.inv(P) @ H).trace())

@@ -176,6 +176,76 @@ def test_glm_probit_matches_brute_force_dense_laplace(digits_small):
     torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("structure", ["full", "kron"])
+def test_last_layer_laplace_matches_dense_softmax_regression(digits_small, structure):
+    """``subset="last_layer"`` is a Laplace of a softmax regression on the frozen body's
+    features φ̃ = [tanh(W₀x + b₀), 1]: evidence, posterior draws and GLM probit against
+    a dense torch.func reference (GGN Σ_n Jᵀ Λ_n J; for "kron" the KFAC approximation
+    (Σ_n Λ_n)/N ⊗ Σ_n φ̃ φ̃ᵀ).  The same Laplace via ``pb.BNN(..., stochastic=...)``."""
+    x, y, xt, _ = digits_small
+    x, xt, y = x[:60].double(), xt[:15].double(), y[:60]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 6), nn.Tanh(), nn.Linear(6, 10)).double()
+    model = pb.BNN(net, "categorical").double()
+    delta = 0.7
+    guide = pb.guides.Laplace(model, structure, prior_precision=delta, subset="last_layer")
+    guide.fit_curvature((x, y))
+    assert guide.laplace_sites == ["net.2.weight", "net.2.bias"]
+    assert guide.fixed_sites == ["net.0.weight", "net.0.bias"]
+    W, b = net[2].weight.detach(), net[2].bias.detach()
+    theta = torch.cat([W, b[:, None]], 1).reshape(-1)            # W̃ = [W, b], row-major
+
+    def features(inp):
+        with torch.no_grad():
+            h = net[1](net[0](inp))
+        return torch.cat([h, torch.ones(len(h), 1, dtype=h.dtype)], 1)
+
+    def f(th, phi):
+        return phi @ th.reshape(10, 7).T
+
+    phi, phit = features(x), features(xt)
+    J = torch.func.jacrev(f)(theta, phi)                         # (N, C, 70)
+    p = torch.softmax(f(theta, phi), -1)
+    Lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    if structure == "full":
+        H = torch.einsum("ncp,ncd,ndq->pq", J, Lam, J)
+    else:
+        H = torch.kron(Lam.sum(0) / len(x), phi.T @ phi)
+    P = H + delta * torch.eye(70, dtype=H.dtype)
+    loglik = torch.distributions.Categorical(logits=f(theta, phi)).log_prob(y).sum()
+    log_prior = 0.5 * (70 * math.log(delta) - delta * (theta ** 2).sum()) - 35 * math.log(2 * math.pi)
+    expected = loglik + log_prior + 35 * math.log(2 * math.pi) - 0.5 * torch.logdet(P)
+    torch.testing.assert_close(guide.log_evidence(), expected, rtol=1e-10, atol=0.0)
+
+    Jt = torch.func.jacrev(f)(theta, phit)
+    var = torch.einsum("ncp,pq,ncq->nc", Jt, torch.linalg.inv(P), Jt)
+    probs = torch.softmax(f(theta, phit) / torch.sqrt(1 + math.pi / 8 * var), -1)
+    torch.testing.assert_close(pb.predict(model, guide, xt, method="glm")[0], probs, rtol=1e-8, atol=1e-10)
+
+    draws = [guide() for _ in range(4)]                          # body fixed at θ*, last layer random
+    assert all(torch.equal(d["net.0.weight"], net[0].weight) for d in draws)
+    assert not torch.equal(draws[0]["net.2.weight"], draws[1]["net.2.weight"])
+
+    ll = pb.BNN(net, "categorical", stochastic=["net.2.weight", "net.2.bias"]).double()
+    other = pb.guides.Laplace(ll, structure, prior_precision=delta).fit_curvature((x, y))
+    torch.testing.assert_close(other.log_evidence(), expected, rtol=1e-10, atol=0.0)
+
+
+def test_subset_map_objective_keeps_the_prior_of_point_estimates(digits_small):
+    """The MAP objective of a subset Laplace is the same log joint as the all-layer one
+    (fixed sites keep their model prior), so both train the same MAP network."""
+    x, y, *_ = digits_small
+    net = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))
+    model = pb.BNN(net, "categorical", prior=pb.priors.IIDNormal(0.5))
+    full = pb.guides.Laplace(model, "kron")
+    last = pb.guides.Laplace(model, "kron", subset=["net.2.weight", "net.2.bias"])
+    obj = LaplaceMAPObjective()
+    torch.testing.assert_close(obj(model, full, x, y)[0], obj(model, last, x, y)[0])
+    pb.fit(model, last, (x, y), epochs=2, progress=False, marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
+    assert last.prior_precision.dim() == 0 and torch.isfinite(last.log_evidence())
+    assert pb.predict(model, last, x[:5], method="glm").shape == (1, 5, 10)
+
+
 def test_online_marglik_keeps_best_state(digits_small):
     x, y, *_ = digits_small
     model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
@@ -244,6 +314,10 @@ def test_user_errors():
         pb.guides.Laplace(model, kron_bias="split")
     with pytest.raises(ValueError, match="prior_precision"):
         pb.guides.Laplace(model, prior_precision=-1.0)
+    with pytest.raises(ValueError, match="subset"):
+        pb.guides.Laplace(model, subset="first_layer")
+    with pytest.raises(ValueError, match="lacks"):
+        pb.guides.Laplace(model, subset=["net.9.weight"]).fit_curvature((torch.randn(4, 3), torch.tensor([0, 1, 0, 1])))
     with pytest.raises(ValueError, match="fit_curvature"):
         pb.guides.Laplace(model).log_evidence()
     with pytest.raises(ValueError, match="marglik"):

@@ -66,6 +66,32 @@ class Laplace(AutoGuide):
     kron_bias : {"joint", "separate"}
         KFAC: one Kronecker block per layer for ``[W, b]`` (default, METHODS §4), or the
         bias as its own block without weight-bias cross terms (laplace-torch's convention).
+    subset : {"all", "last_layer"} or iterable of str
+        Which sample sites get the Gaussian ``N(θ*, P⁻¹)``: all (default), the sites of
+        the last Linear/Conv2d layer that runs (``"last_layer"``, the default of
+        laplace-torch / "Laplace Redux"), or the named sites.  The other sites are point
+        estimates: trained in the MAP phase with their model prior (a fixed Normal
+        precision, not learned by the evidence), then held at θ* by draws, the evidence
+        and the GLM predictive.  The evidence is then ``log p(D|θ*) + log p(θ*_S) −
+        ½ log det(P_S/2π)`` over the subset ``S`` (as laplace-torch's ``LLLaplace``).
+        Like every guide it starts at the model's network weights; to take θ* from
+        another fitted guide pass ``init_loc_fn=lambda site: other.median()[site["name"]]``.
+
+    Notes
+    -----
+    *Which configuration to use* (measured in ``docs/results/laplace.md``).  For the
+    predictive uncertainty of a trained classifier prefer
+    ``Laplace(model, "kron", subset="last_layer")`` + ``optimize_prior_precision`` +
+    ``method="glm"``.  On MNIST 5k (MLP 784-400-400-10, 4 seeds) it had lower test NLL
+    than the MAP network in 4/4 seeds and was far better calibrated than the all-layer GLM.
+    That GLM is strongly underconfident at its evidence-optimal δ.  The last-layer GLM
+    is underconfident as well: ECE was below the MAP's in 1/4 seeds only; a δ 4–6×
+    larger than the evidence's beat the MAP on both.  On digits no Laplace GLM beat the
+    MAP's NLL (that MAP is itself underconfident).  Online marglik and invariance learning
+    (LILA) are formulated with all-layer Laplace.  A pretrained torch network can also be
+    wrapped as ``pb.BNN(net, stochastic=["net.4.weight", "net.4.bias"])`` (only the last
+    layer random, same Laplace), but then ``fit`` trains the other parameters without a
+    prior.
 
     Examples
     --------
@@ -73,11 +99,14 @@ class Laplace(AutoGuide):
     >>> pb.fit(model, guide, (x, y), epochs=20)                        # doctest: +SKIP
     >>> guide.optimize_prior_precision()                               # doctest: +SKIP
     >>> probs = pb.predict(model, guide, x_test, method="glm")         # doctest: +SKIP
+    >>> ll = pb.guides.Laplace(pb.BNN(trained_net), "kron", subset="last_layer")  # doctest: +SKIP
+    >>> ll.fit_curvature((x, y)); ll.optimize_prior_precision()        # doctest: +SKIP
     """
 
     def __init__(self, model, structure: str = "kron", *, prior_precision=None,
                  prior_structure: str = "scalar", init_loc_fn=None,
-                 curvature_batch_size: int = 256, kron_bias: str = "joint", create_plates=None):
+                 curvature_batch_size: int = 256, kron_bias: str = "joint", subset="all",
+                 create_plates=None):
         if structure not in STRUCTURES:
             raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
         if prior_structure not in PRIOR_STRUCTURES:
@@ -87,6 +116,13 @@ class Laplace(AutoGuide):
                              "got 'diagonal' (use structure='diag' or 'full')")
         if kron_bias not in ("joint", "separate"):
             raise ValueError(f"kron_bias must be 'joint' or 'separate', got {kron_bias!r}")
+        if isinstance(subset, str):
+            if subset not in ("all", "last_layer"):
+                raise ValueError(f"subset must be 'all', 'last_layer' or a list of site names, got {subset!r}")
+        else:
+            subset = list(subset)
+            if not subset or not all(isinstance(s, str) for s in subset):
+                raise ValueError(f"subset must be 'all', 'last_layer' or a non-empty list of site names, got {subset!r}")
         if prior_precision is not None and not bool((torch.as_tensor(prior_precision) > 0).all()):
             raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
         self.init_loc_fn = init_loc_fn or init_to_network(model)
@@ -96,6 +132,7 @@ class Laplace(AutoGuide):
         self.prior_structure = prior_structure
         self.curvature_batch_size = int(curvature_batch_size)
         self.kron_bias = kron_bias
+        self.subset = subset
         self._init_prior_precision = prior_precision
         self._posterior_cache = None     # CurvatureFit once the curvature is fitted
         self.register_load_state_dict_post_hook(lambda module, keys: module._invalidate())
@@ -119,7 +156,11 @@ class Laplace(AutoGuide):
             self.theta[_key(name)] = nn.Parameter(value.clone())
             self.site_shapes[name] = value.shape
             prior_prec[name] = _normal_precision(site["fn"], value)
-        self.layers = find_layers(self.base_model, self.site_shapes)
+        self.laplace_sites = _select_sites(self.subset, list(self.site_shapes))
+        self.fixed_sites = [s for s in self.site_shapes if s not in self.laplace_sites]
+        for name in self.fixed_sites:       # point estimates keep their model prior in the MAP phase
+            self.register_buffer(f"fixed_prior_precision__{_key(name)}", prior_prec[name].clone())
+        self.layers = find_layers(self.base_model, {s: self.site_shapes[s] for s in self.laplace_sites})
         self.register_buffer("log_prior_precision", self._initial_log_prior_precision(prior_prec))
         like = next(iter(self.theta.values()))
         self.curvature_state = CurvatureState(self.layers, self.structure, self.kron_bias == "separate",
@@ -189,6 +230,15 @@ class Laplace(AutoGuide):
         """θ* (the current MAP), ``{site: tensor}``."""
         return {name: self.theta[_key(name)] for name in self.site_shapes}
 
+    def fixed_log_prior(self, values: dict) -> torch.Tensor | float:
+        """``Σ log N(θ_s | 0, δ_s⁻¹)`` over the point-estimate sites (``subset``), δ_s fixed
+        at the model prior's precision; 0 when the Laplace covers every site."""
+        total = 0.0
+        for name in self.fixed_sites:
+            d = getattr(self, f"fixed_prior_precision__{_key(name)}")
+            total = total + 0.5 * (d.log() - d * values[name] ** 2 - math.log(2 * math.pi)).sum()
+        return total
+
     def layer_prior_precisions(self, prior_precision: torch.Tensor | None = None) -> list[torch.Tensor]:
         """δ per layer: 0-d tensors, or ``(numel,)`` vectors for per-weight δ."""
         d = self.prior_precision if prior_precision is None else prior_precision
@@ -243,8 +293,8 @@ class Laplace(AutoGuide):
         """θ* + P^{-1/2} ε for all sites, and ``log q`` of the draw."""
         theta, deltas = self._block_inputs()
         _, _, scale = self._kind_and_scale()
-        values, log_q = {}, 0.0
-        draws = []
+        values = {name: self.theta[_key(name)].detach() for name in self.fixed_sites}
+        log_q, draws = 0.0, []
         for block, th, d in zip(self.posterior.blocks, theta, deltas):
             eps = torch.randn(1, block.numel, dtype=th.dtype, device=th.device)
             draws.append(th + block.sample(eps, d, scale)[0])
@@ -465,6 +515,19 @@ def _normal_precision(fn, value) -> torch.Tensor:
     if isinstance(d, dist.Normal):
         return (d.scale ** -2).expand(value.shape).to(value.dtype)
     return torch.ones_like(value)
+
+
+def _select_sites(subset, names: list[str]) -> list[str]:
+    """The sites the Laplace covers, in site order (``subset`` as in :class:`Laplace`)."""
+    if subset == "all":
+        return list(names)
+    if subset == "last_layer":
+        path = names[-1].rpartition(".")[0]
+        return [s for s in names if s.rpartition(".")[0] == path]
+    unknown = sorted(set(subset) - set(names))
+    if unknown:
+        raise ValueError(f"subset names sites the model lacks: {unknown}; it has {names}")
+    return [s for s in names if s in set(subset)]
 
 
 def _concat_deltas(layers, deltas):

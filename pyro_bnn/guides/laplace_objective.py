@@ -2,7 +2,8 @@
 
     loss(θ) = −(N/M) Σ_{n∈batch} log p(y_n | f(x_n; θ)) − log N(θ | 0, diag(δ)⁻¹)
 
-δ is the guide's (possibly learned) prior precision, taken as a constant here.  For a
+δ is the guide's (possibly learned) prior precision, taken as a constant here; sites
+outside the guide's ``subset`` (point estimates) add their fixed model-prior term.  For a
 :class:`pyro_bnn.BNN` the network is run directly; for a hand-written model the
 observed sites' log densities are read from a trace conditioned on θ.
 """
@@ -49,6 +50,6 @@ class LaplaceMAPObjective:
             loglik = sum(site["log_prob_sum"] for site in tr.nodes.values()
                          if site["type"] == "sample" and site["is_observed"])
         deltas = [d.detach() for d in guide.layer_prior_precisions()]
-        log_prior = gaussian_log_prior(guide.layers, values, deltas)
+        log_prior = gaussian_log_prior(guide.layers, values, deltas) + guide.fixed_log_prior(values)
         loss = -(loglik + log_prior)
         return loss, {"log_lik": loglik.detach(), "log_prior": log_prior.detach()}
