@@ -319,8 +319,6 @@ def test_laplace_guide_learns_eta_online_and_uses_averaged_curvature():
         assert torch.allclose(b_inv.G, b_plain.G, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="Laplace.on_fit_end restores the best-evidence state of the "
-                   "guide (θ*, δ) but not the model's augmentation η (pyro_bnn/guides/laplace.py)")
 def test_laplace_best_state_restore_includes_eta():
     """fit(..., marglik=) with a Laplace guide restores the best-evidence state at the end; η is
     part of that state: the evidence of step j is taken at the η *before* that step's η update,

@@ -419,8 +419,10 @@ class Laplace(AutoGuide):
                                   params=self._hyper, optimizer=self._hyper_opt)
         ctx.history.setdefault("log_evidence", []).append(value)
         ctx.history.setdefault("prior_precision", []).append(float(self.prior_precision.mean()))
+        eta = None
         if getattr(self, "_eta_opt", None) is not None:
             from ..invariance.learning import guide_eta_step
+            eta = self.base_model.augmentation.eta.detach().clone()   # η of this evidence
             dstate = getattr(ctx, "distributed", None)
             if dstate is None:
                 batches = _batches(ctx.loader, self.curvature_batch_size)
@@ -431,23 +433,25 @@ class Laplace(AutoGuide):
                            distributed=dstate)
             ctx.history.setdefault("extent", []).append(self.base_model.augmentation.extent.tolist())
         if self._best is None or value > self._best[0]:
-            self._best = (value, self._state_copy())
+            self._best = (value, self._state_copy(eta))
 
-    def _state_copy(self):
+    def _state_copy(self, eta=None):
         state = {k: v.detach().clone() for k, v in self.state_dict().items()}
         lik = getattr(self.base_model, "likelihood", None)
         noise = lik.log_noise.detach().clone() if isinstance(lik, Gaussian) else None
-        return state, noise
+        return state, noise, eta
 
     def on_fit_end(self, ctx):
         self._map_mode = False
         lik = getattr(self.base_model, "likelihood", None)
         if self._best is not None:
-            state, noise = self._best[1]
+            state, noise, eta = self._best[1]
             self.load_state_dict(state)
-            if noise is not None:
-                with torch.no_grad():
+            with torch.no_grad():
+                if noise is not None:
                     lik.log_noise.copy_(noise)
+                if eta is not None:     # the augmentation's η of the best evidence (LILA)
+                    self.base_model.augmentation.eta.copy_(eta)
             ctx.history["best_log_evidence"] = [self._best[0]]
         if getattr(self, "_noise_frozen", False):
             lik.log_noise.requires_grad_(True)
