@@ -158,6 +158,24 @@ class MADE(nn.Module):
         for i, m in enumerate(self._out.masks):
             self.register_buffer(f"strip_out{i}", m, persistent=False)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # state dicts saved before the block storage (dense ``hidden``/``out`` Linear layers
+        # and ``mask_in``/``mask_out`` buffers) are converted on load
+        old = [prefix + k for k in ("hidden.weight", "hidden.bias", "out.weight", "out.bias")]
+        if all(k in state_dict for k in old):
+            w_in, b_in, w_out, b_out = (state_dict.pop(k) for k in old)
+            for k in ("mask_in", "mask_out"):
+                state_dict.pop(prefix + k, None)
+            perm, dim = self.permutation.to(w_in.device), self.dim
+            for i, w in enumerate(self._in.pack(w_in[:, perm])):
+                state_dict[f"{prefix}w_in.{i}"] = w.detach()
+            w_out = w_out.view(2, dim, -1)[:, perm].reshape(2 * dim, -1)
+            for i, w in enumerate(self._out.pack(w_out)):
+                state_dict[f"{prefix}w_out.{i}"] = w.detach()
+            state_dict[prefix + "b_in"] = b_in
+            state_dict[prefix + "b_out"] = self._out.order_rows(b_out.view(2, dim)[:, perm].reshape(-1))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _strips(self, name, n):
         return [getattr(self, f"strip_{name}{i}") for i in range(n)]
 

@@ -105,6 +105,23 @@ def test_made_block_storage_equals_dense_masked_layers(dim, hidden, groups):
     assert torch.all(w_in * (1 - m_in) == 0) and torch.all(w_out * (1 - m_out) == 0)
 
 
+def test_made_loads_state_dict_of_dense_masked_layers():
+    """State dicts saved before the block storage (dense Linear layers + mask buffers) load."""
+    torch.manual_seed(0)
+    dim, hidden = 12, 7
+    made = MADE(dim, hidden, torch.randperm(dim))
+    w_in, b_in, w_out, b_out = made.dense_weights()
+    old = {"permutation": made.permutation.clone(),
+           "hidden.weight": w_in + (w_in == 0) * 5.0,  # masked entries held their init values
+           "hidden.bias": b_in, "out.weight": w_out + (w_out == 0) * 5.0, "out.bias": b_out,
+           "mask_in": torch.ones(hidden, dim), "mask_out": torch.ones(2 * dim, hidden)}
+    fresh = MADE(dim, hidden, made.permutation)
+    fresh.load_state_dict(old)
+    x = torch.randn(3, dim)
+    for a, b in zip(made(x), fresh(x)):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 def test_zero_flows_is_mean_field_gaussian():
     loc = torch.randn(4)
     flow = HypernetFlow(4, "iaf", num_flows=0, init_loc=loc, init_scale=0.3)
