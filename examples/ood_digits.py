@@ -2,9 +2,14 @@
 
 For each guide: AUROC/AUPR of max-probability, entropy, mutual information, variation ratio
 and std scores; also uniform-noise and 90°-rotated inputs as OOD sets.  The MAP network
-(AutoDelta) is the max-probability baseline.
+(AutoDelta) is the max-probability baseline; it is trained with the same network, epochs,
+learning rate, batch size and prior as the Bayesian guides.  ``--seeds 0,1,2`` repeats the
+whole comparison per seed (network initialisation, minibatch order and posterior draws) and
+prints, per seed, whether each guide's MI AUROC beats MAP's max-probability AUROC.
 
     .venv/bin/python examples/ood_digits.py --epochs 100 --out docs/results/figures
+    .venv/bin/python examples/ood_digits.py --guides MAP,meanfield,hypernet --seeds 0,1,2 \\
+        --hidden 200 --threads 1
     .venv/bin/python examples/ood_digits.py --quick
 """
 
@@ -24,11 +29,55 @@ import pyro_bnn as pb
 from pyro_bnn.guides import init_to_network, registered_guides
 from pyro_bnn.uncertainty_plots import plot_ood_scores
 
+PRIORS = {"normal": lambda: pb.priors.IIDNormal(1.0), "fanin": lambda: pb.priors.FanInNormal()}
 
-def make_guide(name, model):
+
+def make_guide(name, model, args):
     if name == "MAP":
         return AutoDelta(model, init_loc_fn=init_to_network(model))
-    return registered_guides()[name](model)
+    options = {}
+    if name in ("meanfield", "symmetrized"):
+        if args.init_scale is not None:
+            options["init_scale"] = args.init_scale
+        if args.local_reparam:
+            options["local_reparameterization"] = True
+    return registered_guides()[name](model, **options)
+
+
+def run_seed(args, seed, d, ood_sets):
+    tr, te_in = d.y_train < 5, d.y_test < 5
+    x_in = d.x_test[te_in]
+    results, table = {}, {}
+    for name in args.guides.split(","):
+        if name != "MAP" and name not in registered_guides():
+            print(f"skip {name}: not registered")
+            continue
+        pyro.set_rng_seed(seed)
+        net = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 5))
+        prior = PRIORS[args.prior]() if name != "hypernet" else None  # hypernet: its weight-norm prior
+        model = pb.BNN(net, "categorical", prior=prior, weight_norm=(name == "hypernet"))
+        guide = make_guide(name, model, args)
+        t0 = time.perf_counter()
+        try:
+            pb.fit(model, guide, (d.x_train[tr], d.y_train[tr]), epochs=args.epochs,
+                   batch_size=args.batch_size, lr=args.lr, seed=seed, progress=False)
+        except FloatingPointError as err:  # record a diverged run instead of losing the others
+            print(f"seed {seed} {name:12s} FAILED: {err}", flush=True)
+            table[name] = {"failed": str(err)}
+            continue
+        secs = time.perf_counter() - t0
+        # Laplace: the linearised (GLM) predictive, its recommended one
+        kw = {"method": "glm"} if name == "laplace" else {}
+        acc = pb.evaluate(model, guide, x_in, d.y_test[te_in], num_samples=args.num_samples, **kw)["accuracy"]
+        table[name] = {"accuracy_0_4": acc, "train_seconds": secs}
+        for ood_name, xo in ood_sets.items():
+            res = pb.ood.evaluate(model, guide, x_in, xo, num_samples=args.num_samples, seed=seed, **kw)
+            table[name][ood_name] = {s: {k: round(v, 4) for k, v in r.items()} for s, r in res.items()}
+            if ood_name == "digits 5-9":
+                results[name] = res
+        line = " ".join(f"{s}={table[name]['digits 5-9'][s]['auroc']:.3f}" for s in pb.ood.SCORES)
+        print(f"seed {seed} {name:12s} acc(0-4)={acc:.3f} train {secs:.0f}s  AUROC(5-9): {line}", flush=True)
+    return results, table
 
 
 def main(argv=None):
@@ -37,59 +86,60 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=100)
     p.add_argument("--hidden", type=int, default=50)
     p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--prior", choices=sorted(PRIORS), default="normal",
+                   help="weight prior of every guide except hypernet (normal: N(0, 1); fanin: N(0, 1/fan_in))")
+    p.add_argument("--init-scale", type=float, default=None,
+                   help="initial posterior std of meanfield/symmetrized (default: the guide's own)")
+    p.add_argument("--local-reparam", action="store_true", help="meanfield/symmetrized: local reparameterisation")
+    p.add_argument("--num-samples", type=int, default=1024,
+                   help="posterior draws per input for the scores (64 left MC noise in MI: see docs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (overrides --seed)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="5 epochs, 16 samples")
+    p.add_argument("--tag", default=None, help="output file tag (default e<epochs>, plus _h<hidden> if not 50)")
     p.add_argument("--out", default="docs/results/figures")
     args = p.parse_args(argv)
     if args.quick:
         args.epochs, args.num_samples = 5, 16
     if args.threads:
         torch.set_num_threads(args.threads)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
     d = pb.datasets.digits()
-    tr, te_in, te_out = d.y_train < 5, d.y_test < 5, d.y_test >= 5
-    x_in, x_out = d.x_test[te_in], d.x_test[te_out]
+    x_in, x_out = d.x_test[d.y_test < 5], d.x_test[d.y_test >= 5]
     ood_sets = {"digits 5-9": x_out,
                 "uniform noise": torch.rand(len(x_in), 64, generator=torch.Generator().manual_seed(0)),
                 "rotated 90": pb.corruption.rotate(x_in, 90)}
-    results, table = {}, {}
-    for name in args.guides.split(","):
-        if name != "MAP" and name not in registered_guides():
-            print(f"skip {name}: not registered")
-            continue
-        pyro.set_rng_seed(args.seed)
-        net = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 5))
-        model = pb.BNN(net, "categorical", weight_norm=(name == "hypernet"))
-        guide = make_guide(name, model)
-        t0 = time.perf_counter()
-        pb.fit(model, guide, (d.x_train[tr], d.y_train[tr]), epochs=args.epochs, batch_size=64,
-               lr=args.lr, seed=args.seed, progress=False)
-        secs = time.perf_counter() - t0
-        # Laplace: the linearised (GLM) predictive, its recommended one
-        kw = {"method": "glm"} if name == "laplace" else {}
-        acc = pb.evaluate(model, guide, x_in, d.y_test[te_in], num_samples=args.num_samples, **kw)["accuracy"]
-        table[name] = {"accuracy_0_4": acc, "train_seconds": secs}
-        for ood_name, xo in ood_sets.items():
-            res = pb.ood.evaluate(model, guide, x_in, xo, num_samples=args.num_samples, seed=args.seed, **kw)
-            table[name][ood_name] = {s: {k: round(v, 4) for k, v in r.items()} for s, r in res.items()}
-            if ood_name == "digits 5-9":
-                results[name] = res
-        line = " ".join(f"{s}={table[name]['digits 5-9'][s]['auroc']:.3f}" for s in pb.ood.SCORES)
-        print(f"{name:12s} acc(0-4)={acc:.3f} train {secs:.0f}s  AUROC(5-9): {line}", flush=True)
+    per_seed, comparison = {}, {}
+    for seed in seeds:
+        results, table = run_seed(args, seed, d, ood_sets)
+        per_seed[seed] = table
+        if "failed" not in table.get("MAP", {"failed": ""}):
+            base = table["MAP"]["digits 5-9"]["max_prob"]["auroc"]
+            comparison[seed] = {"MAP max_prob": base}
+            for name in table:
+                if name != "MAP" and "failed" not in table[name]:
+                    mi = table[name]["digits 5-9"]["mutual_information"]["auroc"]
+                    comparison[seed][f"{name} MI"] = mi
+                    print(f"seed {seed} {name}: MI AUROC {mi:.3f} vs MAP max-prob AUROC {base:.3f} -> "
+                          f"{'higher' if mi > base else 'NOT higher'}", flush=True)
+        if seed == seeds[0]:
+            first = results
     os.makedirs(args.out, exist_ok=True)
-    tag = "quick" if args.quick else f"e{args.epochs}"
+    tag = args.tag or ("quick" if args.quick else f"e{args.epochs}" + ("" if args.hidden == 50 else f"_h{args.hidden}"))
+    payload = {"args": vars(args), "comparison": comparison,
+               "results": per_seed[seeds[0]] if len(seeds) == 1 else per_seed}
     with open(os.path.join(args.out, f"ood_digits_{tag}.json"), "w") as fh:
-        json.dump({"args": vars(args), "results": table}, fh, indent=1)
-    plot_ood_scores(results, path=os.path.join(args.out, f"ood_digits_{tag}.png"),
-                    title="Digits: train 0–4, OOD 5–9 (AUROC)")
-    if "MAP" in table:
-        base = table["MAP"]["digits 5-9"]["max_prob"]["auroc"]
-        for name in table:
-            if name != "MAP":
-                mi = table[name]["digits 5-9"]["mutual_information"]["auroc"]
-                print(f"{name}: MI AUROC {mi:.3f} vs MAP max-prob AUROC {base:.3f} -> "
-                      f"{'higher' if mi > base else 'NOT higher'}")
+        json.dump(payload, fh, indent=1)
+    plot_ood_scores(first, path=os.path.join(args.out, f"ood_digits_{tag}.png"),
+                    title=f"Digits: train 0–4, OOD 5–9 (AUROC, seed {seeds[0]})")
+    if comparison and len(seeds) > 1:
+        names = sorted({k for c in comparison.values() for k in c if k != "MAP max_prob"})
+        for n in names:
+            wins = sum(c.get(n, 0.0) > c["MAP max_prob"] for c in comparison.values())
+            print(f"{n} > MAP max_prob on {wins}/{len(comparison)} seeds with a MAP run "
+                  f"({len(seeds)} seeds; failed runs count as not higher)")
 
 
 if __name__ == "__main__":

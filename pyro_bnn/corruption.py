@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from . import metrics
 from ._draws import draw_latents, probs_from_latents
+from .prediction import predict
 
 __all__ = ["rotate", "gaussian_noise", "corruption_curve", "rotation_curve", "noise_curve"]
 
@@ -94,19 +95,33 @@ def _summary(probs, y):
 
 
 def corruption_curve(model, guide, x: torch.Tensor, transform, levels, y: torch.Tensor | None = None,
-                     num_samples: int = 32, seed: int = 0, batch_size: int = 1024
-                     ) -> dict[str, list[float]]:
+                     num_samples: int = 32, seed: int = 0, batch_size: int = 1024,
+                     method: str = "sample") -> dict[str, list[float]]:
     """Mean uncertainty over ``x`` after ``transform(x, level)``, for each level.
 
-    The posterior draws are fixed once (seeded), so the curve changes only through the
-    inputs.  Returns lists over ``level``: ``entropy``, ``mutual_information``,
-    ``variation_ratio``, ``max_prob`` and, with ``y``, ``accuracy``.
+    With ``method="sample"`` the posterior weight draws are fixed once (seeded), so the
+    curve changes only through the inputs.  Any other ``method`` (e.g. a Laplace guide's
+    linearised ``"glm"`` predictive) goes through ``guide.predict`` via
+    :func:`pyro_bnn.predict`, with the RNG re-seeded at every level (common random numbers
+    where that predictive samples).  Returns lists over ``level``: ``entropy``,
+    ``mutual_information``, ``variation_ratio``, ``max_prob`` and, with ``y``, ``accuracy``.
+    (A deterministic predictive, e.g. GLM with the probit link, has one "draw": its mutual
+    information and variation ratio are 0.)
     """
-    pyro.set_rng_seed(seed)
-    latents = draw_latents(model, guide, x, num_samples)
+    if method == "sample":
+        pyro.set_rng_seed(seed)
+        latents = draw_latents(model, guide, x, num_samples)
     out: dict[str, list] = {"level": []}
     for level in levels:
-        probs = probs_from_latents(model, latents, transform(x, level), batch_size)
+        xt = transform(x, level)
+        if method == "sample":
+            probs = probs_from_latents(model, latents, xt, batch_size)
+        else:
+            pyro.set_rng_seed(seed)
+            probs = predict(model, guide, xt, num_samples=num_samples, batch_size=batch_size,
+                            method=method)
+            if probs.dim() == 2:  # deterministic predictive (N, C)
+                probs = probs.unsqueeze(0)
         out["level"].append(float(level))
         for k, v in _summary(probs, y).items():
             out.setdefault(k, []).append(v)
@@ -115,17 +130,17 @@ def corruption_curve(model, guide, x: torch.Tensor, transform, levels, y: torch.
 
 def rotation_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None,
                    angles=tuple(range(0, 181, 15)), num_samples: int = 32, seed: int = 0,
-                   batch_size: int = 1024) -> dict[str, list[float]]:
+                   batch_size: int = 1024, method: str = "sample") -> dict[str, list[float]]:
     """:func:`corruption_curve` over rotation ``angles`` (degrees); key ``angle`` added."""
-    out = corruption_curve(model, guide, x, rotate, angles, y, num_samples, seed, batch_size)
+    out = corruption_curve(model, guide, x, rotate, angles, y, num_samples, seed, batch_size, method)
     out["angle"] = out["level"]
     return out
 
 
 def noise_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None,
                 stds=(0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0), num_samples: int = 32, seed: int = 0,
-                clamp: tuple[float, float] | None = (0.0, 1.0), batch_size: int = 1024
-                ) -> dict[str, list[float]]:
+                clamp: tuple[float, float] | None = (0.0, 1.0), batch_size: int = 1024,
+                method: str = "sample") -> dict[str, list[float]]:
     """:func:`corruption_curve` over Gaussian noise ``stds``; key ``std`` added.
 
     The noise pattern is the same at every level (one seeded standard-normal draw, scaled).
@@ -137,6 +152,6 @@ def noise_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None,
         out = x_ + float(s) * base
         return out.clamp(*clamp) if clamp is not None else out
 
-    out = corruption_curve(model, guide, x, transform, stds, y, num_samples, seed, batch_size)
+    out = corruption_curve(model, guide, x, transform, stds, y, num_samples, seed, batch_size, method)
     out["std"] = out["level"]
     return out

@@ -85,12 +85,14 @@ def plot_corruption_curves(curves: dict, key: str = "entropy", path: str | None 
     """Mean uncertainty ``key`` vs corruption level; ``curves`` maps a label (guide) to a
     :func:`pyro_bnn.corruption.corruption_curve` result."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4) if len(curves) <= 4 else (8, 4))
     for label, c in curves.items():
         ax.plot(c["level"], c[key], "o-", label=label)
     ylabel = {"entropy": "mean predictive entropy (nats)", "mutual_information": "mean mutual information (nats)",
               "accuracy": "test accuracy", "max_prob": "mean confidence"}.get(key, key)
-    return _finish(fig, ax, title or f"{key.replace('_', ' ')} vs corruption", xlabel, ylabel, path)
+    # many curves: legend to the right of the axes so it hides none of them
+    legend = {} if len(curves) <= 4 else {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": 8}
+    return _finish(fig, ax, title or f"{key.replace('_', ' ')} vs corruption", xlabel, ylabel, path, **legend)
 
 
 def plot_ood_scores(results: dict, path: str | None = None, metric: str = "auroc",
