@@ -422,7 +422,6 @@ class Laplace(AutoGuide):
         eta = None
         if getattr(self, "_eta_opt", None) is not None:
             from ..invariance.learning import guide_eta_step
-            eta = self.base_model.augmentation.eta.detach().clone()   # η of this evidence
             dstate = getattr(ctx, "distributed", None)
             if dstate is None:
                 batches = _batches(ctx.loader, self.curvature_batch_size)
@@ -432,6 +431,9 @@ class Laplace(AutoGuide):
             guide_eta_step(self, self.base_model, batches, self._eta_opt, seed=ctx.epoch,
                            distributed=dstate)
             ctx.history.setdefault("extent", []).append(self.base_model.augmentation.extent.tolist())
+            # kept with the state, after the step like δ (as laplace-torch's marglik_training
+            # keeps its hyperparameters): the evidence was taken just before this update
+            eta = self.base_model.augmentation.eta.detach().clone()
         if self._best is None or value > self._best[0]:
             self._best = (value, self._state_copy(eta))
 
