@@ -42,15 +42,16 @@ def mlp(hidden=400):
 class PlainPyroMLP(PyroModule):
     """How a Pyro user writes it by hand: PyroSample priors, a data plate, SVI."""
 
-    def __init__(self, hidden, num_data):
+    def __init__(self, hidden, num_data, device="cpu"):
         super().__init__()
         self.num_data = num_data
         net = mlp(hidden)
         pyro.nn.module.to_pyro_module_(net)
         self.net = net
         for layer in (self.net[0], self.net[2], self.net[4]):
-            layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand(layer.weight.shape).to_event(2))
-            layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand(layer.bias.shape).to_event(1))
+            zero, one = torch.zeros((), device=device), torch.ones((), device=device)
+            layer.weight = PyroSample(dist.Normal(zero, one).expand(layer.weight.shape).to_event(2))
+            layer.bias = PyroSample(dist.Normal(zero, one).expand(layer.bias.shape).to_event(1))
 
     def forward(self, x, y=None):
         logits = self.net(x)
@@ -63,6 +64,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default="../shared/data/mnist")
     ap.add_argument("--block", type=int, default=5, help="epochs per timed block")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (CPU time is then not meaningful)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved blocks per method")
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=400)
@@ -72,14 +74,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     split = pb.datasets.mnist_split(args.data_dir, 5000, 5000)
-    x, y = split.train
+    x, y = (t.to(device) for t in split.train)
+    x_test, y_test = (t.to(device) for t in split.test)
     n = len(x)
     torch.manual_seed(0)
     pyro.set_rng_seed(0)
 
     # (a) plain PyTorch MAP
-    net_a = mlp(args.hidden)
+    net_a = mlp(args.hidden).to(device)
     opt_a = torch.optim.Adam(net_a.parameters(), lr=1e-3)
     batches_a = TensorBatches(x, y, args.batch_size)
 
@@ -91,7 +95,7 @@ def main(argv=None):
             opt_a.step()
 
     # (b) plain Pyro: PyroModule + AutoNormal + SVI
-    model_b = PlainPyroMLP(args.hidden, n)
+    model_b = PlainPyroMLP(args.hidden, n, device).to(device)
     guide_b = AutoNormal(model_b, init_scale=0.01)
     svi = SVI(model_b, guide_b, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
     batches_b = TensorBatches(x, y, args.batch_size)
@@ -109,15 +113,15 @@ def main(argv=None):
 
     def fit_block(model, guide, store):
         def run(epochs):
-            pb.fit(model, guide, (x, y), epochs=epochs, batch_size=args.batch_size,
+            pb.fit(model, guide, (x, y), epochs=epochs, batch_size=args.batch_size, device=device,
                    optimizer=lambda params: store.setdefault("opt", default_optimizer(params, 1e-3)),
                    progress=False)
         return run
 
     # (a') MAP with fused Adam, and (f) the weight-noise floor (see the module docstring)
-    net_e = mlp(args.hidden)
+    net_e = mlp(args.hidden).to(device)
     opt_e = torch.optim.Adam(net_e.parameters(), lr=1e-3, fused=True)
-    net_f = mlp(args.hidden)
+    net_f = mlp(args.hidden).to(device)
     extra_f = [torch.zeros_like(p, requires_grad=True) for p in net_f.parameters()]
     opt_f = torch.optim.Adam(list(net_f.parameters()) + extra_f, lr=1e-3, fused=True)
     noise_f = [torch.empty_like(p) for p in net_f.parameters()]
@@ -146,6 +150,10 @@ def main(argv=None):
                 fn()
         return run
 
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     methods = {"a": per_epoch(epoch_a), "b": per_epoch(epoch_b), "c": fit_block(model_c, guide_c, {}),
                "d": fit_block(model_d, guide_d, {}), "a'": per_epoch(epoch_e), "f": per_epoch(epoch_f)}
     wall = {k: [] for k in methods}
@@ -154,13 +162,15 @@ def main(argv=None):
         run(1)
     for _ in range(args.repeats):
         for key, run in methods.items():
+            sync()
             t0, c0 = time.perf_counter(), time.process_time()
             run(args.block)
+            sync()
             wall[key].append((time.perf_counter() - t0) / args.block)
             cpu[key].append((time.process_time() - c0) / args.block)
     med = {k: statistics.median(v) for k, v in wall.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    print(f"MNIST {n} train, MLP 784-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, "
+    print(f"MNIST {n} train, MLP 784-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, {device}, "
           f"torch threads {torch.get_num_threads()}, {args.repeats} blocks of {args.block} epochs "
           "per method (median s/epoch: wall, cpu)")
     labels = {"a": "(a) PyTorch MAP (torch.optim.Adam)", "b": "(b) Pyro AutoNormal + SVI",
@@ -175,7 +185,7 @@ def main(argv=None):
               f"{med_cpu[num] / med_cpu[den]:.2f} cpu   {note}")
     epochs_run = 1 + args.repeats * args.block
     for key, (m, g) in (("c", (model_c, guide_c)), ("d", (model_d, guide_d))):
-        acc = pb.evaluate(m, g, *split.test, num_samples=16)["accuracy"]
+        acc = pb.evaluate(m, g, x_test, y_test, num_samples=16)["accuracy"]
         print(f"  ({key}) test accuracy after {epochs_run} epochs: {acc:.4f}")
     return med, med_cpu
 
