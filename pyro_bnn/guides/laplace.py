@@ -33,10 +33,11 @@ from ..curvature import (
     likelihood_kind,
     network_output,
 )
-from ..data import TensorBatches, make_loader, split_batch
+from ..data import split_batch
 from ..likelihoods import Gaussian
 from .base import init_to_network, register_guide
 from .laplace_objective import LaplaceMAPObjective
+from .laplace_online import OnlineMarglik, _batches
 from .laplace_state import CurvatureState
 
 __all__ = ["Laplace"]
@@ -48,7 +49,7 @@ def _key(site: str) -> str:
     return site.replace(".", "__")
 
 
-class Laplace(AutoGuide):
+class Laplace(OnlineMarglik, AutoGuide):
     """Laplace approximation of a BNN posterior with GGN curvature.
 
     Parameters
@@ -392,74 +393,6 @@ class Laplace(AutoGuide):
                 self.base_model.likelihood.log_noise.copy_(log_noise)
         return value
 
-    # ------------------------------------------------------------- fit hooks
-    def on_fit_start(self, ctx):
-        self._map_mode = True
-        self._marglik = ml.check_marglik_options(ctx.options.get("marglik"))
-        self._best = None
-        lik = getattr(self.base_model, "likelihood", None)
-        self._noise_frozen = bool(self._marglik) and isinstance(lik, Gaussian) and lik.learned
-        if self._noise_frozen:      # learned by the evidence, not by the MAP objective
-            lik.log_noise.requires_grad_(False)
-        if self._marglik:
-            self._hyper = self._hyper_params(None if not self._noise_frozen else True)
-            leaves = [p for p in self._hyper if p is not None]
-            self._hyper_opt = torch.optim.Adam(leaves, lr=float(self._marglik["lr"]))
-            # A learnable augmentation (LILA): η follows the evidence too (pyro_bnn.invariance).
-            from ..invariance.learning import guide_eta_optimizer
-            self._eta_opt = guide_eta_optimizer(self.base_model, self._marglik["lr"])
-
-    def on_epoch_end(self, ctx):
-        if not ml.marglik_due(ctx.epoch, self._marglik):
-            if self._marglik:
-                ctx.history.setdefault("log_evidence", []).append(float("nan"))
-            return
-        self.fit_curvature(**_curvature_source(ctx))
-        value = self._hyper_steps(int(self._marglik["steps"]), float(self._marglik["lr"]),
-                                  params=self._hyper, optimizer=self._hyper_opt)
-        ctx.history.setdefault("log_evidence", []).append(value)
-        ctx.history.setdefault("prior_precision", []).append(float(self.prior_precision.mean()))
-        eta = None
-        if getattr(self, "_eta_opt", None) is not None:
-            from ..invariance.learning import guide_eta_step
-            dstate = getattr(ctx, "distributed", None)
-            if dstate is None:
-                batches = _batches(ctx.loader, self.curvature_batch_size)
-            else:       # whole-data batches, split across ranks and all-reduced in the step
-                from ..distributed import unsharded_batches
-                batches = unsharded_batches(ctx.loader, self.curvature_batch_size)
-            guide_eta_step(self, self.base_model, batches, self._eta_opt, seed=ctx.epoch,
-                           distributed=dstate)
-            ctx.history.setdefault("extent", []).append(self.base_model.augmentation.extent.tolist())
-            # kept with the state, after the step like δ (as laplace-torch's marglik_training
-            # keeps its hyperparameters): the evidence was taken just before this update
-            eta = self.base_model.augmentation.eta.detach().clone()
-        if self._best is None or value > self._best[0]:
-            self._best = (value, self._state_copy(eta))
-
-    def _state_copy(self, eta=None):
-        state = {k: v.detach().clone() for k, v in self.state_dict().items()}
-        lik = getattr(self.base_model, "likelihood", None)
-        noise = lik.log_noise.detach().clone() if isinstance(lik, Gaussian) else None
-        return state, noise, eta
-
-    def on_fit_end(self, ctx):
-        self._map_mode = False
-        lik = getattr(self.base_model, "likelihood", None)
-        if self._best is not None:
-            state, noise, eta = self._best[1]
-            self.load_state_dict(state)
-            with torch.no_grad():
-                if noise is not None:
-                    lik.log_noise.copy_(noise)
-                if eta is not None:     # the augmentation's η of the best evidence (LILA)
-                    self.base_model.augmentation.eta.copy_(eta)
-            ctx.history["best_log_evidence"] = [self._best[0]]
-        if getattr(self, "_noise_frozen", False):
-            lik.log_noise.requires_grad_(True)
-        self._best = self._hyper = self._hyper_opt = self._eta_opt = None
-        self.fit_curvature(**_curvature_source(ctx))
-
     # ------------------------------------------------------------- predictive
     def predict(self, model, x, method: str = "glm", num_samples: int = 100, batch_size: int = 256,
                 link_approx: str = "probit", **kwargs) -> torch.Tensor:
@@ -493,18 +426,6 @@ class Laplace(AutoGuide):
                 self.layers, self.posterior.blocks, [d.detach() for d in deltas],
                 scale, lambda xb: network_output(model, values, xb.to(device)), x, batch_size,
                 num_augmentations=_num_augmentations(model))
-
-
-def _batches(data, batch_size):
-    """Unshuffled batches of ``data``; loaders (also ``fit``'s own) are used as they are."""
-    if isinstance(data, TensorBatches):
-        return TensorBatches(data.x, data.y, batch_size, shuffle=False)
-    try:
-        return make_loader(data, batch_size, shuffle=False)
-    except TypeError:
-        if hasattr(data, "__iter__"):
-            return data
-        raise
 
 
 def _num_augmentations(model) -> int:
@@ -543,13 +464,3 @@ def _concat_deltas(layers, deltas):
 
 
 register_guide("laplace", lambda model, **kw: Laplace(model, **kw))
-
-
-def _curvature_source(ctx) -> dict:
-    """``fit_curvature`` arguments in a fit hook.  Under ``fit(distributed=True)`` each rank
-    reads its share of the data and the sums are all-reduced (:mod:`pyro_bnn.distributed`),
-    so curvature and evidence equal the single-process ones."""
-    if getattr(ctx, "distributed", None) is None:
-        return {"data": ctx.loader}
-    data, reduce_fn = ctx.distributed.curvature_data(ctx.loader)
-    return {"data": data, "reduce_fn": reduce_fn}
