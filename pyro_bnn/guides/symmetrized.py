@@ -58,8 +58,16 @@ from ..symmetry import (
     resolve_symmetries,
     sample_permutations,
 )
+from ._fused_gaussian import sample_and_kl
 from .base import register_guide
-from .meanfield import MeanField, MeanFieldELBO, _run_with_values, closed_form_kl, standard_normal_like
+from .meanfield import (
+    MeanField,
+    MeanFieldELBO,
+    _fusable_sites,
+    _run_with_values,
+    closed_form_kl,
+    standard_normal_like,
+)
 
 __all__ = ["Symmetrized", "SymmetrizedELBO", "symmetrized_elbo", "symmetrized_terms",
            "log_density_ratios", "entropy_gap"]
@@ -232,7 +240,7 @@ def entropy_gap(values, locs, scales, groups, perms) -> torch.Tensor:
     return math.log(logits.shape[0]) - torch.logsumexp(logits, 0)
 
 
-def symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=None):
+def symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=None, values=None):
     """One-sample data term and entropy gap of a BNN at ``ω = μ + σ ε`` (random numbers given).
 
     Parameters
@@ -244,6 +252,8 @@ def symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=
         A minibatch; the log-likelihood is scaled by ``num_data / len(x)``.
     groups, perms
         The symmetry and ``K − 1`` elements (``(K−1, d_k)`` each), or ``perms=None`` (K = 1).
+    values : dict site -> Tensor, optional
+        ``ω`` already formed from these ``μ, σ, ε`` (e.g. by MeanField's fused node).
 
     Returns
     -------
@@ -252,7 +262,8 @@ def symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=
         particle is ``nll + KL(q‖p) − gap``.
     """
     scale_factor = (num_data or len(x)) / len(x)
-    values = {name: locs[name] + scales[name] * noise[name] for name in locs}
+    if values is None:
+        values = {name: locs[name] + scales[name] * noise[name] for name in locs}
     f = _run_with_values(model, values, x)
     nll = 0.0 - log_likelihood(model.likelihood, f, y).sum() * scale_factor
     if perms is None or not groups:
@@ -297,7 +308,10 @@ class SymmetrizedELBO:
         fast = (hasattr(model, "site_names") and hasattr(model, "site_prior")
                 and not guide.local_reparameterization)
         kl_closed = 0.0
-        if fast:
+        # the fused sample-and-KL node of MeanField when every site allows it
+        fused = _fusable_sites(model, guide, sites) if fast else {}
+        fused = fused if len(fused) == len(sites) else {}
+        if fast and not fused:
             kl_closed, mc_sites = closed_form_kl(model, qs)
             fast = not mc_sites
         gap = 0.0
@@ -305,10 +319,17 @@ class SymmetrizedELBO:
             nll = 0.0
             for _ in range(self.num_particles):
                 noise = {name: standard_normal_like(locs[name]) for name in sites}
+                values = None
+                if fused:
+                    values = {}
+                    for name, (loc, rho, prior_loc, prior_scale) in fused.items():
+                        values[name], kl = sample_and_kl(loc, rho, noise[name], prior_loc,
+                                                         prior_scale, guide.scale_parameterization)
+                        kl_closed = kl_closed + kl / self.num_particles
                 perms = (sample_permutations(sizes, K - 1, device=device)
                          if groups and K > 1 else None)
                 nll_p, gap_p = symmetrized_terms(model, locs, scales, x, y, noise, groups, perms,
-                                                 num_data=num_data)
+                                                 num_data=num_data, values=values)
                 nll = nll + nll_p
                 gap = gap + gap_p
             kl_weight = getattr(guide, "kl_weight", 1.0)  # KL annealing of the base guide
