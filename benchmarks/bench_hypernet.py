@@ -90,15 +90,22 @@ def _table(rows):
         print(f"  {name:40s} {m['accuracy']:9.4f} {m['nll']:8.4f} {m['ece']:7.4f} {secs:8.1f}")
 
 
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def task_speed(args):
     try:
         x, y = pb.datasets.mnist_split(args.data_dir, 5000, 5000).train
     except FileNotFoundError:
         print("MNIST not found; timing on random 784-d inputs")
         x, y = torch.rand(5000, 784), torch.randint(0, 10, (5000,))
+    device = torch.device(args.device)
+    x, y = x.to(device), y.to(device)
     sizes = [784, 400, 400, 10]
     torch.manual_seed(args.seed)
-    net_a = mlp(sizes)
+    net_a = mlp(sizes).to(device)
     adam = dict(lr=1e-3, fused=True) if args.fused else dict(lr=1e-3)
     opt_a = torch.optim.Adam(net_a.parameters(), **adam)
     batches = TensorBatches(x, y, args.batch_size)
@@ -114,13 +121,13 @@ def task_speed(args):
     configs = [(k, h) for k in args.num_flows for h in (args.hidden if k else args.hidden[:1])]
     for k, h in configs:
         torch.manual_seed(args.seed)
-        model = pb.BNN(mlp(sizes), "categorical", weight_norm=True)
+        model = pb.BNN(mlp(sizes), "categorical", weight_norm=True).to(device)
         guides[k, h] = (model, pb.guides.Hypernet(model, flow="iaf", num_flows=k, hidden=h))
 
     def epoch_hn(h):
         model, guide = guides[h]
         if not args.loop:
-            pb.fit(model, guide, (x, y), epochs=1, batch_size=args.batch_size, progress=False,
+            pb.fit(model, guide, (x, y), epochs=1, batch_size=args.batch_size, progress=False, device=device,
                    optimizer=lambda params: torch.optim.Adam(params, **adam))
             return
         # --loop: the same steps as MAP's loop (no pb.fit setup, snapshot or checks)
@@ -146,13 +153,15 @@ def task_speed(args):
         fn()
     for _ in range(args.epochs):
         for key, fn in runs:
+            _sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
+            _sync(device)
             wall[key].append(time.perf_counter() - t0)
             cpu[key].append(time.process_time() - c0)
     med = {k: statistics.median(v) for k, v in wall.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    print(f"MNIST 5,000 train, MLP 784-400-400-10, batch {args.batch_size}, torch threads "
+    print(f"MNIST 5,000 train, MLP 784-400-400-10, batch {args.batch_size}, {device}, torch threads "
           f"{torch.get_num_threads()}, Adam{' (fused)' if args.fused else ''}, {args.epochs} "
           "interleaved epochs (median s/epoch, wall and CPU time)")
     n_net = sum(p.numel() for p in net_a.parameters())
@@ -190,6 +199,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fused", action="store_true", help="fused Adam on both sides (speed)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (speed task)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

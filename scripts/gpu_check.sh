@@ -16,3 +16,7 @@ if [ -d "$MNIST_DIR" ]; then
 else
   echo "no MNIST at $MNIST_DIR: bench_core skipped" | tee "$OUT/bench_core_cuda.txt"
 fi
+if [ -d "$MNIST_DIR" ]; then
+  timeout 240 "$PY" benchmarks/bench_hypernet.py --task speed --device cuda --data-dir "$MNIST_DIR" --epochs 3 --fused \
+    --num-flows 0 8 2>&1 | tee "$OUT/bench_hypernet_cuda.txt" | tail -8
+fi
