@@ -2,6 +2,7 @@
 # One prepared CUDA check for a session that is lent a GPU (see README "What works"):
 # the CUDA tests, then the core speed benchmark on the device. Writes logs to ${OUT:-gpu-check}/.
 # Usage (repository root, .venv built by `make test`):  scripts/gpu_check.sh [MNIST_DIR]
+# At most about 9 minutes (three steps of at most 3 minutes each).
 set -uo pipefail
 MNIST_DIR=${1:-../shared/data/mnist}
 OUT=${OUT:-gpu-check}
@@ -9,14 +10,14 @@ PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/device.txt"
 # every test that names CUDA (they skip without a device; here they must run)
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs -k "cuda" 2>&1 | tee "$OUT/tests_cuda.txt" | tail -5
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider -rs -k "cuda" 2>&1 | tee "$OUT/tests_cuda.txt" | tail -5
 if [ -d "$MNIST_DIR" ]; then
-  timeout 240 "$PY" benchmarks/bench_core.py --device cuda --data-dir "$MNIST_DIR" --block 3 --repeats 3 \
+  timeout 180 "$PY" benchmarks/bench_core.py --device cuda --data-dir "$MNIST_DIR" --block 3 --repeats 3 \
     2>&1 | tee "$OUT/bench_core_cuda.txt" | tail -16
 else
   echo "no MNIST at $MNIST_DIR: bench_core skipped" | tee "$OUT/bench_core_cuda.txt"
 fi
 if [ -d "$MNIST_DIR" ]; then
-  timeout 240 "$PY" benchmarks/bench_hypernet.py --task speed --device cuda --data-dir "$MNIST_DIR" --epochs 3 --fused \
+  timeout 180 "$PY" benchmarks/bench_hypernet.py --task speed --device cuda --data-dir "$MNIST_DIR" --epochs 3 --fused \
     --num-flows 0 8 2>&1 | tee "$OUT/bench_hypernet_cuda.txt" | tail -8
 fi
