@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One prepared CUDA check for a session that is lent a GPU (see README "What works"):
 # the CUDA tests, then the core speed benchmark on the device. Writes logs to ${OUT:-gpu-check}/.
-# Usage (repository root, .venv built by `make test`):  scripts/gpu_check.sh [MNIST_DIR]
+# Usage (repository root; .venv from `make test`, or python3 + wheels from scripts/gpu_wheels.sh):
+#   scripts/gpu_check.sh [MNIST_DIR]
 # At most about 9 minutes (three steps of at most 3 minutes each).
 set -uo pipefail
 MNIST_DIR=${1:-../shared/data/mnist}
 OUT=${OUT:-gpu-check}
-PY=${PY:-.venv/bin/python}
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 mkdir -p "$OUT"
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/device.txt"
 # every test that names CUDA (they skip without a device; here they must run)
