@@ -6,11 +6,13 @@ training range and on x ∈ [0.8, 1.0] (it should grow away from the data) and o
 plots the predictive band.
 
     python examples/toy_regression_hypernet.py --epochs 300 --plot toy_regression.png
+    python examples/toy_regression_hypernet.py --epochs 300 --seeds 8     # the ratio over seeds
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -48,7 +50,16 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="save a figure here (needs matplotlib)")
+    p.add_argument("--seeds", type=int, default=0,
+                   help="run seeds 0..N-1 and print every ratio, the median and how many reach 3")
     args = p.parse_args(argv)
+    if args.seeds:
+        ratios = []
+        for seed in range(args.seeds):
+            ratios.append(run(args.epochs, args.num_flows, lr=args.lr, seed=seed, flow=args.flow)[4])
+            print(f"seed {seed}: ratio {ratios[-1]:.2f}", flush=True)
+        print(f"median {statistics.median(ratios):.2f}; >= 3 in {sum(r >= 3 for r in ratios)}/{len(ratios)}")
+        return
     t0 = time.perf_counter()
     _, _, grid, f, ratio, (x, y) = run(args.epochs, args.num_flows, lr=args.lr, seed=args.seed,
                                        flow=args.flow)
