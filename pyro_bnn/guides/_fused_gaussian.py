@@ -61,20 +61,17 @@ def _kl_terms(loc, sigma, prior_loc, prior_scale):
     if floats is not None:
         m, s = floats
         diff = loc if m == 0.0 else loc - m    # one pass less each way for a zero-mean prior
-        inv_var = 1.0 / (s * s)
-        sig, d = sigma.reshape(-1), diff.reshape(-1)
-        quad = (torch.dot(sig, sig) + torch.dot(d, d)) * (0.5 * inv_var)
-        return diff, inv_var, quad + (n * (math.log(s) - 0.5))
-    diff = loc - prior_loc
-    inv_var = prior_scale.reciprocal().square()
-    if inv_var.numel() == 1:
-        sig, d = sigma.reshape(-1), diff.reshape(-1)
-        quad = (torch.dot(sig, sig) + torch.dot(d, d)) * inv_var.reshape(())
-        log_prior_scale = n * prior_scale.log().reshape(())
+        inv_var, log_s = 1.0 / (s * s), math.log(s)
     else:
-        quad = (torch.addcmul(sigma.square(), diff, diff) * inv_var).sum()
-        log_prior_scale = prior_scale.log().expand(loc.shape).sum()
-    return diff, inv_var, 0.5 * quad + log_prior_scale - 0.5 * n
+        diff = loc - prior_loc
+        inv_var = prior_scale.reciprocal().square()
+        if inv_var.numel() != 1:               # a prior per weight (or per row)
+            quad = (torch.addcmul(sigma.square(), diff, diff) * inv_var).sum()
+            return diff, inv_var, 0.5 * quad + prior_scale.log().expand(loc.shape).sum() - 0.5 * n
+        inv_var, log_s = inv_var.reshape(()), prior_scale.log().reshape(())
+    sig, d = sigma.reshape(-1), diff.reshape(-1)
+    quad = (torch.dot(sig, sig) + torch.dot(d, d)) * (0.5 * inv_var)
+    return diff, inv_var, quad + n * (log_s - 0.5)
 
 
 def _save(ctx, inv_var, *tensors):
