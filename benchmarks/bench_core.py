@@ -23,7 +23,7 @@ import time
 import pyro
 import pyro.distributions as dist
 import torch
-import torch.nn.functional as F
+from _common import map_epoch, sync  # benchmarks/_common.py (on sys.path when run as a script)
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule, PyroSample
@@ -88,11 +88,7 @@ def main(argv=None):
     batches_a = TensorBatches(x, y, args.batch_size)
 
     def epoch_a():
-        for xb, yb in batches_a:
-            loss = F.cross_entropy(net_a(xb), yb)
-            opt_a.zero_grad(set_to_none=True)
-            loss.backward()
-            opt_a.step()
+        map_epoch(net_a, opt_a, batches_a)
 
     # (b) plain Pyro: PyroModule + AutoNormal + SVI
     model_b = PlainPyroMLP(args.hidden, n, device).to(device)
@@ -122,37 +118,21 @@ def main(argv=None):
     net_e = mlp(args.hidden).to(device)
     opt_e = torch.optim.Adam(net_e.parameters(), lr=1e-3, fused=True)
     net_f = mlp(args.hidden).to(device)
-    extra_f = [torch.zeros_like(p, requires_grad=True) for p in net_f.parameters()]
-    opt_f = torch.optim.Adam(list(net_f.parameters()) + extra_f, lr=1e-3, fused=True)
+    extra_f = {torch.zeros_like(p, requires_grad=True): torch.zeros_like(p) for p in net_f.parameters()}
+    opt_f = torch.optim.Adam(list(net_f.parameters()) + list(extra_f), lr=1e-3, fused=True)
     noise_f = [torch.empty_like(p) for p in net_f.parameters()]
 
     def epoch_e():
-        for xb, yb in batches_a:
-            loss = F.cross_entropy(net_e(xb), yb)
-            opt_e.zero_grad(set_to_none=True)
-            loss.backward()
-            opt_e.step()
+        map_epoch(net_e, opt_e, batches_a)
 
     def epoch_f():
-        for xb, yb in batches_a:
-            for buf in noise_f:
-                buf.normal_()
-            loss = F.cross_entropy(net_f(xb), yb)
-            opt_f.zero_grad(set_to_none=True)
-            loss.backward()
-            for p in extra_f:
-                p.grad = torch.zeros_like(p)
-            opt_f.step()
+        map_epoch(net_f, opt_f, batches_a, noise=noise_f, fixed_grads=extra_f)
 
     def per_epoch(fn):
         def run(epochs):
             for _ in range(epochs):
                 fn()
         return run
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     methods = {"a": per_epoch(epoch_a), "b": per_epoch(epoch_b), "c": fit_block(model_c, guide_c, {}),
                "d": fit_block(model_d, guide_d, {}), "a'": per_epoch(epoch_e), "f": per_epoch(epoch_f)}
@@ -162,10 +142,10 @@ def main(argv=None):
         run(1)
     for _ in range(args.repeats):
         for key, run in methods.items():
-            sync()
+            sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
             run(args.block)
-            sync()
+            sync(device)
             wall[key].append((time.perf_counter() - t0) / args.block)
             cpu[key].append((time.process_time() - c0) / args.block)
     med = {k: statistics.median(v) for k, v in wall.items()}

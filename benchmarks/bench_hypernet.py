@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+from _common import map_epoch, sync  # benchmarks/_common.py (on sys.path when run as a script)
 from torch import nn
 
 import pyro_bnn as pb
@@ -56,12 +56,7 @@ def task_digits(args):
         mf_model = pb.BNN(net, "categorical")
         rows.append(("MeanField (all weights)",)
                     + _fit_eval(mf_model, pb.guides.MeanField(mf_model), d.train, d.test, args))
-    for k in args.num_flows:
-        for h in args.hidden:
-            hn_model = pb.BNN(net, "categorical", weight_norm=True)
-            guide = pb.guides.Hypernet(hn_model, flow=args.flow, num_flows=k, hidden=h)
-            rows.append((f"Hypernet {args.flow} K={k} H={h} (weight-norm g)",)
-                        + _fit_eval(hn_model, guide, d.train, d.test, args, clip_norm=10.0))
+    rows += _hypernet_rows(net, d.train, d.test, args, " (weight-norm g)")
     print(f"digits 1348/449, MLP 64-100-10, {args.epochs} epochs, batch {args.batch_size}, "
           f"lr {args.lr}, {args.num_samples} predictive samples")
     _table(rows)
@@ -73,26 +68,28 @@ def task_mnist(args):
     torch.manual_seed(args.seed)
     w = args.mlp_width
     net = mlp([784, w, w, 10])
+    rows += _hypernet_rows(net, split.train, split.test, args)
+    print(f"MNIST 5k/5k, weight-norm MLP 784-{w}-{w}-10, {args.epochs} epochs, batch "
+          f"{args.batch_size}, lr {args.lr}, {args.num_samples} predictive samples")
+    _table(rows)
+
+
+def _hypernet_rows(net, train, test, args, suffix=""):
+    """One weight-norm Hypernet per (blocks, hidden width) of ``args``, fitted and scored."""
+    rows = []
     for k in args.num_flows:
         for h in args.hidden:
             model = pb.BNN(net, "categorical", weight_norm=True)
             guide = pb.guides.Hypernet(model, flow=args.flow, num_flows=k, hidden=h)
-            rows.append((f"Hypernet {args.flow} K={k} H={h}",)
-                        + _fit_eval(model, guide, split.train, split.test, args, clip_norm=10.0))
-    print(f"MNIST 5k/5k, weight-norm MLP 784-{w}-{w}-10, {args.epochs} epochs, batch "
-          f"{args.batch_size}, lr {args.lr}, {args.num_samples} predictive samples")
-    _table(rows)
+            rows.append((f"Hypernet {args.flow} K={k} H={h}{suffix}",)
+                        + _fit_eval(model, guide, train, test, args, clip_norm=10.0))
+    return rows
 
 
 def _table(rows):
     print(f"  {'guide':40s} {'accuracy':>9s} {'nll':>8s} {'ece':>7s} {'fit s':>8s}")
     for name, m, secs in rows:
         print(f"  {name:40s} {m['accuracy']:9.4f} {m['nll']:8.4f} {m['ece']:7.4f} {secs:8.1f}")
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def task_speed(args):
@@ -111,11 +108,7 @@ def task_speed(args):
     batches = TensorBatches(x, y, args.batch_size)
 
     def epoch_map():
-        for xb, yb in batches:
-            loss = F.cross_entropy(net_a(xb), yb)
-            opt_a.zero_grad(set_to_none=True)
-            loss.backward()
-            opt_a.step()
+        map_epoch(net_a, opt_a, batches)
 
     guides = {}
     configs = [(k, h) for k in args.num_flows for h in (args.hidden if k else args.hidden[:1])]
@@ -153,10 +146,10 @@ def task_speed(args):
         fn()
     for _ in range(args.epochs):
         for key, fn in runs:
-            _sync(device)
+            sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            _sync(device)
+            sync(device)
             wall[key].append(time.perf_counter() - t0)
             cpu[key].append(time.process_time() - c0)
     med = {k: statistics.median(v) for k, v in wall.items()}
