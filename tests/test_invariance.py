@@ -291,8 +291,9 @@ def test_invariant_kfac_and_learning_on_cuda():
     assert math.isfinite(res.history["log_evidence"][-1])
 
 
-def test_laplace_guide_learns_eta_online_and_uses_averaged_curvature():
-    """The issue's user API: pb.fit(model, Laplace, marglik=...) moves η by the evidence."""
+def _fit_rotated_laplace(epochs, lr):
+    """A small tanh MLP with a learnable augmentation (3 copies) on 150 rotated digits,
+    trained by ``pb.fit`` with a Laplace guide and online marglik (η after every epoch)."""
     d = transformed_digits("rotate", math.pi)
     x, y = d.x_train[:150], d.y_train[:150]
     aug = AffineAugmentation(num_samples=3)
@@ -300,8 +301,14 @@ def test_laplace_guide_learns_eta_online_and_uses_averaged_curvature():
     net = nn.Sequential(nn.Linear(64, 12), nn.Tanh(), nn.Linear(12, 10))
     model = pb.BNN(net, "categorical", augmentation=aug)
     guide = pb.guides.Laplace(model, structure="kron")
-    res = pb.fit(model, guide, (x, y), epochs=3, batch_size=50, lr=1e-2, progress=False,
+    res = pb.fit(model, guide, (x, y), epochs=epochs, batch_size=50, lr=lr, progress=False,
                  marglik=dict(every=1, burnin=1, steps=5, lr=0.1))
+    return x, y, net, aug, res
+
+
+def test_laplace_guide_learns_eta_online_and_uses_averaged_curvature():
+    """The issue's user API: pb.fit(model, Laplace, marglik=...) moves η by the evidence."""
+    x, y, net, aug, res = _fit_rotated_laplace(epochs=3, lr=1e-2)
     assert len(res.history["extent"]) == 2 and aug.extent.abs().sum() > 0.1
     assert not aug.eta.requires_grad
     # the guide's curvature of the invariant model at η = 0 equals the plain model's
@@ -323,17 +330,9 @@ def test_laplace_best_state_restore_includes_eta():
     """fit(..., marglik=) with a Laplace guide restores the best-evidence state at the end; η is
     part of that state, kept like δ just after the evidence step's update (laplace-torch's
     convention), so the restored η is the one of the best step, not the last one."""
-    d = transformed_digits("rotate", math.pi)
-    x, y = d.x_train[:150], d.y_train[:150]
-    aug = AffineAugmentation(num_samples=3)
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 12), nn.Tanh(), nn.Linear(12, 10))
-    model = pb.BNN(net, "categorical", augmentation=aug)
-    guide = pb.guides.Laplace(model, structure="kron")
     # lr 0.1 makes the last evidence step worse than the one before (seeded), so the restore
     # has something to undo
-    res = pb.fit(model, guide, (x, y), epochs=6, batch_size=50, lr=1e-1, progress=False,
-                 marglik=dict(every=1, burnin=1, steps=5, lr=0.1))
+    _, _, _, aug, res = _fit_rotated_laplace(epochs=6, lr=1e-1)
     ev = [v for v in res.history["log_evidence"] if not math.isnan(v)]
     best = max(range(len(ev)), key=ev.__getitem__)
     assert best < len(ev) - 1, ev  # otherwise this test would not exercise the restore
