@@ -338,3 +338,33 @@ def test_cuda(digits_small):
     p = pb.predict(model, guide, xt.cuda(), method="glm")
     assert p.device.type == "cuda" and p.shape == (1, len(xt), 10)
     assert pb.predict(model, guide, xt.cuda(), num_samples=2).device.type == "cuda"
+
+
+def test_online_marglik_restores_the_whole_best_state(monkeypatch):
+    """At the end of fit(..., marglik=) the guide *and* the model's own parameters (here the
+    deterministic body of a model whose last layer alone is stochastic) come back from the
+    best-evidence step."""
+    d = pb.datasets.digits()
+    x, y = d.x_train[:200], d.y_train[:200]
+    torch.manual_seed(0)
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)),
+                   stochastic=["net.2.weight", "net.2.bias"])
+    guide = pb.guides.Laplace(model, structure="kron")
+    body, guide_states = [], []
+    original = type(guide)._hyper_steps
+
+    def hyper_steps(self, *args, **kwargs):
+        # the real steps, then a penalty growing with every evidence step: the first is "best"
+        value = original(self, *args, **kwargs)
+        body.append(model.net[0].weight.detach().clone())
+        guide_states.append({k: v.detach().clone() for k, v in self.state_dict().items()})
+        return value - 1e4 * len(body)
+
+    monkeypatch.setattr(type(guide), "_hyper_steps", hyper_steps)
+    res = pb.fit(model, guide, (x, y), epochs=4, batch_size=50, lr=1e-2, progress=False,
+                 marglik=dict(every=1, burnin=1, steps=5, lr=0.1))
+    assert len(body) == 3 and not torch.equal(body[0], body[-1])   # the body did train
+    assert res.history["best_log_evidence"] == [res.history["log_evidence"][1]]
+    assert torch.equal(model.net[0].weight, body[0])
+    for k, v in guide.state_dict().items():
+        assert torch.equal(v, guide_states[0][k]), k

@@ -47,7 +47,6 @@ class OnlineMarglik:
                                   params=self._hyper, optimizer=self._hyper_opt)
         ctx.history.setdefault("log_evidence", []).append(value)
         ctx.history.setdefault("prior_precision", []).append(float(self.prior_precision.mean()))
-        eta = None
         if getattr(self, "_eta_opt", None) is not None:
             from ..invariance.learning import guide_eta_step
             dstate = getattr(ctx, "distributed", None)
@@ -59,34 +58,30 @@ class OnlineMarglik:
             guide_eta_step(self, self.base_model, batches, self._eta_opt, seed=ctx.epoch,
                            distributed=dstate)
             ctx.history.setdefault("extent", []).append(self.base_model.augmentation.extent.tolist())
-            # kept with the state, after the step like δ (as laplace-torch's marglik_training
-            # keeps its hyperparameters): the evidence was taken just before this update
-            eta = self.base_model.augmentation.eta.detach().clone()
         if self._best is None or value > self._best[0]:
-            self._best = (value, self._state_copy(eta))
-
-    def _state_copy(self, eta=None):
-        state = {k: v.detach().clone() for k, v in self.state_dict().items()}
-        lik = getattr(self.base_model, "likelihood", None)
-        noise = lik.log_noise.detach().clone() if isinstance(lik, Gaussian) else None
-        return state, noise, eta
+            # The state of this evidence step: the guide's (θ*, δ) and the model's own
+            # parameters and buffers — point-estimated weights (e.g. the body under
+            # subset="last_layer"), a learned Gaussian noise, a learnable augmentation's η.
+            # Hyperparameters are kept after this step's updates, as laplace-torch's
+            # marglik_training keeps them.
+            self._best = (value, _copy(self.state_dict()), _copy(self.base_model.state_dict()))
 
     def on_fit_end(self, ctx):
         self._map_mode = False
         lik = getattr(self.base_model, "likelihood", None)
         if self._best is not None:
-            state, noise, eta = self._best[1]
-            self.load_state_dict(state)
-            with torch.no_grad():
-                if noise is not None:
-                    lik.log_noise.copy_(noise)
-                if eta is not None:     # the augmentation's η of the best evidence (LILA)
-                    self.base_model.augmentation.eta.copy_(eta)
+            _, guide_state, model_state = self._best
+            self.load_state_dict(guide_state)
+            self.base_model.load_state_dict(model_state)
             ctx.history["best_log_evidence"] = [self._best[0]]
         if getattr(self, "_noise_frozen", False):
             lik.log_noise.requires_grad_(True)
         self._best = self._hyper = self._hyper_opt = self._eta_opt = None
         self.fit_curvature(**_curvature_source(ctx))
+
+
+def _copy(state: dict) -> dict:
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def _batches(data, batch_size):
