@@ -27,6 +27,7 @@ from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 
 from ._local_params import local_params
+from .guides.base import guide_contract
 
 __all__ = ["sample_with_log_density", "guide_log_density", "guide_args"]
 
@@ -69,10 +70,8 @@ def sample_with_log_density(model, guide, x: torch.Tensor, y: torch.Tensor | Non
     with local_params(model, guide):
         trace = poutine.trace(poutine.block(guide, hide_types=["param"])).get_trace(*args, **kwargs)
         values = _latent_values(trace)
-        hook = getattr(guide, "log_density", None)
-        if callable(hook):
-            log_q = hook(values)
-        else:
+        log_q = guide_contract(guide).log_density(values)
+        if log_q is None:
             log_q = trace.log_prob_sum()
     return values, torch.as_tensor(log_q).reshape(())
 
@@ -101,9 +100,9 @@ def guide_log_density(guide, values: dict[str, torch.Tensor], model=None,
         The guide has auxiliary latent sites and no ``log_density`` hook, so its density
         at arbitrary values is unknown.
     """
-    hook = getattr(guide, "log_density", None)
-    if callable(hook):
-        return torch.as_tensor(hook(values)).reshape(())
+    own = guide_contract(guide).log_density(values)
+    if own is not None:
+        return torch.as_tensor(own).reshape(())
     if isinstance(guide, AutoDelta):
         return torch.zeros(())
     if isinstance(guide, AutoNormal) and guide.prototype_trace is not None:

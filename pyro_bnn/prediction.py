@@ -16,6 +16,7 @@ from pyro import poutine
 from . import metrics
 from ._local_params import local_params
 from .data import check_finite
+from .guides.base import guide_contract
 from .guides.meanfield import _run_with_values
 from .likelihoods import Bernoulli, Categorical, Gaussian
 
@@ -161,11 +162,8 @@ def predict(model, guide, x, num_samples: int = 64, batch_size: int = 1024, meth
         probabilities) or ``(S, N, D)`` predictive means for regression.
     """
     if method != "sample":
-        if not hasattr(guide, "predict"):
-            raise ValueError(f"method={method!r} needs a guide with a predict() method; "
-                             f"{type(guide).__name__} supports only method='sample'")
-        return guide.predict(model, x, method=method, num_samples=num_samples,
-                             batch_size=batch_size, **kwargs)
+        return guide_contract(guide).predict(model, x, method=method, num_samples=num_samples,
+                                             batch_size=batch_size, **kwargs)
     out = predictive_samples(model, guide, x, num_samples, batch_size, **kwargs)
     return out.probs if out.probs is not None else out.loc
 

@@ -18,12 +18,12 @@ from typing import Any
 import pyro
 import torch
 from pyro import poutine
-from pyro.infer import Trace_ELBO
 
 from . import distributed as _dist
 from ._local_params import local_params
 from .data import as_tensors, check_finite, dataset_size, make_loader, split_batch
-from .objectives import PyroObjective, call_model
+from .guides.base import guide_contract
+from .objectives import call_model
 
 __all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide"]
 
@@ -104,13 +104,6 @@ def default_optimizer(params, lr: float) -> torch.optim.Optimizer:
         except (RuntimeError, ValueError):  # older torch or unsupported dtype/device
             pass
     return torch.optim.Adam(params, lr=lr)
-
-
-def _default_objective(guide, num_particles):
-    make = getattr(guide, "make_objective", None)
-    if make is not None:
-        return make(num_particles)
-    return PyroObjective(Trace_ELBO(num_particles=num_particles))
 
 
 def _parameters(*modules):
@@ -221,8 +214,9 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     setup_guide(model, guide, x0, y0, n)
     if isinstance(guide, torch.nn.Module):
         guide.to(device)
-    objective = objective or _default_objective(guide, num_particles)
-    if marglik is not None and not hasattr(guide, "on_epoch_end"):
+    contract = guide_contract(guide)
+    objective = objective or contract.make_objective(num_particles)
+    if marglik is not None and not contract.supports_marglik:
         raise TypeError(f"marglik= needs a guide that learns hyperparameters (e.g. Laplace); "
                         f"got {type(guide).__name__}")
     options = dict(options, marglik=marglik)
@@ -231,8 +225,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     ctx.history = history
     t_start = time.perf_counter()
     with local_params(model, guide):
-        if hasattr(guide, "on_fit_start"):
-            guide.on_fit_start(ctx)
+        contract.on_fit_start(ctx)
         params = _parameters(model, guide)
         opt = optimizer(params) if optimizer is not None else default_optimizer(params, lr)
         ctx.optimizer = opt
@@ -245,8 +238,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
             if dstate is not None:
                 _dist.set_epoch(loader, epoch)
             good_state = _snapshot(model, guide, opt)
-            if hasattr(guide, "on_epoch_start"):
-                guide.on_epoch_start(ctx)
+            contract.on_epoch_start(ctx)
             t0 = time.perf_counter()
             total, steps, extras_sum = 0.0, 0, {}
             for step, batch in enumerate(loader, 1):
@@ -280,10 +272,9 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                 history["elbo"].append(-mean_loss)
             for k, v in extras_sum.items():
                 history.setdefault(k, []).append(v / max(steps, 1))
-            if hasattr(guide, "on_epoch_end"):
-                guide.on_epoch_end(ctx)
-                if dstate is not None:
-                    dstate.sync_rng_()  # the hook may have drawn per-shard random numbers
+            contract.on_epoch_end(ctx)
+            if dstate is not None:
+                dstate.sync_rng_()  # the hook may have drawn per-shard random numbers
             history["epoch_seconds"].append(time.perf_counter() - t0)
             if checkpoint is not None and (dstate is None or dstate.is_main):
                 save_checkpoint(checkpoint, model, guide, opt, epoch=epoch, history=history)
@@ -292,8 +283,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                 bar.set_postfix(loss=f"{mean_loss:.4g}")
         if bar is not None:
             bar.close()
-        if hasattr(guide, "on_fit_end"):
-            guide.on_fit_end(ctx)
+        contract.on_fit_end(ctx)
     return FitResult(history=history, seconds=time.perf_counter() - t_start)
 
 

@@ -3,11 +3,11 @@
 See :mod:`pyro_bnn.guides.base` for the small contract a new guide implements.
 """
 
-from .base import GUIDE_REGISTRY, init_to_network, register_guide, registered_guides
+from .base import GUIDE_REGISTRY, BNNGuide, guide_contract, init_to_network, register_guide, registered_guides
 from .hypernet import Hypernet, HypernetELBO
 from .laplace import Laplace
 from .meanfield import MeanField, MeanFieldELBO
 from .symmetrized import Symmetrized, SymmetrizedELBO
 
-__all__ = ["Laplace", "Hypernet", "HypernetELBO", "MeanField", "MeanFieldELBO", "Symmetrized", "SymmetrizedELBO", "init_to_network", "register_guide",
+__all__ = ["BNNGuide", "guide_contract", "Laplace", "Hypernet", "HypernetELBO", "MeanField", "MeanFieldELBO", "Symmetrized", "SymmetrizedELBO", "init_to_network", "register_guide",
            "registered_guides", "GUIDE_REGISTRY"]

@@ -1,31 +1,16 @@
-"""What every pyro_bnn guide shares: initialisation from the network, the hook contract.
+"""The guide contract: :class:`BNNGuide`, and what every pyro_bnn guide shares.
 
-A guide is any Pyro guide (``AutoGuide`` subclasses and plain callables work with
-:func:`pyro_bnn.fit`).  A guide may additionally implement any of these optional methods,
-which :func:`pyro_bnn.fit` and :func:`pyro_bnn.predict` look for:
+A guide is any Pyro guide.  Pyro's own autoguides work with :func:`pyro_bnn.fit`,
+:func:`pyro_bnn.predict` and the other tools as they are; pyro_bnn's guides additionally
+derive from :class:`BNNGuide`, which is the whole contract in one place: the hooks
+:func:`pyro_bnn.fit` calls, the training objective, alternative predictives, the density
+of a draw, and how the guide's parameters meet Pyro's global parameter store.  The training
+loop and the tools read these through :func:`guide_contract`, which gives Pyro's own guides
+the default behaviour, so no tool probes a guide with ``hasattr``.
 
-``make_objective(num_particles) -> callable``
-    The training loss ``objective(model, guide, x, y, num_data=N)`` returning a scalar
-    tensor or ``(loss, extras)`` where ``extras`` is a dict of scalar tensors recorded in
-    the fit history.  Default: Pyro's ``Trace_ELBO``.
-``on_fit_start(ctx)``, ``on_epoch_start(ctx)``, ``on_epoch_end(ctx)``, ``on_fit_end(ctx)``
-    Called with a :class:`pyro_bnn.training.FitContext` (model, loader, device, epoch,
-    history, options such as ``marglik``).
-``predict(model, x, method=..., num_samples=..., batch_size=...)``
-    Alternative predictives (``method != "sample"``), e.g. Laplace's linearised one.
-``log_density(values) -> Tensor``
-    ``log q(θ)`` (0-d) at a joint draw ``values = {site: tensor}``.  Used by
-    :func:`pyro_bnn.to_arviz` (``sample_stats.log_q``, needed by
-    ``az.loo_approximate_posterior``) and ELBO estimates in :func:`pyro_bnn.compare`.
-    Without it, ``log q`` is read from the guide's own trace of the draw (the summed
-    ``log_prob`` of its sample sites, auxiliary ones included), which is right for
-    ``AutoNormal``/``MeanField``, ``AutoDelta`` (0), ``AutoContinuous`` guides and any guide
-    that puts its density in its sample sites; see :mod:`pyro_bnn.guide_density`.
-``log_evidence() -> Tensor``, ``num_variational_parameters``
-    Optional extra columns of :func:`pyro_bnn.compare` (e.g. Laplace's evidence).
-
-New guides join the registry with :func:`register_guide` so the parametrised contract tests
-and ``pb.compare`` pick them up.
+New guides derive from :class:`BNNGuide` (listed *before* the Pyro base class) and join the
+registry with :func:`register_guide` so the parametrised contract tests and ``pb.compare``
+pick them up.  ``docs/DEVELOPING.md`` walks through an example.
 """
 
 from __future__ import annotations
@@ -34,9 +19,96 @@ import math
 from collections.abc import Callable
 
 import torch
+from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide.initialization import init_to_median
 
-__all__ = ["init_to_network", "register_guide", "registered_guides", "GUIDE_REGISTRY"]
+from ..objectives import PyroObjective
+
+__all__ = ["BNNGuide", "guide_contract", "init_to_network", "register_guide", "registered_guides",
+           "GUIDE_REGISTRY"]
+
+class BNNGuide:
+    """The pyro_bnn guide contract, as a mixin placed before the Pyro guide class.
+
+    ``class MyGuide(BNNGuide, AutoGuide): ...``.  Every method has a default, so a guide
+    overrides only what it changes.  :func:`pyro_bnn.fit` calls, in order,
+    ``make_objective`` once, ``on_fit_start``, then per epoch ``on_epoch_start``, the
+    minibatch steps of the objective, ``on_epoch_end``, and finally ``on_fit_end``; each
+    hook receives the :class:`pyro_bnn.training.FitContext`.
+
+    Attributes
+    ----------
+    supports_marglik : bool
+        Whether the guide learns hyperparameters online from ``fit(..., marglik=...)``
+        (the Laplace guide).  ``fit`` rejects ``marglik=`` for other guides.
+    default_lr : float or None
+        Learning rate :func:`pyro_bnn.fit` uses when none is given (``None``: fit's own).
+    """
+
+    supports_marglik: bool = False
+    default_lr: float | None = None
+
+    # ------------------------------------------------------------ training
+    def make_objective(self, num_particles: int = 1):
+        """The training loss ``objective(model, guide, x, y, num_data=N)``.
+
+        Returns a callable giving a scalar tensor, or ``(loss, extras)`` with ``extras`` a
+        dict of scalar tensors that ``fit`` records per epoch.  Default: Pyro's
+        ``Trace_ELBO`` with minibatch scaling (:class:`pyro_bnn.objectives.PyroObjective`).
+        """
+        return PyroObjective(Trace_ELBO(num_particles=num_particles))
+
+    def on_fit_start(self, ctx) -> None:
+        """Called once before the first epoch."""
+
+    def on_epoch_start(self, ctx) -> None:
+        """Called before each epoch (``ctx.epoch`` counts from 1)."""
+
+    def on_epoch_end(self, ctx) -> None:
+        """Called after each epoch's steps, before the epoch is recorded and checkpointed."""
+
+    def on_fit_end(self, ctx) -> None:
+        """Called once after the last epoch."""
+
+    # ---------------------------------------------------------- prediction
+    def predict(self, model, x, method: str = "sample", num_samples: int = 64,
+                batch_size: int = 1024, **kwargs):
+        """Alternative predictives (``method != "sample"``), e.g. Laplace's ``"glm"``.
+
+        The default supports only Monte Carlo over the guide's draws, which
+        :func:`pyro_bnn.predict` computes itself.
+        """
+        raise ValueError(f"{type(self).__name__} supports only method='sample', got {method!r}")
+
+    def log_density(self, values: dict) -> torch.Tensor | None:
+        """``log q(θ)`` (0-d) at a joint draw ``{site: tensor}``, or ``None``.
+
+        ``None`` (the default) means: read ``log q`` from the guide's own trace of the draw
+        (the summed ``log_prob`` of its sample sites, auxiliary ones included), which is right
+        for any guide that puts its density in its sample sites; see
+        :mod:`pyro_bnn.guide_density`.
+        """
+        return None
+
+
+class _PyroGuideContract(BNNGuide):
+    """The contract's defaults for a guide that does not derive from :class:`BNNGuide`."""
+
+    def __init__(self, guide):
+        self.guide = guide
+
+    def predict(self, model, x, method="sample", num_samples=64, batch_size=1024, **kwargs):
+        raise ValueError(f"{type(self.guide).__name__} supports only method='sample', got {method!r}")
+
+
+def guide_contract(guide) -> BNNGuide:
+    """The guide itself if it is a :class:`BNNGuide`, else an adapter with the defaults.
+
+    This is how :func:`pyro_bnn.fit` and the tools reach hooks, objectives and predictives
+    of any guide, Pyro's own autoguides included.
+    """
+    return guide if isinstance(guide, BNNGuide) else _PyroGuideContract(guide)
+
 
 #: name -> factory(model, **options) -> guide
 GUIDE_REGISTRY: dict[str, Callable] = {}

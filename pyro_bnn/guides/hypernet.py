@@ -33,13 +33,13 @@ from pyro.infer.autoguide import AutoContinuous
 from ..flows import FLOW_TYPES, HypernetFlow
 from ..likelihoods import Categorical, log_likelihood
 from ..objectives import PyroObjective
-from .base import init_to_network, register_guide
+from .base import BNNGuide, init_to_network, register_guide
 from .meanfield import _run_with_values
 
 __all__ = ["Hypernet", "HypernetELBO", "clipped_log_likelihood"]
 
 
-class Hypernet(AutoContinuous):
+class Hypernet(BNNGuide, AutoContinuous):
     """Normalizing-flow guide over the weight-norm scales (or, ``full=True``, all weights).
 
     Parameters

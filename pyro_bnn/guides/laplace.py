@@ -35,7 +35,7 @@ from ..curvature import (
 )
 from ..data import split_batch
 from ..likelihoods import Gaussian
-from .base import init_to_network, register_guide
+from .base import BNNGuide, init_to_network, register_guide
 from .laplace_objective import LaplaceMAPObjective
 from .laplace_online import OnlineMarglik, _batches
 from .laplace_state import CurvatureState
@@ -49,7 +49,7 @@ def _key(site: str) -> str:
     return site.replace(".", "__")
 
 
-class Laplace(OnlineMarglik, AutoGuide):
+class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
     """Laplace approximation of a BNN posterior with GGN curvature.
 
     Parameters
@@ -103,6 +103,8 @@ class Laplace(OnlineMarglik, AutoGuide):
     >>> ll = pb.guides.Laplace(pb.BNN(trained_net), "kron", subset="last_layer")  # doctest: +SKIP
     >>> ll.fit_curvature((x, y)); ll.optimize_prior_precision()        # doctest: +SKIP
     """
+
+    supports_marglik = True
 
     def __init__(self, model, structure: str = "kron", *, prior_precision=None,
                  prior_structure: str = "scalar", init_loc_fn=None,

@@ -30,12 +30,12 @@ from torch.distributions import kl_divergence
 from ..likelihoods import log_likelihood
 from ..objectives import PyroObjective
 from ._fused_gaussian import can_fuse, sample_and_kl
-from .base import init_to_network, register_guide
+from .base import BNNGuide, init_to_network, register_guide
 
 __all__ = ["MeanField", "MeanFieldELBO"]
 
 
-class MeanField(AutoNormal):
+class MeanField(BNNGuide, AutoNormal):
     """Mean-field Normal guide for BNNs.
 
     Parameters
