@@ -132,8 +132,8 @@ def _validate_data(model, data, device):
         lik.validate(y.to(device), f)
 
 
-def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float = 1e-3,
-        optimizer=None, num_particles: int = 1, device=None, progress: bool = True,
+def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float | None = None,
+        optimizer=None, lr_schedule="constant", num_particles: int = 1, device=None, progress: bool = True,
         shuffle: bool = True, seed: int | None = None, clip_norm: float | None = None,
         num_data: int | None = None, objective=None, checkpoint: str | os.PathLike | None = None,
         marglik: dict | None = None, distributed: bool | _dist.DistributedOptions = False,
@@ -149,9 +149,14 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     data : (x, y) tensors, Dataset or DataLoader
         Training data.  Tensors are moved to ``device`` once and batched by slicing.
     epochs, batch_size, lr : int, int, float
-        Passes over the data, minibatch size, Adam learning rate.
+        Passes over the data, minibatch size, Adam learning rate (default: the guide's
+        ``default_lr``, else 1e-3).
     optimizer : callable, optional
         ``optimizer(params) -> torch.optim.Optimizer``; default Adam(lr).
+    lr_schedule : {"constant", "cosine"} or callable
+        Learning-rate factor over the fit, applied per optimiser step: ``"cosine"`` decays
+        it as ``½(1 + cos(π t/T))`` from 1 to 0 over the ``T`` steps of the fit; a callable
+        maps the fraction of steps done, ``t/T`` in [0, 1), to a factor.
     num_particles : int
         Monte Carlo samples per ELBO estimate.
     device : str or torch.device, optional
@@ -191,6 +196,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     """
     if epochs < 0:
         raise ValueError(f"epochs must be >= 0, got {epochs}")
+    if lr is None:
+        lr = guide_contract(guide).default_lr or 1e-3
     if not distributed:
         _dist.warn_if_undistributed_launch()
     dstate = None
@@ -229,6 +236,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         params = _parameters(model, guide)
         opt = optimizer(params) if optimizer is not None else default_optimizer(params, lr)
         ctx.optimizer = opt
+        scheduler = make_lr_scheduler(opt, lr_schedule, epochs * _num_batches(loader))
         loss_module = _LossModule(model, guide, objective, n)
         if dstate is not None:
             loss_module = dstate.wrap(loss_module, x0, y0)
@@ -260,6 +268,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                         f"restored to the end of epoch {epoch - 1}. Try a smaller lr, a smaller "
                         "init_scale or standardised inputs.")
                 opt.step()
+                scheduler.step()
                 total += value
                 steps += 1
                 for k, v in extras.items():
@@ -285,6 +294,31 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
             bar.close()
         contract.on_fit_end(ctx)
     return FitResult(history=history, seconds=time.perf_counter() - t_start)
+
+
+def lr_factor_function(lr_schedule):
+    """``factor(fraction_done) -> float`` for an ``lr_schedule`` argument of :func:`fit`."""
+    if callable(lr_schedule):
+        return lr_schedule
+    if lr_schedule == "constant":
+        return lambda frac: 1.0
+    if lr_schedule == "cosine":
+        return lambda frac: 0.5 * (1.0 + math.cos(math.pi * frac))
+    raise ValueError(f"lr_schedule must be 'constant', 'cosine' or a callable, got {lr_schedule!r}")
+
+
+def make_lr_scheduler(optimizer, lr_schedule, total_steps: int):
+    """A per-step ``LambdaLR`` applying :func:`lr_factor_function` over ``total_steps`` steps."""
+    factor = lr_factor_function(lr_schedule)
+    total = max(int(total_steps), 1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(min(step, total - 1) / total))
+
+
+def _num_batches(loader) -> int:
+    try:
+        return len(loader)
+    except TypeError:  # an iterable without a length: count one pass
+        return sum(1 for _ in loader)
 
 
 def _progress(total, enabled):

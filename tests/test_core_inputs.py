@@ -154,3 +154,21 @@ def test_pretrained_weights_are_the_initial_means():
                                        torch.full_like(p, 1e-3))
     # the user's network is left untouched (still a plain module with parameters)
     assert type(net) is nn.Sequential and len(list(net.parameters())) == 4
+
+
+def test_lr_schedule_cosine_decays_to_zero_and_rejects_unknown():
+    from pyro_bnn.training import make_lr_scheduler
+
+    p = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([p], lr=0.5)
+    sched = make_lr_scheduler(opt, "cosine", total_steps=4)
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # 0.5 * ½(1 + cos(π t/4)) for t = 0..3
+    expected = [0.5 * 0.5 * (1 + math.cos(math.pi * t / 4)) for t in range(4)]
+    assert seen == pytest.approx(expected)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        make_lr_scheduler(opt, "linear", 4)

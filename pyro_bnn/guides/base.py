@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 from pyro.infer import Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_median
 
 from ..objectives import PyroObjective
@@ -70,6 +71,12 @@ class BNNGuide:
     def on_fit_end(self, ctx) -> None:
         """Called once after the last epoch."""
 
+    def scale_parameters(self) -> list[torch.Tensor]:
+        """The unconstrained parameters of the posterior scales (``ρ`` with ``σ = exp ρ`` or
+        ``softplus ρ``), which :func:`pyro_bnn.fit` watches to detect scales still limited by
+        the learning rate.  Default: none."""
+        return []
+
     # ---------------------------------------------------------- prediction
     def predict(self, model, x, method: str = "sample", num_samples: int = 64,
                 batch_size: int = 1024, **kwargs):
@@ -99,6 +106,11 @@ class _PyroGuideContract(BNNGuide):
 
     def predict(self, model, x, method="sample", num_samples=64, batch_size=1024, **kwargs):
         raise ValueError(f"{type(self.guide).__name__} supports only method='sample', got {method!r}")
+
+    def scale_parameters(self) -> list[torch.Tensor]:
+        if isinstance(self.guide, AutoNormal) and self.guide.prototype_trace is not None:
+            return [p for name, p in self.guide.scales.named_parameters()]
+        return []
 
 
 def guide_contract(guide) -> BNNGuide:

@@ -112,6 +112,12 @@ class MeanField(BNNGuide, AutoNormal):
     def site_names(self) -> list[str]:
         return [name for name, _ in self.prototype_trace.iter_stochastic_nodes()]
 
+    def scale_parameters(self) -> list[torch.Tensor]:
+        """The unconstrained scales ``ρ`` of every site (empty before set-up)."""
+        if self.prototype_trace is None:
+            return []
+        return [self.loc_and_raw_scale(name)[1] for name in self.site_names()]
+
     def forward(self, *args, **kwargs):
         """Sample every weight from ``N(μ, σ²)`` (real-valued sites), so Pyro ELBOs can use
         the closed-form KL.  Constrained sites go through ``AutoNormal``'s transform."""
