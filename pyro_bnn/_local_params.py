@@ -11,19 +11,25 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pyro
-from pyro.nn import PyroModule
+import torch
 
-__all__ = ["local_params"]
+__all__ = ["local_params", "prepare_local_params"]
+
+
+def prepare_local_params(*modules) -> None:
+    """Give ``PyroModule``s created while ``module_local_params`` was off the per-context
+    state that the mode needs (Pyro creates it only for modules built in the mode)."""
+    for module in modules:
+        if isinstance(module, torch.nn.Module):
+            for m in module.modules():
+                ctx = getattr(m, "_pyro_context", None)
+                if ctx is not None and not hasattr(ctx, "param_state"):
+                    ctx.param_state = {"params": {}, "constraints": {}}
 
 
 @contextmanager
 def local_params(*modules):
     """Enable ``module_local_params`` for the block, preparing ``modules`` for it."""
-    for module in modules:
-        if isinstance(module, PyroModule) or hasattr(module, "modules"):
-            for m in module.modules():
-                ctx = getattr(m, "_pyro_context", None)
-                if ctx is not None and not hasattr(ctx, "param_state"):
-                    ctx.param_state = {"params": {}, "constraints": {}}
+    prepare_local_params(*modules)
     with pyro.settings.context(module_local_params=True):
         yield

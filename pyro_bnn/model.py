@@ -225,8 +225,8 @@ class BNN(PyroModule):
             )
 
     def initial_values(self) -> dict[str, torch.Tensor]:
-        """Weights of the network it was built from, keyed by site name."""
-        return dict(self._initial_values)
+        """Copies of the weights of the network it was built from, keyed by site name."""
+        return {name: value.clone() for name, value in self._initial_values.items()}
 
     def site_normal_prior(self, site: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(loc, scale)`` of an i.i.d. Normal prior on ``site`` (closed-form KL), else ``None``."""

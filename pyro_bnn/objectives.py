@@ -16,7 +16,7 @@ import inspect
 import pyro
 from pyro.poutine.messenger import Messenger
 
-__all__ = ["scale_observations", "PyroObjective", "accepts_num_data", "call_model"]
+__all__ = ["scale_observations", "PyroObjective", "accepts_num_data", "call_model", "model_arguments"]
 
 
 class scale_observations(Messenger):
@@ -70,3 +70,31 @@ class PyroObjective:
         args, kwargs, factor = call_model(model, x, y, num_data)
         scaled = scale_observations(factor)(model) if factor != 1.0 else model
         return self.elbo.differentiable_loss(scaled, guide, *args, **kwargs)
+
+
+def model_arguments(model, args: tuple, kwargs: dict):
+    """``(x, y, num_data)`` from the arguments Pyro passes to a model, ``model(x, y, ...)``.
+
+    Accepts ``model(x)``, ``model(x, y)``, ``model(x, y, num_data)`` and the keywords ``x``,
+    ``y``, ``num_data`` (the :class:`~pyro_bnn.BNN` signature).
+
+    Raises
+    ------
+    TypeError
+        No input ``x`` or other keywords than these.
+    """
+    kwargs = dict(kwargs)
+    names = ("x", "y", "num_data")
+    if len(args) > len(names):
+        raise TypeError(f"expected model arguments (x, y=None, num_data=None), got {len(args)} positional ones")
+    values = dict(zip(names, args))
+    for key in list(kwargs):
+        if key not in names:
+            raise TypeError(f"unexpected model keyword {key!r}; pyro_bnn objectives pass x, y and num_data")
+        if key in values:
+            raise TypeError(f"model argument {key!r} given both by position and by keyword")
+        values[key] = kwargs.pop(key)
+    if values.get("x") is None:
+        raise TypeError("the model needs an input x: call svi.step(x, y) (and num_data=N for minibatches)")
+    return values["x"], values.get("y"), values.get("num_data")
+

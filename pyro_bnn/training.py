@@ -24,6 +24,7 @@ from ._local_params import local_params
 from .data import as_tensors, check_finite, dataset_size, make_loader, split_batch
 from .guides.base import guide_contract
 from .objectives import call_model
+from .param_store import publish_after_fit, sync_param_store
 
 __all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide"]
 
@@ -219,6 +220,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     x0 = x0.to(device)
     y0 = None if y0 is None else y0.to(device)
     setup_guide(model, guide, x0, y0, n)
+    sync_param_store(model, guide)  # a loaded Pyro param store is picked up (pyro_bnn.param_store)
     if isinstance(guide, torch.nn.Module):
         guide.to(device)
     contract = guide_contract(guide)
@@ -293,6 +295,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         if bar is not None:
             bar.close()
         contract.on_fit_end(ctx)
+    publish_after_fit(model, guide)  # Predictive / SVI / the param store see the trained values
     return FitResult(history=history, seconds=time.perf_counter() - t_start)
 
 

@@ -159,18 +159,28 @@ def test_scale_mixture_prior_uses_monte_carlo_kl():
     assert abs(mc.mean() - ref.mean()) < 4 * se
 
 
-def test_pyro_default_param_store_untouched():
-    """pyro_bnn keeps parameters in modules: training leaves Pyro's global store empty."""
+def test_fit_publishes_to_pyro_store_without_sharing_between_guides():
+    """After pb.fit Pyro's global store holds the guide's own trained tensors (so ``save``
+    writes them); a second guide of the same structure trains its own values and the
+    first keeps its values."""
     pyro.clear_param_store()
     model = pb.BNN(nn.Linear(3, 2))
     guide = pb.guides.MeanField(model)
-    pb.fit(model, guide, (torch.randn(8, 3), torch.randint(0, 2, (8,))), epochs=1, progress=False)
-    assert len(pyro.get_param_store()) == 0
-    # two guides of identical structure do not share values
+    data = (torch.randn(8, 3), torch.randint(0, 2, (8,)))
+    pb.fit(model, guide, data, epochs=1, progress=False)
+    store = dict(pyro.get_param_store().named_parameters())
+    assert set(store) == {"MeanField.locs.net.weight", "MeanField.scales.net.weight",
+                          "MeanField.locs.net.bias", "MeanField.scales.net.bias"}
+    with local_params(model, guide):
+        assert store["MeanField.scales.net.weight"] is guide.loc_and_raw_scale("net.weight")[1]
+    before = {k: v.clone() for k, v in guide.state_dict().items()}
     guide2 = pb.guides.MeanField(model, init_scale=0.5)
-    pb.fit(model, guide2, (torch.randn(8, 3), torch.randint(0, 2, (8,))), epochs=1, progress=False)
+    pb.fit(model, guide2, data, epochs=1, progress=False)
     with local_params(model, guide, guide2):
         assert not torch.allclose(guide.loc_and_scale("net.weight")[1], guide2.loc_and_scale("net.weight")[1])
+        assert dict(pyro.get_param_store().named_parameters())["MeanField.scales.net.weight"] \
+            is guide2.loc_and_raw_scale("net.weight")[1]
+    assert all(torch.equal(v, guide.state_dict()[k]) for k, v in before.items())
     assert isinstance(dist.Normal(0, 1), dist.Distribution)
 
 

@@ -15,6 +15,7 @@ pick them up.  ``docs/DEVELOPING.md`` walks through an example.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -22,8 +23,11 @@ import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_median
+from pyro.poutine.messenger import Messenger
 
+from .._local_params import local_params, prepare_local_params
 from ..objectives import PyroObjective
+from ..param_store import expose_unconstrained, global_param_mode, sync_param_store
 
 __all__ = ["BNNGuide", "guide_contract", "init_to_network", "register_guide", "registered_guides",
            "GUIDE_REGISTRY"]
@@ -48,6 +52,64 @@ class BNNGuide:
 
     supports_marglik: bool = False
     default_lr: float | None = None
+    #: sample sites of the model that hold data; they are never latent variables of the
+    #: guide, even when the guide is first set up without targets (``Predictive(model,
+    #: guide=guide)(x)`` on a guide restored from Pyro's param store)
+    observation_sites: tuple[str, ...] = ("obs",)
+
+    # ---------------------------------------------------------- as a Pyro guide
+    def __call__(self, *args, **kwargs):
+        """Run the guide as Pyro does, keeping its parameters consistent with Pyro's store.
+
+        In Pyro's default (global param store) mode a guide that is not set up yet is set
+        up in module-local mode first, then its parameters and its model's follow the rules
+        of :mod:`pyro_bnn.param_store` (a loaded store is picked up; another guide's values
+        are never taken or changed).  In module-local mode this is a plain call.
+        """
+        modules = [self, *self.synced_modules()]
+        if not global_param_mode():
+            prepare_local_params(*modules)
+        self.set_up(*args, **kwargs)
+        if global_param_mode():
+            sync_param_store(*modules)
+        else:
+            expose_unconstrained(*modules)
+        return super().__call__(*args, **kwargs)
+
+    def set_up(self, *args, **kwargs) -> None:
+        """Create the guide's parameters from one call's arguments, if not done yet.
+
+        Runs the Pyro guide's own lazy set-up (``_setup_prototype``) in module-local mode,
+        so no parameter is taken from or registered in Pyro's global store on the way.
+        """
+        if getattr(self, "prototype_trace", True) is not None:
+            return
+        # The observation sites are marked observed by a handler between the autoguide's
+        # trace of the model and the model itself, i.e. around AutoGuide's stored model.
+        wrapped = self._model
+        self._model = (_ObservedDuringSetUp(self.observation_sites)(wrapped[0]),)
+        try:
+            with local_params(self, *self.synced_modules()), self._pyro_context:
+                self._setup_prototype(*args, **kwargs)
+        finally:
+            self._model = wrapped
+
+    def approximated_model(self):
+        """The model this guide approximates (a module, or ``None`` if it is not one).
+
+        Autoguides keep the model wrapped in Pyro handlers (e.g. the ``InitMessenger`` of
+        their ``init_loc_fn``); handlers wrap a callable as a ``functools.partial`` whose
+        last argument is the wrapped callable, which is unwrapped here.
+        """
+        model = getattr(self, "model", None)
+        while isinstance(model, functools.partial) and model.args:
+            model = model.args[-1]
+        return model if isinstance(model, torch.nn.Module) else None
+
+    def synced_modules(self) -> list[torch.nn.Module]:
+        """Modules whose parameters follow the guide's into Pyro's store: its model."""
+        model = self.approximated_model()
+        return [] if model is None else [model]
 
     # ------------------------------------------------------------ training
     def make_objective(self, num_particles: int = 1):
@@ -70,6 +132,19 @@ class BNNGuide:
 
     def on_fit_end(self, ctx) -> None:
         """Called once after the last epoch."""
+
+    def fit_state(self) -> dict:
+        """What the hooks keep across the epochs of one fit outside ``state_dict`` (e.g.
+        Laplace's evidence optimiser and best state), as plain data (tensors, numbers,
+        strings, lists, dicts).  :func:`pyro_bnn.fit` writes it into its checkpoints, so
+        ``fit(..., resume=True)`` continues exactly.  Default: nothing."""
+        return {}
+
+    def load_fit_state(self, state: dict) -> None:
+        """Restore :meth:`fit_state` when a fit resumes (called after ``on_fit_start``)."""
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no fit state, but the checkpoint holds "
+                             f"{sorted(state)}; was it written by a fit of another guide?")
 
     def scale_parameters(self) -> list[torch.Tensor]:
         """The unconstrained parameters of the posterior scales (``ρ`` with ``σ = exp ρ`` or
@@ -96,6 +171,21 @@ class BNNGuide:
         :mod:`pyro_bnn.guide_density`.
         """
         return None
+
+
+class _ObservedDuringSetUp(Messenger):
+    """Treat the named sample sites as observed (with a value drawn from their
+    distribution) while a guide traces its model to set itself up."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = frozenset(names)
+
+    def _pyro_sample(self, msg):
+        if msg["name"] in self.names and not msg["is_observed"]:
+            if msg["value"] is None:
+                msg["value"] = msg["fn"].sample()
+            msg["is_observed"] = True
 
 
 class _PyroGuideContract(BNNGuide):
@@ -168,9 +258,11 @@ class init_to_network:
     def __call__(self, site):
         name = site["name"]
         fn = site["fn"]
+        if name in BNNGuide.observation_sites:  # data, not a latent (see BNNGuide.set_up)
+            return fn.sample()
         device = getattr(fn, "mean", torch.zeros(())).device
-        if name in self.values:
-            return self.values[name].to(device)
+        if name in self.values:  # a copy: guides must never share (or write into) these tensors
+            return self.values[name].to(device=device, copy=True)
         shape = fn.event_shape if len(fn.event_shape) else fn.batch_shape
         if len(shape) >= 2:
             bound = 1.0 / math.sqrt(max(1, math.prod(shape[1:])))

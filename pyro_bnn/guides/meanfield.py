@@ -31,6 +31,7 @@ from ..likelihoods import log_likelihood
 from ..objectives import PyroObjective
 from ._fused_gaussian import can_fuse, sample_and_kl
 from .base import BNNGuide, init_to_network, register_guide
+from .objective import GuideObjective
 
 __all__ = ["MeanField", "MeanFieldELBO"]
 
@@ -133,7 +134,9 @@ class MeanField(BNNGuide, AutoNormal):
                 for frame in site["cond_indep_stack"]:
                     if frame.vectorized:
                         stack.enter_context(plates[frame.name])
-                loc, scale = self.loc_and_scale(name)
+                # through PyroModule's attribute access: emits the `param` statements that
+                # SVI collects and keeps the values in sync with Pyro's param store
+                loc, scale = self._get_loc_and_scale(name)
                 result[name] = pyro.sample(
                     name, dist.Normal(loc, scale).to_event(self._event_dims[name]))
         return result
@@ -154,16 +157,24 @@ def _is_real(support) -> bool:
 register_guide("meanfield", lambda model, **kw: MeanField(model, **kw))
 
 
-class MeanFieldELBO:
+class MeanFieldELBO(GuideObjective):
     """Negative ELBO of a :class:`MeanField` guide: ``E_q[−log p(D|w)] + KL(q‖p)``.
 
-    For a :class:`pyro_bnn.BNN` it samples ``w = μ + σ ε`` and runs the network directly
-    (no Pyro trace), with ``N/M`` minibatch scaling and the closed-form KL where the prior
-    is Normal; otherwise it is Pyro's ``TraceMeanField_ELBO``.
+    For a :class:`pyro_bnn.BNN` it samples ``w = μ + σ ε`` (or, with the guide's
+    ``local_reparameterization``, the pre-activations) and runs the network directly (no
+    Pyro trace), with ``N/M`` minibatch scaling and the closed-form KL where the prior is
+    Normal; the KL term is weighted by the guide's ``kl_weight`` (KL annealing).  For other
+    models it is Pyro's ``TraceMeanField_ELBO``.
+
+    It is what :func:`pyro_bnn.fit` optimises for a :class:`MeanField` guide, and a Pyro
+    ``ELBO``: ``SVI(model, guide, optim, loss=MeanFieldELBO())`` with
+    ``svi.step(x, y, num_data=N)`` optimises the same loss (see
+    :class:`~pyro_bnn.guides.objective.GuideObjective`).  Under plain ``SVI`` KL annealing
+    is the caller's: set ``guide.kl_weight`` before each epoch.
     """
 
     def __init__(self, num_particles: int = 1):
-        self.num_particles = int(num_particles)
+        super().__init__(num_particles=int(num_particles))
         self._fallback = PyroObjective(TraceMeanField_ELBO(num_particles=self.num_particles))
 
     def __call__(self, model, guide, x, y, num_data=None):

@@ -1,0 +1,62 @@
+"""``GuideObjective``: a guide's training loss that both :func:`pyro_bnn.fit` and ``SVI`` use."""
+
+from __future__ import annotations
+
+import pyro
+import torch
+
+from ..objectives import call_model, model_arguments
+from ..param_store import emit_param_statements, sync_param_store
+from .base import BNNGuide
+
+__all__ = ["GuideObjective"]
+
+
+class GuideObjective(pyro.infer.ELBO):
+    """A pyro_bnn training objective that is also a Pyro ``ELBO``.
+
+    :func:`pyro_bnn.fit` calls ``objective(model, guide, x, y, num_data)``; subclasses
+    implement that :meth:`__call__`, returning the loss or ``(loss, extras)``.  Passed to
+    ``pyro.infer.SVI`` as its ``loss``, the same object computes the same loss from
+    ``svi.step(x, y)`` or ``svi.step(x, y, num_data=N)`` (minibatches of a data set of size
+    N): :meth:`differentiable_loss` sets the guide up, syncs it with Pyro's param store
+    (:mod:`pyro_bnn.param_store`) and makes guide and model emit their ``param``
+    statements, so that ``SVI`` finds and optimises their parameters, then calls
+    :meth:`__call__`.
+
+    Examples
+    --------
+    >>> svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}),
+    ...                      loss=pb.guides.MeanFieldELBO())                # doctest: +SKIP
+    >>> svi.step(x_batch, y_batch, num_data=len(x_train))                   # doctest: +SKIP
+    """
+
+    def __call__(self, model, guide, x, y, num_data=None):
+        raise NotImplementedError
+
+    def _get_trace(self, model, guide, args, kwargs):
+        raise NotImplementedError(f"{type(self).__name__} computes its loss without Pyro traces")
+
+    def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
+        """The loss as a differentiable 0-d tensor (Pyro's ``ELBO`` interface)."""
+        x, y, num_data = model_arguments(model, args, kwargs)
+        if isinstance(guide, BNNGuide):
+            model_args, model_kwargs, _ = call_model(model, x, y, num_data)
+            guide.set_up(*model_args, **model_kwargs)
+        sync_param_store(guide, model)
+        emit_param_statements(guide)
+        emit_param_statements(model)
+        out = self(model, guide, x, y, num_data)
+        return out[0] if isinstance(out, tuple) else out
+
+    def loss(self, model, guide, *args, **kwargs) -> float:
+        """The loss as a float, without gradients."""
+        with torch.no_grad():
+            return float(self.differentiable_loss(model, guide, *args, **kwargs))
+
+    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
+        """The loss as a float, after back-propagating it into the parameters' gradients."""
+        loss = self.differentiable_loss(model, guide, *args, **kwargs)
+        if loss.requires_grad:
+            loss.backward()
+        return float(loss.detach())
