@@ -29,6 +29,24 @@ LOO estimates the predictive density of each observation *left out of the data t
 posterior was fitted to*, so call ``to_arviz`` with the training data for ``az.loo`` /
 ``loo_approximate_posterior``; on held-out data the ``log_likelihood`` group gives the
 test log predictive density instead.
+
+Linearised (GLM) draws of a Laplace guide (``method="glm"``, its default)
+    The groups describe the predictive the Laplace guide is evaluated with
+    (``pb.predict(..., method="glm")``), so its ELPD is comparable with other guides'.
+    Each draw is a joint weight draw ``θ_s ~ q = N(θ*, P⁻¹)`` pushed through the
+    *linearised* network ``f_lin(x; θ_s) = f(x; θ*) + J(x)(θ_s − θ*)`` (the generalised
+    linear model whose Laplace posterior the GGN Laplace is, Immer et al. 2021): for each
+    ``n`` the values ``f_lin(x_n; θ_s)`` are draws of the GLM's function-space Gaussian
+    ``N(f*(x_n), Σ_f(x_n))``, and ``log_likelihood`` holds ``log p(y_n | f_lin(x_n; θ_s))``.
+    ``posterior`` holds ``θ_s``; ``log_q = log N(θ_s | θ*, P⁻¹)`` over the Laplace sites;
+    ``log_prior`` is the Gaussian prior the Laplace was built with — the guide's δ (as
+    tuned by the evidence or a grid search) — plus the fixed prior of point-estimate sites;
+    ``lp`` = ``log_prior`` + Σ_n ``log_likelihood``, the linearised model's log joint.  So
+    ``loo_approximate_posterior`` importance-corrects ``q`` towards the exact posterior *of
+    the linearised model* (with the guide's prior), a well-defined target; its Pareto
+    ``k̂`` says how far ``q`` is from it.  It is not a statement about the nonlinear
+    network's posterior (``method="sample"`` draws weights through the network itself,
+    with the model's own prior in ``lp``).
 """
 
 from __future__ import annotations
@@ -41,12 +59,14 @@ from pyro import poutine
 from torch import nn
 
 from ._local_params import local_params
+from .curvature import pointwise_log_likelihood, sample_observations
 from .data import check_finite
 from .guide_density import sample_with_log_density
+from .guides.base import guide_contract
 from .guides.meanfield import _run_with_values
 from .likelihoods import log_likelihood
 
-__all__ = ["to_arviz", "loo_approximate", "site_dims"]
+__all__ = ["to_arviz", "loo_approximate", "site_dims", "default_method"]
 
 OBS_DIM = "obs_id"
 
@@ -140,8 +160,8 @@ def _device_of(model, guide, x):
 @torch.no_grad()
 def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 200,
              var_names: Sequence[str] | None = None, batch_size: int = 1024, *,
-             posterior_predictive: bool = True, obs_site: str = "obs", seed: int | None = None,
-             device=None):
+             method: str | None = None, posterior_predictive: bool = True, obs_site: str = "obs",
+             seed: int | None = None, device=None):
     """Posterior draws, pointwise log-likelihood and densities as an ArviZ ``DataTree``.
 
     Parameters
@@ -163,6 +183,11 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
         The log-likelihood and densities always use all sites.
     batch_size : int
         Inputs per forward pass; memory is bounded by one batch per draw.
+    method : {"sample", "glm"}, optional
+        ``"sample"``: draws of the guide through the network.  ``"glm"`` (Laplace guides):
+        linearised draws, see the module docstring.  Default: the guide's own predictive
+        (``guide.default_predictive``: ``"glm"`` for :class:`~pyro_bnn.guides.Laplace`,
+        else ``"sample"``).
     posterior_predictive : bool
         Also sample one replicate ``y`` per draw.
     obs_site : str
@@ -181,15 +206,14 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     Raises
     ------
     ValueError
-        Bad ``num_samples``/``batch_size``, mismatched ``x``/``y`` or unknown ``var_names``.
+        Bad ``num_samples``/``batch_size``, mismatched ``x``/``y``, unknown ``var_names`` or
+        ``method``, or ``method="glm"`` for a guide without a linearised predictive.
 
     Examples
     --------
     >>> dt = pb.to_arviz(model, guide, x_train, y_train, num_samples=200)   # doctest: +SKIP
     >>> az.loo(dt); pb.arviz.loo_approximate(dt)                           # doctest: +SKIP
     """
-    from arviz_base import from_dict
-
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise TypeError(f"x and y must be torch.Tensors, got {type(x).__name__} and {type(y).__name__}")
     if len(x) != len(y):
@@ -200,6 +224,13 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     if seed is not None:
         torch.manual_seed(seed)
     device = torch.device(device) if device is not None else _device_of(model, guide, x)
+    method = default_method(guide) if method is None else method
+    if method not in ("sample", "glm"):
+        raise ValueError(f"method must be 'sample' or 'glm', got {method!r}")
+    if method == "glm":
+        data = _glm_groups(guide, x, y, int(num_samples), var_names, batch_size, device,
+                           posterior_predictive)
+        return _datatree(model, guide, data, y, int(num_samples), "glm")
     is_bnn = hasattr(model, "site_names") and hasattr(model, "function") and hasattr(model, "site_prior")
 
     draws: dict[str, list[np.ndarray]] = {}
@@ -228,18 +259,58 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     def chain(arrs):
         return np.stack(arrs)[None]
 
-    y_np = y.detach().cpu().numpy()
-    extra = [f"obs_dim_{i}" for i in range(1, y_np.ndim)]
-    dims = {name: site_dims(model, name, draws[name][0].shape) for name in draws}
-    dims["obs"] = [OBS_DIM, *extra]
     data = {
         "posterior": {name: chain(v) for name, v in draws.items()},
         "log_likelihood": {"obs": chain(loglik)},
-        "observed_data": {"obs": y_np},
         "sample_stats": {"lp": chain(lp), "log_prior": chain(log_prior), "log_q": chain(log_q)},
     }
     if pp:
         data["posterior_predictive"] = {"obs": chain(pp)}
+    return _datatree(model, guide, data, y, int(num_samples), "sample")
+
+
+def default_method(guide) -> str:
+    """The predictive a guide is evaluated with: ``guide.default_predictive`` (``"glm"`` for
+    the Laplace guide), ``"sample"`` for guides that do not name one."""
+    return str(getattr(guide_contract(guide), "default_predictive", "sample"))
+
+
+def _glm_groups(guide, x, y, num_samples, var_names, batch_size, device, want_pp) -> dict:
+    """Groups of linearised draws (module docstring): posterior, log_likelihood,
+    posterior_predictive, sample_stats as ``(1, S, ...)`` arrays."""
+    from .guides.laplace import Laplace
+
+    if not isinstance(guide, Laplace):
+        raise ValueError(f"method='glm' needs a guide with a linearised predictive (pb.guides.Laplace), "
+                         f"got {type(guide).__name__}")
+    names = _select_sites(guide.map_values(), var_names, num_samples)
+    kind, noise = guide.likelihood_kind()
+    draws = guide.linearized_samples(x, num_samples, batch_size=batch_size, sites=names)
+    yd = y.to(device)
+    loglik = pointwise_log_likelihood(kind, draws.f, yd, noise).double()      # (S, N)
+    lp = draws.log_prior.double() + loglik.sum(-1)
+    data = {
+        "posterior": {k: v.detach().float().cpu().numpy()[None] for k, v in draws.values.items()},
+        "log_likelihood": {"obs": loglik.cpu().numpy()[None]},
+        "sample_stats": {"lp": lp.cpu().numpy()[None], "log_prior": draws.log_prior.double().cpu().numpy()[None],
+                         "log_q": draws.log_q.double().cpu().numpy()[None]},
+    }
+    if want_pp:
+        rep = sample_observations(kind, draws.f, noise)
+        if kind != "categorical":
+            rep = rep.reshape(num_samples, *y.shape)
+        data["posterior_predictive"] = {"obs": rep.cpu().numpy()[None]}
+    return data
+
+
+def _datatree(model, guide, data: dict, y: torch.Tensor, num_samples: int, method: str):
+    from arviz_base import from_dict
+
+    y_np = y.detach().cpu().numpy()
+    extra = [f"obs_dim_{i}" for i in range(1, y_np.ndim)]
+    dims = {name: site_dims(model, name, v.shape[2:]) for name, v in data["posterior"].items()}
+    dims["obs"] = [OBS_DIM, *extra]
+    data["observed_data"] = {"obs": y_np}
     dt = from_dict(data, dims=dims, attrs=None)
     # log_likelihood is per observation: extra target dims are already summed over
     ll_da = dt["log_likelihood"]["obs"]
@@ -248,7 +319,10 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     dt.attrs.update({
         "guide": type(guide).__name__,
         "num_samples": int(num_samples),
-        "log_p": "sample_stats/lp  (log prior + sum of log_likelihood/obs)",
+        "method": method,
+        "log_p": "sample_stats/lp  (log prior + sum of log_likelihood/obs)" if method == "sample" else
+                 "sample_stats/lp  (linearised model: Laplace prior with the guide's delta + sum of "
+                 "log_likelihood/obs of f_lin)",
         "log_q": "sample_stats/log_q (log density of the guide at each draw)",
     })
     return dt

@@ -4,15 +4,21 @@ Every guide is trained from the same initial network (the same seed), evaluated 
 test set and converted to an ArviZ ``DataTree`` on the training data, where PSIS-LOO is
 meaningful.  The table has one row per guide:
 
-* predictive metrics on the test set (Monte Carlo model average of ``num_samples`` draws):
-  ``accuracy, nll, ece, brier`` (classification) or ``rmse, nll, coverage_95`` (regression);
+* predictive metrics on the test set, from each guide's own predictive (``predictive``
+  column: Monte Carlo model average of ``num_samples`` draws, or the Laplace guide's
+  linearised GLM): ``accuracy, nll, ece, brier`` (classification) or ``rmse, nll,
+  coverage_95`` (regression);
+* ``configuration``: the guide's settings as its ``extra_repr()`` prints them (e.g. the
+  Laplace guide's structure, subset and how δ was chosen), empty where it names none;
 * ``elbo``: Monte Carlo ``mean_s [log p(θ_s, D) − log q(θ_s)]`` over the training data
   (a point-mass guide, ``AutoDelta``, has ``log q = 0``: its value is the log joint);
 * ``log_evidence``: the guide's own estimate where it has one (Laplace), else NaN;
 * ``elpd_loo`` (``az.loo_approximate_posterior``, the importance-sampling correction for
   draws from an approximate posterior) with its standard error and the share of Pareto
   ``k̂`` above ArviZ's threshold, and ``elpd_loo_psis`` (``az.loo``, which treats the draws as
-  exact posterior draws); both NaN when the draws are identical (point estimates);
+  exact posterior draws); both NaN when the draws are identical (point estimates).  The
+  draws are those of the row's predictive (:func:`pyro_bnn.to_arviz` with the same
+  ``method``), so a Laplace row's ELPD is that of its GLM predictive;
 * ``train_seconds``, ``predict_seconds`` (the test-set predictive), ``num_params``
   (the guide's trained parameters; buffers such as curvature factors are not counted).
 """
@@ -34,6 +40,7 @@ import pyro
 import torch
 
 from . import metrics
+from .arviz import default_method
 from .datasets import DataSplit
 from .guides.base import registered_guides
 from .prediction import PredictiveSamples, predict, predictive_samples
@@ -209,11 +216,12 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     run.guide = guide = guide_fn(model, **guide_kw)
     run.fit = fit(model, guide, split.train, epochs=epochs, batch_size=batch_size, lr=lr,
                   device=device, seed=seed, progress=progress, **fit_kw)
-    run.predict_method = predict_method
+    run.predict_method = predict_method = predict_method or default_method(guide)
     t0 = time.perf_counter()
     out = run.predictive(split.x_test, num_samples)
     run.metrics["predict_seconds"] = time.perf_counter() - t0
     run.metrics["predictive"] = predict_method
+    run.metrics["configuration"] = guide.extra_repr() if isinstance(guide, torch.nn.Module) else ""
     y_test = split.y_test.to(out.probs.device if out.probs is not None else out.loc.device)
     if out.kind == "categorical":
         scores = metrics.classification_metrics(out.probs, y_test)
@@ -230,7 +238,8 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     run.metrics["num_params"] = count_variational_parameters(guide)
     run.metrics["log_evidence"] = _log_evidence(guide)
     if loo_samples:
-        dt = to_arviz(model, guide, split.x_train, split.y_train, num_samples=loo_samples)
+        dt = to_arviz(model, guide, split.x_train, split.y_train, num_samples=loo_samples,
+                      method=predict_method if predict_method in ("sample", "glm") else None)
         stats = dt["sample_stats"]
         run.metrics["elbo"] = float((stats["lp"] - stats["log_q"]).mean())
         run.metrics.update(_loo_columns(dt))
@@ -244,7 +253,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
             loo_samples: int = 200, device=None, seed: int = 0, progress: bool = True,
             guide_options: Mapping[str, dict] | None = None,
             fit_options: Mapping[str, dict] | None = None,
-            predict_method: str | Mapping[str, str] = "sample", errors: str = "record",
+            predict_method: str | Mapping[str, str] | None = None, errors: str = "record",
             details: bool = False) -> pd.DataFrame | Comparison:
     """Train each guide on a fresh model from ``model_fn`` and tabulate test metrics, ELBO,
     ELPD-LOO and timings.
@@ -278,10 +287,12 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     guide_options, fit_options : dict, optional
         ``{guide: {option: value}}`` passed to the guide factory / :func:`pyro_bnn.fit`
         (e.g. ``{"laplace": {"marglik": {...}}}`` or ``{"hypernet": {"clip_norm": 10}}``).
-    predict_method : str or dict
-        ``"sample"`` (Monte Carlo over guide draws, every guide) or a guide's own predictive
-        (``{"laplace": "glm"}``), one value or ``{guide: method}``; recorded in the
-        ``predictive`` column.  The ``DataTree`` always holds guide draws.
+    predict_method : str, dict or None
+        ``None`` (default): each guide's own predictive (``guide.default_predictive``:
+        ``"glm"`` for the Laplace guides, else ``"sample"``); or ``"sample"`` (Monte Carlo
+        over guide draws, every guide) or a guide's named predictive, one value or
+        ``{guide: method}`` (missing guides: their own).  Recorded in the ``predictive``
+        column; the ``DataTree`` holds draws of the same predictive.
     errors : {"record", "raise"}
         On a failing guide, record the error in its row (and warn) or re-raise.
     details : bool
@@ -317,7 +328,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
                 loo_samples=loo_samples, device=device, seed=seed, progress=progress,
                 guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
                 fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
-                predict_method=str(_per_guide(predict_method, name, "sample")))
+                predict_method=_per_guide(predict_method, name, None))
         except Exception as exc:
             if errors == "raise":
                 raise
@@ -330,7 +341,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
 
 _ORDER = ["accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "elbo", "log_evidence", "elpd_loo",
           "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "train_seconds", "predict_seconds", "num_params",
-          "predictive"]
+          "predictive", "configuration"]
 
 
 def _table(runs: Mapping[str, GuideRun]) -> pd.DataFrame:

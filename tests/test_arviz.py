@@ -147,9 +147,14 @@ def test_trained_guide_ranks_above_untrained(trained, data):
 
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_log_likelihood_and_lp_match_the_model(name, trained, data):
-    """Replay the stored draws through the Pyro model: pointwise log p(y|θ) and log p(θ, y)."""
+    """Replay the stored draws through the Pyro model: pointwise log p(y|θ) and log p(θ, y).
+    (Laplace guides default to linearised draws, checked in the GLM tests below; their
+    ``method="sample"`` DataTree is checked here.)"""
     x, y = data
-    model, _, dt = trained[name]
+    model, guide, dt = trained[name]
+    if isinstance(guide, pb.guides.Laplace):
+        assert dt.attrs["method"] == "glm"
+        dt = pb.to_arviz(model, guide, x[:N], y[:N], num_samples=S, batch_size=50, seed=1, method="sample")
     post = dt["posterior"]
     for s in (0, S // 2, S - 1):
         values = {k: torch.as_tensor(post[k].values[0, s]) for k in model.site_names}
@@ -270,3 +275,129 @@ def test_cuda_model(data):
     dt = pb.to_arviz(model, guide, x[:64], y[:64], num_samples=4, batch_size=16)
     assert dt["log_likelihood"]["obs"].shape == (1, 4, 64)
     assert np.isfinite(dt["sample_stats"]["log_q"].values).all()
+
+
+# ----------------------------------------------------------------- Laplace: linearised draws
+def _small_laplace(structure="kron", subset="all", likelihood="categorical", seed=0):
+    """A float64 Laplace of a 64-5-C tanh MLP (tanh: the linearisation differs from the net)."""
+    d = pb.datasets.digits()
+    torch.manual_seed(seed)
+    if likelihood == "categorical":
+        x, y = d.x_train[:150].double(), d.y_train[:150]
+        net = nn.Sequential(nn.Linear(64, 5), nn.Tanh(), nn.Linear(5, 10)).double()
+        model = pb.BNN(net, "categorical").double()
+    else:
+        x = d.x_train[:150].double()
+        y = (x[:, :3].sum(1, keepdim=True) - 0.5 * x[:, 20:22].sum(1, keepdim=True)).double()
+        net = nn.Sequential(nn.Linear(64, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+        model = pb.BNN(net, "gaussian", noise=0.3).double()
+    guide = pb.guides.Laplace(model, structure, subset=subset, prior_precision=2.0)
+    pb.fit(model, guide, (x, y), epochs=15, lr=1e-2, batch_size=50, progress=False, seed=seed)
+    return model, guide, net, x, y
+
+
+def test_linearized_draws_are_the_jacobian_vector_product():
+    """f_lin(x; θ_s) = f(x; θ*) + J(θ_s − θ*) from the layer factors equals torch.func.jvp
+    of the network at θ* in the direction of the stored draw (float64, rtol 1e-9)."""
+    model, guide, net, x, _ = _small_laplace("kron")
+    draws = guide.linearized_samples(x[:40], 3, batch_size=16, generator=torch.Generator().manual_seed(0))
+    names = [n for n, _ in net.named_parameters()]
+    theta = {n: guide.map_values()[f"net.{n}"].detach() for n in names}
+
+    def f(params):
+        return torch.func.functional_call(net, params, (x[:40],))
+
+    for s in range(3):
+        direction = {n: draws.values[f"net.{n}"][s] - theta[n] for n in names}
+        f0, jv = torch.func.jvp(f, (theta,), (direction,))
+        torch.testing.assert_close(draws.f[s], f0 + jv, rtol=1e-9, atol=1e-10)
+        assert not torch.allclose(draws.f[s], f({n: draws.values[f"net.{n}"][s] for n in names}))
+
+
+def test_linearized_draws_density_and_prior():
+    """log q is the density of N(θ*, P⁻¹) (dense, "full" structure) at each draw; log_prior
+    the Gaussian prior with the guide's δ; lp = log_prior + Σ log_likelihood."""
+    model, guide, _, x, y = _small_laplace("full")
+    dt = pb.to_arviz(model, guide, x, y, num_samples=60, seed=0)
+    assert dt.attrs["method"] == "glm"
+    post = dt["posterior"]
+    sites = guide.layers[0].sites + guide.layers[1].sites
+    block = guide.posterior.blocks[0]
+    delta = float(guide.prior_precision)
+    theta_star = torch.cat([layer.flatten(guide.map_values()).reshape(-1).detach() for layer in guide.layers])
+    q = torch.distributions.MultivariateNormal(theta_star, block.covariance(guide.prior_precision))
+    for s in range(6):
+        values = {k: torch.as_tensor(post[k].values[0, s], dtype=torch.float64) for k in sites}
+        th = torch.cat([layer.flatten(values).reshape(-1) for layer in guide.layers])
+        # the DataTree stores float32 draws: compare the density at the stored point loosely
+        assert float(dt["sample_stats"]["log_q"].values[0, s]) == pytest.approx(float(q.log_prob(th)), abs=0.05)
+        prior = torch.distributions.Normal(0.0, delta ** -0.5).log_prob(th).sum()
+        assert float(dt["sample_stats"]["log_prior"].values[0, s]) == pytest.approx(float(prior), abs=0.05)
+    lp = dt["sample_stats"]["lp"].values[0]
+    np.testing.assert_allclose(lp, dt["sample_stats"]["log_prior"].values[0]
+                               + dt["log_likelihood"]["obs"].values[0].sum(-1), rtol=1e-10)
+    with quiet():
+        res = loo_approximate(dt)
+    assert math.isfinite(res.elpd)
+
+
+def test_glm_log_likelihood_matches_evaluate_glm():
+    """The DataTree's per-point log predictive, log mean_s p(y_n | f_lin(x_n; θ_s)), is the
+    GLM's Monte Carlo predictive: it equals ``pb.predict(..., method="glm", link_approx="mc")``
+    per point and ``pb.evaluate(..., method="glm", link_approx="mc")``'s NLL on average.
+
+    Tolerance: with S = 4000 draws on each side, the Monte Carlo standard error of each
+    per-point log predictive is sd_s(p)/(√S · p̄); we require every point within 5 of its
+    standard errors (plus 1e-3) and the mean within 0.01 nats of evaluate's NLL."""
+    model, guide, _, x, y = _small_laplace("kron")
+    xs, ys, S_ = x[:60], y[:60], 4000
+    dt = pb.to_arviz(model, guide, xs, ys, num_samples=S_, seed=1)
+    ll = torch.as_tensor(dt["log_likelihood"]["obs"].values[0])             # (S, N)
+    ours = torch.logsumexp(ll, 0) - math.log(S_)
+    torch.manual_seed(2)
+    probs = pb.predict(model, guide, xs, method="glm", link_approx="mc", num_samples=S_)   # (S, N, C)
+    p_y = probs[:, torch.arange(len(ys)), ys]                                   # (S, N)
+    ref = p_y.mean(0).log()
+    se = torch.sqrt(p_y.var(0) / S_) / p_y.mean(0) + ll.exp().std(0) / math.sqrt(S_) / ll.exp().mean(0)
+    assert bool(((ours - ref).abs() <= 5 * se + 1e-3).all()), float(((ours - ref).abs() / (se + 1e-12)).max())
+    nll = pb.evaluate(model, guide, xs, ys, method="glm", link_approx="mc", num_samples=S_)["nll"]
+    assert float(-ours.mean()) == pytest.approx(nll, abs=0.01)
+    # and against the probit approximation only roughly (it is an approximation of this integral)
+    probit = pb.evaluate(model, guide, xs, ys, method="glm")["nll"]
+    assert float(-ours.mean()) == pytest.approx(probit, rel=0.2)
+
+
+def test_glm_log_likelihood_regression_is_the_gaussian_predictive():
+    """Regression: log mean_s N(y_n | f_lin(x_n; θ_s), σ²) → log N(y_n | f*_n, Σ_f + σ²) in
+    closed form; with S = 4000 each point within 5 Monte Carlo standard errors (+1e-3)."""
+    model, guide, _, x, y = _small_laplace("kron", likelihood="gaussian")
+    xs, ys, S_ = x[:50], y[:50], 4000
+    dt = pb.to_arviz(model, guide, xs, ys, num_samples=S_, seed=0)
+    ll = torch.as_tensor(dt["log_likelihood"]["obs"].values[0])
+    ours = torch.logsumexp(ll, 0) - math.log(S_)
+    f, cov = guide.functional_covariance(xs)
+    sigma = model.likelihood.noise.detach()
+    exact = torch.distributions.Normal(f[:, 0], (cov[:, 0, 0] + sigma ** 2).sqrt()).log_prob(ys[:, 0])
+    se = ll.exp().std(0) / math.sqrt(S_) / ll.exp().mean(0)
+    assert bool(((ours - exact).abs() <= 5 * se + 1e-3).all())
+    assert dt["posterior_predictive"]["obs"].shape == (1, S_, 50, 1)
+    nll = pb.evaluate(model, guide, xs, ys, method="glm", num_samples=S_)["nll"]
+    assert float(-exact.mean()) == pytest.approx(nll, abs=0.02)
+
+
+def test_glm_method_choices(trained, data):
+    x, y = data
+    model, guide, _ = trained["meanfield"]
+    with pytest.raises(ValueError, match="linearised"):
+        pb.to_arviz(model, guide, x[:10], y[:10], num_samples=2, method="glm")
+    with pytest.raises(ValueError, match="method"):
+        pb.to_arviz(model, guide, x[:10], y[:10], num_samples=2, method="probit")
+    assert pb.to_arviz(model, guide, x[:10], y[:10], num_samples=2).attrs["method"] == "sample"
+    model, guide, _ = trained["laplace"]
+    dt = pb.to_arviz(model, guide, x[:10], y[:10], num_samples=3, var_names=["net.2.bias"])
+    assert dt.attrs["method"] == "glm" and list(dt["posterior"].data_vars) == ["net.2.bias"]
+    # last-layer Laplace: the body is a point estimate, the same in every draw
+    full = pb.to_arviz(model, guide, x[:10], y[:10], num_samples=3)
+    w = full["posterior"]["net.0.weight"].values[0]
+    assert np.all(w == w[0]) and not np.all(full["posterior"]["net.2.weight"].values[0, 0] ==
+                                              full["posterior"]["net.2.weight"].values[0, 1])

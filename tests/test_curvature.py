@@ -182,6 +182,32 @@ def test_block_linear_algebra_matches_dense(block_type):
     torch.testing.assert_close(S.T @ S, torch.linalg.inv(P))
 
 
+def test_split_bias_block_with_a_weight_and_a_bias_prior_precision():
+    """δ_W on the weight entries and δ_b on the bias column (``W̃`` order): log det, covariance,
+    draws and functional variance equal the dense ``s H + diag(δ)``; a vector that varies
+    within the weight entries is rejected, not silently misread."""
+    torch.manual_seed(6)
+    A, G = torch.randn(4, 4), torch.randn(3, 3)
+    block = SplitBiasKronBlock(A @ A.T, G @ G.T)
+    delta = torch.cat([torch.full((3, 3), 0.4), torch.full((3, 1), 2.5)], 1).reshape(-1)
+    scale = 1.7
+    P = block.to_dense(scale) + torch.diag(delta)
+    torch.testing.assert_close(block.logdet(delta, scale), torch.logdet(P))
+    torch.testing.assert_close(block.covariance(delta, scale), torch.linalg.inv(P))
+    S = block.sample(torch.eye(12), delta, scale)
+    torch.testing.assert_close(S.T @ S, torch.linalg.inv(P))
+    a, g = torch.randn(5, 1, 4), torch.randn(2, 5, 1, 3)
+    J = torch.einsum("cmto,mti->cmoi", g, a).flatten(2)
+    torch.testing.assert_close(block.functional_variance(a, g, delta, scale),
+                               torch.einsum("cmp,pq,dmq->mcd", J, torch.linalg.inv(P), J))
+    bad = delta.clone()
+    bad[0] = 0.5
+    with pytest.raises(ValueError, match="weight"):
+        block.logdet(bad)
+    with pytest.raises(ValueError, match="scalar prior precision"):
+        KronBlock(A @ A.T, G @ G.T).logdet(delta)
+
+
 @pytest.mark.parametrize("structure", ["kron", "diag", "full"])
 def test_glm_functional_covariance_matches_dense(structure):
     torch.manual_seed(6)

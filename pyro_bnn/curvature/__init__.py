@@ -6,13 +6,24 @@
   factors;
 * :mod:`~.kfac`, :mod:`~.ggn` — per-batch KFAC factors, diagonal and full GGN;
 * :mod:`~.fit` — accumulation over a loader (with an optional ``reduce_fn`` all-reduce);
-* :mod:`~.glm` — streamed linearised predictive;
+* :mod:`~.glm` — streamed linearised predictive (``Σ_f``, ``J Δθ``, log predictive densities);
 * :mod:`~.network` — how a model is run with given weights, likelihood Hessian factors.
 """
 
 from .fit import STRUCTURES, CurvatureFit, accumulate_curvature
 from .ggn import diag_ggn_sums, full_ggn_sum, per_example_gradients
-from .glm import functional_covariance, glm_predictive, probit_probs
+from .glm import (
+    JacobianFactors,
+    batch_covariance,
+    functional_covariance,
+    glm_log_predictive,
+    glm_predictive,
+    jacobian_factors,
+    linearized_offsets,
+    pointwise_log_likelihood,
+    probit_probs,
+    sample_observations,
+)
 from .kfac import batch_kfac_factors, kfac_blocks, kfac_sums_from_factors
 from .layers import Layer, capture_factors, find_layers
 from .network import hessian_columns, identity_columns, likelihood_kind, network_output
@@ -20,6 +31,8 @@ from .structures import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
 
 __all__ = ["STRUCTURES", "CurvatureFit", "accumulate_curvature", "diag_ggn_sums", "full_ggn_sum",
            "per_example_gradients", "functional_covariance", "glm_predictive", "probit_probs",
+           "JacobianFactors", "jacobian_factors", "batch_covariance", "linearized_offsets",
+           "glm_log_predictive", "pointwise_log_likelihood", "sample_observations",
            "batch_kfac_factors", "kfac_blocks", "kfac_sums_from_factors", "Layer",
            "capture_factors", "find_layers", "hessian_columns", "identity_columns",
            "likelihood_kind", "network_output", "DenseBlock", "DiagBlock", "KronBlock",

@@ -1,20 +1,23 @@
 """Linearised (GLM) predictive, streamed over input batches.
 
-Linearising ``f`` at ``θ*``: ``f(x; θ) ≈ f(x; θ*) + J(x)(θ − θ*)``, so under
+Linearising ``f`` at ``θ*``: ``f_lin(x; θ) = f(x; θ*) + J(x)(θ − θ*)``, so under
 ``θ ~ N(θ*, P⁻¹)`` the function is Gaussian with covariance ``Σ_f(x) = J P⁻¹ Jᵀ``
 (``C × C`` per input).  ``J`` is never formed for all parameters: per batch the layer
 factors ``ã, g`` (``g`` against the identity: one backward pass per output) give
-``Σ_f`` from the Kronecker or diagonal blocks directly; only the dense structure builds
-the batch's ``(C, M, P)`` Jacobian.  Memory is one batch's factors.
+``Σ_f`` from the Kronecker or diagonal blocks directly, and ``J Δθ`` for given weight
+offsets; only the dense structure builds the batch's ``(C, M, P)`` Jacobian.  Memory is
+one batch's factors.
 
 Classification uses the probit approximation (MacKay 1992):
-``p(y|x) ≈ softmax(f / √(1 + π/8 · diag Σ_f))`` (sigmoid for Bernoulli).
+``p(y|x) ≈ softmax(f / √(1 + π/8 · diag Σ_f))`` (sigmoid for Bernoulli), or Monte Carlo
+over ``f ~ N(f*, Σ_f)`` (``link_approx="mc"``).  Regression: ``y ~ N(f*, Σ_f + σ² I)``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -23,30 +26,86 @@ from .layers import Layer, capture_factors
 from .network import identity_columns
 from .structures import DenseBlock
 
-__all__ = ["functional_covariance", "probit_probs", "glm_predictive"]
+__all__ = ["JacobianFactors", "jacobian_factors", "batch_covariance", "functional_covariance",
+           "linearized_offsets", "probit_probs", "glm_predictive", "glm_log_predictive",
+           "pointwise_log_likelihood", "sample_observations"]
 
 
-def functional_covariance(layers: list[Layer], blocks: list, deltas: list, scale, run: Callable,
-                          x: torch.Tensor, batch_size: int = 256, num_augmentations: int = 1):
-    """``f(x; θ*)`` (``(N, C)``) and ``Σ_f = J P⁻¹ Jᵀ`` (``(N, C, C)``), batch by batch."""
+@dataclass
+class JacobianFactors:
+    """One batch's ``f(x; θ*)`` (``(M, C)``) and Jacobian factors.
+
+    ``a[path]`` ``(M, T, in')`` and ``g[path]`` ``(C, M, T, out)`` per layer (see
+    :func:`~pyro_bnn.curvature.layers.capture_factors`); ``J`` ``(C, M, P)`` over all
+    layers when a dense block needs it, else ``None``.
+    """
+
+    f: torch.Tensor
+    a: dict
+    g: dict
+    J: torch.Tensor | None = None
+
+
+def _is_dense(blocks) -> bool:
+    return len(blocks) == 1 and isinstance(blocks[0], DenseBlock)
+
+
+def jacobian_factors(layers: list[Layer], run: Callable, x: torch.Tensor, batch_size: int = 256,
+                     num_augmentations: int = 1, dense: bool = False) -> Iterator[JacobianFactors]:
+    """Yield :class:`JacobianFactors` for consecutive batches of ``x`` (one backward pass
+    per output per batch); ``dense=True`` adds the per-example Jacobian ``J``."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    means, covs = [], []
-    dense = len(blocks) == 1 and isinstance(blocks[0], DenseBlock)
     with torch.enable_grad():
         for start in range(0, len(x), batch_size):
             xb = x[start:start + batch_size]
             f, a, g = capture_factors(layers, lambda xb=xb: run(xb), identity_columns,
                                       num_augmentations=num_augmentations)
-            if dense:
-                J = per_example_gradients(layers, a, g)
-                cov = blocks[0].functional_variance_dense(J, deltas[0], scale)
-            else:
-                cov = sum(block.functional_variance(a[layer.path], g[layer.path], delta, scale)
-                          for layer, block, delta in zip(layers, blocks, deltas))
-            means.append(f.reshape(len(xb), -1).detach())
-            covs.append(cov.detach())
+            J = per_example_gradients(layers, a, g) if dense else None
+            yield JacobianFactors(f.reshape(len(xb), -1).detach(), a, g, J)
+
+
+def batch_covariance(layers: list[Layer], blocks: list, deltas: list, scale,
+                     factors: JacobianFactors) -> torch.Tensor:
+    """``Σ_f = J P⁻¹ Jᵀ`` of one batch, shape ``(M, C, C)``."""
+    if _is_dense(blocks):
+        J = factors.J if factors.J is not None else per_example_gradients(layers, factors.a, factors.g)
+        return blocks[0].functional_variance_dense(J, deltas[0], scale).detach()
+    return sum(block.functional_variance(factors.a[layer.path], factors.g[layer.path], delta, scale)
+               for layer, block, delta in zip(layers, blocks, deltas)).detach()
+
+
+def functional_covariance(layers: list[Layer], blocks: list, deltas: list, scale, run: Callable,
+                          x: torch.Tensor, batch_size: int = 256, num_augmentations: int = 1):
+    """``f(x; θ*)`` (``(N, C)``) and ``Σ_f = J P⁻¹ Jᵀ`` (``(N, C, C)``), batch by batch."""
+    means, covs = [], []
+    for fac in jacobian_factors(layers, run, x, batch_size, num_augmentations, _is_dense(blocks)):
+        means.append(fac.f)
+        covs.append(batch_covariance(layers, blocks, deltas, scale, fac))
     return torch.cat(means), torch.cat(covs)
+
+
+def linearized_offsets(layers: list[Layer], factors: JacobianFactors, offsets: list[torch.Tensor]) -> torch.Tensor:
+    """``J (θ_s − θ*)`` for one batch, shape ``(S, M, C)``.
+
+    Parameters
+    ----------
+    layers : list of Layer
+    factors : JacobianFactors
+    offsets : list of Tensor
+        Per layer ``θ_s − θ*`` as ``(S, out, in')`` (``W̃`` layout).
+
+    Notes
+    -----
+    ``J_c Δθ = Σ_t g_{c,t}ᵀ ΔW̃ ã_t`` per layer: ``S`` matrix products with the layer
+    inputs, no per-parameter Jacobian.
+    """
+    total = 0.0
+    for layer, dw in zip(layers, offsets):
+        a, g = factors.a[layer.path], factors.g[layer.path]          # (M, T, in'), (C, M, T, out)
+        h = torch.einsum("mti,soi->smto", a, dw.to(a.dtype))
+        total = total + torch.einsum("cmto,smto->smc", g, h)
+    return total
 
 
 def probit_probs(f: torch.Tensor, cov: torch.Tensor, kind: str) -> torch.Tensor:
@@ -55,6 +114,15 @@ def probit_probs(f: torch.Tensor, cov: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "categorical":
         return torch.softmax(kappa * f, -1)
     return torch.sigmoid(kappa * f)
+
+
+def _function_draws(f, cov, num_samples, generator):
+    C = f.shape[-1]
+    eye = torch.eye(C, dtype=f.dtype, device=f.device)
+    size = torch.diagonal(cov, dim1=-2, dim2=-1).amax(-1)[:, None, None]
+    L = torch.linalg.cholesky(cov + 1e-8 * (1 + size) * eye)
+    eps = torch.randn(num_samples, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
+    return f + torch.einsum("ncd,snd->snc", L, eps)
 
 
 def glm_predictive(f: torch.Tensor, cov: torch.Tensor, kind: str, link_approx: str = "probit",
@@ -72,14 +140,70 @@ def glm_predictive(f: torch.Tensor, cov: torch.Tensor, kind: str, link_approx: s
         raise ValueError(f"link_approx must be 'probit' or 'mc', got {link_approx!r}")
     if kind != "gaussian" and link_approx == "probit":
         return probit_probs(f, cov, kind).unsqueeze(0)
-    C = f.shape[-1]
-    eye = torch.eye(C, dtype=f.dtype, device=f.device)
-    size = torch.diagonal(cov, dim1=-2, dim2=-1).amax(-1)[:, None, None]
-    L = torch.linalg.cholesky(cov + 1e-8 * (1 + size) * eye)
-    eps = torch.randn(num_samples, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
-    fs = f + torch.einsum("ncd,snd->snc", L, eps)
+    fs = _function_draws(f, cov, num_samples, generator)
     if kind == "categorical":
         return torch.softmax(fs, -1)
     if kind == "bernoulli":
         return torch.sigmoid(fs)
     return fs
+
+
+def pointwise_log_likelihood(kind: str, f: torch.Tensor, y: torch.Tensor,
+                             noise: torch.Tensor | None = None) -> torch.Tensor:
+    """``log p(y_n | f_n)`` for ``f`` of shape ``(..., N, C)``, summed over output dims → ``(..., N)``.
+
+    Categorical: ``log softmax(f)[y]``; Bernoulli: ``y log σ(f) + (1−y) log σ(−f)``;
+    Gaussian: ``log N(y | f, σ² I)``.
+    """
+    if kind == "categorical":
+        idx = y.long().reshape(-1, 1).expand(*f.shape[:-1], 1) if f.dim() > 2 else y.long().reshape(-1, 1)
+        return f.log_softmax(-1).gather(-1, idx).squeeze(-1)
+    yy = y.reshape(f.shape[-2:]).to(f.dtype)
+    if kind == "bernoulli":
+        return -torch.nn.functional.binary_cross_entropy_with_logits(
+            f, yy.expand_as(f), reduction="none").sum(-1)
+    if kind == "gaussian":
+        if noise is None:
+            raise ValueError("a Gaussian log-likelihood needs the noise σ")
+        return torch.distributions.Normal(f, noise).log_prob(yy).sum(-1)
+    raise ValueError(f"unknown likelihood kind {kind!r}")
+
+
+def sample_observations(kind: str, f: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """One replicate ``y ~ p(y | f)`` per row of ``f`` (``(..., N, C)``): labels ``(..., N)``
+    for a categorical likelihood, else values shaped like ``f``."""
+    if kind == "categorical":
+        return torch.distributions.Categorical(logits=f).sample()
+    if kind == "bernoulli":
+        return torch.distributions.Bernoulli(logits=f).sample()
+    return torch.distributions.Normal(f, noise).sample()
+
+
+def glm_log_predictive(f: torch.Tensor, cov: torch.Tensor, y: torch.Tensor, kind: str,
+                       link_approx: str = "probit", num_samples: int = 100,
+                       noise: torch.Tensor | None = None,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """Per-point log predictive density ``log p(y_n | x_n, D)`` of the GLM, shape ``(N,)``.
+
+    Classification: log of the probit probabilities (``link_approx="probit"``) or
+    ``log mean_s p(y_n | f_s)`` over ``num_samples`` draws ``f_s ~ N(f*, Σ_f)``
+    (``"mc"``).  Regression: ``log N(y_n | f*_n, Σ_f(x_n) + σ² I)`` in closed form.
+    """
+    if link_approx not in ("probit", "mc"):
+        raise ValueError(f"link_approx must be 'probit' or 'mc', got {link_approx!r}")
+    if kind == "gaussian":
+        if noise is None:
+            raise ValueError("a Gaussian predictive needs the noise σ")
+        C = f.shape[-1]
+        total = cov + noise ** 2 * torch.eye(C, dtype=f.dtype, device=f.device)
+        return torch.distributions.MultivariateNormal(f, total).log_prob(y.reshape(f.shape).to(f.dtype))
+    if link_approx == "probit":
+        p = probit_probs(f, cov, kind)
+        if kind == "categorical":
+            return p.clamp_min(torch.finfo(p.dtype).tiny).log().gather(-1, y.long().reshape(-1, 1)).squeeze(-1)
+        yy = y.reshape(f.shape).to(f.dtype)
+        tiny = torch.finfo(p.dtype).tiny
+        return (yy * p.clamp_min(tiny).log() + (1 - yy) * (1 - p).clamp_min(tiny).log()).sum(-1)
+    fs = _function_draws(f, cov, num_samples, generator)
+    ll = pointwise_log_likelihood(kind, fs, y)                        # (S, N)
+    return torch.logsumexp(ll, 0) - math.log(num_samples)

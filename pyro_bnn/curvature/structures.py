@@ -102,7 +102,9 @@ class SplitBiasKronBlock:
     """KFAC with the bias as its own block (laplace-torch's convention).
 
     ``H = blockdiag(G ⊗ A_WW, G ⊗ A_bb)``: the joint factors without the weight-bias
-    cross terms of ``A``.  Same interface and ``W̃`` layout as :class:`KronBlock`.
+    cross terms of ``A``.  Same interface and ``W̃`` layout as :class:`KronBlock`.  δ may
+    be a scalar or a ``(numel,)`` vector in ``W̃`` order that is constant over the weight
+    entries and over the bias entries (a weight's and a bias's own δ).
     """
 
     def __init__(self, A: torch.Tensor, G: torch.Tensor):
@@ -114,13 +116,27 @@ class SplitBiasKronBlock:
         idx = torch.arange(self.numel, device=A.device).reshape(self.shape)
         self._perm = torch.cat([idx[:, :-1].reshape(-1), idx[:, -1]])   # W̃ order -> [W, b]
 
+    def _deltas(self, delta):
+        """``(δ_W, δ_b)`` as 0-d tensors from a scalar or a per-site ``W̃``-order vector."""
+        d = as_delta(delta, self.numel, self.A)
+        if d.dim() == 0:
+            return d, d
+        mat = d.reshape(self.shape)
+        dw, db = mat[:, :-1].reshape(-1), mat[:, -1]
+        if not (bool((dw == dw[0]).all()) and bool((db == db[0]).all())):
+            raise ValueError("a split-bias Kronecker block takes one prior precision for the weight and one "
+                             "for the bias; got a per-weight vector that varies within them")
+        return dw[0], db[0]
+
     def logdet(self, delta, scale=1.0):
-        return self.w.logdet(delta, scale) + self.b.logdet(delta, scale)
+        dw, db = self._deltas(delta)
+        return self.w.logdet(dw, scale) + self.b.logdet(db, scale)
 
     def sample(self, eps, delta, scale=1.0):
+        dw, db = self._deltas(delta)
         e = eps.reshape(-1, *self.shape)
-        w = self.w.sample(e[..., :-1].reshape(len(eps), -1), delta, scale).reshape(-1, self.shape[0], self.shape[1] - 1)
-        b = self.b.sample(e[..., -1:].reshape(len(eps), -1), delta, scale).reshape(-1, self.shape[0], 1)
+        w = self.w.sample(e[..., :-1].reshape(len(eps), -1), dw, scale).reshape(-1, self.shape[0], self.shape[1] - 1)
+        b = self.b.sample(e[..., -1:].reshape(len(eps), -1), db, scale).reshape(-1, self.shape[0], 1)
         return torch.cat([w, b], -1).reshape(len(eps), -1)
 
     def _unpermute(self, M):
@@ -132,11 +148,13 @@ class SplitBiasKronBlock:
         return self._unpermute(torch.block_diag(self.w.to_dense(scale), self.b.to_dense(scale)))
 
     def covariance(self, delta, scale=1.0):
-        return self._unpermute(torch.block_diag(self.w.covariance(delta, scale), self.b.covariance(delta, scale)))
+        dw, db = self._deltas(delta)
+        return self._unpermute(torch.block_diag(self.w.covariance(dw, scale), self.b.covariance(db, scale)))
 
     def functional_variance(self, a, g, delta, scale=1.0):
-        return (self.w.functional_variance(a[..., :-1], g, delta, scale)
-                + self.b.functional_variance(a[..., -1:], g, delta, scale))
+        dw, db = self._deltas(delta)
+        return (self.w.functional_variance(a[..., :-1], g, dw, scale)
+                + self.b.functional_variance(a[..., -1:], g, db, scale))
 
 
 class DiagBlock:

@@ -13,7 +13,8 @@ Math: METHODS.md §4.
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
+from typing import NamedTuple
 
 import pyro
 import pyro.distributions as dist
@@ -30,7 +31,9 @@ from ..curvature import (
     find_layers,
     functional_covariance,
     glm_predictive,
+    jacobian_factors,
     likelihood_kind,
+    linearized_offsets,
     network_output,
 )
 from ..data import split_batch
@@ -38,11 +41,25 @@ from ..likelihoods import Gaussian
 from .base import BNNGuide, init_to_network, register_guide
 from .laplace_objective import LaplaceMAPObjective
 from .laplace_online import OnlineMarglik, _batches
+from .laplace_prior import PRIOR_STRUCTURES
 from .laplace_state import CurvatureState
 
-__all__ = ["Laplace"]
+__all__ = ["Laplace", "LinearizedSamples"]
 
-PRIOR_STRUCTURES = ("scalar", "layerwise", "diagonal")
+
+class LinearizedSamples(NamedTuple):
+    """Joint draws ``θ_s ~ N(θ*, P⁻¹)`` and the linearised network at given inputs.
+
+    ``values``: ``{site: (S, *shape)}`` (point-estimate sites repeat θ*); ``f``: ``(S, N, C)``
+    ``f_lin(x_n; θ_s) = f(x_n; θ*) + J_n (θ_s − θ*)``; ``log_q``: ``(S,)`` ``log N(θ_s | θ*, P⁻¹)``
+    over the Laplace sites; ``log_prior``: ``(S,)`` the Gaussian prior with the guide's δ at
+    the Laplace sites plus the fixed model prior of the point-estimate sites.
+    """
+
+    values: dict
+    f: torch.Tensor
+    log_q: torch.Tensor
+    log_prior: torch.Tensor
 
 
 def _key(site: str) -> str:
@@ -60,8 +77,10 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         Curvature: KFAC per layer, diagonal GGN, or full GGN (small nets).
     prior_precision : float or Tensor, optional
         Initial δ; default from the model's Normal prior (``1/σ²``), else 1.
-    prior_structure : {"scalar", "layerwise", "diagonal"}
-        One δ, one per layer, or one per weight (not with ``"kron"``).
+    prior_structure : {"scalar", "layerwise", "sitewise", "diagonal"}
+        One δ, one per layer, one per sample site (weight and bias tensors apart; with
+        ``"kron"`` only for ``kron_bias="separate"``) or one per weight (not with
+        ``"kron"``); see :mod:`pyro_bnn.guides.laplace_prior`.
     curvature_batch_size : int
         Batch size for curvature and the GLM predictive when given tensors.
     kron_bias : {"joint", "separate"}
@@ -77,6 +96,10 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         ½ log det(P_S/2π)`` over the subset ``S`` (as laplace-torch's ``LLLaplace``).
         Like every guide it starts at the model's network weights; to take θ* from
         another fitted guide pass ``init_loc_fn=lambda site: other.median()[site["name"]]``.
+    tune_prior_precision : {None, "marglik"}
+        ``"marglik"``: at the end of :func:`pyro_bnn.fit`, after the curvature is fitted,
+        maximise the evidence w.r.t. δ (``POSTHOC_STEPS`` = 300 Adam steps, lr 0.1; after
+        any online schedule).  The registry's ``"laplace"`` and ``"laplace_all"`` use it.
 
     Notes
     -----
@@ -105,20 +128,28 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
     """
 
     supports_marglik = True
+    #: the predictive ``pb.compare`` and ``pb.to_arviz`` use by default (linearised, GLM)
+    default_predictive = "glm"
 
     def __init__(self, model, structure: str = "kron", *, prior_precision=None,
                  prior_structure: str = "scalar", init_loc_fn=None,
                  curvature_batch_size: int = 256, kron_bias: str = "joint", subset="all",
-                 create_plates=None):
+                 tune_prior_precision: str | None = None, create_plates=None):
         if structure not in STRUCTURES:
             raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
         if prior_structure not in PRIOR_STRUCTURES:
             raise ValueError(f"prior_structure must be one of {PRIOR_STRUCTURES}, got {prior_structure!r}")
         if structure == "kron" and prior_structure == "diagonal":
-            raise ValueError("structure='kron' supports prior_structure 'scalar' or 'layerwise', "
-                             "got 'diagonal' (use structure='diag' or 'full')")
+            raise ValueError("structure='kron' supports prior_structure 'scalar', 'layerwise' or "
+                             "'sitewise', got 'diagonal' (use structure='diag' or 'full')")
         if kron_bias not in ("joint", "separate"):
             raise ValueError(f"kron_bias must be 'joint' or 'separate', got {kron_bias!r}")
+        if structure == "kron" and prior_structure == "sitewise" and kron_bias != "separate":
+            raise ValueError("prior_structure='sitewise' with structure='kron' needs kron_bias='separate' "
+                             "(a joint Kronecker block over [W, b] has one prior precision), got "
+                             f"kron_bias={kron_bias!r}")
+        if tune_prior_precision not in (None, "marglik"):
+            raise ValueError(f"tune_prior_precision must be None or 'marglik', got {tune_prior_precision!r}")
         if isinstance(subset, str):
             if subset not in ("all", "last_layer"):
                 raise ValueError(f"subset must be 'all', 'last_layer' or a list of site names, got {subset!r}")
@@ -136,11 +167,22 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         self.curvature_batch_size = int(curvature_batch_size)
         self.kron_bias = kron_bias
         self.subset = subset
+        self.tune_prior_precision = tune_prior_precision
         self._init_prior_precision = prior_precision
         self._posterior_cache = None     # CurvatureFit once the curvature is fitted
         self.register_load_state_dict_post_hook(lambda module, keys: module._invalidate())
         self._map_mode = False
         self._marglik: dict = {}
+
+    def extra_repr(self) -> str:
+        """The configuration, as ``pb.compare`` tables and ``print(guide)`` show it."""
+        subset = self.subset if isinstance(self.subset, str) else f"{len(self.subset)} sites"
+        parts = [f"structure={self.structure}", f"subset={subset}", f"prior={self.prior_structure}"]
+        if self.structure == "kron" and self.kron_bias != "joint":
+            parts.append(f"kron_bias={self.kron_bias}")
+        if self.tune_prior_precision:
+            parts.append(f"δ by {self.tune_prior_precision}")
+        return ", ".join(parts)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -164,7 +206,8 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         for name in self.fixed_sites:       # point estimates keep their model prior in the MAP phase
             self.register_buffer(f"fixed_prior_precision__{_key(name)}", prior_prec[name].clone())
         self.layers = find_layers(self.base_model, {s: self.site_shapes[s] for s in self.laplace_sites})
-        self.register_buffer("log_prior_precision", self._initial_log_prior_precision(prior_prec))
+        self.register_buffer("log_prior_precision",
+                             self._initial_log_prior_precision(prior_prec, self._init_prior_precision))
         like = next(iter(self.theta.values()))
         self.curvature_state = CurvatureState(self.layers, self.structure, self.kron_bias == "separate",
                                               torch.empty((), dtype=like.dtype, device=like.device))
@@ -195,27 +238,6 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         self._posterior_cache = None
         return out
 
-    def _initial_log_prior_precision(self, prior_prec: dict) -> torch.Tensor:
-        per_layer = [torch.cat([prior_prec[s].reshape(-1) for s in layer.sites]) for layer in self.layers]
-        ref = per_layer[0]
-        if self._init_prior_precision is not None:
-            v = torch.as_tensor(self._init_prior_precision, dtype=ref.dtype, device=ref.device)
-            shape = {"scalar": (), "layerwise": (len(self.layers),),
-                     "diagonal": (sum(layer.numel for layer in self.layers),)}[self.prior_structure]
-            if v.dim() == 0:
-                v = v.expand(shape)
-            if v.shape != shape:
-                raise ValueError(f"prior_precision for prior_structure={self.prior_structure!r} must be "
-                                 f"scalar or of shape {shape}, got {tuple(v.shape)}")
-            return v.log().clone()
-        if self.prior_structure == "scalar":
-            return torch.cat(per_layer).mean().log()
-        if self.prior_structure == "layerwise":
-            return torch.stack([p.mean() for p in per_layer]).log()
-        # per weight, in each layer's W̃ order
-        return torch.cat([layer.flatten({s: prior_prec[s] for s in layer.sites}).reshape(-1)
-                          for layer in self.layers]).log()
-
     def _ensure_setup(self, x, y=None, num_data=None):
         if self.prototype_trace is None:
             from ..objectives import call_model
@@ -224,11 +246,6 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
                 pyro.poutine.block(self)(*args, **kwargs)
 
     # ------------------------------------------------------------------ values
-    @property
-    def prior_precision(self) -> torch.Tensor:
-        """δ: shape ``()``, ``(num_layers,)`` or ``(num_params,)``."""
-        return self.log_prior_precision.exp()
-
     def map_values(self) -> dict[str, torch.Tensor]:
         """θ* (the current MAP), ``{site: tensor}``."""
         return {name: self.theta[_key(name)] for name in self.site_shapes}
@@ -241,15 +258,6 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
             d = getattr(self, f"fixed_prior_precision__{_key(name)}")
             total = total + 0.5 * (d.log() - d * values[name] ** 2 - math.log(2 * math.pi)).sum()
         return total
-
-    def layer_prior_precisions(self, prior_precision: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """δ per layer: 0-d tensors, or ``(numel,)`` vectors for per-weight δ."""
-        d = self.prior_precision if prior_precision is None else prior_precision
-        if d.dim() == 0:
-            return [d] * len(self.layers)
-        if len(d) == len(self.layers) and self.prior_structure == "layerwise":
-            return list(d.unbind())
-        return list(d.split([layer.numel for layer in self.layers]))
 
     def _block_inputs(self, prior_precision=None):
         deltas = self.layer_prior_precisions(prior_precision)
@@ -294,19 +302,27 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
 
     def _joint_draw(self):
         """θ* + P^{-1/2} ε for all sites, and ``log q`` of the draw."""
+        offsets, log_q = self._draw_offsets(1)
+        values = {name: self.theta[_key(name)].detach() for name in self.fixed_sites}
+        for layer, off in zip(self.layers, offsets):
+            values.update(layer.unflatten(layer.flatten(self.map_values()).detach() + off[0], self.site_shapes))
+        return values, log_q[0]
+
+    @torch.no_grad()
+    def _draw_offsets(self, num: int, generator: torch.Generator | None = None):
+        """``num`` draws of ``θ − θ*`` per Laplace layer (``(num, out, in')``, ``W̃`` layout)
+        from ``N(0, P⁻¹)``, and ``log N(θ | θ*, P⁻¹)`` of each, shape ``(num,)``."""
         theta, deltas = self._block_inputs()
         _, _, scale = self._kind_and_scale()
-        values = {name: self.theta[_key(name)].detach() for name in self.fixed_sites}
         log_q, draws = 0.0, []
         for block, th, d in zip(self.posterior.blocks, theta, deltas):
-            eps = torch.randn(1, block.numel, dtype=th.dtype, device=th.device)
-            draws.append(th + block.sample(eps, d, scale)[0])
-            log_q = log_q - 0.5 * (eps ** 2).sum() + 0.5 * block.logdet(d, scale) \
+            eps = torch.randn(num, block.numel, dtype=th.dtype, device=th.device, generator=generator)
+            draws.append(block.sample(eps, d, scale))
+            log_q = log_q - 0.5 * (eps ** 2).sum(-1) + 0.5 * block.logdet(d, scale) \
                 - 0.5 * block.numel * math.log(2 * math.pi)
-        flat = torch.cat(draws)
-        for layer, part in zip(self.layers, flat.split([layer.numel for layer in self.layers])):
-            values.update(layer.unflatten(part, self.site_shapes))
-        return values, log_q.detach()
+        flat = torch.cat(draws, -1)
+        parts = flat.split([layer.numel for layer in self.layers], -1)
+        return [p.reshape(num, *layer.shape) for layer, p in zip(self.layers, parts)], log_q
 
     def median(self, *args, **kwargs):
         return {k: v.detach() for k, v in self.map_values().items()}
@@ -358,43 +374,6 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         log_lik = ml.log_likelihood_from_stats(self.posterior.loglik_stats, noise)
         return ml.log_evidence(log_lik, self.posterior.blocks, theta, deltas, scale)
 
-    def optimize_prior_precision(self, data=None, steps: int = 100, lr: float = 0.1,
-                                 learn_noise: bool | None = None) -> float:
-        """Maximise the evidence w.r.t. log δ (and log σ of a learned Gaussian noise).
-
-        Fits the curvature first when ``data`` is given or none is fitted.  Returns the
-        final log evidence.
-        """
-        if data is not None or self.posterior is None:
-            if data is None:
-                self._require_posterior()
-            self.fit_curvature(data)
-        return self._hyper_steps(steps, lr, learn_noise)
-
-    def _hyper_params(self, learn_noise):
-        log_pp = self.log_prior_precision.detach().clone().requires_grad_()
-        lik = getattr(self.base_model, "likelihood", None)
-        if learn_noise is None:
-            learn_noise = isinstance(lik, Gaussian) and lik.learned
-        if learn_noise and not isinstance(lik, Gaussian):
-            raise ValueError(f"learn_noise needs a Gaussian likelihood, got {type(lik).__name__}")
-        log_noise = lik.log_noise.detach().clone().requires_grad_() if learn_noise else None
-        return log_pp, log_noise
-
-    def _hyper_steps(self, steps, lr, learn_noise=None, params=None, optimizer=None):
-        log_pp, log_noise = params or self._hyper_params(learn_noise)
-
-        def evidence():
-            return self.log_evidence(log_pp.exp(), None if log_noise is None else log_noise.exp())
-
-        leaves = [log_pp] + ([log_noise] if log_noise is not None else [])
-        value = ml.maximize_evidence(evidence, leaves, steps, lr, optimizer)
-        with torch.no_grad():
-            self.log_prior_precision.copy_(log_pp)
-            if log_noise is not None:
-                self.base_model.likelihood.log_noise.copy_(log_noise)
-        return value
-
     # ------------------------------------------------------------- predictive
     def predict(self, model, x, method: str = "glm", num_samples: int = 100, batch_size: int = 256,
                 link_approx: str = "probit", **kwargs) -> torch.Tensor:
@@ -420,21 +399,115 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         f, cov = self.functional_covariance(x, batch_size)
         return glm_predictive(f, cov, self.posterior.kind, link_approx, num_samples)
 
-    def functional_covariance(self, x: torch.Tensor, batch_size: int = 256):
-        """``f(x; θ*)`` ``(N, C)`` and ``Σ_f = J P⁻¹ Jᵀ`` ``(N, C, C)``, streamed in batches."""
+    def functional_covariance(self, x: torch.Tensor, batch_size: int = 256, prior_precision=None):
+        """``f(x; θ*)`` ``(N, C)`` and ``Σ_f = J P⁻¹ Jᵀ`` ``(N, C, C)``, streamed in batches
+        (at the guide's δ, or at ``prior_precision``)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        with self._linearization() as (run, device):
+            _, deltas = self._block_inputs(prior_precision)
+            _, _, scale = self._kind_and_scale()
+            return functional_covariance(
+                self.layers, self.posterior.blocks, [d.detach() for d in deltas], scale, run,
+                x.to(device), batch_size, num_augmentations=self._num_augmentations())
+
+    @contextmanager
+    def _linearization(self):
+        """``(run, device)``: ``run(x)`` is the network at θ*, with weights that require grad
+        (for the Jacobian factors), valid inside the context."""
         self._require_posterior()
         model = self.base_model
         with local_params(model, self):
-            device = self._device(x)
+            device = next(iter(self.theta.values())).device
             values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
-            theta, deltas = self._block_inputs()
-            _, _, scale = self._kind_and_scale()
-            return functional_covariance(
-                self.layers, self.posterior.blocks, [d.detach() for d in deltas],
-                scale, lambda xb: network_output(model, values, xb.to(device)), x, batch_size,
-                num_augmentations=_num_augmentations(model))
+            yield (lambda xb: network_output(model, values, xb.to(device))), device
+
+    def _num_augmentations(self) -> int:
+        return _num_augmentations(self.base_model)
+
+    def likelihood_kind(self) -> tuple[str, torch.Tensor | None]:
+        """``("categorical" | "bernoulli" | "gaussian", σ or None)`` of the fitted curvature."""
+        self._require_posterior()
+        kind, noise, _ = self._kind_and_scale()
+        return kind, noise
+
+    def linearized_samples(self, x: torch.Tensor, num_samples: int, batch_size: int = 256,
+                           sites=None, generator: torch.Generator | None = None,
+                           max_values: int = 2 ** 24) -> LinearizedSamples:
+        """Joint draws ``θ_s ~ N(θ*, P⁻¹)`` and the linearised network at ``x``.
+
+        ``f_lin(x_n; θ_s) = f(x_n; θ*) + J_n (θ_s − θ*)`` is computed from the layer
+        factors (:func:`~pyro_bnn.curvature.linearized_offsets`), so for each ``n``
+        the draws ``f_lin(x_n; θ_s)`` are samples of the GLM's function-space Gaussian
+        ``N(f*(x_n), Σ_f(x_n))`` and, across ``n``, joint draws of one linear model.
+
+        Parameters
+        ----------
+        x : Tensor, shape (N, ...)
+        num_samples : int
+            ``S``.
+        batch_size : int
+            Inputs per Jacobian pass.
+        sites : sequence of str, optional
+            Sites whose draws are returned in ``values`` (default all).
+        generator : torch.Generator, optional
+        max_values : int
+            Draws are made in chunks of at most this many weight values (``chunk ×
+            Laplace parameters``); each chunk costs one Jacobian pass over ``x``.
+
+        Returns
+        -------
+        LinearizedSamples
+        """
+        if int(num_samples) < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        keep = list(self.site_shapes) if sites is None else list(sites)
+        theta_star = {k: v.detach() for k, v in self.map_values().items()}
+        numel = sum(layer.numel for layer in self.layers)
+        chunk = max(1, min(int(num_samples), int(max_values) // max(1, numel)))
+        fs, log_qs, log_priors, kept = [], [], [], {k: [] for k in keep}
+        deltas = [d.detach() for d in self.layer_prior_precisions()]
+        for start in range(0, int(num_samples), chunk):
+            num = min(chunk, int(num_samples) - start)
+            offsets, log_q = self._draw_offsets(num, generator)
+            with self._linearization() as (run, device):
+                parts = [fac.f + linearized_offsets(self.layers, fac, offsets)
+                         for fac in jacobian_factors(self.layers, run, x.to(device), batch_size,
+                                                     self._num_augmentations())]
+            fs.append(torch.cat(parts, 1))
+            values = {k: v.expand(num, *v.shape) for k, v in theta_star.items() if k in self.fixed_sites}
+            for layer, off in zip(self.layers, offsets):
+                values.update(layer.unflatten(layer.flatten(theta_star) + off, self.site_shapes))
+            log_prior = gaussian_log_prior_batched(self.layers, values, deltas) \
+                + self.fixed_log_prior(theta_star)
+            log_qs.append(log_q)
+            log_priors.append(log_prior.expand(num))
+            for k in keep:
+                kept[k].append(values[k])
+        return LinearizedSamples({k: torch.cat(v) for k, v in kept.items()}, torch.cat(fs),
+                                 torch.cat(log_qs), torch.cat(log_priors).detach())
+
+
+def gaussian_log_prior_batched(layers, values: dict, deltas: list) -> torch.Tensor:
+    """``Σ_l log N(W̃_l | 0, δ_l⁻¹)`` for draws ``values[site]`` of shape ``(S, *shape)`` → ``(S,)``."""
+    total = 0.0
+    for layer, d in zip(layers, deltas):
+        w = _leading(layer, values).flatten(1)
+        log_det = layer.numel * torch.log(d) if d.dim() == 0 else torch.log(d).sum()
+        total = total + 0.5 * (log_det - (d * w ** 2).sum(-1) - layer.numel * math.log(2 * math.pi))
+    return total
+
+
+def _leading(layer, values):
+    """``W̃`` of draws with a leading sample dim: ``(S, out, in')``."""
+    parts = []
+    if layer.weight is not None:
+        v = values[layer.weight]
+        parts.append(v.reshape(v.shape[0], layer.out_features, -1))
+    if layer.bias is not None:
+        v = values[layer.bias]
+        parts.append(v.reshape(v.shape[0], layer.out_features, 1))
+    return torch.cat(parts, -1)
 
 
 def _num_augmentations(model) -> int:
@@ -472,4 +545,17 @@ def _concat_deltas(layers, deltas):
     return torch.cat([d.expand(layer.numel) if d.dim() == 0 else d for layer, d in zip(layers, deltas)])
 
 
-register_guide("laplace", lambda model, **kw: Laplace(model, **kw))
+def _laplace_last_layer(model, **options):
+    """Registry ``"laplace"``: best practice for a trained classifier (laplace-torch's default,
+    Daxberger et al. 2021) — last-layer KFAC, δ by the evidence after ``fit``, GLM predictive."""
+    return Laplace(model, **{"structure": "kron", "subset": "last_layer", "tune_prior_precision": "marglik",
+                             **options})
+
+
+def _laplace_all_layers(model, **options):
+    """Registry ``"laplace_all"``: all-layer KFAC, δ by the evidence after ``fit``, GLM predictive."""
+    return Laplace(model, **{"structure": "kron", "subset": "all", "tune_prior_precision": "marglik", **options})
+
+
+register_guide("laplace", _laplace_last_layer)
+register_guide("laplace_all", _laplace_all_layers)

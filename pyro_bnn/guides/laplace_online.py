@@ -4,22 +4,37 @@ The :func:`pyro_bnn.fit` hooks of :class:`~pyro_bnn.guides.Laplace`: MAP phase a
 guide, every ``marglik["every"]`` epochs after ``burnin`` a curvature refit and evidence steps
 on the prior precision (and a learned Gaussian noise, and a learnable augmentation's ``η``,
 LILA), keeping the state of the best evidence and restoring it at the end of ``fit``.
+
+The evidence that selects the best state comes from a deterministic full-data curvature
+pass: unshuffled batches over all the data under a fixed RNG seed, so a random
+augmentation (LILA) draws the same transformations at every evaluation and states are
+compared on common random numbers.  For such a model a second pass with another seed
+measures the estimate's own noise, recorded per evaluation in
+``history["log_evidence_noise"]`` (0 where the pass is exact: no random augmentation).
+Differences between evaluations beyond that noise are real differences of the evidence
+between the SGD iterates θ_t (``docs/results/laplace.md``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .. import marglik as ml
 from ..data import TensorBatches, make_loader
 from ..likelihoods import Gaussian
+from .laplace_prior import POSTHOC_LR, POSTHOC_STEPS, PriorPrecision
 
-__all__ = ["OnlineMarglik"]
+__all__ = ["OnlineMarglik", "EVIDENCE_SEED"]
+
+#: RNG seed of the deterministic curvature pass whose evidence selects the best state.
+EVIDENCE_SEED = 20_240_601
 
 
-class OnlineMarglik:
-    """Mixin with the ``fit`` hooks; the host provides ``fit_curvature``, ``_hyper_params``,
-    ``_hyper_steps``, ``prior_precision``, ``base_model`` and ``curvature_batch_size``."""
+class OnlineMarglik(PriorPrecision):
+    """Mixin with the ``fit`` hooks; the host provides ``fit_curvature``, ``log_evidence``,
+    ``prior_precision``, ``base_model``, ``tune_prior_precision`` and ``curvature_batch_size``."""
 
     def on_fit_start(self, ctx):
         self._map_mode = True
@@ -42,10 +57,11 @@ class OnlineMarglik:
             if self._marglik:
                 ctx.history.setdefault("log_evidence", []).append(float("nan"))
             return
-        self.fit_curvature(**_curvature_source(ctx))
+        self._deterministic_curvature(ctx)
         value = self._hyper_steps(int(self._marglik["steps"]), float(self._marglik["lr"]),
                                   params=self._hyper, optimizer=self._hyper_opt)
         ctx.history.setdefault("log_evidence", []).append(value)
+        ctx.history.setdefault("log_evidence_noise", []).append(self._evidence_noise(ctx, value))
         ctx.history.setdefault("prior_precision", []).append(float(self.prior_precision.mean()))
         if getattr(self, "_eta_opt", None) is not None:
             from ..invariance.learning import guide_eta_step
@@ -77,7 +93,30 @@ class OnlineMarglik:
         if getattr(self, "_noise_frozen", False):
             lik.log_noise.requires_grad_(True)
         self._best = self._hyper = self._hyper_opt = self._eta_opt = None
-        self.fit_curvature(**_curvature_source(ctx))
+        self._deterministic_curvature(ctx)
+        if self.tune_prior_precision == "marglik":
+            ctx.history["posthoc_log_evidence"] = [self._hyper_steps(POSTHOC_STEPS, POSTHOC_LR)]
+
+    def _deterministic_curvature(self, ctx, seed: int = EVIDENCE_SEED):
+        """Full-data curvature pass under a fixed RNG seed (the caller's RNG state is kept)."""
+        device = next(iter(self.theta.values())).device if self.prototype_trace is not None else None
+        devices = [device] if device is not None and device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            self.fit_curvature(**_curvature_source(ctx))
+
+    def _evidence_noise(self, ctx, value: float) -> float:
+        """Standard deviation of one pass's evidence: 0 for an exact (non-random) pass; with
+        a random augmentation ``|L₁ − L₂|/√2`` from a second pass with another seed (the
+        first pass's curvature is kept)."""
+        if self._num_augmentations() <= 1:
+            return 0.0
+        first = self.posterior
+        self._deterministic_curvature(ctx, EVIDENCE_SEED + 1)
+        with torch.no_grad():
+            other = float(self.log_evidence())
+        self.posterior = first
+        return abs(other - value) / math.sqrt(2.0)
 
 
 def _copy(state: dict) -> dict:

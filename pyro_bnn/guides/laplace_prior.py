@@ -1,0 +1,289 @@
+"""Prior precision δ of the Laplace guide: its structures and how it is tuned.
+
+Structures (``Laplace(..., prior_structure=)``), all for the Gaussian prior
+``N(0, diag(δ)⁻¹)`` over the sites the Laplace covers:
+
+``"scalar"``
+    One δ.
+``"layerwise"``
+    One δ per Linear/Conv2d layer (weight and bias together).
+``"sitewise"``
+    One δ per sample site, i.e. per parameter tensor: a weight and its bias get their own
+    δ (laplace-torch's "layerwise").  With ``structure="kron"`` this needs
+    ``kron_bias="separate"``: one Kronecker block over ``[W, b]`` has one δ.
+``"diagonal"``
+    One δ per weight (``structure="diag"`` or ``"full"``).
+
+Tuning (:meth:`PriorPrecision.optimize_prior_precision`):
+
+``method="marglik"``
+    Adam on ``log δ`` maximising the Laplace evidence (MacKay 1992; Immer et al. 2021).
+    Any structure; learns a Gaussian likelihood's noise too when it is learnable.
+``method="gridsearch"``
+    The candidate (a scalar, given to every entry of δ) with the lowest negative log
+    predictive density of the GLM predictive on validation data ``val=(x, y)``, as
+    laplace-torch's ``optimize_prior_precision(method="gridsearch")``.  The validation
+    points must not be part of the data the MAP and the curvature were fitted to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import marglik as ml
+from ..curvature import batch_covariance, glm_log_predictive, jacobian_factors
+from ..likelihoods import Gaussian
+
+__all__ = ["PriorPrecision", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS", "POSTHOC_LR"]
+
+PRIOR_STRUCTURES = ("scalar", "layerwise", "sitewise", "diagonal")
+
+#: laplace-torch's default grid: 100 values of δ from 1e-4 to 1e4, evenly spaced in log δ.
+DEFAULT_GRID = (-4.0, 4.0, 100)
+#: ``Laplace(..., tune_prior_precision="marglik")``: Adam steps on log δ at the end of ``fit``.
+POSTHOC_STEPS, POSTHOC_LR = 300, 0.1
+
+
+class PriorPrecision:
+    """Mixin of :class:`~pyro_bnn.guides.Laplace`: δ's structure, the evidence-based and the
+    validation-based tuning.  The host provides ``layers``, ``prior_structure``,
+    ``log_prior_precision``, ``posterior``, ``fit_curvature``, ``log_evidence``,
+    ``base_model``, ``_linearization`` and ``_kind_and_scale``."""
+
+    # ------------------------------------------------------------- structure
+    @property
+    def prior_precision(self) -> torch.Tensor:
+        """δ: shape ``()``, ``(num_layers,)``, ``(num_sites,)`` or ``(num_params,)``."""
+        return self.log_prior_precision.exp()
+
+    @property
+    def prior_precision_groups(self) -> list[tuple[str, ...]] | None:
+        """The sites each entry of δ covers (``None`` for ``"diagonal"``: one per weight)."""
+        if self.prior_structure == "scalar":
+            return [tuple(s for layer in self.layers for s in layer.sites)]
+        if self.prior_structure == "layerwise":
+            return [tuple(layer.sites) for layer in self.layers]
+        if self.prior_structure == "sitewise":
+            return [(s,) for layer in self.layers for s in layer.sites]
+        return None
+
+    def _prior_precision_shape(self) -> tuple[int, ...]:
+        return {"scalar": (), "layerwise": (len(self.layers),),
+                "sitewise": (sum(len(layer.sites) for layer in self.layers),),
+                "diagonal": (sum(layer.numel for layer in self.layers),)}[self.prior_structure]
+
+    def _initial_log_prior_precision(self, prior_prec: dict, given=None) -> torch.Tensor:
+        """``log δ`` from ``given`` (scalar or the structure's shape) or from the model's
+        Normal prior precisions ``prior_prec`` (``{site: tensor}``), averaged per group."""
+        per_layer = [torch.cat([prior_prec[s].reshape(-1) for s in layer.sites]) for layer in self.layers]
+        ref = per_layer[0]
+        shape = self._prior_precision_shape()
+        if given is not None:
+            v = torch.as_tensor(given, dtype=ref.dtype, device=ref.device)
+            if v.dim() == 0:
+                v = v.expand(shape)
+            if v.shape != shape:
+                raise ValueError(f"prior_precision for prior_structure={self.prior_structure!r} must be "
+                                 f"scalar or of shape {shape}, got {tuple(v.shape)}")
+            return v.log().clone()
+        if self.prior_structure == "scalar":
+            return torch.cat(per_layer).mean().log()
+        if self.prior_structure == "layerwise":
+            return torch.stack([p.mean() for p in per_layer]).log()
+        if self.prior_structure == "sitewise":
+            return torch.stack([prior_prec[s].mean() for layer in self.layers for s in layer.sites]).log()
+        # per weight, in each layer's W̃ order
+        return torch.cat([layer.flatten({s: prior_prec[s] for s in layer.sites}).reshape(-1)
+                          for layer in self.layers]).log()
+
+    def layer_prior_precisions(self, prior_precision: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """δ per layer: 0-d tensors, or ``(numel,)`` vectors in the layer's ``W̃`` order
+        (per-weight δ, or a weight's and a bias's δ spread over their entries)."""
+        d = self.prior_precision if prior_precision is None else prior_precision
+        if d.dim() == 0:
+            return [d] * len(self.layers)
+        if self.prior_structure == "layerwise":
+            return list(d.unbind())
+        if self.prior_structure == "sitewise":
+            out, parts = [], iter(d.unbind())
+            for layer in self.layers:
+                per_site = {s: next(parts) for s in layer.sites}
+                if len(per_site) == 1:
+                    out.append(next(iter(per_site.values())))
+                else:
+                    shapes = {layer.weight: (layer.out_features, layer.in_dim - 1), layer.bias: (layer.out_features,)}
+                    out.append(layer.flatten({s: v.expand(shapes[s]) for s, v in per_site.items()}).reshape(-1))
+            return out
+        return list(d.split([layer.numel for layer in self.layers]))
+
+    def _candidate(self, value) -> torch.Tensor:
+        """A grid value as a δ of this guide's structure: a scalar is given to every entry."""
+        v = torch.as_tensor(value, dtype=self.log_prior_precision.dtype, device=self.log_prior_precision.device)
+        shape = self._prior_precision_shape()
+        if v.dim() == 0:
+            return v.expand(shape)
+        if v.shape != shape:
+            raise ValueError(f"a candidate prior precision must be a scalar or of shape {shape}, got {tuple(v.shape)}")
+        return v
+
+    # ---------------------------------------------------------------- tuning
+    def optimize_prior_precision(self, data=None, steps: int = 100, lr: float = 0.1,
+                                 learn_noise: bool | None = None, *, method: str = "marglik",
+                                 val=None, grid=None, link_approx: str = "probit",
+                                 num_samples: int = 100, batch_size: int | None = None) -> float:
+        """Tune δ by the evidence (``method="marglik"``) or on validation data (``"gridsearch"``).
+
+        Parameters
+        ----------
+        data : (x, y), Dataset or DataLoader, optional
+            Training data: the curvature is (re)fitted on it first.  Needed when no
+            curvature is fitted yet.
+        steps, lr : int, float
+            ``"marglik"``: Adam steps on ``log δ`` and their learning rate.
+        learn_noise : bool, optional
+            ``"marglik"``: also learn a Gaussian likelihood's ``log σ`` (default: when it
+            is learnable).
+        method : {"marglik", "gridsearch"}
+        val : (x_val, y_val) tensors
+            ``"gridsearch"``: validation data, not used to fit the MAP or the curvature
+            (e.g. a split taken from the training set).
+        grid : sequence of float or Tensor, optional
+            ``"gridsearch"``: candidate δ (each a scalar given to every entry of δ, or a
+            tensor of δ's shape); default 100 values from 1e-4 to 1e4 (log-spaced).
+        link_approx : {"probit", "mc"}
+            ``"gridsearch"``: the GLM predictive scored (use the one you predict with).
+        num_samples : int
+            ``"gridsearch"`` with ``link_approx="mc"``: function draws per point (common
+            random numbers across candidates).
+        batch_size : int, optional
+            Inputs per Jacobian pass (default ``curvature_batch_size``).
+
+        Returns
+        -------
+        float
+            ``"marglik"``: the final log evidence; ``"gridsearch"``: the chosen δ's mean
+            validation negative log predictive density.  The grid's losses are kept in
+            ``guide.gridsearch_losses`` (``(grid, losses)`` tensors).
+
+        Raises
+        ------
+        ValueError
+            Unknown ``method``; ``"gridsearch"`` without ``val``; no curvature and no data.
+        """
+        if method not in ("marglik", "gridsearch"):
+            raise ValueError(f"method must be 'marglik' or 'gridsearch', got {method!r}")
+        if data is not None:
+            self.fit_curvature(data)
+        else:
+            self._require_posterior()
+        if method == "marglik":
+            if val is not None:
+                raise ValueError("val= is used by method='gridsearch' only; method='marglik' "
+                                 "maximises the evidence of the training data")
+            return self._hyper_steps(steps, lr, learn_noise)
+        if val is None:
+            raise ValueError("method='gridsearch' needs validation data val=(x_val, y_val)")
+        x_val, y_val = _as_pair(val)
+        if grid is None:
+            lo, hi, n = DEFAULT_GRID
+            grid = torch.logspace(lo, hi, n, dtype=torch.float64)
+        candidates = [self._candidate(v) for v in (grid if not isinstance(grid, torch.Tensor) or grid.dim() > 0
+                                                   else grid.reshape(1))]
+        if not candidates:
+            raise ValueError("grid must hold at least one candidate prior precision")
+        if any(not bool((c > 0).all()) for c in candidates):
+            raise ValueError("grid values must be > 0")
+        losses = self.validation_nll(x_val, y_val, candidates, link_approx=link_approx,
+                                     num_samples=num_samples, batch_size=batch_size)
+        finite = torch.where(torch.isfinite(losses), losses, torch.full_like(losses, math.inf))
+        best = int(torch.argmin(finite))
+        if not math.isfinite(float(finite[best])):
+            raise ValueError("the validation loss is not finite for any candidate prior precision")
+        with torch.no_grad():
+            self.log_prior_precision.copy_(candidates[best].log())
+        self.gridsearch_losses = (torch.stack(candidates).cpu(), losses.cpu())
+        return float(losses[best])
+
+    @torch.no_grad()
+    def validation_nll(self, x: torch.Tensor, y: torch.Tensor, prior_precisions=None, *,
+                       link_approx: str = "probit", num_samples: int = 100,
+                       batch_size: int | None = None, seed: int = 0) -> torch.Tensor:
+        """Mean negative log predictive density of the GLM predictive on ``(x, y)``, per δ.
+
+        ``−(1/N) Σ_n log p(y_n | x_n, D)`` with the predictive of
+        :func:`~pyro_bnn.curvature.glm_log_predictive` (probit or Monte Carlo for
+        classification, the closed-form Gaussian for regression).  The Jacobian factors
+        of ``x`` are computed once and reused for every candidate.
+
+        Parameters
+        ----------
+        x, y : Tensor
+        prior_precisions : sequence, optional
+            Candidate δ (scalars or tensors of δ's shape); default: the current δ.
+        link_approx, num_samples, batch_size
+            As in :meth:`optimize_prior_precision`.
+        seed : int
+            Seed of the function draws for ``link_approx="mc"`` (the same for every δ).
+
+        Returns
+        -------
+        Tensor, shape (K,)
+            One value per candidate.
+        """
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            raise TypeError(f"x and y must be torch.Tensors, got {type(x).__name__} and {type(y).__name__}")
+        if len(x) != len(y):
+            raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
+        self._require_posterior()
+        cands = [self.prior_precision] if prior_precisions is None else [self._candidate(d) for d in prior_precisions]
+        kind, noise, scale = self._kind_and_scale()
+        layers, blocks = self.layers, self.posterior.blocks
+        with self._linearization() as (run, device):
+            factors = list(jacobian_factors(layers, run, x.to(device), batch_size or self.curvature_batch_size,
+                                            self._num_augmentations(), dense=self.structure == "full"))
+        y = y.to(device)
+        out = []
+        for d in cands:
+            _, deltas = self._block_inputs(d)
+            gen = torch.Generator(device=device).manual_seed(seed)
+            total, start = 0.0, 0
+            for fac in factors:
+                m = len(fac.f)
+                cov = batch_covariance(layers, blocks, deltas, scale, fac)
+                lp = glm_log_predictive(fac.f, cov, y[start:start + m], kind, link_approx, num_samples,
+                                        noise, gen)
+                total, start = total + float(lp.double().sum()), start + m
+            out.append(-total / len(x))
+        return torch.tensor(out, dtype=torch.float64)
+
+    def _hyper_params(self, learn_noise):
+        log_pp = self.log_prior_precision.detach().clone().requires_grad_()
+        lik = getattr(self.base_model, "likelihood", None)
+        if learn_noise is None:
+            learn_noise = isinstance(lik, Gaussian) and lik.learned
+        if learn_noise and not isinstance(lik, Gaussian):
+            raise ValueError(f"learn_noise needs a Gaussian likelihood, got {type(lik).__name__}")
+        log_noise = lik.log_noise.detach().clone().requires_grad_() if learn_noise else None
+        return log_pp, log_noise
+
+    def _hyper_steps(self, steps, lr, learn_noise=None, params=None, optimizer=None):
+        log_pp, log_noise = params or self._hyper_params(learn_noise)
+
+        def evidence():
+            return self.log_evidence(log_pp.exp(), None if log_noise is None else log_noise.exp())
+
+        leaves = [log_pp] + ([log_noise] if log_noise is not None else [])
+        value = ml.maximize_evidence(evidence, leaves, steps, lr, optimizer)
+        with torch.no_grad():
+            self.log_prior_precision.copy_(log_pp)
+            if log_noise is not None:
+                self.base_model.likelihood.log_noise.copy_(log_noise)
+        return value
+
+
+def _as_pair(val):
+    if isinstance(val, (tuple, list)) and len(val) == 2 and all(isinstance(t, torch.Tensor) for t in val):
+        return val
+    raise TypeError(f"val must be a pair of tensors (x_val, y_val), got {type(val).__name__}")
