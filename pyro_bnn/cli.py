@@ -5,6 +5,12 @@ digits data (1,348 train / 449 test 8×8 images, an MLP 64-100-10), prints the c
 table and writes ``pyro-bnn-report/``: ``table.md``, ``table.csv``, ``metrics.json``,
 ``reliability.png``, ``entropy.png``, ``forest.png`` and ``datatrees/<guide>.nc``
 (see :mod:`pyro_bnn.report`).  ``--smoke`` runs the whole pipeline in seconds.
+
+The report folder is replaced whole at the end of a run, or not at all: ``--out`` is checked
+before any training, the files are written into a temporary sibling folder that is renamed
+into place at the end, and Ctrl-C (or an error while writing) leaves the previous report as
+it was.  Exit codes: 0 done, 1 every guide failed or the report could not be written, 2 bad
+arguments or data, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from .compare import compare
 from .guides.base import registered_guides
 from .model import BNN
 from .report import markdown_table, write_report
+from .staged_folder import StagedFolder
 
 __all__ = ["main", "build_parser", "GUIDE_DEFAULTS"]
 
@@ -41,6 +48,20 @@ GUIDE_DEFAULTS: dict[str, dict] = {
 DEFAULT_EPOCHS = 40
 
 
+def _int_at_least(low: int):
+    """argparse type: an integer ``>= low`` (a clear one-line error otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pyro-bnn", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,16 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default="../shared/data/mnist", help="folder with the MNIST IDX files")
     p.add_argument("--guides", default=None,
                    help=f"comma-separated guide names (default: all registered: {','.join(registered_guides())})")
-    p.add_argument("--epochs", type=int, default=None,
-                   help="epochs for every guide (default: tuned per guide, see GUIDE_DEFAULTS)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=100, help="hidden units of the MLP")
-    p.add_argument("--num-samples", type=int, default=100, help="posterior draws for test predictions")
-    p.add_argument("--loo-samples", type=int, default=200, help="draws in each DataTree (ELBO, ELPD-LOO)")
+    p.add_argument("--epochs", type=_int_at_least(0), default=None,
+                   help="epochs for every guide, 0 for none (default: tuned per guide, see GUIDE_DEFAULTS; "
+                        "1 with --smoke)")
+    p.add_argument("--batch-size", type=_int_at_least(1), default=64)
+    p.add_argument("--hidden", type=_int_at_least(1), default=100, help="hidden units of the MLP")
+    p.add_argument("--num-samples", type=_int_at_least(1), default=100,
+                   help="posterior draws for test predictions")
+    p.add_argument("--loo-samples", type=_int_at_least(1), default=200,
+                   help="draws in each DataTree (ELBO, ELPD-LOO)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default="pyro-bnn-report", help="report folder")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--out", default="pyro-bnn-report",
+                   help="report folder (replaced whole at the end of the run)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--threads", type=_int_at_least(1), default=1,
                    help="torch CPU threads (default 1: the default networks are so small that more "
                         "threads only add synchronisation; raise it for MNIST or wide networks)")
     p.add_argument("--smoke", action="store_true", help="tiny data and 1 epoch: checks the pipeline")
@@ -102,7 +127,10 @@ def _settings(args, names):
     epochs, lr, fit_kw, predict = {}, {}, {}, {}
     for name in names:
         cfg = GUIDE_DEFAULTS.get(name, {})
-        epochs[name] = 1 if args.smoke else (args.epochs or cfg.get("epochs", DEFAULT_EPOCHS))
+        if args.epochs is not None:  # 0 means 0
+            epochs[name] = args.epochs
+        else:
+            epochs[name] = 1 if args.smoke else cfg.get("epochs", DEFAULT_EPOCHS)
         lr[name] = cfg.get("lr", 1e-3)
         fit_kw[name] = dict(cfg.get("fit", {}))
         predict[name] = cfg.get("predict", "sample")
@@ -112,19 +140,39 @@ def _settings(args, names):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
-    if args.threads < 1:
-        print(f"--threads must be >= 1, got {args.threads}", file=sys.stderr)
-        return 2
-    torch.set_num_threads(args.threads)
     registry = registered_guides()
     names = list(registry) if args.guides is None else [g.strip() for g in args.guides.split(",") if g.strip()]
     unknown = [g for g in names if g not in registry]
-    if unknown:
-        print(f"unknown guide(s) {unknown}; choose from {sorted(registry)}", file=sys.stderr)
+    if unknown or not names:
+        print(f"unknown guide(s) {unknown}; choose from {sorted(registry)}" if unknown
+              else f"--guides names no guide; choose from {sorted(registry)}", file=sys.stderr)
         return 2
+    try:  # before any work: an unwritable --out must not cost the whole run
+        staging = StagedFolder(args.out)
+    except OSError as exc:
+        print(f"error: {exc.strerror or exc} (--out {args.out})", file=sys.stderr)
+        return 2
+    had_report = staging.out.exists()
+    try:
+        return _run(args, names, staging, t_start)
+    except KeyboardInterrupt:
+        if staging.committed:
+            state = f"after the report was written to {args.out}"
+        elif had_report:
+            state = f"no report written; the previous one in {args.out} is unchanged"
+        else:
+            state = "no report written"
+        print(f"interrupted: {state}", file=sys.stderr)
+        return 130
+    finally:
+        staging.discard()
+
+
+def _run(args, names, staging: StagedFolder, t_start: float) -> int:
+    torch.set_num_threads(args.threads)
     try:
         split = _data(args)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     epochs, lr, fit_kw, predict = _settings(args, names)
@@ -134,14 +182,21 @@ def main(argv: list[str] | None = None) -> int:
                      batch_size=args.batch_size, num_samples=num_samples, loo_samples=loo_samples,
                      device=args.device, seed=args.seed, progress=not args.no_progress,
                      fit_options=fit_kw, predict_method=predict, details=True)
+    print(markdown_table(result.table))  # first: the table survives a failure to write
     settings = {k: v for k, v in vars(args).items()}
     settings.update(epochs=epochs, lr=lr, fit_options=fit_kw, predict_method=predict,
                     num_samples=num_samples, loo_samples=loo_samples,
                     num_train=len(split.x_train), num_test=len(split.x_test))
-    written = write_report(result, args.out, num_samples=num_samples, settings=settings)
-    wall = time.perf_counter() - t_start
-    _add_wall_time(written["metrics_json"], wall)
-    print(markdown_table(result.table))
+    try:
+        written = write_report(result, staging.path, num_samples=num_samples, settings=settings,
+                               staged=False)
+        wall = time.perf_counter() - t_start
+        _add_wall_time(written["metrics_json"], wall)
+        staging.commit()
+    except OSError as exc:
+        print(f"error: could not write the report to {args.out}: {exc}; the previous one is unchanged",
+              file=sys.stderr)
+        return 1
     print(f"report written to {args.out}/ ({len(written)} files) in {wall:.1f} s")
     return 1 if result.table.get("error") is not None and result.table["error"].notna().all() else 0
 

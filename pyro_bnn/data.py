@@ -1,13 +1,28 @@
-"""Turning user data (tensors, a ``Dataset`` or a ``DataLoader``) into minibatches."""
+"""Turning user data (tensors, a ``Dataset`` or a ``DataLoader``) into checked minibatches.
+
+Training data is checked before it reaches torch or Pyro internals, where a mistake either
+fails with an unclear message or, worse, is absorbed silently (``F.cross_entropy`` ignores
+labels equal to −100).  Tensors are checked once, up front (:func:`validate_data`); batches
+from a ``Dataset`` or ``DataLoader`` are checked as they are yielded (:class:`CheckedBatches`)
+by a :class:`BatchCheck`: a few vectorised reductions per batch, on the batch as the loader
+yields it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from pyro import poutine
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-__all__ = ["as_tensors", "make_loader", "TensorBatches", "check_finite", "dataset_size"]
+from ._local_params import local_params
+from .likelihoods import Likelihood
+
+__all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
+           "check_inputs", "validate_data", "model_dtype", "dataset_size", "split_batch"]
 
 
 def as_tensors(data) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -31,10 +46,182 @@ def as_tensors(data) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def check_finite(t: torch.Tensor, what: str) -> None:
-    """Raise ``ValueError`` if a floating tensor holds NaN or inf."""
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
+    """Raise ``ValueError`` if a floating tensor holds NaN or inf.
+
+    Fast path: one NaN or inf makes the sum NaN or inf whatever the order of summation, so a
+    finite sum proves every value finite (a sum ~20× cheaper than ``isfinite(t).all()`` on
+    a 128×784 batch); only a non-finite sum (which finite values can also give by
+    overflow) pays for the element-wise test.
+    """
+    if not t.is_floating_point() or math.isfinite(float(t.sum())):
+        return
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
         raise ValueError(f"{what} contains {bad} NaN/inf values; expected finite numbers")
+
+
+def check_inputs(x, what: str = "x", dtype: torch.dtype | None = None) -> None:
+    """Clear errors for inputs a network cannot take: not a tensor, empty, integer, wrong
+    floating dtype, NaN/inf.
+
+    Parameters
+    ----------
+    x : Tensor, shape (N, ...)
+        Inputs.
+    what : str
+        How to name ``x`` in messages (``"x"``, ``"x in batch 3 of the DataLoader"``).
+    dtype : torch.dtype, optional
+        The model's floating dtype; ``x`` must have it.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a tensor, or has an integer or other floating dtype.
+    ValueError
+        ``x`` is empty or holds NaN/inf.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError(f"{what} must have a batch dimension (N, ...), got a 0-d tensor")
+    if len(x) == 0:
+        raise ValueError(f"{what} is empty (shape {tuple(x.shape)}); expected at least one example")
+    _check_x_dtype(x, what, dtype)
+    check_finite(x, what)
+
+
+def _check_x_dtype(x, what, dtype):
+    if not x.is_floating_point():
+        raise TypeError(f"{what} has dtype {x.dtype}; expected floating-point inputs "
+                        f"(convert with x.float(), scaling integer pixels e.g. by x.float() / 255)")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(
+            f"{what} has dtype {x.dtype} but the model's weights are {dtype}; convert the inputs "
+            f"with x.to({dtype}) or build the network in {x.dtype} before pb.BNN "
+            f"(e.g. net.to({x.dtype})) to train in {x.dtype}")
+
+
+def model_dtype(model) -> torch.dtype | None:
+    """Floating dtype of a model's weights: a BNN's initial values, else its first floating
+    parameter or buffer; ``None`` if it has none (a hand-written model without weights)."""
+    initial = getattr(model, "initial_values", None)
+    if callable(initial):
+        for t in initial().values():
+            if t.is_floating_point():
+                return t.dtype
+    if isinstance(model, torch.nn.Module):
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.is_floating_point():
+                return t.dtype
+    return None
+
+
+class BatchCheck:
+    """Vectorised checks of one minibatch ``(x, y)`` before it reaches the model.
+
+    ``x``: a non-empty floating tensor of the model's dtype with finite values; ``y``: as
+    many targets as inputs, finite if floating, and valid for the model's likelihood
+    (:meth:`pyro_bnn.likelihoods.Likelihood.validate`: integer labels in ``[0, C−1]`` for a
+    categorical likelihood, 0/1 for a Bernoulli one, target shapes).  The network's output
+    shape, which the label range needs, is computed once from the first batch (two
+    examples, without touching the random number streams) and cached.
+
+    Parameters
+    ----------
+    model : BNN or PyroModule, optional
+        The model; without it only the model-free checks run (no dtype, no label range).
+    device : torch.device, optional
+        Where the model is (the output-shape pass moves two examples there).
+    """
+
+    def __init__(self, model=None, device=None):
+        self.model = model
+        self.dtype = model_dtype(model) if model is not None else None
+        lik = getattr(model, "likelihood", None)
+        self.likelihood = lik if isinstance(lik, Likelihood) else None
+        self.device = device
+        self._output_shape: tuple[int, ...] | None = None
+
+    def __call__(self, x, y=None, where: str = "") -> None:
+        """Raise ``TypeError``/``ValueError`` naming the problem and ``where`` it is."""
+        at = f" in {where}" if where else ""
+        check_inputs(x, f"x{at}", self.dtype)
+        if y is None:
+            return
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"y{at} must be a torch.Tensor, got {type(y).__name__}")
+        if y.dim() == 0 or len(y) != len(x):
+            raise ValueError(f"x and y{at} must have the same length, got {len(x)} inputs and "
+                             f"{len(y) if y.dim() else 'a 0-d'} targets (shape {tuple(y.shape)})")
+        check_finite(y, f"y{at}")
+        if self.likelihood is not None:
+            try:
+                self.likelihood.validate(y, self._output_carrier(x))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"y{at}: {exc}") from None
+
+    def learn_output_shape(self, x, isolate_rng: bool = True) -> None:
+        """Run the network once on two examples of ``x`` to learn its output shape.
+
+        The weights are drawn from the prior; with ``isolate_rng`` the global random state is
+        restored afterwards, so checking a loader's first batch does not shift training.
+        """
+        function = getattr(self.model, "function", None)
+        if function is None or self._output_shape is not None:
+            return
+        xs = x[:2] if self.device is None else x[:2].to(self.device)
+        devices = [xs.device] if xs.device.type == "cuda" else []
+        rng = torch.random.fork_rng(devices=devices) if isolate_rng else contextlib.nullcontext()
+        with rng, torch.no_grad(), poutine.block(), local_params(self.model):
+            self._output_shape = tuple(function(xs).shape[1:])
+
+    def _output_carrier(self, x) -> torch.Tensor | None:
+        """An empty tensor of shape ``(0, *output_shape)``: carries the shape to ``validate``."""
+        self.learn_output_shape(x)
+        return None if self._output_shape is None else torch.empty((0, *self._output_shape))
+
+
+def validate_data(model, data, device=None) -> BatchCheck:
+    """Check training data for ``model`` before training; return the check for its batches.
+
+    Tensors (``(x, y)``, ``x`` or a ``TensorDataset``) are checked here, once, in full:
+    :class:`BatchCheck` on the whole data.  A ``Dataset`` or ``DataLoader`` is checked for
+    emptiness here and batch by batch as it is read (pass the returned check to
+    :func:`make_loader`).
+
+    Raises
+    ------
+    TypeError, ValueError
+        The message names the argument, what was expected and what was received.
+    """
+    check = BatchCheck(model, device)
+    if isinstance(data, CheckedBatches):  # already wrapped: its own check runs per batch
+        return data.check
+    dataset = data.dataset if isinstance(data, DataLoader) else data
+    if isinstance(dataset, Dataset) and not isinstance(dataset, (TensorDataset, IterableDataset)):
+        try:
+            size = len(dataset)
+        except TypeError:  # a map-style dataset without __len__: checked per batch only
+            return check
+        if size == 0:
+            raise ValueError(f"data is empty: the {type(dataset).__name__} has 0 examples; "
+                             "expected at least one")
+        return check
+    if isinstance(data, DataLoader) or isinstance(dataset, IterableDataset):
+        return check
+    try:
+        x, y = as_tensors(data)
+    except TypeError:  # not data at all: make_loader names the accepted forms
+        return check
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and len(x) == 0:
+        raise ValueError(f"data is empty: x has shape {tuple(x.shape)}; expected at least one example")
+    check_inputs(x, "x", check.dtype)
+    if y is not None and check.likelihood is not None:
+        # This draw from the global RNG is the one fit's tensor check always made: seeded
+        # results stay what they were.  (Loader batches are checked with the RNG restored.)
+        check.learn_output_shape(x, isolate_rng=False)
+    check(x, y)
+    return check
 
 
 class TensorBatches:
@@ -82,17 +269,65 @@ def dataset_size(loader) -> int:
     return len(ds)  # the global N, also under a DistributedSampler
 
 
+class CheckedBatches:
+    """A ``DataLoader`` whose batches pass a :class:`BatchCheck` as they are yielded.
+
+    Everything else (``len``, ``dataset``, ``sampler``, ``batch_size``, ...) is the wrapped
+    loader's.  A pass that yields no batch at all (an empty data set, or ``drop_last`` with
+    fewer examples than one batch) raises ``ValueError`` instead of ending silently.
+    """
+
+    def __init__(self, loader, check: BatchCheck | None = None):
+        self.loader = loader
+        self.check = check if check is not None else BatchCheck()
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        if name in ("loader", "check"):  # not yet set (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __iter__(self):
+        count = 0
+        for count, batch in enumerate(self.loader, 1):
+            x, y = split_batch(batch)
+            self.check(x, y, f"batch {count} of the DataLoader")
+            yield batch
+        if count == 0:
+            raise ValueError(f"data is empty: the DataLoader yielded no batch ({_loader_summary(self.loader)}); "
+                             "expected at least one")
+
+
+def _loader_summary(loader) -> str:
+    parts = []
+    try:
+        parts.append(f"{len(loader.dataset)} examples")
+    except (AttributeError, TypeError):
+        pass
+    for name in ("batch_size", "drop_last"):
+        if getattr(loader, name, None) is not None:
+            parts.append(f"{name}={getattr(loader, name)}")
+    return ", ".join(parts) or type(loader).__name__
+
+
 def make_loader(data, batch_size: int = 64, shuffle: bool = True, drop_last: bool = False,
-                device: torch.device | str | None = None):
+                device: torch.device | str | None = None, check: BatchCheck | None = None):
     """Return an iterable of ``(x, y)`` minibatches for tensors, a ``Dataset`` or a ``DataLoader``.
 
-    Tensors are moved to ``device`` once and batched by slicing; datasets get a
-    ``DataLoader``; loaders are used as they are (batches are moved to the device per step).
+    Tensors are moved to ``device`` once and batched by slicing (check them once, up front,
+    with :func:`validate_data`); datasets get a ``DataLoader``; loaders are used as they are
+    (batches are moved to the device per step).  Batches of datasets and loaders pass
+    ``check`` (:class:`BatchCheck`; default: the model-free checks) as they are yielded.
     """
-    if isinstance(data, DataLoader):
+    if isinstance(data, CheckedBatches):
         return data
+    if isinstance(data, DataLoader):
+        return CheckedBatches(data, check)
     if isinstance(data, Dataset) and not isinstance(data, TensorDataset):
-        return DataLoader(data, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
+        return CheckedBatches(DataLoader(data, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last),
+                              check)
     x, y = as_tensors(data)
     if device is not None:
         x = x.to(device)

@@ -10,6 +10,7 @@ import gzip
 import math
 import os
 import struct
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,20 +69,58 @@ def digits(test_fraction: float = 0.25, seed: int = 0, image: bool = False) -> D
     return _split(x, y, test_fraction, seed)
 
 
-def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Read an IDX file (raw or ``.gz``), as used by MNIST."""
+def read_idx(path: str | os.PathLike, ndim: int | None = None) -> np.ndarray:
+    """Read an unsigned-byte IDX file (raw or ``.gz``), as used by MNIST.
+
+    The format: a 4-byte magic number ``0x00 0x00 0x08 d`` (``0x08`` = unsigned byte,
+    ``d`` = number of dimensions), ``d`` big-endian 32-bit sizes, then the values.
+
+    Parameters
+    ----------
+    path : path
+        The file.
+    ndim : int, optional
+        Expected number of dimensions (3 for MNIST images, 1 for labels).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``uint8`` array of the shape the header states.
+
+    Raises
+    ------
+    ValueError
+        Not an unsigned-byte IDX file, a wrong number of dimensions, or a file (or gzip
+        stream) that is truncated or longer than its header says.
+    """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        data = fh.read()
-    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
-    if zero != 0 or dtype_code != 0x08:
-        raise ValueError(f"{path} is not an unsigned-byte IDX file (header {data[:4]!r})")
-    shape = struct.unpack(">" + "I" * ndim, data[4:4 + 4 * ndim])
-    arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
-    if arr.size != math.prod(shape):
-        raise ValueError(f"{path}: header says {shape} but holds {arr.size} values")
-    return arr.reshape(shape)
+    try:
+        with opener(path, "rb") as fh:
+            data = fh.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"{path}: damaged or truncated gzip file ({exc})") from None
+    if len(data) < 4:
+        raise ValueError(f"{path}: truncated IDX file: {len(data)} bytes, expected at least a "
+                         "4-byte magic number")
+    zero, dtype_code, dims = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype_code != 0x08 or dims == 0:
+        raise ValueError(f"{path} is not an unsigned-byte IDX file: magic number {data[:4].hex()}, "
+                         "expected 000008 followed by the number of dimensions")
+    if ndim is not None and dims != ndim:
+        raise ValueError(f"{path}: expected an IDX file with {ndim} dimension(s) "
+                         f"(magic 000008{ndim:02x}), got {dims} (magic {data[:4].hex()})")
+    offset = 4 + 4 * dims
+    if len(data) < offset:
+        raise ValueError(f"{path}: truncated IDX header: {len(data)} bytes, expected {offset}")
+    shape = struct.unpack(">" + "I" * dims, data[4:offset])
+    expected = math.prod(shape)
+    got = len(data) - offset
+    if got != expected:
+        kind = "truncated" if got < expected else "longer than its header says"
+        raise ValueError(f"{path}: {kind}: header says shape {shape} ({expected} values), "
+                         f"the file holds {got}")
+    return np.frombuffer(data, dtype=np.uint8, offset=offset).reshape(shape)
 
 
 _MNIST_FILES = {
@@ -104,6 +143,14 @@ def mnist(root: str | os.PathLike, split: str = "test", flatten: bool = True,
 
     Returns ``x`` scaled to [0, 1] (``(N, 784)`` or ``(N, 1, 28, 28)``) and labels ``(N,)``.
     With ``download=True`` and files missing, torchvision downloads them (needs internet).
+
+    Raises
+    ------
+    FileNotFoundError
+        The files are not in ``root``.
+    ValueError
+        A damaged file (see :func:`read_idx`), images that are not ``(N, 28, 28)``,
+        labels that are not ``(N,)`` digits 0-9, or image and label counts that differ.
     """
     if split not in _MNIST_FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -119,8 +166,16 @@ def mnist(root: str | os.PathLike, split: str = "test", flatten: bool = True,
         raise FileNotFoundError(
             f"MNIST {split} files ({img_stem}[.gz], {lbl_stem}[.gz]) not found in {root} "
             "(also looked in MNIST/raw); pass download=True when online")
-    x = torch.from_numpy(read_idx(img).astype(np.float32) / 255.0)
-    y = torch.from_numpy(read_idx(lbl).astype(np.int64))
+    images, labels = read_idx(img, ndim=3), read_idx(lbl, ndim=1)
+    if images.shape[1:] != (28, 28):
+        raise ValueError(f"{img}: expected MNIST images of 28x28 pixels, got shape {images.shape}")
+    if len(labels) != len(images):
+        raise ValueError(f"MNIST {split} files disagree: {len(images)} images in {img.name} but "
+                         f"{len(labels)} labels in {lbl.name}; expected one label per image")
+    if labels.size and int(labels.max()) > 9:
+        raise ValueError(f"{lbl}: expected digit labels 0-9, got labels up to {int(labels.max())}")
+    x = torch.from_numpy(images.astype(np.float32) / 255.0)
+    y = torch.from_numpy(labels.astype(np.int64))
     x = x.reshape(len(x), -1) if flatten else x.reshape(len(x), 1, 28, 28)
     return x, y
 

@@ -46,18 +46,22 @@ class Categorical(Likelihood):
         return dist.Categorical(logits=f)
 
     def validate(self, y, f=None):
-        if y.is_floating_point() or y.dtype == torch.bool:
+        if y.is_floating_point() or y.dtype == torch.bool or y.is_complex():
             raise TypeError(f"categorical likelihood expects integer class labels, got dtype {y.dtype}")
+        if y.dtype not in (torch.int64, torch.uint8):
+            raise TypeError(f"categorical labels must be int64 (torch.long), got {y.dtype}; "
+                            "convert them with y.long()")
         if y.dim() != 1:
             raise ValueError(f"categorical labels must have shape (N,), got {tuple(y.shape)}")
-        if f is not None and y.numel():
-            num_classes = f.shape[-1]
-            lo, hi = int(y.min()), int(y.max())
-            if lo < 0 or hi >= num_classes:
-                raise ValueError(
-                    f"labels must lie in [0, {num_classes - 1}] for a network with "
-                    f"{num_classes} outputs; got labels in [{lo}, {hi}]"
-                )
+        if y.numel():
+            lo, hi = (int(v) for v in torch.aminmax(y))
+            num_classes = None if f is None else f.shape[-1]
+            if lo < 0 or (num_classes is not None and hi >= num_classes):
+                expected = (f"in [0, {num_classes - 1}] for a network with {num_classes} outputs"
+                            if num_classes is not None else ">= 0")
+                hint = (" (negative labels such as PyTorch's ignore_index -100 are not supported: "
+                        "drop those examples)") if lo < 0 else ""
+                raise ValueError(f"labels must lie {expected}; got labels in [{lo}, {hi}]{hint}")
 
 
 class Bernoulli(Likelihood):
@@ -140,9 +144,21 @@ def make_likelihood(likelihood: str | Likelihood, noise: float | str | None = No
 
 
 def log_likelihood(lik: Likelihood, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Pointwise ``log p(y_n | f_n)``, shape ``(N,)`` — a fast path without Pyro tracing."""
+    """Pointwise ``log p(y_n | f_n)``, shape ``(N,)`` — a fast path without Pyro tracing.
+
+    Categorical: ``log softmax(f)[n, y_n]`` by ``gather``, not ``F.cross_entropy``, which
+    silently drops labels equal to its ``ignore_index`` (−100) from the sum (bit-identical
+    values and gradients otherwise); a label out of range raises ``ValueError``.
+    """
     if isinstance(lik, Categorical):
-        return -F.cross_entropy(f, y, reduction="none")
+        if y.dtype != torch.int64:
+            lik.validate(y)  # float, bool or int32 labels: a TypeError, not a silent cast
+            y = y.long()
+        try:
+            return f.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        except (RuntimeError, IndexError):
+            lik.validate(y, f)  # names the labels out of range
+            raise
     if isinstance(lik, Bernoulli):
         return -F.binary_cross_entropy_with_logits(f, y.to(f.dtype), reduction="none").flatten(1).sum(1)
     return lik.distribution(f).log_prob(y)

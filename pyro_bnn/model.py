@@ -12,7 +12,7 @@ from pyro.nn.module import to_pyro_module_
 from torch import nn
 
 from .likelihoods import Likelihood, make_likelihood
-from .priors import IIDNormal, Prior, PriorSpec, resolve_prior
+from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 
 __all__ = ["BNN", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
@@ -147,6 +147,7 @@ class BNN(PyroModule):
                 f"parameters {[n for n, _ in net.named_parameters()]})"
             )
 
+        check_prior_keys(prior, [f"net.{c[-1]}" for c in chosen])
         self._initial_values: dict[str, torch.Tensor] = {}
         self._fan_in: dict[str, int] = {}
         to_pyro_module_(net)

@@ -22,8 +22,9 @@ torch.Size([3, 2])
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import pyro.distributions as dist
 import torch
@@ -38,7 +39,27 @@ __all__ = [
     "ScaleMixtureNormal",
     "PriorSpec",
     "resolve_prior",
+    "check_prior_keys",
 ]
+
+
+def _hyperparameter(value, what: str, *, positive: bool = False) -> float:
+    """``value`` as a finite float (``> 0`` if ``positive``), else a clear error.
+
+    A non-finite hyperparameter makes every ELBO infinite or NaN, which ``fit`` would only
+    report later as a diverged loss; catching it here names the actual mistake.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r}")
+    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_complex()):
+        raise TypeError(f"{what} must be a real number (a float or a one-element tensor), "
+                        f"got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{what} must be a finite number, got {v}")
+    if positive and not v > 0:
+        raise ValueError(f"{what} must be > 0, got {v}")
+    return v
 
 
 class Prior(nn.Module):
@@ -69,10 +90,10 @@ class IIDNormal(Prior):
 
     def __init__(self, scale: float = 1.0, loc: float = 0.0):
         super().__init__()
-        if not scale > 0:
-            raise ValueError(f"IIDNormal scale must be > 0, got {scale!r}")
-        self.register_buffer("loc", torch.tensor(float(loc)))
-        self.register_buffer("scale", torch.tensor(float(scale)))
+        scale = _hyperparameter(scale, "IIDNormal scale", positive=True)
+        loc = _hyperparameter(loc, "IIDNormal loc")
+        self.register_buffer("loc", torch.tensor(loc))
+        self.register_buffer("scale", torch.tensor(scale))
 
     def forward(self, shape, fan_in=None):
         return self._to_event(dist.Normal(self.loc, self.scale), shape)
@@ -99,9 +120,8 @@ class FanInNormal(Prior):
 
     def __init__(self, gain: float = 1.0):
         super().__init__()
-        if not gain > 0:
-            raise ValueError(f"FanInNormal gain must be > 0, got {gain!r}")
-        self.register_buffer("gain", torch.tensor(float(gain)))
+        gain = _hyperparameter(gain, "FanInNormal gain", positive=True)
+        self.register_buffer("gain", torch.tensor(gain))
 
     def forward(self, shape, fan_in=None):
         if fan_in is None:
@@ -173,13 +193,14 @@ class ScaleMixture(Prior):
 
     def __init__(self, pi: float = 0.5, sigma1: float = 1.0, sigma2: float = math.exp(-6)):
         super().__init__()
+        pi = _hyperparameter(pi, "ScaleMixture pi")
         if not 0.0 < pi < 1.0:
             raise ValueError(f"ScaleMixture pi must be in (0, 1), got {pi!r}")
-        if not (sigma1 > 0 and sigma2 > 0):
-            raise ValueError(f"ScaleMixture sigmas must be > 0, got {sigma1!r}, {sigma2!r}")
-        self.register_buffer("pi", torch.tensor(float(pi)))
-        self.register_buffer("sigma1", torch.tensor(float(sigma1)))
-        self.register_buffer("sigma2", torch.tensor(float(sigma2)))
+        sigma1 = _hyperparameter(sigma1, "ScaleMixture sigma1", positive=True)
+        sigma2 = _hyperparameter(sigma2, "ScaleMixture sigma2", positive=True)
+        self.register_buffer("pi", torch.tensor(pi))
+        self.register_buffer("sigma1", torch.tensor(sigma1))
+        self.register_buffer("sigma2", torch.tensor(sigma2))
 
     def forward(self, shape, fan_in=None):
         return self._to_event(ScaleMixtureNormal(self.pi, self.sigma1, self.sigma2), shape)
@@ -222,3 +243,41 @@ def resolve_prior(spec: PriorSpec, name: str, param: torch.Tensor) -> Prior:
             f"prior for {name!r} must be a pyro_bnn.priors.Prior, got {type(prior).__name__}"
         )
     return prior
+
+
+def check_prior_keys(spec: PriorSpec, site_names: Sequence[str]) -> None:
+    """Reject keys of a prior dict that match no random parameter.
+
+    With a ``"*"`` default, :func:`resolve_prior` never looks at a misspelled key
+    (``"net.0.wieght"``), so the prior the user meant would be silently replaced by the
+    default.  Call this once after every site has been resolved.
+
+    Parameters
+    ----------
+    spec : Prior, dict or callable
+        The ``prior=`` argument; only dicts are checked.
+    site_names : sequence of str
+        The model's random sites (``"net.0.weight"``, ...).
+
+    Raises
+    ------
+    ValueError
+        A key other than ``"*"`` names no site; the message names the closest site.
+    """
+    if not isinstance(spec, Mapping):
+        return
+    sites = list(site_names)
+    unknown = [k for k in spec if k != "*" and k not in sites]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        text = str(key)
+        if f"net.{text}" in sites:
+            close = [f"net.{text}"]
+        else:
+            close = difflib.get_close_matches(text, sites, n=1, cutoff=0.5)
+        hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    raise ValueError(
+        f"prior dict key(s) {', '.join(hints)} match no random parameter of the model; "
+        f"expected keys among {sites} or '*' for the default")

@@ -10,6 +10,10 @@
 * ``forest.png`` — ArviZ forest plot of selected weights across guides;
 * ``regression.png`` — predictive bands (regression data instead of the two above);
 * ``datatrees/<guide>.nc`` — each guide's ArviZ ``DataTree`` (``xarray.open_datatree``).
+
+The folder is written whole or not at all (:class:`StagedFolder`): the files go into a
+temporary sibling folder that replaces ``out`` only at the end, so an interrupted or failed
+run leaves the previous report as it was, and a rerun leaves no file of the previous one.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import torch
 
 from . import metrics
 from .ood import auroc
+from .staged_folder import StagedFolder
 
-__all__ = ["write_report", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
+__all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
            "regression_figure", "markdown_table"]
 
 
@@ -252,7 +257,7 @@ def _jsonable(v):
 
 
 def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
-                 settings: Mapping | None = None) -> dict[str, Path]:
+                 settings: Mapping | None = None, staged: bool = True) -> dict[str, Path]:
     """Write the report folder for a :class:`~pyro_bnn.compare.Comparison`.
 
     Parameters
@@ -260,17 +265,29 @@ def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
     comparison : Comparison
         ``pb.compare(..., details=True)``.
     out : path
-        Folder (created).
+        Folder.  Its previous contents are replaced as a whole.
     num_samples : int
         Posterior draws for the OOD predictive.
     settings : dict, optional
         Stored under ``"settings"`` in ``metrics.json``.
+    staged : bool
+        Write into a temporary sibling of ``out`` and swap it into place at the end
+        (:class:`StagedFolder`; default).  ``False`` writes into ``out`` directly, for a
+        caller that stages the folder itself.
 
     Returns
     -------
     dict[str, Path]
         The artefacts written, by kind.
     """
+    if not staged:
+        return _write_files(comparison, Path(out), num_samples=num_samples, settings=settings)
+    with StagedFolder(out) as folder:
+        written = _write_files(comparison, folder.path, num_samples=num_samples, settings=settings)
+    return {k: folder.out / p.relative_to(folder.path) for k, p in written.items()}
+
+
+def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping | None) -> dict[str, Path]:
     plt = _plt()
     out = Path(out)
     (out / "datatrees").mkdir(parents=True, exist_ok=True)
@@ -330,3 +347,4 @@ def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
     (out / "metrics.json").write_text(json.dumps(_jsonable(payload), indent=2))
     written["metrics_json"] = out / "metrics.json"
     return written
+

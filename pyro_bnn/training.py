@@ -21,7 +21,7 @@ from pyro import poutine
 
 from . import distributed as _dist
 from ._local_params import local_params
-from .data import as_tensors, check_finite, dataset_size, make_loader, split_batch
+from .data import dataset_size, make_loader, split_batch, validate_data
 from .guides.base import guide_contract
 from .objectives import call_model
 from .param_store import publish_after_fit, sync_param_store
@@ -119,18 +119,9 @@ def _parameters(*modules):
 
 
 def _validate_data(model, data, device):
-    try:
-        x, y = as_tensors(data)
-    except TypeError:
-        return
-    check_finite(x, "x")
-    if y is not None:
-        check_finite(y, "y")
-    lik = getattr(model, "likelihood", None)
-    if lik is not None and y is not None and hasattr(model, "function"):
-        with torch.no_grad(), poutine.block(), local_params(model):
-            f = model.function(x[:2].to(device))
-        lik.validate(y.to(device), f)
+    # tensors are checked here in full; the returned check is for a loader's batches
+    # (make_loader(..., check=...)), see pyro_bnn.data.validate_data
+    return validate_data(model, data, device)
 
 
 def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float | None = None,

@@ -24,7 +24,81 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KronBlock", "SplitBiasKronBlock", "DiagBlock", "DenseBlock", "as_delta"]
+__all__ = ["KronBlock", "SplitBiasKronBlock", "DiagBlock", "DenseBlock", "as_delta", "robust_eigh"]
+
+#: Relative jitters (times the mean |diagonal|) tried, in float64, when ``eigh`` fails.
+EIGH_JITTERS = (0.0, 1e-12, 1e-10, 1e-8, 1e-6, 1e-4)
+
+
+def robust_eigh(M: torch.Tensor, what: str = "matrix") -> tuple[torch.Tensor, torch.Tensor]:
+    """``M = Q diag(λ) Qᵀ`` for a symmetric (PSD) curvature factor, retried before giving up.
+
+    ``torch.linalg.eigh`` can fail on a factor that is fine for our purposes: LAPACK stops
+    with "failed to converge" on an ill-conditioned matrix, and a float32 factor with a huge
+    dynamic range overflows inside the algorithm and comes back as NaN *without* an error.
+    A long run should not die on that.  So: plain ``eigh`` first (the result is unchanged
+    where it works); then, on an error or a non-finite result, ``eigh`` of the symmetrised
+    matrix ``½(M + Mᵀ)`` in float64, with an increasing jitter ``ε·mean|diag M|·I``
+    (``ε`` in :data:`EIGH_JITTERS`, starting at 0) whose shift is subtracted from the
+    eigenvalues again; the result is cast back to ``M``'s dtype.
+
+    Parameters
+    ----------
+    M : Tensor, shape (n, n)
+        Symmetric matrix (only its lower triangle is read by the plain attempt).
+    what : str
+        How to name ``M`` in an error (e.g. ``"KFAC factor A (65×65) of layer 'net.0'"``).
+
+    Returns
+    -------
+    (Tensor, Tensor)
+        Eigenvalues ``(n,)`` in ascending order and eigenvectors ``(n, n)`` (columns).
+
+    Raises
+    ------
+    ValueError
+        ``M`` holds NaN/inf (no retry can fix that: the curvature pass itself went wrong).
+    torch.linalg.LinAlgError
+        Every attempt failed; the message names ``what`` and the matrix's condition.
+    """
+    try:
+        lam, Q = torch.linalg.eigh(M)
+        if bool(torch.isfinite(lam).all()) and bool(torch.isfinite(Q).all()):
+            return lam, Q
+    except torch.linalg.LinAlgError:
+        pass
+    if not bool(torch.isfinite(M).all()):
+        bad = int((~torch.isfinite(M)).sum())
+        raise ValueError(f"{what} has {bad} NaN/inf entries; its eigendecomposition cannot be "
+                         "computed (the network or the data gave non-finite curvature)")
+    M64 = 0.5 * (M + M.mT).to(torch.float64)
+    eye = torch.eye(M.shape[-1], dtype=torch.float64, device=M.device)
+    scale = float(M64.diagonal().abs().mean()) or float(M64.abs().max()) or 1.0
+    for eps in EIGH_JITTERS:
+        shift = eps * scale
+        try:
+            lam, Q = torch.linalg.eigh(M64 + shift * eye if shift else M64)
+        except torch.linalg.LinAlgError:
+            continue
+        if bool(torch.isfinite(lam).all()) and bool(torch.isfinite(Q).all()):
+            return (lam - shift).to(M.dtype), Q.to(M.dtype)
+    raise torch.linalg.LinAlgError(
+        f"eigendecomposition of {what} failed, also symmetrised, in float64 and with jitter up to "
+        f"{EIGH_JITTERS[-1]:g}·mean|diag|; {_condition(M64)}")
+
+
+def _condition(M64: torch.Tensor) -> str:
+    """A description of how ill-conditioned ``M64`` is, for error messages."""
+    diag = M64.diagonal()
+    text = (f"diagonal in [{float(diag.min()):.3g}, {float(diag.max()):.3g}], "
+            f"max |entry| {float(M64.abs().max()):.3g}")
+    try:
+        sv = torch.linalg.svdvals(M64)
+        cond = float(sv[0] / sv[-1]) if float(sv[-1]) > 0 else float("inf")
+        text += f", singular values in [{float(sv[-1]):.3g}, {float(sv[0]):.3g}] (condition number {cond:.3g})"
+    except RuntimeError:
+        pass
+    return text
 
 
 def as_delta(delta, numel: int, like: torch.Tensor, allow_vector: bool = True) -> torch.Tensor:
@@ -53,12 +127,15 @@ class KronBlock:
         Input factor (already normalised so that ``H = G ⊗ A``).
     G : Tensor, shape (out, out)
         Output-gradient factor.
+    name : str, optional
+        The layer's name, for errors (see :func:`robust_eigh`).
     """
 
-    def __init__(self, A: torch.Tensor, G: torch.Tensor):
+    def __init__(self, A: torch.Tensor, G: torch.Tensor, name: str | None = None):
         self.A, self.G = A, G
-        la, self.QA = torch.linalg.eigh(A)
-        lg, self.QG = torch.linalg.eigh(G)
+        layer = f" of layer {name!r}" if name else ""
+        la, self.QA = robust_eigh(A, f"KFAC factor A ({A.shape[0]}×{A.shape[1]}){layer}")
+        lg, self.QG = robust_eigh(G, f"KFAC factor G ({G.shape[0]}×{G.shape[1]}){layer}")
         self.lA, self.lG = la.clamp_min(0), lg.clamp_min(0)
         self.shape = (G.shape[0], A.shape[0])
         self.numel = self.shape[0] * self.shape[1]
@@ -107,9 +184,9 @@ class SplitBiasKronBlock:
     entries and over the bias entries (a weight's and a bias's own δ).
     """
 
-    def __init__(self, A: torch.Tensor, G: torch.Tensor):
-        self.w = KronBlock(A[:-1, :-1], G)
-        self.b = KronBlock(A[-1:, -1:], G)
+    def __init__(self, A: torch.Tensor, G: torch.Tensor, name: str | None = None):
+        self.w = KronBlock(A[:-1, :-1], G, name and f"{name} (weight block)")
+        self.b = KronBlock(A[-1:, -1:], G, name and f"{name} (bias block)")
         self.A, self.G = A, G
         self.shape = (G.shape[0], A.shape[0])
         self.numel = self.shape[0] * self.shape[1]
@@ -206,7 +283,7 @@ class DenseBlock:
         if d.dim() != 0 or self.H.requires_grad:
             return None
         if self._eig is None:
-            lam, Q = torch.linalg.eigh(self.H)
+            lam, Q = robust_eigh(self.H, f"dense GGN ({self.numel}×{self.numel})")
             self._eig = (lam.clamp(min=0), Q)
         return self._eig
 
