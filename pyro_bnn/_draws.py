@@ -101,7 +101,7 @@ def site_moments(model, guide, x: torch.Tensor | None = None, num_samples: int =
 def example_input(model) -> torch.Tensor:
     """A one-row dummy input for drawing from a guide (guides ignore input values)."""
     spec = getattr(model, "_input_spec", None)
-    if spec is not None and spec[0] == "linear":
+    if spec is not None and spec[0] in ("linear", "flatten"):  # (1, F) is valid for Flatten too
         for t in list(model.parameters()) + list(model.buffers()):
             return torch.zeros(1, spec[1], device=t.device)
         return torch.zeros(1, spec[1])

@@ -124,9 +124,13 @@ def rmse(loc: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def gaussian_mixture_nll(loc: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> float:
-    """Mean over points of ``−log (1/S) Σ_s N(y | loc_s, scale_s²)`` (summed over output dims)."""
+    """Mean over points of ``−log (1/S) Σ_s N(y | loc_s, scale_s²)`` (summed over output dims).
+
+    ``loc`` is ``(S, N)`` or ``(S, N, ...)``; ``y`` has the shape of one draw, ``loc.shape[1:]``.
+    """
     scale = torch.as_tensor(scale, dtype=loc.dtype, device=loc.device).expand_as(loc)
-    lp = torch.distributions.Normal(loc, scale).log_prob(y.expand_as(loc)).flatten(2).sum(-1)
+    lp = torch.distributions.Normal(loc, scale).log_prob(y.expand_as(loc))
+    lp = lp.reshape(loc.shape[0], loc.shape[1], -1).sum(-1)
     return float(-(torch.logsumexp(lp, 0) - math.log(loc.shape[0])).double().mean())
 
 
@@ -143,7 +147,15 @@ def interval_coverage(loc: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, l
 
 
 def regression_metrics(loc: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> dict:
-    """rmse, nll (Gaussian mixture), coverage_95 for predictive samples ``(S, N, D)``."""
+    """rmse, nll (Gaussian mixture), coverage_95 for predictive samples ``(S, N)`` or ``(S, N, D)``.
+
+    ``y`` must have the shape of one draw, ``loc.shape[1:]``.
+    """
+    if loc.dim() < 2:
+        raise ValueError(f"loc must be predictive draws of shape (S, N) or (S, N, D), got {tuple(loc.shape)}")
+    if tuple(y.shape) != tuple(loc.shape[1:]):
+        raise ValueError(f"targets of shape {tuple(y.shape)} do not match the predictive draws "
+                         f"{tuple(loc.shape)} (expected {tuple(loc.shape[1:])})")
     return {
         "rmse": rmse(loc, y),
         "nll": gaussian_mixture_nll(loc, scale, y),

@@ -166,12 +166,9 @@ class BNN(PyroModule):
             raise TypeError(f"augmentation must be an nn.Module, got {type(augmentation).__name__}")
         self.augmentation = augmentation
         self.site_names: list[str] = [f"net.{c[-1]}" for c in chosen]
-        first = next((m for m in net.modules() if isinstance(m, BAYESIAN_LAYERS)), None)
         # Plain values, not a module reference: a second reference would re-register the
         # layer under another name and rename its Pyro sites.
-        self._input_spec = (
-            ("linear", first.in_features) if isinstance(first, nn.Linear)
-            else ("conv2d", first.in_channels) if isinstance(first, nn.Conv2d) else None)
+        self._input_spec = _input_spec(net)
 
     # ------------------------------------------------------------------ model
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, num_data: int | None = None):
@@ -210,14 +207,26 @@ class BNN(PyroModule):
 
     # ------------------------------------------------------------- utilities
     def check_input(self, x: torch.Tensor) -> None:
-        """Cheap shape/type checks that give a clear error before the network fails."""
+        """Cheap shape/type checks that give a clear error before the network fails.
+
+        The input layout is known only where the network's first operation is: a ``Linear``
+        (the last axis holds its ``in_features``), a ``Flatten`` then a ``Linear`` (each example
+        holds ``in_features`` values, any shape), or a ``Conv2d`` (``(N, C, H, W)``).  Other
+        networks (custom ``forward``s, reshapes) are not checked here: they raise their own
+        errors, and valid input is never rejected.
+        """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         kind, size = self._input_spec or (None, None)
-        if kind == "linear" and x.shape[-1] != size:
+        if kind == "linear" and (x.dim() == 0 or x.shape[-1] != size):
             raise ValueError(
-                f"input has {x.shape[-1]} features (shape {tuple(x.shape)}) but the first "
-                f"Linear layer expects {size}"
+                f"input has {x.shape[-1] if x.dim() else 0} features (shape {tuple(x.shape)}) but "
+                f"the first Linear layer expects {size}"
+            )
+        if kind == "flatten" and (x.dim() < 2 or x[0].numel() != size):
+            raise ValueError(
+                f"each input example must hold {size} values for Flatten -> Linear({size}, ...), got "
+                f"input of shape {tuple(x.shape)}"
             )
         if kind == "conv2d" and (x.dim() != 4 or x.shape[1] != size):
             raise ValueError(
@@ -239,6 +248,22 @@ class BNN(PyroModule):
 
     def extra_repr(self) -> str:
         return f"likelihood={self.likelihood.name!r}, sites={len(self.site_names)}"
+
+
+def _input_spec(net: nn.Module) -> tuple[str, int] | None:
+    """What :meth:`BNN.check_input` can check of the network's input, from its first
+    operation (``None`` when that is not known)."""
+    first = net
+    while isinstance(first, nn.Sequential) and len(first):
+        if isinstance(first[0], nn.Flatten) and len(first) > 1 and isinstance(first[1], nn.Linear) \
+                and first[0].start_dim == 1 and first[0].end_dim == -1:
+            return "flatten", first[1].in_features
+        first = first[0]
+    if isinstance(first, nn.Linear):
+        return "linear", first.in_features
+    if isinstance(first, nn.Conv2d):
+        return "conv2d", first.in_channels
+    return None
 
 
 def _make_selector(stochastic, net: nn.Module):
