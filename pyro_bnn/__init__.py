@@ -16,6 +16,7 @@ from . import (
 )
 from .arviz import to_arviz
 from .compare import compare
+from .convergence import ConvergenceWarning
 from .guides.symmetrized import symmetrized_elbo
 from .model import BNN
 from .prediction import evaluate, predict, predictive_samples
@@ -23,7 +24,7 @@ from .training import FitResult, fit, load_checkpoint, save_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["BNN", "fit", "FitResult", "predict", "predictive_samples", "evaluate",
+__all__ = ["BNN", "fit", "FitResult", "ConvergenceWarning", "predict", "predictive_samples", "evaluate",
            "save_checkpoint", "load_checkpoint", "priors", "guides", "likelihoods",
            "metrics", "datasets"] + ["symmetry", "symmetrized_elbo"] + ["to_arviz", "compare"] + [
     "pruning", "ood", "adversarial", "active", "corruption"] + ["invariance"]

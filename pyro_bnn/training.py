@@ -3,15 +3,21 @@
 The loop is plain PyTorch around a Pyro objective: parameters live in the model and
 guide modules (Pyro's ``module_local_params`` mode), so their ``state_dict``s round-trip,
 any ``torch.optim`` optimiser can be used, and the loss module can be wrapped in DDP.
+
+``fit`` is set-up (:func:`_prepare`, :func:`_prepare_optimisation`, and
+:func:`pyro_bnn.resume.resume_fit`), one function per epoch (:func:`_train_epoch`) and the
+epoch's bookkeeping (:func:`_end_epoch`: history, hooks, the divergence guard's state check;
+:func:`_confirm_state`: the checkpoint), then the convergence diagnosis.  ``docs/training.md`` describes the guarantees (divergence guard, exact resume,
+safe checkpoints, convergence warning).
 """
 
 from __future__ import annotations
 
-import copy
+import inspect
 import math
 import os
-import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,13 +27,18 @@ from pyro import poutine
 
 from . import distributed as _dist
 from ._local_params import local_params
+from .arguments import check_int, check_positive, reject_unknown_keywords
+from .checkpoint import check_plain_data, load_states, read_checkpoint, write_atomic
+from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
 from .data import dataset_size, make_loader, split_batch, validate_data
+from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .guides.base import guide_contract
 from .objectives import call_model
 from .param_store import publish_after_fit, sync_param_store
+from .resume import StateOf, checkpoint_entries, resume_fit
 
-__all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide"]
-
+__all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide",
+           "ConvergenceWarning"]
 
 @dataclass
 class FitResult:
@@ -39,12 +50,20 @@ class FitResult:
         Per-epoch ``loss`` (mean minibatch estimate of the full-data negative ELBO),
         ``elbo`` (its negative, unless the objective reports an ``elbo`` extra itself, as
         the symmetrised guide does), ``epoch_seconds``, and any extras the objective reports.
+        A resumed fit's history includes the epochs before the interruption.
     seconds : float
-        Wall time of the whole fit.
+        Wall time of this call.
+    convergence : pyro_bnn.convergence.ConvergenceDiagnosis
+        Whether the fit converged, why not, and the measured quantities
+        (:mod:`pyro_bnn.convergence`); ``fit`` warns with :class:`ConvergenceWarning` if not.
+    resumed_from : int
+        The epoch a ``resume=True`` fit continued from (0: it started fresh).
     """
 
     history: dict[str, list[float]] = field(default_factory=dict)
     seconds: float = 0.0
+    convergence: ConvergenceDiagnosis | None = None
+    resumed_from: int = 0
 
     @property
     def final_loss(self) -> float:
@@ -124,12 +143,39 @@ def _validate_data(model, data, device):
     return validate_data(model, data, device)
 
 
+@dataclass
+class _Run:
+    """Everything one :func:`fit` call works with."""
+
+    model: Any
+    guide: Any
+    contract: Any
+    ctx: FitContext
+    loader: Any
+    device: torch.device
+    dstate: Any
+    objective: Any
+    settings: dict
+    checkpoint: str | None
+    history: dict
+    example: tuple  # the first batch (x, y) on the device, for DDP's set-up
+    own_objective: bool  # the guide's objective (not a user's): fit may evaluate it outside steps
+    params: list = field(default_factory=list)
+    optimizer: Any = None
+    scheduler: Any = None
+    loss_module: Any = None
+    guard: DivergenceGuard | None = None
+    monitor: ConvergenceMonitor | None = None
+    #: the checkpoint entries of the state waiting for its loss evaluation (DivergenceGuard.remember)
+    pending_checkpoint: dict | None = None
+
+
 def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float | None = None,
         optimizer=None, lr_schedule="constant", num_particles: int = 1, device=None, progress: bool = True,
         shuffle: bool = True, seed: int | None = None, clip_norm: float | None = None,
         num_data: int | None = None, objective=None, checkpoint: str | os.PathLike | None = None,
-        marglik: dict | None = None, distributed: bool | _dist.DistributedOptions = False,
-        **options) -> FitResult:
+        resume: bool = False, marglik: dict | None = None,
+        distributed: bool | _dist.DistributedOptions = False, **unknown) -> FitResult:
     """Train ``model`` and ``guide`` by stochastic variational inference.
 
     Parameters
@@ -140,9 +186,10 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         Any guide: ``pb.guides.*`` or Pyro's autoguides.
     data : (x, y) tensors, Dataset or DataLoader
         Training data.  Tensors are moved to ``device`` once and batched by slicing.
-    epochs, batch_size, lr : int, int, float
-        Passes over the data, minibatch size, Adam learning rate (default: the guide's
-        ``default_lr``, else 1e-3).
+    epochs, batch_size : int, int
+        Passes over the data (>= 0) and minibatch size (>= 1).
+    lr : float, optional
+        Adam learning rate (> 0; default: the guide's ``default_lr``, else 1e-3).
     optimizer : callable, optional
         ``optimizer(params) -> torch.optim.Optimizer``; default Adam(lr).
     lr_schedule : {"constant", "cosine"} or callable
@@ -150,7 +197,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         it as ``½(1 + cos(π t/T))`` from 1 to 0 over the ``T`` steps of the fit; a callable
         maps the fraction of steps done, ``t/T`` in [0, 1), to a factor.
     num_particles : int
-        Monte Carlo samples per ELBO estimate.
+        Monte Carlo samples per ELBO estimate (>= 1).
     device : str or torch.device, optional
         Where to train (``"cpu"``, ``"cuda"``); default: where the model is.
     progress : bool
@@ -158,14 +205,21 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     seed : int, optional
         Seeds Pyro's and torch's global RNGs (``pyro.set_rng_seed``).
     clip_norm : float, optional
-        Clip the total gradient norm.
+        Clip the total gradient norm to this value (> 0).
     num_data : int, optional
-        Data set size N for minibatch scaling; default the size of ``data``.
+        Data set size N for minibatch scaling (>= 1); default the size of ``data``.
     objective : callable, optional
         ``objective(model, guide, x, y, num_data) -> loss``; default the guide's own
         (``guide.make_objective``) or Pyro's ``Trace_ELBO``.
     checkpoint : path, optional
-        Write model, guide and optimiser state there after each epoch (atomically).
+        After each epoch whose state is verified finite, write model, guide, optimiser,
+        schedule, history, random-number states and the guide's fit state there
+        (atomically; loads with ``torch.load(weights_only=True)``).
+    resume : bool
+        Continue the fit whose ``checkpoint`` is at that path (start fresh if there is no
+        file yet): on CPU the result is bit-identical to a fit that was never interrupted.
+        The call must repeat the interrupted one's settings (``epochs`` may grow under a
+        constant schedule).  Not supported with ``distributed``.
     marglik : dict, optional
         Online marginal-likelihood options for guides that support it (Laplace).
     distributed : bool or pyro_bnn.distributed.DistributedOptions
@@ -178,18 +232,93 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     Returns
     -------
     FitResult
-        Per-epoch history and timings.
+        Per-epoch history, timings and the convergence diagnosis.
 
     Raises
     ------
+    TypeError, ValueError
+        An unknown keyword (the message names the closest valid one) or an invalid value.
     FloatingPointError
-        The loss became NaN/inf; the parameters are restored to the end of the last good
-        epoch and the error names the epoch and step.
+        The loss, the gradient norm, or at an epoch's end any parameter or optimiser state
+        became NaN/inf (or Pyro found a distribution parameter out of its support).  Model,
+        guide, optimiser and schedule are restored to the last state verified finite, the
+        error names the epoch and step and the epoch restored; no non-finite checkpoint is
+        ever written.
+
+    Warns
+    -----
+    ConvergenceWarning
+        The end-of-fit checks (:mod:`pyro_bnn.convergence`) could not confirm convergence.
+    RuntimeWarning
+        The epoch loss exploded (grew a million-fold over its best) without becoming NaN.
     """
-    if epochs < 0:
-        raise ValueError(f"epochs must be >= 0, got {epochs}")
-    if lr is None:
-        lr = guide_contract(guide).default_lr or 1e-3
+    reject_unknown_keywords("fit", unknown, _FIT_KEYWORDS)
+    lr = _check_fit_arguments(guide, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
+                              lr_schedule=lr_schedule, num_particles=num_particles, seed=seed,
+                              clip_norm=clip_norm, num_data=num_data, objective=objective,
+                              checkpoint=checkpoint, resume=resume, distributed=distributed)
+    t_start = time.perf_counter()
+    run = _prepare(model, guide, data, batch_size=batch_size, device=device, shuffle=shuffle, seed=seed,
+                   num_data=num_data, objective=objective, num_particles=num_particles, marglik=marglik,
+                   distributed=distributed, epochs=epochs, checkpoint=checkpoint)
+    run.settings = dict(epochs=epochs, batch_size=batch_size, lr=lr, num_particles=num_particles,
+                        shuffle=bool(shuffle), seed=seed, clip_norm=clip_norm, num_data=run.ctx.num_data,
+                        marglik=marglik, model=type(model).__name__, guide=type(guide).__name__,
+                        lr_schedule=lr_schedule if isinstance(lr_schedule, str) else "callable",
+                        optimizer="default" if optimizer is None else "callable",
+                        objective="default" if objective is None else "callable")
+    with local_params(model, guide):
+        run.contract.on_fit_start(run.ctx)
+        _prepare_optimisation(run, optimizer, lr, lr_schedule, clip_norm, epochs)
+        start = resume_fit(run) if resume else 0
+        run.guard.check_initial(start)
+        run.guard.start(start)
+        run.ctx.epoch = start
+        bar = _progress(epochs, start, progress and (run.dstate is None or run.dstate.is_main))
+        for epoch in range(start + 1, epochs + 1):
+            _end_epoch(run, epoch, *_train_epoch(run, epoch))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{run.history['loss'][-1]:.4g}")
+        if bar is not None:
+            bar.close()
+        _verify_final_state(run)
+        run.contract.on_fit_end(run.ctx)
+    publish_after_fit(model, guide)  # Predictive / SVI / the param store see the trained values
+    diagnosis = run.monitor.diagnose([-v for v in run.history["loss"]])
+    if not diagnosis.converged and epochs > 0 and (run.dstate is None or run.dstate.is_main):
+        warnings.warn(diagnosis.message(), ConvergenceWarning, stacklevel=2)
+    return FitResult(history=run.history, seconds=time.perf_counter() - t_start, convergence=diagnosis,
+                     resumed_from=start)
+
+
+def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedule, num_particles, seed,
+                         clip_norm, num_data, objective, checkpoint, resume, distributed) -> float:
+    """Validate ``fit``'s arguments; return the learning rate to use."""
+    check_int("epochs", epochs, 0)
+    check_int("batch_size", batch_size, 1)
+    check_int("num_particles", num_particles, 1)
+    check_int("num_data", num_data, 1, optional=True)
+    check_int("seed", seed, 0, optional=True)
+    check_positive("clip_norm", clip_norm, optional=True)
+    check_positive("lr", lr, optional=True)
+    lr_factor_function(lr_schedule)
+    for name, value in (("optimizer", optimizer), ("objective", objective)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be a callable or None, got {type(value).__name__}")
+    if not isinstance(resume, bool):
+        raise TypeError(f"resume must be True or False, got {resume!r}")
+    if resume and checkpoint is None:
+        raise ValueError("resume=True needs checkpoint=<path> (the file to resume from and to keep writing)")
+    if resume and distributed:
+        raise NotImplementedError("resume=True is not supported with distributed= yet; resume the fit in "
+                                  "one process, or start the distributed fit afresh")
+    return lr if lr is not None else guide_contract(guide).default_lr or 1e-3
+
+
+def _prepare(model, guide, data, *, batch_size, device, shuffle, seed, num_data, objective, num_particles,
+             marglik, distributed, epochs, checkpoint) -> _Run:
+    """Seeds, device, data checks and loader, the guide's set-up, objective and context."""
     if not distributed:
         _dist.warn_if_undistributed_launch()
     dstate = None
@@ -201,11 +330,11 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     device = torch.device(device) if device is not None else _module_device(model)
     if isinstance(model, torch.nn.Module):
         model.to(device)
-    _validate_data(model, data, device)
+    check = _validate_data(model, data, device)
     if dstate is not None:
         loader = _dist.shard_loader(data, batch_size, dstate, shuffle=shuffle, device=device)
     else:
-        loader = make_loader(data, batch_size=batch_size, shuffle=shuffle, device=device)
+        loader = make_loader(data, batch_size=batch_size, shuffle=shuffle, device=device, check=check)
     n = int(num_data) if num_data is not None else dataset_size(loader)
     x0, y0 = split_batch(next(iter(loader)))
     x0 = x0.to(device)
@@ -215,79 +344,130 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     if isinstance(guide, torch.nn.Module):
         guide.to(device)
     contract = guide_contract(guide)
+    objective_given = objective
     objective = objective or contract.make_objective(num_particles)
     if marglik is not None and not contract.supports_marglik:
         raise TypeError(f"marglik= needs a guide that learns hyperparameters (e.g. Laplace); "
                         f"got {type(guide).__name__}")
-    options = dict(options, marglik=marglik)
-    ctx = FitContext(model, guide, loader, n, device, epochs, options=options, distributed=dstate)
-    history: dict[str, list[float]] = {"loss": [], "elbo": [], "epoch_seconds": []}
-    ctx.history = history
-    t_start = time.perf_counter()
-    with local_params(model, guide):
-        contract.on_fit_start(ctx)
-        params = _parameters(model, guide)
-        opt = optimizer(params) if optimizer is not None else default_optimizer(params, lr)
-        ctx.optimizer = opt
-        scheduler = make_lr_scheduler(opt, lr_schedule, epochs * _num_batches(loader))
-        loss_module = _LossModule(model, guide, objective, n)
-        if dstate is not None:
-            loss_module = dstate.wrap(loss_module, x0, y0)
-        bar = _progress(epochs, progress and (dstate is None or dstate.is_main))
-        for epoch in range(1, epochs + 1):
-            ctx.epoch = epoch
-            if dstate is not None:
-                _dist.set_epoch(loader, epoch)
-            good_state = _snapshot(model, guide, opt)
-            contract.on_epoch_start(ctx)
-            t0 = time.perf_counter()
-            total, steps, extras_sum = 0.0, 0, {}
-            for step, batch in enumerate(loader, 1):
-                xb, yb = split_batch(batch)
-                xb = xb.to(device, non_blocking=True)
-                yb = None if yb is None else yb.to(device, non_blocking=True)
-                out = loss_module(xb, yb)
-                loss, extras = out if isinstance(out, tuple) else (out, {})
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if clip_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(params, clip_norm)
-                value = (loss.detach().item() if dstate is None
-                         else _dist.all_reduce_mean_(loss.detach().clone()).item())
-                if not math.isfinite(value):
-                    _restore(model, guide, opt, good_state)
-                    raise FloatingPointError(
-                        f"loss became {value} in epoch {epoch} (step {step}); parameters were "
-                        f"restored to the end of epoch {epoch - 1}. Try a smaller lr, a smaller "
-                        "init_scale or standardised inputs.")
-                opt.step()
-                scheduler.step()
-                total += value
-                steps += 1
-                for k, v in extras.items():
-                    extras_sum[k] = extras_sum.get(k, 0.0) + float(v)
-            if dstate is not None:
-                extras_sum = dstate.mean_of(extras_sum)
-            mean_loss = total / max(steps, 1)
-            history["loss"].append(mean_loss)
-            if "elbo" not in extras_sum:  # an objective may report the plain ELBO itself
-                history["elbo"].append(-mean_loss)
-            for k, v in extras_sum.items():
-                history.setdefault(k, []).append(v / max(steps, 1))
-            contract.on_epoch_end(ctx)
-            if dstate is not None:
-                dstate.sync_rng_()  # the hook may have drawn per-shard random numbers
-            history["epoch_seconds"].append(time.perf_counter() - t0)
-            if checkpoint is not None and (dstate is None or dstate.is_main):
-                save_checkpoint(checkpoint, model, guide, opt, epoch=epoch, history=history)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{mean_loss:.4g}")
-        if bar is not None:
-            bar.close()
-        contract.on_fit_end(ctx)
-    publish_after_fit(model, guide)  # Predictive / SVI / the param store see the trained values
-    return FitResult(history=history, seconds=time.perf_counter() - t_start)
+    history: dict[str, list] = {"loss": [], "elbo": [], "epoch_seconds": []}
+    ctx = FitContext(model, guide, loader, n, device, epochs, options={"marglik": marglik}, distributed=dstate,
+                     history=history)
+    return _Run(model, guide, contract, ctx, loader, device, dstate, objective, {},
+                None if checkpoint is None else os.fspath(checkpoint), history, (x0, y0), objective_given is None)
+
+
+def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epochs) -> None:
+    """Optimiser, schedule, loss module, divergence guard and convergence monitor (after the
+    guide's ``on_fit_start``, which may freeze parameters)."""
+    run.params = _parameters(run.model, run.guide)
+    run.optimizer = optimizer(run.params) if optimizer is not None else default_optimizer(run.params, lr)
+    run.ctx.optimizer = run.optimizer
+    run.scheduler = make_lr_scheduler(run.optimizer, lr_schedule, epochs * _num_batches(run.loader))
+    run.loss_module = _LossModule(run.model, run.guide, run.objective, run.ctx.num_data)
+    if run.dstate is not None:
+        run.loss_module = run.dstate.wrap(run.loss_module, *run.example)
+    run.guard = DivergenceGuard(run.model, run.guide, run.optimizer, run.scheduler, run.params,
+                                clip_norm=clip_norm, checkpoint=run.checkpoint)
+    run.monitor = ConvergenceMonitor(run.optimizer, run.contract.scale_parameters())
+
+
+def _train_epoch(run: _Run, epoch: int) -> tuple[float, dict, int, float]:
+    """The minibatch steps of one epoch; returns (loss sum, extras sums, steps, start time)."""
+    run.ctx.epoch = epoch
+    if run.dstate is not None:
+        _dist.set_epoch(run.loader, epoch)
+    run.contract.on_epoch_start(run.ctx)
+    t0 = time.perf_counter()
+    opt, guard, device = run.optimizer, run.guard, run.device
+    total, steps, extras_sum = 0.0, 0, {}
+    for step, batch in enumerate(run.loader, 1):
+        xb, yb = split_batch(batch)
+        xb = xb.to(device, non_blocking=True)
+        yb = None if yb is None else yb.to(device, non_blocking=True)
+        try:
+            out = run.loss_module(xb, yb)
+            loss, extras = out if isinstance(out, tuple) else (out, {})
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        except ValueError as exc:
+            if not is_invalid_parameter_error(exc):
+                raise
+            guard.invalid_parameter(exc, epoch, step)
+        value = guard.check_step(loss, epoch, step, run.dstate)  # before the step: nothing non-finite lands
+        if guard.pending:  # the loss at the last epoch's final state was finite: keep it, write it
+            _confirm_state(run)
+        opt.step()
+        run.scheduler.step()
+        guard.after_step()
+        run.monitor.after_step()
+        total += value
+        steps += 1
+        for k, v in extras.items():
+            extras_sum[k] = extras_sum.get(k, 0.0) + float(v)
+    return total, extras_sum, steps, t0
+
+
+def _end_epoch(run: _Run, epoch: int, total: float, extras_sum: dict, steps: int, t0: float) -> None:
+    """Record the epoch, run the guide's hook, check that the state is finite and keep it as
+    the candidate that the next loss evaluation confirms (and then checkpoints)."""
+    if run.dstate is not None:
+        extras_sum = run.dstate.mean_of(extras_sum)
+    history = run.history
+    mean_loss = total / max(steps, 1)
+    history["loss"].append(mean_loss)
+    if "elbo" not in extras_sum:  # an objective may report the plain ELBO itself
+        history["elbo"].append(-mean_loss)
+    for k, v in extras_sum.items():
+        history.setdefault(k, []).append(v / max(steps, 1))
+    run.contract.on_epoch_end(run.ctx)
+    if run.dstate is not None:
+        run.dstate.sync_rng_()  # the hook may have drawn per-shard random numbers
+    history["epoch_seconds"].append(time.perf_counter() - t0)
+    run.guard.check_state(epoch)  # after the hook, before the state is kept anywhere
+    run.guard.watch_loss(epoch, mean_loss)
+    run.guard.remember(epoch)
+    if run.checkpoint is not None and (run.dstate is None or run.dstate.is_main):
+        run.pending_checkpoint = checkpoint_entries(run, epoch)
+
+
+def _confirm_state(run: _Run) -> None:
+    """The candidate state passed its loss evaluation: keep it and write its checkpoint."""
+    modules, opt_state, sched_state = run.guard.confirm()
+    extra, run.pending_checkpoint = run.pending_checkpoint, None
+    if extra is not None:
+        extra["resume"]["scheduler"] = sched_state
+        save_checkpoint(run.checkpoint, StateOf(modules.get("model", {})), StateOf(modules.get("guide", {})),
+                        StateOf(opt_state), **extra)
+
+
+def _verify_final_state(run: _Run) -> None:
+    """Evaluate the loss once at the state the last step reached (no later step does), on the
+    first batch, without drawing from the caller's random streams; keep and write it if finite.
+
+    Only the guide's own objective is evaluated so; a user's ``objective=`` is called for
+    training steps only (it may count or log its calls), and the final state of such a fit is
+    verified by its finite parameters alone."""
+    if not run.guard.pending:
+        return
+    if not run.own_objective:
+        _confirm_state(run)
+        return
+    loss_module = getattr(run.loss_module, "module", run.loss_module)  # not through DDP: no backward
+    devices = [run.device] if run.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        try:
+            out = loss_module(*run.example)
+        except ValueError as exc:
+            if not is_invalid_parameter_error(exc):
+                raise
+            run.guard.invalid_parameter(exc, run.ctx.epoch, None)
+    run.guard.check_final(out[0] if isinstance(out, tuple) else out, run.ctx.epoch, run.dstate)
+    _confirm_state(run)
+
+
+#: the keyword arguments of fit, for the "did you mean" of an unknown one
+_FIT_KEYWORDS = tuple(name for name, p in inspect.signature(fit).parameters.items()
+                      if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def lr_factor_function(lr_schedule):
@@ -315,12 +495,12 @@ def _num_batches(loader) -> int:
         return sum(1 for _ in loader)
 
 
-def _progress(total, enabled):
+def _progress(total, initial, enabled):
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="fit", unit="epoch", leave=False)
+    return tqdm(total=total, initial=initial, desc="fit", unit="epoch", leave=False)
 
 
 def _module_device(model) -> torch.device:
@@ -330,56 +510,49 @@ def _module_device(model) -> torch.device:
     return torch.device("cpu")
 
 
-def _snapshot(model, guide, opt):
-    states = []
-    for m in (model, guide):
-        states.append({k: v.detach().clone() for k, v in m.state_dict().items()}
-                      if isinstance(m, torch.nn.Module) else None)
-    return states, copy.deepcopy(opt.state_dict())
-
-
-def _restore(model, guide, opt, snapshot):
-    states, opt_state = snapshot
-    for m, s in zip((model, guide), states):
-        if s is not None:
-            m.load_state_dict(s)
-    opt.load_state_dict(opt_state)
-
-
 def save_checkpoint(path, model, guide, optimizer=None, **extra) -> None:
-    """Write model, guide (and optimiser) ``state_dict``s to ``path`` atomically.
+    """Write model, guide (and optimiser) ``state_dict``s and ``extra`` entries to ``path``.
 
-    The file is written to a temporary file in the same folder, flushed to disk and then
-    renamed over ``path``, so a crash never leaves a half-written checkpoint.
+    Atomic (:func:`pyro_bnn.checkpoint.write_atomic`): written to ``.<name>.tmp`` next to
+    ``path``, flushed and renamed into place, so a crash leaves the previous file intact and
+    an interrupted save's temporary file is replaced by the next save.  Every entry must be
+    plain data (tensors, numbers, strings, ``None``, lists/tuples/dicts of them), so the file
+    loads with ``torch.load(weights_only=True)``.
+
+    Raises
+    ------
+    TypeError
+        An entry of ``extra`` is not plain data (the message names it).
     """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
     state = {"model": model.state_dict(), "guide": guide.state_dict(), **extra}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pt")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    check_plain_data(state)
+    write_atomic(path, state)
 
 
 def load_checkpoint(path, model, guide, example_x=None, example_y=None, map_location=None) -> dict:
     """Load a checkpoint written by :func:`save_checkpoint` / ``fit(checkpoint=...)``.
 
-    A fresh autoguide creates its parameters lazily: pass ``example_x`` (one batch of
-    inputs) so it can be set up before the state is loaded.  Returns the whole dict.
+    Reads with ``torch.load(..., weights_only=True)`` (no code from the file runs) and loads
+    all or nothing: every state is checked against ``model`` and ``guide`` first, and a
+    failure leaves both untouched.  A fresh autoguide creates its parameters lazily: pass
+    ``example_x`` (one batch of inputs) so it can be set up before the state is loaded.
+    Returns the whole dict (``epoch``, ``history``, ``optimizer``, ... as written).
+
+    Raises
+    ------
+    FileNotFoundError
+        No file at ``path``.
+    ValueError
+        A truncated, corrupt, foreign or unsafe file, or states that do not fit ``model`` and
+        ``guide`` (a guide not set up yet: the message asks for ``example_x``).
     """
-    state = torch.load(os.fspath(path), map_location=map_location, weights_only=False)
-    model.load_state_dict(state["model"])
+    state = read_checkpoint(path, map_location=map_location)
     if example_x is not None:
         setup_guide(model, guide, example_x, example_y)
-    guide.load_state_dict(state["guide"])
+    targets = [("model", model, state["model"])]
+    if isinstance(guide, torch.nn.Module):
+        targets.append(("guide", guide, state["guide"]))
+    load_states(targets)
     return state

@@ -82,6 +82,37 @@ class OnlineMarglik(PriorPrecision):
             # marglik_training keeps them.
             self._best = (value, _copy(self.state_dict()), _copy(self.base_model.state_dict()))
 
+    def fit_state(self) -> dict:
+        """The online-evidence state for ``fit(..., resume=True)``: the hyperparameter leaves
+        and their optimiser, the η optimiser (LILA) and the best-evidence state."""
+        if not getattr(self, "_marglik", None) or getattr(self, "_hyper_opt", None) is None:
+            return {}
+        state = {"hyper": [None if p is None else p.detach().clone() for p in self._hyper],
+                 "hyper_optimizer": self._hyper_opt.state_dict(), "best": None}
+        if getattr(self, "_eta_opt", None) is not None:
+            state["eta_optimizer"] = self._eta_opt.state_dict()
+        if self._best is not None:
+            value, guide_state, model_state = self._best
+            state["best"] = {"log_evidence": value, "guide": guide_state, "model": model_state}
+        return state
+
+    def load_fit_state(self, state: dict) -> None:
+        if not state:
+            if getattr(self, "_marglik", None):
+                raise ValueError("the checkpoint holds no online-evidence state, but this fit has marglik=")
+            return
+        if not getattr(self, "_marglik", None):
+            raise ValueError("the checkpoint holds online-evidence state, but this fit has no marglik=")
+        with torch.no_grad():
+            for leaf, value in zip(self._hyper, state["hyper"]):
+                if leaf is not None:
+                    leaf.copy_(value)
+        self._hyper_opt.load_state_dict(state["hyper_optimizer"])
+        if getattr(self, "_eta_opt", None) is not None:
+            self._eta_opt.load_state_dict(state["eta_optimizer"])
+        best = state["best"]
+        self._best = None if best is None else (best["log_evidence"], best["guide"], best["model"])
+
     def on_fit_end(self, ctx):
         self._map_mode = False
         lik = getattr(self.base_model, "likelihood", None)

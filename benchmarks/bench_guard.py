@@ -1,0 +1,112 @@
+"""Cost of pb.fit's divergence guard: seconds per epoch with its per-step gradient check on vs off.
+
+Same problem as ``bench_core.py`` (MLP 784-400-400-10 on the first 5,000 MNIST test digits,
+batch 128, MeanField), one process, blocks of ``--block`` epochs interleaved ``--repeats``
+times: (a) plain PyTorch MAP (the reference of ``bench_core.py``), (c) ``pb.fit`` as shipped,
+(c0) ``pb.fit`` with the guard's per-step gradient check replaced by a zero norm (the loss
+check, which ``fit`` always had, stays).  The per-epoch state check and snapshot run in both.
+Medians of wall and process-CPU seconds per epoch and the ratios (c)/(c0) and (c)/(a).
+
+    python benchmarks/bench_guard.py --data-dir ../shared/data/mnist --block 3 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+import warnings
+
+import pyro
+import torch
+from _common import map_epoch, sync  # benchmarks/_common.py (on sys.path when run as a script)
+from bench_core import mlp
+
+import pyro_bnn as pb
+from pyro_bnn.data import TensorBatches
+from pyro_bnn.divergence import DivergenceGuard
+from pyro_bnn.training import default_optimizer
+
+
+@contextlib.contextmanager
+def gradient_check_off():
+    """Replace the per-step gradient norm by a constant zero (no reduction over gradients)."""
+    original = DivergenceGuard.gradient_norm
+    DivergenceGuard.gradient_norm = lambda self: torch.zeros(())
+    try:
+        yield
+    finally:
+        DivergenceGuard.gradient_norm = original
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-dir", default="../shared/data/mnist")
+    ap.add_argument("--block", type=int, default=3, help="epochs per timed block")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved blocks per method")
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=400)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    split = pb.datasets.mnist_split(args.data_dir, 5000, 5000)
+    x, y = (t.to(device) for t in split.train)
+    torch.manual_seed(0)
+    pyro.set_rng_seed(0)
+
+    net_a = mlp(args.hidden).to(device)
+    opt_a = torch.optim.Adam(net_a.parameters(), lr=1e-3)
+    batches_a = TensorBatches(x, y, args.batch_size)
+
+    def fit_block(check_on):
+        model = pb.BNN(mlp(args.hidden), likelihood="categorical")
+        guide = pb.guides.MeanField(model, init_scale=0.1)
+        store = {}
+
+        def run(epochs):
+            ctx = contextlib.nullcontext() if check_on else gradient_check_off()
+            with ctx, warnings.catch_warnings():
+                warnings.simplefilter("ignore", pb.ConvergenceWarning)
+                pb.fit(model, guide, (x, y), epochs=epochs, batch_size=args.batch_size, device=device,
+                       optimizer=lambda p: store.setdefault("opt", default_optimizer(p, 1e-3)), progress=False)
+        return run
+
+    def map_block(epochs):
+        for _ in range(epochs):
+            map_epoch(net_a, opt_a, batches_a)
+
+    methods = {"a": map_block, "c": fit_block(True), "c0": fit_block(False)}
+    wall = {k: [] for k in methods}
+    cpu = {k: [] for k in methods}
+    for run in methods.values():  # warm-up, set-up of guides and optimisers
+        run(1)
+    for _ in range(args.repeats):
+        for key, run in methods.items():
+            sync(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            run(args.block)
+            sync(device)
+            wall[key].append((time.perf_counter() - t0) / args.block)
+            cpu[key].append((time.process_time() - c0) / args.block)
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    print(f"MNIST {len(x)} train, MLP 784-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, {device}, "
+          f"torch threads {torch.get_num_threads()}, {args.repeats} blocks of {args.block} epochs per method "
+          "(median s/epoch: wall, cpu)")
+    labels = {"a": "(a) PyTorch MAP", "c": "(c) pb.fit + MeanField, guard as shipped",
+              "c0": "(c0) the same, per-step gradient check off"}
+    for key, label in labels.items():
+        print(f"  {label:<46} {med[key]:.3f}  {med_cpu[key]:.3f}")
+    for num, den, note in (("c", "c0", "cost of the gradient check"), ("c", "a", "bench_core's (c)/(a)"),
+                           ("c0", "a", "")):
+        print(f"  ratio ({num})/({den}) = {med[num] / med[den]:.3f} wall, {med_cpu[num] / med_cpu[den]:.3f} cpu"
+              f"   {note}")
+    return med, med_cpu
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Argument checks shared by the public functions: unknown keywords and numeric ranges.
+
+Every message names the argument, what was expected and what was received.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+from collections.abc import Iterable
+
+__all__ = ["reject_unknown_keywords", "check_int", "check_positive"]
+
+
+def reject_unknown_keywords(function: str, unknown: dict, valid: Iterable[str]) -> None:
+    """Raise ``TypeError`` for the first key of ``unknown``, naming the closest valid one.
+
+    For functions that take ``**kwargs`` only to give this better message than Python's own
+    ("unexpected keyword argument").
+    """
+    if not unknown:
+        return
+    valid = sorted(valid)
+    key = next(iter(unknown))
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keywords: {', '.join(valid)}"
+    more = f" (and {len(unknown) - 1} more: {sorted(unknown)[1:]})" if len(unknown) > 1 else ""
+    raise TypeError(f"{function}() got an unexpected keyword argument {key!r}{more}{hint}")
+
+
+def check_int(name: str, value, minimum: int, *, optional: bool = False) -> int | None:
+    """``value`` as an ``int >= minimum`` (``None`` allowed if ``optional``); bools and
+    floats are rejected, so ``epochs=2.5`` or ``batch_size=True`` is an error."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got "
+                        f"{value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_positive(name: str, value, *, optional: bool = False) -> float | None:
+    """``value`` as a finite real number ``> 0`` (``None`` allowed if ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number > 0{' or None' if optional else ''}, got "
+                        f"{value!r} ({type(value).__name__})")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)

@@ -1,0 +1,244 @@
+"""Did a fit converge?  The end-of-fit diagnosis of :func:`pyro_bnn.fit` and its warning.
+
+Three checks, each a statistic of the training run only (never of test data):
+
+(a) **still improving** — the trend of the per-epoch training objective (``−loss``, the ELBO
+    for variational guides) over the last stretch of ``W = max(⌈0.1 E⌉, 10)`` epochs: the
+    least-squares slope ``b`` times ``W`` is the gain ``g`` over the stretch, relative to
+    ``max(|mean objective|, 1)``.  Its standard error ``s`` comes from the residuals, inflated
+    by ``√((1+r)/(1−r))`` for a positive lag-1 autocorrelation ``r`` of the residuals.  The fit
+    was still improving if ``g − 2s > 1 %``, and getting worse if ``g + 2s < −1 %`` (a
+    learning rate too high for the end of training): robust to minibatch noise, which moves
+    single epochs by a few percent (MeanField on digits: about 4 % of |ELBO| per epoch).
+(b) **scales limited by the learning rate** — for guides with Gaussian scales
+    (``guide_contract(guide).scale_parameters()``) and an Adam-type optimiser, which moves a
+    parameter by at most about ``lr`` per step: the share of unconstrained scales ``ρ`` whose
+    total move ``|ρ_end − ρ_start|`` reached 90 % of ``Σ_t lr_t``.  Above 25 %, σ went as far
+    as the optimiser allowed, not where the objective wanted.
+(c) **constant learning rate, not confirmed flat** — the learning rate never decayed (its
+    last value is above half its largest) and the trend cannot confirm convergence (the
+    interval ``g ± 2s`` is not inside ±1 %): with a constant rate the parameters keep moving
+    at the noise level and only a flat trend shows convergence.
+
+Fewer than ``2W`` = 20 epochs: the diagnosis says it *cannot judge* and does not claim
+convergence.  The thresholds were calibrated on training objectives (``docs/training.md``).
+
+A decaying schedule ends with the learning rate near 0, which freezes the parameters
+wherever they are; check (a) then measures a curve the schedule has flattened, so a fit
+whose learning rate decayed too early can pass.  Compare the final objective of runs of
+different lengths when in doubt.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ConvergenceWarning", "ConvergenceDiagnosis", "ConvergenceMonitor", "objective_trend",
+           "diagnose", "WINDOW_FRACTION", "MIN_WINDOW", "TOLERANCE", "LIMITED_MOVE", "LIMITED_SHARE"]
+
+#: the trend is measured over the last max(ceil(WINDOW_FRACTION * E), MIN_WINDOW) epochs
+WINDOW_FRACTION = 0.1
+MIN_WINDOW = 10
+#: gain over the window, relative to max(|objective|, 1), that counts as still improving
+TOLERANCE = 0.01
+#: standard errors of the gain required before calling a trend improving or flat
+Z = 2.0
+#: a scale moved at the optimiser's maximum rate if |Δρ| >= LIMITED_MOVE * Σ lr ...
+LIMITED_MOVE = 0.9
+#: ... and the scales were limited by the learning rate if that holds for this share of them
+LIMITED_SHARE = 0.25
+
+_ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+
+
+class ConvergenceWarning(UserWarning):
+    """:func:`pyro_bnn.fit` ended without evidence that the posterior converged (as
+    scikit-learn's ``ConvergenceWarning``).  ``FitResult.convergence`` holds the diagnosis."""
+
+
+@dataclass
+class ConvergenceDiagnosis:
+    """The end-of-fit convergence diagnosis (``FitResult.convergence``).
+
+    Attributes
+    ----------
+    converged : bool
+        ``True`` only if every check could be made and passed.
+    reasons : list of str
+        Why not (each names the check, the measured values and what to do); empty if converged.
+    measures : dict
+        The measured quantities: ``epochs``, ``window``, ``objective_end`` (mean objective over
+        the window), ``objective_gain`` and ``objective_gain_se`` (relative gain over the window
+        and its standard error), ``lr_decayed``, ``scale_limited_share`` and ``scale_lr_budget``
+        (``Σ lr`` of the scales' group), ``None`` where not measured.
+    """
+
+    converged: bool
+    reasons: list[str] = field(default_factory=list)
+    measures: dict = field(default_factory=dict)
+
+    @property
+    def judged(self) -> bool:
+        """Whether there were enough epochs to judge at all."""
+        return bool(self.measures.get("judged", False))
+
+    def message(self) -> str:
+        """The warning text."""
+        if self.converged:
+            return "the fit converged"
+        head = "pb.fit did not converge" if self.judged else "pb.fit cannot judge convergence"
+        return f"{head}: " + "; ".join(self.reasons)
+
+
+def objective_trend(values, window: int) -> tuple[float, float]:
+    """Gain of ``values`` over their last ``window`` entries by a least-squares line, and its
+    standard error (AR(1)-inflated for positively correlated residuals).
+
+    Parameters
+    ----------
+    values : sequence of float, length >= window >= 3
+    window : int
+
+    Returns
+    -------
+    (gain, se) : float, float
+        ``slope * window`` and its standard error, in the units of ``values``.
+    """
+    y = torch.tensor(list(values)[-window:], dtype=torch.float64)
+    w = len(y)
+    if w < 3:
+        raise ValueError(f"the trend needs at least 3 values, got {w}")
+    t = torch.arange(w, dtype=torch.float64)
+    tc, yc = t - t.mean(), y - y.mean()
+    sxx = float((tc * tc).sum())
+    slope = float((tc * yc).sum()) / sxx
+    resid = yc - slope * tc
+    rss = float((resid * resid).sum())
+    se = math.sqrt(rss / (w - 2) / sxx)
+    if rss > 0:
+        r1 = min(max(float((resid[1:] * resid[:-1]).sum()) / rss, 0.0), 0.8)
+        se *= math.sqrt((1 + r1) / (1 - r1))
+    return slope * w, se * w
+
+
+def diagnose(objective, *, lr_decayed: bool | None, scale_moves=None) -> ConvergenceDiagnosis:
+    """Judge convergence from a fit's per-epoch objective and its scales' moves.
+
+    Parameters
+    ----------
+    objective : sequence of float
+        Per-epoch training objective to maximise (``−loss``).
+    lr_decayed : bool or None
+        Whether the learning rate decayed over the fit (``None``: unknown).
+    scale_moves : (Tensor, Tensor) or None
+        ``(|ρ_end − ρ_start|, Σ_t lr_t)``, both of shape ``(K,)`` over all ``K`` scale
+        entries (the learning rates of each entry's optimiser group), or ``None`` for guides
+        without scales or optimisers without a maximum step.
+
+    Returns
+    -------
+    ConvergenceDiagnosis
+    """
+    values = [float(v) for v in objective]
+    epochs = len(values)
+    window = max(math.ceil(WINDOW_FRACTION * epochs), MIN_WINDOW)
+    measures = {"epochs": epochs, "window": window, "judged": epochs >= 2 * window,
+                "objective_end": None, "objective_gain": None, "objective_gain_se": None,
+                "lr_decayed": lr_decayed, "scale_limited_share": None, "scale_lr_budget": None}
+    reasons = []
+    flat = False
+    if not all(math.isfinite(v) for v in values[-window:]):
+        measures["judged"] = False
+    if not measures["judged"]:
+        reasons.append(f"cannot judge from {epochs} epoch{'s' if epochs != 1 else ''}: the trend of the "
+                       f"objective needs at least {2 * MIN_WINDOW} finite epochs; do not treat the fit as "
+                       "converged, train for more epochs")
+    else:
+        end = sum(values[-window:]) / window
+        gain, se = objective_trend(values, window)
+        scale = max(abs(end), 1.0)
+        measures.update(objective_end=end, objective_gain=gain / scale, objective_gain_se=se / scale)
+        low, high = (gain - Z * se) / scale, (gain + Z * se) / scale
+        if low > TOLERANCE:
+            reasons.append(f"the objective was still improving: over the last {window} epochs it rose by "
+                           f"{100 * gain / scale:.1f} % of |{end:.4g}| (± {100 * se / scale:.1f} %); train for "
+                           "more epochs, with a decaying lr_schedule such as 'cosine'")
+        elif high < -TOLERANCE:
+            reasons.append(f"the objective got worse at the end: over the last {window} epochs it fell by "
+                           f"{-100 * gain / scale:.1f} % of |{end:.4g}| (± {100 * se / scale:.1f} %); the "
+                           "learning rate is too high for the end of training, use lr_schedule='cosine' or a "
+                           "smaller lr")
+        flat = -TOLERANCE < low and high < TOLERANCE
+    if scale_moves is not None:
+        moves, budgets = scale_moves
+        limited = (moves >= LIMITED_MOVE * budgets) & (budgets > 0)
+        share = float(limited.double().mean()) if moves.numel() else 0.0
+        budget = float(budgets.max()) if budgets.numel() else 0.0
+        measures.update(scale_limited_share=share, scale_lr_budget=budget)
+        if share > LIMITED_SHARE:
+            reasons.append(f"the posterior scales were limited by the learning rate: {100 * share:.0f} % of "
+                           f"the unconstrained scales moved by at least {100 * LIMITED_MOVE:.0f} % of the summed "
+                           f"learning rate (Σ lr = {budget:.3g}), the most the optimiser can move them; raise the "
+                           "lr, start nearer the posterior (init_scale) or train longer")
+    if measures["judged"] and lr_decayed is False and not flat and not any(
+            r.startswith("the objective") for r in reasons):
+        reasons.append(f"the learning rate never decayed and the objective's trend over the last {window} "
+                       f"epochs ({100 * measures['objective_gain']:+.1f} ± "
+                       f"{100 * measures['objective_gain_se']:.1f} %) cannot confirm that it stopped "
+                       f"improving (within {100 * TOLERANCE:.0f} %); use lr_schedule='cosine' or more epochs")
+    return ConvergenceDiagnosis(converged=not reasons, reasons=reasons, measures=measures)
+
+
+class ConvergenceMonitor:
+    """What the diagnosis needs from the training loop: the scales at the start and the
+    learning rates of every step.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+    scale_parameters : list of Tensor
+        The guide's unconstrained scales (``guide_contract(guide).scale_parameters()``).
+    """
+
+    def __init__(self, optimizer, scale_parameters):
+        self.optimizer = optimizer
+        groups = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.scales = [p for p in scale_parameters if id(p) in groups]
+        self.scale_groups = [groups[id(p)] for p in self.scales]
+        self.initial = [p.detach().clone() for p in self.scales]
+        self.lr_sums = [0.0] * len(optimizer.param_groups)
+        self.lr_max = 0.0
+        self.lr_last = None
+
+    def after_step(self) -> None:
+        """Record the learning rates used by the step just taken."""
+        lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
+        for i, lr in enumerate(lrs):
+            self.lr_sums[i] += lr
+        self.lr_last = max(lrs)
+        self.lr_max = max(self.lr_max, self.lr_last)
+
+    def state_dict(self) -> dict:
+        return {"initial": self.initial, "lr_sums": list(self.lr_sums), "lr_max": self.lr_max,
+                "lr_last": self.lr_last}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["initial"]) != len(self.initial) or len(state["lr_sums"]) != len(self.lr_sums):
+            raise ValueError("the checkpoint's convergence record does not match this guide and optimiser")
+        self.initial = [t.to(p.device) for t, p in zip(state["initial"], self.initial)]
+        self.lr_sums, self.lr_max, self.lr_last = list(state["lr_sums"]), state["lr_max"], state["lr_last"]
+
+    def diagnose(self, objective) -> ConvergenceDiagnosis:
+        """:func:`diagnose` with this fit's learning rates and scales."""
+        lr_decayed = None if self.lr_last is None else self.lr_last <= 0.5 * self.lr_max
+        scale_moves = None
+        if self.scales and isinstance(self.optimizer, _ADAM_LIKE):
+            moves = torch.cat([(p.detach() - p0).abs().flatten().double().cpu()
+                               for p, p0 in zip(self.scales, self.initial)])
+            budgets = torch.cat([torch.full((p.numel(),), self.lr_sums[g], dtype=torch.float64)
+                                 for p, g in zip(self.scales, self.scale_groups)])
+            scale_moves = (moves, budgets)
+        return diagnose(objective, lr_decayed=lr_decayed, scale_moves=scale_moves)

@@ -1,0 +1,232 @@
+"""The divergence guard of :func:`pyro_bnn.fit`: no non-finite state is kept, written or returned.
+
+Three checks, from cheap to thorough:
+
+* every step, the loss and the total gradient norm (one fused reduction over the gradients,
+  or the norm ``clip_grad_norm_`` computes anyway), read together with the loss value the
+  loop reads anyway, *before* the optimiser step, so a non-finite gradient never reaches the
+  parameters;
+* every epoch end, after the guide's ``on_epoch_end`` hook (which may change parameters, as
+  Laplace's evidence steps do), every floating tensor of the model, the guide and the
+  optimiser state, before the state is remembered as good or written to a checkpoint;
+* Pyro's own validation error for a distribution parameter with invalid values (a guide
+  driven out of its support, e.g. ``AutoNormal`` at a huge learning rate) after training
+  has started.
+
+On any of them the guard restores the state last verified finite (model, guide, optimiser,
+learning-rate schedule) and raises ``FloatingPointError`` naming the epoch and step and the
+epoch restored.  A loss that explodes while staying finite gets a ``RuntimeWarning``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import torch
+
+from . import distributed as _dist
+
+__all__ = ["DivergenceGuard", "EXPLOSION_FACTOR", "is_invalid_parameter_error"]
+
+#: a finite epoch loss this many times the magnitude of the best one (at least 1) warns
+EXPLOSION_FACTOR = 1e6
+
+_ADVICE = ("Try a smaller lr, clip_norm=..., a smaller init_scale or standardised inputs.")
+
+
+def is_invalid_parameter_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's distribution-argument validation error (``found invalid
+    values``), which Pyro raises when a guide's parameters have left their support."""
+    return isinstance(exc, ValueError) and "found invalid values" in str(exc)
+
+
+class DivergenceGuard:
+    """Checks a fit's loss, gradients and state; restores the last state verified finite.
+
+    Parameters
+    ----------
+    model, guide : torch.nn.Module or callable
+        What is trained (non-modules hold no state and are skipped).
+    optimizer : torch.optim.Optimizer
+    scheduler : torch.optim.lr_scheduler.LRScheduler
+    params : list of Tensor
+        The parameters the optimiser updates (their gradients are checked).
+    clip_norm : float, optional
+        Clip the total gradient norm to this value (the norm is then the clipping's own).
+    checkpoint : path, optional
+        Named in messages: the checkpoint holds the epoch restored.
+    """
+
+    def __init__(self, model, guide, optimizer, scheduler, params, clip_norm=None, checkpoint=None):
+        self.modules = {name: m for name, m in (("model", model), ("guide", guide))
+                        if isinstance(m, torch.nn.Module)}
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.grads_of = [p for p in params]
+        self.clip_norm = clip_norm
+        self.checkpoint = checkpoint
+        self.good_epoch = 0
+        self._good = None
+        self._pending = None
+        self.steps_taken = 0
+        self.best_loss = math.inf
+        self._warned_explosion = False
+
+    # ------------------------------------------------------------ state
+    def _snapshot(self) -> tuple:
+        modules = {name: {k: v.detach().clone() for k, v in m.state_dict().items()}
+                   for name, m in self.modules.items()}
+        return modules, copy.deepcopy(self.optimizer.state_dict()), copy.deepcopy(self.scheduler.state_dict())
+
+    def start(self, epoch: int = 0) -> None:
+        """Keep the starting state (checked by :meth:`check_initial`) as the fallback."""
+        self._good, self.good_epoch, self._pending = self._snapshot(), epoch, None
+
+    def remember(self, epoch: int) -> None:
+        """Keep a copy of the state at the end of ``epoch`` (after :meth:`check_state`) as the
+        candidate: it becomes the state verified finite when the loss and gradients evaluated
+        at it are finite too (:meth:`confirm`).  Finite parameters alone do not make a usable
+        state: ``σ = exp(ρ)`` overflows for a finite ``ρ`` of 89 in float32."""
+        self._pending = (self._snapshot(), epoch)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a candidate state waits for its loss evaluation."""
+        return self._pending is not None
+
+    def confirm(self) -> tuple[dict, dict, dict]:
+        """The candidate passed its loss evaluation: it is now the state verified finite.
+        Returns its ``(module states, optimiser state, schedule state)`` (for the checkpoint)."""
+        self._good, self.good_epoch = self._pending
+        self._pending = None
+        return self._good
+
+    def restore(self) -> None:
+        """Put the state last verified finite back (model, guide, optimiser, schedule)."""
+        self._pending = None
+        if self._good is None:
+            return
+        modules, opt_state, sched_state = self._good
+        for name, state in modules.items():
+            self.modules[name].load_state_dict(state)
+        self.optimizer.load_state_dict(copy.deepcopy(opt_state))
+        self.scheduler.load_state_dict(copy.deepcopy(sched_state))
+
+    def fail(self, what: str, epoch: int, step: int | None = None, cause: BaseException | None = None):
+        """Restore the last good state and raise ``FloatingPointError`` describing ``what``."""
+        self.restore()
+        where = f"epoch {epoch} (step {step})" if step is not None else f"epoch {epoch}"
+        restored = ("the start of the fit" if self.good_epoch == 0 and self._good is not None
+                    else f"the end of epoch {self.good_epoch}")
+        note = (f"; the checkpoint {str(self.checkpoint)!r} holds that state"
+                if self.checkpoint is not None and self.good_epoch > 0 else "")
+        raise FloatingPointError(
+            f"{what} in {where}; model, guide and optimiser were restored to {restored}, the last "
+            f"state verified finite{note}. {_ADVICE}") from cause
+
+    # ------------------------------------------------------------ checks
+    def gradient_norm(self) -> torch.Tensor:
+        """After ``backward``: the total gradient norm (clipping first if ``clip_norm``)."""
+        if self.clip_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(self.grads_of, self.clip_norm)
+        grads = [p.grad for p in self.grads_of if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return _total_norm(grads)
+
+    def check_step(self, loss: torch.Tensor, epoch: int, step: int, distributed=None) -> float:
+        """Check one step's loss and gradients before the optimiser step; return the loss.
+
+        The loss and the gradient norm are read in one device synchronisation.  Under
+        ``distributed`` the loss is the mean over ranks (the gradients are already
+        all-reduced, so every rank decides alike).
+        """
+        norm = self.gradient_norm()
+        loss = loss.detach()
+        if distributed is not None:
+            loss = _dist.all_reduce_mean_(loss.clone())
+        value, norm_value = torch.stack((loss.reshape(()), norm.to(loss.dtype).reshape(()))).tolist()
+        if not math.isfinite(value):
+            self.fail(f"the loss became {value}", epoch, step)
+        if not math.isfinite(norm_value):
+            self.fail(f"the gradient norm became {norm_value} while the loss was finite ({value:.6g})",
+                      epoch, step)
+        return value
+
+    def check_final(self, loss: torch.Tensor, epoch: int, distributed=None) -> None:
+        """The loss evaluated at the state after the last epoch (which no further step
+        evaluates): it must be finite for that state to count as verified."""
+        loss = loss.detach().reshape(())
+        if distributed is not None:
+            loss = _dist.all_reduce_mean_(loss.clone())
+        value = loss.item()
+        if not math.isfinite(value):
+            self.fail(f"the loss at the state reached by the last step became {value}", epoch)
+
+    def after_step(self) -> None:
+        self.steps_taken += 1
+
+    def _non_finite(self) -> list[str]:
+        bad = []
+        for name, module in self.modules.items():
+            bad += [f"{name} {key}" for key, t in module.state_dict().items() if _not_finite(t)]
+        for i, state in enumerate(self.optimizer.state.values()):
+            bad += [f"optimiser state {key} of parameter {i}" for key, t in state.items()
+                    if isinstance(t, torch.Tensor) and _not_finite(t)]
+        return bad
+
+    def check_initial(self, epoch: int = 0) -> None:
+        """Before the first step: the starting state must be finite (it is what a failure
+        restores).  Raises ``ValueError`` naming the non-finite entries."""
+        bad = self._non_finite()
+        if bad:
+            shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+            when = "before training" if epoch == 0 else f"in the state resumed from epoch {epoch}"
+            raise ValueError(f"non-finite values {when}: {shown}; expected finite initial parameters "
+                             "(check init_scale, the network's weights and the prior)")
+
+    def check_state(self, epoch: int) -> None:
+        """At an epoch's end: every floating tensor of model, guide and optimiser is finite."""
+        bad = self._non_finite()
+        if bad:
+            shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+            self.fail(f"non-finite values appeared in {shown} (found at the end of the epoch, "
+                      "after the guide's epoch hook)", epoch)
+
+    def invalid_parameter(self, exc: ValueError, epoch: int, step: int):
+        """Pyro rejected a distribution parameter: restore and raise if training had moved
+        the parameters (at the very first step it is a model error, re-raised as it is)."""
+        if self.steps_taken == 0:
+            raise exc
+        self.fail(f"a distribution parameter left its support ({_first_line(exc)})", epoch, step, exc)
+
+    def watch_loss(self, epoch: int, mean_loss: float) -> None:
+        """Warn once if the epoch loss exploded (finite, but far above its best value)."""
+        if mean_loss - self.best_loss > EXPLOSION_FACTOR * max(abs(self.best_loss), 1.0) \
+                and not self._warned_explosion:
+            self._warned_explosion = True
+            warnings.warn(
+                f"the training loss exploded in epoch {epoch}: {mean_loss:.4g}, against a best epoch "
+                f"loss of {self.best_loss:.4g}; the fit is diverging without (yet) producing NaN. "
+                f"{_ADVICE}", RuntimeWarning, stacklevel=4)
+        self.best_loss = min(self.best_loss, mean_loss)
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """‖(g_1, …, g_k)‖₂ with fused per-tensor norms (``torch.nn.utils.get_total_norm``, torch ≥ 2.6)."""
+    total = getattr(torch.nn.utils, "get_total_norm", None)
+    if total is not None:
+        return total(grads)
+    device = grads[0].device
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads]))
+
+
+def _not_finite(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else type(exc).__name__

@@ -1,0 +1,118 @@
+"""The end-of-fit convergence diagnosis and pb.ConvergenceWarning (issue 14)."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.convergence import MIN_WINDOW, ConvergenceDiagnosis, diagnose, objective_trend
+
+
+# ---------------------------------------------------------------- the statistics
+def test_objective_trend_is_least_squares_with_ar1_inflated_error():
+    rng = np.random.default_rng(0)
+    y = 5.0 + 0.3 * np.arange(40) + rng.normal(size=40)
+    gain, se = objective_trend(list(y), 25)
+    t, w = np.arange(25), y[-25:]
+    slope, intercept = np.polyfit(t, w, 1)
+    resid = w - (slope * t + intercept)
+    se_slope = math.sqrt((resid ** 2).sum() / 23 / ((t - t.mean()) ** 2).sum())
+    r1 = min(max((resid[1:] * resid[:-1]).sum() / (resid ** 2).sum(), 0.0), 0.8)
+    assert gain == pytest.approx(25 * slope, rel=1e-10)
+    assert se == pytest.approx(25 * se_slope * math.sqrt((1 + r1) / (1 - r1)), rel=1e-10)
+    with pytest.raises(ValueError, match="at least 3"):
+        objective_trend([1.0, 2.0], 2)
+
+
+def test_flat_noisy_objective_is_not_called_improving():
+    """Minibatch noise of 4 % of |ELBO| per epoch (MeanField on digits: about 4 %) on a flat
+    objective: 'still improving' in at most 5 % of 400 seeds (the test is one-sided at 2 SE
+    plus a 1 % margin, so the rate is far below)."""
+    rng = np.random.default_rng(1)
+    flagged = 0
+    for _ in range(400):
+        values = -1200.0 + 48.0 * rng.normal(size=300)
+        d = diagnose(values, lr_decayed=True)
+        flagged += any(r.startswith("the objective was still improving") for r in d.reasons)
+    assert flagged <= 20
+
+
+def test_diagnose_cases():
+    rng = np.random.default_rng(2)
+    noise = rng.normal(size=200)
+    rising = diagnose(-2000 + 5.0 * np.arange(200) + noise, lr_decayed=True)
+    assert not rising.converged and rising.reasons[0].startswith("the objective was still improving")
+    assert rising.measures["window"] == 20 and rising.measures["objective_gain"] > 0.05
+    falling = diagnose(-1000 - 5.0 * np.arange(200) + noise, lr_decayed=True)
+    assert falling.reasons[0].startswith("the objective got worse")
+    flat = diagnose(-1000 + 0.1 * noise, lr_decayed=False)
+    assert flat.converged and flat.reasons == []
+    noisy_constant = diagnose(-1000 + 50 * noise, lr_decayed=False)
+    assert noisy_constant.reasons[0].startswith("the learning rate never decayed")
+    assert diagnose(-1000 + 50 * noise, lr_decayed=True).converged
+    short = diagnose([-3.0] * (2 * MIN_WINDOW - 1), lr_decayed=True)
+    assert not short.converged and not short.judged and "cannot judge from 19 epochs" in short.reasons[0]
+    assert "cannot judge" in ConvergenceDiagnosis(False, short.reasons, short.measures).message()
+
+
+def test_scales_limited_by_the_learning_rate():
+    flat = -1000.0 + np.zeros(100)
+    budget = torch.full((1000,), 2.2, dtype=torch.float64)
+    at_max = diagnose(flat, lr_decayed=True, scale_moves=(torch.full((1000,), 2.2, dtype=torch.float64), budget))
+    assert at_max.measures["scale_limited_share"] == 1.0
+    assert "limited by the learning rate" in at_max.reasons[0] and "Σ lr = 2.2" in at_max.reasons[0]
+    free = diagnose(flat, lr_decayed=True, scale_moves=(torch.linspace(0, 2.5, 1000, dtype=torch.float64),
+                                                        budget * 100))
+    assert free.converged and free.measures["scale_limited_share"] == 0.0
+    no_steps = diagnose(flat, lr_decayed=True, scale_moves=(torch.zeros(1000, dtype=torch.float64), budget * 0))
+    assert no_steps.measures["scale_limited_share"] == 0.0
+
+
+# ---------------------------------------------------------------- pb.fit on digits
+@pytest.fixture(scope="module")
+def digits():
+    return pb.datasets.digits()
+
+
+def _fit(digits, *, init_scale, lr, lr_schedule, epochs):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 100), nn.ReLU(), nn.Linear(100, 10))
+    model = pb.BNN(net, likelihood="categorical", prior=pb.priors.IIDNormal(1.0))
+    guide = pb.guides.MeanField(model, init_scale=init_scale)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = pb.fit(model, guide, digits.train, epochs=epochs, batch_size=64, lr=lr,
+                        lr_schedule=lr_schedule, seed=0, progress=False)
+    return result, [w for w in caught if issubclass(w.category, pb.ConvergenceWarning)]
+
+
+@pytest.mark.slow
+def test_learning_rate_limited_scales_warn(digits):
+    """init_scale 1e-3, lr 1e-3, 100 epochs (the old defaults): every log σ moved by the most
+    Adam allows (2,200 steps × 1e-3 = 2.2)."""
+    result, caught = _fit(digits, init_scale=1e-3, lr=1e-3, lr_schedule="constant", epochs=100)
+    assert len(caught) == 1 and "limited by the learning rate" in str(caught[0].message)
+    assert not result.convergence.converged and result.convergence.measures["scale_limited_share"] > 0.9
+    assert result.convergence.measures["scale_lr_budget"] == pytest.approx(2.2, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_short_fit_still_improving_warns(digits):
+    result, caught = _fit(digits, init_scale=0.1, lr=5e-2, lr_schedule="cosine", epochs=20)
+    assert len(caught) == 1 and "still improving" in str(caught[0].message)
+    assert result.convergence.measures["objective_gain"] > 0.1
+
+
+@pytest.mark.slow
+def test_converged_fit_does_not_warn(digits):
+    """init_scale 0.1, lr 5e-2, cosine, 300 epochs: ELBO about -1,280 (within ~8 % of the
+    -1,183 that 1,000-2,000 epochs reach), flat at the end within its noise, σ free."""
+    result, caught = _fit(digits, init_scale=0.1, lr=5e-2, lr_schedule="cosine", epochs=300)
+    assert caught == [] and result.convergence.converged, result.convergence.reasons
+    m = result.convergence.measures
+    assert m["judged"] and m["scale_limited_share"] == 0.0 and m["lr_decayed"]
+    assert result.history["elbo"][-1] > -1400
