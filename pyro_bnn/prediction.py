@@ -38,10 +38,9 @@ class PredictiveSamples(NamedTuple):
 
 def sample_latents(model, guide, x, y=None) -> dict[str, torch.Tensor]:
     """One joint draw of all latent sites from the guide, ``{site: value}``."""
-    if getattr(guide, "prototype_trace", False) is None:
-        raise ValueError(
-            f"the {type(guide).__name__} guide has no parameters yet: train it with pb.fit "
-            "(or set it up with pyro_bnn.training.setup_guide(model, guide, x, y)) before predicting")
+    problem = guide_contract(guide).prediction_problem()
+    if problem is not None:
+        raise ValueError(problem)
     args = (x, y)
     kwargs = {"num_data": len(x)} if hasattr(model, "site_names") else {}
     tr = poutine.trace(poutine.block(guide, hide_types=["param"])).get_trace(*args, **kwargs)

@@ -90,6 +90,18 @@ def test_state_dict_round_trip(name, digits_small):
     torch.testing.assert_close(p1, p2)
 
 
+def test_laplace_without_curvature_refuses_to_predict(digits_small):
+    """Trained by plain SVI, the Laplace guide is still a point mass: pb.predict says what to do."""
+    x, y, xt, _ = digits_small
+    model = _bnn()
+    guide = pb.guides.Laplace(model)
+    guide(x[:4], y[:4])
+    with pytest.raises(ValueError, match="fit_curvature"):
+        pb.predict(model, guide, xt, num_samples=2)
+    guide.fit_curvature((x, y))
+    assert pb.predict(model, guide, xt, num_samples=2).shape == (2, len(xt), 10)
+
+
 @pytest.mark.parametrize("name", sorted(ALL_GUIDES))
 def test_dtype_move_moves_everything(name, digits_small):
     """``.to(dtype)`` reaches prior buffers and guide parameters (a proxy for ``.to(device)``)."""
@@ -101,6 +113,8 @@ def test_dtype_move_moves_everything(name, digits_small):
     guide.to(torch.float64)
     for site in model.site_names:
         assert model.site_prior(site).sample().dtype == torch.float64
+    if isinstance(guide, pb.guides.Laplace):  # predicts only once its curvature is fitted
+        guide.fit_curvature((x.double(), y))
     probs = pb.predict(model, guide, xt.double(), num_samples=2)
     assert probs.dtype == torch.float64
 

@@ -162,6 +162,14 @@ class BNNGuide:
         """
         raise ValueError(f"{type(self).__name__} supports only method='sample', got {method!r}")
 
+    def prediction_problem(self) -> str | None:
+        """Why the guide cannot be sampled for predictions yet, or ``None`` if it can.
+
+        :func:`pyro_bnn.predict` and the tools raise this message instead of returning draws
+        of an untrained guide.
+        """
+        return _not_set_up_message(self)
+
     def log_density(self, values: dict) -> torch.Tensor | None:
         """``log q(θ)`` (0-d) at a joint draw ``{site: tensor}``, or ``None``.
 
@@ -188,11 +196,22 @@ class _ObservedDuringSetUp(Messenger):
             msg["is_observed"] = True
 
 
+def _not_set_up_message(guide) -> str | None:
+    if getattr(guide, "prototype_trace", False) is not None:
+        return None
+    return (f"the {type(guide).__name__} guide has no parameters yet: train it with pb.fit or SVI; "
+            "to use values loaded into Pyro's param store, call the guide once with data, "
+            "guide(x, y), first")
+
+
 class _PyroGuideContract(BNNGuide):
     """The contract's defaults for a guide that does not derive from :class:`BNNGuide`."""
 
     def __init__(self, guide):
         self.guide = guide
+
+    def prediction_problem(self) -> str | None:
+        return _not_set_up_message(self.guide)
 
     def predict(self, model, x, method="sample", num_samples=64, batch_size=1024, **kwargs):
         raise ValueError(f"{type(self.guide).__name__} supports only method='sample', got {method!r}")

@@ -324,6 +324,15 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         parts = flat.split([layer.numel for layer in self.layers], -1)
         return [p.reshape(num, *layer.shape) for layer, p in zip(self.layers, parts)], log_q
 
+    def prediction_problem(self) -> str | None:
+        """Not ready before the curvature is fitted: until then the guide is a point mass at θ."""
+        problem = super().prediction_problem()
+        if problem is None and self.posterior is None:
+            return ("the Laplace guide's curvature is not fitted yet (until then it is a point mass "
+                    "at the MAP): call guide.fit_curvature((x, y)) after training it with SVI; pb.fit "
+                    "does this at its end")
+        return problem
+
     def median(self, *args, **kwargs):
         return {k: v.detach() for k, v in self.map_values().items()}
 
