@@ -15,14 +15,10 @@ import torch
 from pyro.infer.autoguide import AutoNormal
 
 from ._local_params import local_params
+from .model import is_bnn
 from .prediction import params_under, sample_latents
 
-__all__ = ["draw_latents", "probs_from_latents", "site_moments", "is_bnn"]
-
-
-def is_bnn(model) -> bool:
-    """True for :class:`pyro_bnn.BNN`-like models (``site_names`` and ``function``)."""
-    return hasattr(model, "site_names") and hasattr(model, "function")
+__all__ = ["draw_latents", "probs_from_latents", "site_moments"]
 
 
 def draw_latents(model, guide, x: torch.Tensor, num_samples: int) -> list[dict[str, torch.Tensor]]:
@@ -72,7 +68,7 @@ def site_moments(model, guide, x: torch.Tensor | None = None, num_samples: int =
     source : str
         ``"loc_and_scale"``, ``"quantiles"`` or ``"samples"``.
     """
-    names = list(model.site_names) if hasattr(model, "site_names") else None
+    names = list(model.site_names) if is_bnn(model) else None
     if hasattr(guide, "loc_and_scale") and names is not None:
         mean, std = {}, {}
         with torch.no_grad():

@@ -28,14 +28,15 @@ from pyro.infer.autoguide import AutoDelta, AutoNormal
 
 from ._local_params import local_params
 from .guides.base import guide_contract
+from .objectives import call_model
 
 __all__ = ["sample_with_log_density", "guide_log_density", "guide_args"]
 
 
 def guide_args(model, x: torch.Tensor, y: torch.Tensor | None = None) -> tuple[tuple, dict]:
     """Arguments with which a guide of ``model`` is called for inputs ``x``."""
-    kwargs = {"num_data": len(x)} if hasattr(model, "site_names") else {}
-    return (x, y), kwargs
+    args, kwargs, _ = call_model(model, x, y, len(x))
+    return args, kwargs
 
 
 def _latent_values(trace) -> dict[str, torch.Tensor]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 import pyro
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 
-__all__ = ["BNN", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
 BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -31,6 +32,44 @@ def fan_in_of(module: nn.Module, param_name: str, param: torch.Tensor) -> int:
     if isinstance(weight, torch.Tensor) and weight.dim() >= 2:
         return int(weight[0].numel())
     return int(param[0].numel()) if param.dim() >= 2 else int(param.numel())
+
+
+class BayesianNetwork(Protocol):
+    """What pyro_bnn's fast paths need of a model: a network with named random sites.
+
+    :class:`BNN` implements it; a hand-written ``PyroModule`` that implements it gets the
+    same fast paths (objectives without Pyro tracing, KFAC curvature, predictives).  Models
+    that do not are handled through Pyro traces of their ``forward(x, y)``.
+
+    Attributes
+    ----------
+    site_names : list of str
+        The random sites, in a fixed order.
+    likelihood : pyro_bnn.likelihoods.Likelihood
+        Observation model of the network output.
+    """
+
+    site_names: list[str]
+    likelihood: Likelihood
+
+    def site_prior(self, site: str):
+        """The prior distribution of one site."""
+
+    def run_with(self, values: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The network output ``f(x)`` with every random site fixed to ``values[site]``."""
+
+
+def is_bnn(model) -> bool:
+    """Whether ``model`` implements :class:`BayesianNetwork` (the one check the library uses).
+
+    Checked member by member with ``hasattr``: ``isinstance(model, BayesianNetwork)`` does not
+    see attributes that ``nn.Module`` keeps in its registries (``likelihood`` is a submodule),
+    since Python 3.12 inspects protocols with ``getattr_static``.
+    """
+    return all(hasattr(model, name) for name in _PROTOCOL_MEMBERS)
+
+
+_PROTOCOL_MEMBERS = ("site_names", "likelihood", "site_prior", "run_with")
 
 
 class _SitePrior:
@@ -193,6 +232,34 @@ class BNN(PyroModule):
         with pyro.plate("data", size, subsample_size=len(x)):
             pyro.sample("obs", self.likelihood.distribution(f), obs=y)
         return f
+
+    def run_with(self, values: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The network output ``f(x)`` with the random sites fixed to ``values`` (no Pyro tracing).
+
+        Parameters
+        ----------
+        values : mapping site name -> Tensor
+            One value per site, with the site's shape (sites left out are drawn from their
+            priors, as in :meth:`function`).
+        x : Tensor, shape (M, ...)
+            Inputs.
+
+        Returns
+        -------
+        Tensor, shape (M, num_outputs)
+            Differentiable in ``values`` (and in the model's deterministic parameters).
+
+        Notes
+        -----
+        The values go straight into the ``PyroModule`` context cache, which is where
+        ``PyroSample`` looks first, so no Pyro messenger is involved: this is the fast path
+        of the objectives, the curvature and the predictives.
+        """
+        ctx = self._pyro_context
+        with ctx:
+            for name, value in values.items():
+                ctx.set(name, value)
+            return self.function(x)
 
     def function(self, x: torch.Tensor) -> torch.Tensor:
         """The network output ``f(x)`` under the current (sampled or replayed) weights."""

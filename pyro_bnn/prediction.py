@@ -17,8 +17,9 @@ from . import metrics
 from ._local_params import local_params
 from .data import check_finite
 from .guides.base import guide_contract
-from .guides.meanfield import _run_with_values
 from .likelihoods import Bernoulli, Categorical, Gaussian
+from .model import is_bnn
+from .objectives import call_model
 
 __all__ = ["PredictiveSamples", "predictive_samples", "predict", "evaluate", "sample_latents"]
 
@@ -41,8 +42,7 @@ def sample_latents(model, guide, x, y=None) -> dict[str, torch.Tensor]:
     problem = guide_contract(guide).prediction_problem()
     if problem is not None:
         raise ValueError(problem)
-    args = (x, y)
-    kwargs = {"num_data": len(x)} if hasattr(model, "site_names") else {}
+    args, kwargs, _ = call_model(model, x, y, len(x))
     tr = poutine.trace(poutine.block(guide, hide_types=["param"])).get_trace(*args, **kwargs)
     return {name: node["value"] for name, node in tr.nodes.items()
             if node["type"] == "sample" and not node["is_observed"]
@@ -96,13 +96,13 @@ def params_under(model, latents: dict, x, batch_size: int = 1024, obs_site: str 
     params : dict
         ``probs`` ``(N, C)`` or ``loc``/``scale`` ``(N, D)``.
     """
-    is_bnn = hasattr(model, "site_names") and hasattr(model, "function")
+    fast = is_bnn(model)
     kind, chunks = None, []
     for start in range(0, len(x), batch_size):
         xb = x[start:start + batch_size]
         xb = xb if device is None else xb.to(device)
-        if is_bnn:
-            kind, params = _params_from_bnn(model, _run_with_values(model, latents, xb))
+        if fast:
+            kind, params = _params_from_bnn(model, model.run_with(latents, xb))
         else:
             tr = poutine.trace(poutine.condition(model, data=latents)).get_trace(xb, None)
             if obs_site not in tr.nodes:

@@ -60,6 +60,7 @@ from torch import nn
 
 from . import metrics
 from ._draws import draw_latents, probs_from_latents, site_moments
+from .model import is_bnn
 
 __all__ = ["scores", "prune_", "unprune_", "PruningHandle", "pruning_curve", "export_pruned",
            "posterior_mean"]
@@ -281,7 +282,7 @@ def export_pruned(model, guide, x: torch.Tensor | None = None, num_samples: int 
     torch.nn.Module
         ``net(x)`` gives the logits (or regression output) of the pruned mean network.
     """
-    if not hasattr(model, "net") or not hasattr(model, "site_names"):
+    if not is_bnn(model) or not hasattr(model, "net"):
         raise TypeError(f"export_pruned needs a pyro_bnn.BNN, got {type(model).__name__}")
     mean = posterior_mean(model, guide, x, num_samples)
     handle = model.__dict__.get(_HANDLE_ATTR)

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributions import kl_divergence
 
 from ..likelihoods import log_likelihood
+from ..model import is_bnn
 from ..objectives import PyroObjective
 from ._fused_gaussian import can_fuse, sample_and_kl
 from .base import BNNGuide, init_to_network, register_guide
@@ -178,7 +179,7 @@ class MeanFieldELBO(GuideObjective):
         self._fallback = PyroObjective(TraceMeanField_ELBO(num_particles=self.num_particles))
 
     def __call__(self, model, guide, x, y, num_data=None):
-        if not (hasattr(model, "site_names") and hasattr(model, "site_prior")):
+        if not is_bnn(model):
             if guide.local_reparameterization:
                 raise ValueError("local_reparameterization needs a pyro_bnn.BNN model")
             return self._fallback(model, guide, x, y, num_data)
@@ -268,7 +269,7 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1):
         if local:
             hooks = _install_local_reparam(model, qs)
         try:
-            f = _run_with_values(model, values, x)
+            f = model.run_with(values, x)
         finally:
             for h in hooks:
                 h.remove()
@@ -296,16 +297,8 @@ def _fusable_sites(model, guide, sites) -> dict:
 
 
 def _run_with_values(model, values: dict, x):
-    """Run ``model.function(x)`` with the sample sites fixed to ``values``.
-
-    The values go straight into the ``PyroModule`` context cache, which is exactly where
-    ``PyroSample`` looks first, so no Pyro messenger is involved.
-    """
-    ctx = model._pyro_context
-    with ctx:
-        for name, v in values.items():
-            ctx.set(name, v)
-        return model.function(x)
+    """Deprecated alias of ``model.run_with(values, x)`` (:class:`pyro_bnn.BNN.run_with`)."""
+    return model.run_with(values, x)
 
 
 def _conv_function(module):
