@@ -60,7 +60,7 @@ def check_finite(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} contains {bad} NaN/inf values; expected finite numbers")
 
 
-def check_inputs(x, what: str = "x", dtype: torch.dtype | None = None) -> None:
+def check_inputs(x, what: str = "x", dtype: torch.dtype | None = None, allow_integer: bool = False) -> None:
     """Clear errors for inputs a network cannot take: not a tensor, empty, integer, wrong
     floating dtype, NaN/inf.
 
@@ -71,12 +71,14 @@ def check_inputs(x, what: str = "x", dtype: torch.dtype | None = None) -> None:
     what : str
         How to name ``x`` in messages (``"x"``, ``"x in batch 3 of the DataLoader"``).
     dtype : torch.dtype, optional
-        The model's floating dtype; ``x`` must have it.
+        The model's floating dtype; floating ``x`` must have it.
+    allow_integer : bool
+        Accept integer ``x`` (token ids for an ``nn.Embedding``).
 
     Raises
     ------
     TypeError
-        ``x`` is not a tensor, or has an integer or other floating dtype.
+        ``x`` is not a tensor, or has an integer (unless allowed) or other floating dtype.
     ValueError
         ``x`` is empty or holds NaN/inf.
     """
@@ -86,6 +88,8 @@ def check_inputs(x, what: str = "x", dtype: torch.dtype | None = None) -> None:
         raise ValueError(f"{what} must have a batch dimension (N, ...), got a 0-d tensor")
     if len(x) == 0:
         raise ValueError(f"{what} is empty (shape {tuple(x.shape)}); expected at least one example")
+    if allow_integer and not x.is_floating_point() and not x.is_complex():
+        return
     _check_x_dtype(x, what, dtype)
     check_finite(x, what)
 
@@ -126,6 +130,9 @@ class BatchCheck:
     shape, which the label range needs, is computed once from the first batch (two
     examples, without touching the random number streams) and cached.
 
+    Integer ``x`` is accepted for a model with an ``nn.Embedding`` (token ids), and without a
+    model, which cannot tell.
+
     Parameters
     ----------
     model : BNN or PyroModule, optional
@@ -137,6 +144,8 @@ class BatchCheck:
     def __init__(self, model=None, device=None):
         self.model = model
         self.dtype = model_dtype(model) if model is not None else None
+        self.integer_inputs = model is None or (isinstance(model, torch.nn.Module) and any(
+            isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) for m in model.modules()))
         lik = getattr(model, "likelihood", None)
         self.likelihood = lik if isinstance(lik, Likelihood) else None
         self.device = device
@@ -145,7 +154,7 @@ class BatchCheck:
     def __call__(self, x, y=None, where: str = "") -> None:
         """Raise ``TypeError``/``ValueError`` naming the problem and ``where`` it is."""
         at = f" in {where}" if where else ""
-        check_inputs(x, f"x{at}", self.dtype)
+        check_inputs(x, f"x{at}", self.dtype, allow_integer=self.integer_inputs)
         if y is None:
             return
         if not isinstance(y, torch.Tensor):
@@ -215,7 +224,7 @@ def validate_data(model, data, device=None) -> BatchCheck:
         return check
     if isinstance(x, torch.Tensor) and x.dim() > 0 and len(x) == 0:
         raise ValueError(f"data is empty: x has shape {tuple(x.shape)}; expected at least one example")
-    check_inputs(x, "x", check.dtype)
+    check_inputs(x, "x", check.dtype, allow_integer=check.integer_inputs)
     if y is not None and check.likelihood is not None:
         # This draw from the global RNG is the one fit's tensor check always made: seeded
         # results stay what they were.  (Loader batches are checked with the RNG restored.)

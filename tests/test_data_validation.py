@@ -128,6 +128,17 @@ def test_model_free_default_check_still_catches_nan_and_lengths():
     x[3, 0] = math.nan
     with pytest.raises(ValueError, match="x in batch 1 of the DataLoader contains 1 NaN"):
         list(make_loader(DataLoader(TensorDataset(x, y), batch_size=8)))
+    with pytest.raises(ValueError, match="x and y in batch 1 .*same length"):
+        BatchCheck()(x[4:8], y[4:7], "batch 1 of the DataLoader")
+
+
+def test_integer_inputs_only_for_models_that_take_them():
+    tokens = torch.randint(0, 20, (6, 3))
+    BatchCheck()(tokens)  # without a model: cannot tell, accepted
+    embedding = pb.BNN(torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Flatten(), torch.nn.Linear(12, 3)))
+    BatchCheck(embedding)(tokens)  # token ids for nn.Embedding
+    with pytest.raises(TypeError, match=r"has dtype torch.int64; expected floating-point inputs"):
+        BatchCheck(_model())(tokens)
 
 
 def test_checking_loader_batches_does_not_move_the_random_streams():
@@ -159,7 +170,7 @@ def test_fit_with_ignore_index_labels_from_a_loader_raises():
     model = _model()
     x, y = _data()
     y[::2] = -100
-    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\].*-100"):
+    with pytest.raises(ValueError, match=r"y in batch 1 of the DataLoader: labels must lie in \[0, 2\].*-100"):
         _fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
 
 
@@ -168,8 +179,15 @@ def test_fit_checks_loader_batches():
     x[20, 1] = math.nan
     with pytest.raises(ValueError, match="x in batch 3 of the DataLoader contains 1 NaN"):
         _fit(_model(), DataLoader(TensorDataset(x, y), batch_size=8))
+    x = x.nan_to_num()
+    with pytest.raises(TypeError, match=r"x in batch 1 of the DataLoader has dtype torch.float64 but the "
+                                        r"model's weights are torch.float32"):
+        _fit(_model(), DataLoader(TensorDataset(x.double(), y), batch_size=8))
     with pytest.raises(TypeError, match=r"x in batch 1 of the DataLoader has dtype torch.uint8.*x.float\(\)"):
-        _fit(_model(), DataLoader(TensorDataset((x.nan_to_num() > 0).to(torch.uint8), y), batch_size=8))
+        _fit(_model(), DataLoader(TensorDataset((x > 0).to(torch.uint8), y), batch_size=8))
+    with pytest.raises(TypeError, match=r"y in batch 1 of the DataLoader: .*int64.*y.long\(\)"):
+        _fit(_model(), DataLoader(TensorDataset(x, y.int()), batch_size=8))
+
 
 
 @pytest.mark.parametrize("data, pattern", [
