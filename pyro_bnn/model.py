@@ -301,6 +301,13 @@ class BNN(PyroModule):
                 f"got {tuple(x.shape)}"
             )
 
+    def _apply(self, fn, *args, **kwargs):
+        # .to(device / dtype), .double(), ... move the initial values too: they define the
+        # model's dtype and device for input checks and the guides' initial locations
+        out = super()._apply(fn, *args, **kwargs)
+        self._initial_values = {name: fn(value) for name, value in self._initial_values.items()}
+        return out
+
     def initial_values(self) -> dict[str, torch.Tensor]:
         """Copies of the weights of the network it was built from, keyed by site name."""
         return {name: value.clone() for name, value in self._initial_values.items()}

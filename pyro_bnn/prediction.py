@@ -15,7 +15,7 @@ from pyro import poutine
 
 from . import metrics
 from ._local_params import local_params
-from .data import check_finite
+from .data import BatchCheck, check_inputs
 from .guides.base import guide_contract
 from .likelihoods import Bernoulli, Categorical, Gaussian
 from .model import is_bnn
@@ -122,9 +122,8 @@ def predictive_samples(model, guide, x, num_samples: int = 64, batch_size: int =
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    check_finite(x, "x")
+    check = BatchCheck(model)
+    check_inputs(x, "x", check.dtype, allow_integer=check.integer_inputs)
     device = device or _device_of(model, guide, x)
     with local_params(model, guide):
         per_sample = []
