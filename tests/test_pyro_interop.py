@@ -337,3 +337,22 @@ def test_flatten_mlp_on_image_shaped_digits(digits):
             return self.fc(x.reshape(len(x), -1))
 
     pb.BNN(Reshaping()).check_input(torch.zeros(2, 1, 8, 8))
+
+
+def test_laplace_map_objective_in_svi_is_what_fit_optimises(digits):
+    """The Laplace guide's own MAP objective (the guide's δ, not the model's prior) passed to
+    SVI equals fit's loss and trains the MAP."""
+    x, y = digits.train
+    model = _model()
+    guide = pb.guides.Laplace(model, prior_precision=3.0)
+    guide(x[:64], y[:64], num_data=len(x))
+    objective = guide.make_objective()
+    from pyro_bnn._local_params import local_params
+    with local_params(model, guide):
+        expected = objective(model, guide, x[:64], y[:64], len(x))[0]
+    assert objective.loss(model, guide, x[:64], y[:64], num_data=len(x)) == pytest.approx(float(expected), rel=1e-6)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss=objective)
+    for _ in range(200):
+        svi.step(x, y)
+    guide.fit_curvature((x, y))
+    assert pb.evaluate(model, guide, *digits.test, method="glm")["accuracy"] >= 0.9

@@ -16,8 +16,9 @@ import torch
 from pyro import poutine
 
 from ..likelihoods import log_likelihood
+from ..model import is_bnn
 from ..objectives import call_model, scale_observations
-from .meanfield import _run_with_values
+from .objective import GuideObjective
 
 __all__ = ["LaplaceMAPObjective", "gaussian_log_prior"]
 
@@ -32,15 +33,20 @@ def gaussian_log_prior(layers, values: dict, deltas: list) -> torch.Tensor:
     return total
 
 
-class LaplaceMAPObjective:
-    """``objective(model, guide, x, y, num_data) -> (loss, extras)`` for :class:`Laplace`."""
+class LaplaceMAPObjective(GuideObjective):
+    """``objective(model, guide, x, y, num_data) -> (loss, extras)`` for :class:`Laplace`.
+
+    A Pyro ``ELBO`` as well (:class:`~pyro_bnn.guides.objective.GuideObjective`):
+    ``SVI(model, guide, optim, loss=guide.make_objective())`` trains the MAP with the guide's
+    own prior precision δ, as :func:`pyro_bnn.fit` does.
+    """
 
     def __call__(self, model, guide, x, y, num_data=None):
         guide._ensure_setup(x, y, num_data)
         values = guide.map_values()
         n = num_data or len(x)
-        if hasattr(model, "site_names") and hasattr(model, "likelihood"):
-            f = _run_with_values(model, values, x)
+        if is_bnn(model):
+            f = model.run_with(values, x)
             loglik = log_likelihood(model.likelihood, f, y).sum() * (n / len(x))
         else:
             args, kwargs, factor = call_model(model, x, y, n)
