@@ -2,13 +2,14 @@
 
 Three checks, from cheap to thorough:
 
-* every step, the loss and the total gradient norm (one fused reduction over the gradients,
-  or the norm ``clip_grad_norm_`` computes anyway), read together with the loss value the
-  loop reads anyway, *before* the optimiser step, so a non-finite gradient never reaches the
+* every step, the loss and the gradient norms (one fused reduction over the gradients, or
+  the norm ``clip_grad_norm_`` computes anyway), read together with the loss value the loop
+  reads anyway, *before* the optimiser step, so a non-finite gradient never reaches the
   parameters;
 * every epoch end, after the guide's ``on_epoch_end`` hook (which may change parameters, as
-  Laplace's evidence steps do), every floating tensor of the model, the guide and the
-  optimiser state, before the state is remembered as good or written to a checkpoint;
+  Laplace's evidence steps do), every floating tensor of the model and the guide (and of the
+  optimiser state, unless it is Adam's, finite whenever the checked gradients are), before
+  the state is remembered as good or written to a checkpoint;
 * Pyro's own validation error for a distribution parameter with invalid values (a guide
   driven out of its support, e.g. ``AutoNormal`` at a huge learning rate) after training
   has started.
@@ -29,6 +30,8 @@ import torch
 from . import distributed as _dist
 
 __all__ = ["DivergenceGuard", "EXPLOSION_FACTOR", "is_invalid_parameter_error"]
+
+_ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
 
 #: a finite epoch loss this many times the magnitude of the best one (at least 1) warns
 EXPLOSION_FACTOR = 1e6
@@ -65,6 +68,11 @@ class DivergenceGuard:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.grads_of = [p for p in params]
+        # one fused norm kernel over all gradients when they share a device and dtype
+        self._fused_norms = hasattr(torch, "_foreach_norm") and len({(p.device, p.dtype) for p in params}) == 1
+        # a gradient entry above √(largest float) overflows when squared (Adam's second moment)
+        self._max_norm = min((torch.finfo(p.dtype).max for p in params if p.is_floating_point()),
+                             default=math.inf) ** 0.5
         self.clip_norm = clip_norm
         self.checkpoint = checkpoint
         self.good_epoch = 0
@@ -127,32 +135,40 @@ class DivergenceGuard:
             f"state verified finite{note}. {_ADVICE}") from cause
 
     # ------------------------------------------------------------ checks
-    def gradient_norm(self) -> torch.Tensor:
-        """After ``backward``: the total gradient norm (clipping first if ``clip_norm``)."""
+    def gradient_norms(self) -> torch.Tensor:
+        """After ``backward``: per-tensor gradient norms, shape ``(k,)`` (one fused kernel), or
+        the total norm that clipping computes anyway (with ``clip_norm``), shape ``(1,)``."""
         if self.clip_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(self.grads_of, self.clip_norm)
+            return torch.nn.utils.clip_grad_norm_(self.grads_of, self.clip_norm).reshape(1)
         grads = [p.grad for p in self.grads_of if p.grad is not None]
         if not grads:
-            return torch.zeros(())
-        return _total_norm(grads)
+            return torch.zeros(0)
+        if self._fused_norms:
+            return torch.stack(torch._foreach_norm(grads))
+        return _total_norm(grads).reshape(1)
 
     def check_step(self, loss: torch.Tensor, epoch: int, step: int, distributed=None) -> float:
         """Check one step's loss and gradients before the optimiser step; return the loss.
 
-        The loss and the gradient norm are read in one device synchronisation.  Under
+        The loss and the gradient norms are read in one device synchronisation.  Under
         ``distributed`` the loss is the mean over ranks (the gradients are already
         all-reduced, so every rank decides alike).
         """
-        norm = self.gradient_norm()
+        norms = self.gradient_norms()
         loss = loss.detach()
         if distributed is not None:
             loss = _dist.all_reduce_mean_(loss.clone())
-        value, norm_value = torch.stack((loss.reshape(()), norm.to(loss.dtype).reshape(()))).tolist()
+        if norms.dtype != loss.dtype or norms.device != loss.device:
+            norms = norms.to(device=loss.device, dtype=loss.dtype)
+        value, *norm_values = torch.cat((loss.reshape(1), norms)).tolist()
         if not math.isfinite(value):
             self.fail(f"the loss became {value}", epoch, step)
-        if not math.isfinite(norm_value):
-            self.fail(f"the gradient norm became {norm_value} while the loss was finite ({value:.6g})",
-                      epoch, step)
+        if not all(math.isfinite(v) for v in norm_values):
+            norm = math.sqrt(sum(v * v for v in norm_values))
+            self.fail(f"the gradient norm became {norm} while the loss was finite ({value:.6g})", epoch, step)
+        if self.clip_norm is None and max(norm_values, default=0.0) > self._max_norm:
+            self.fail(f"a gradient norm became {max(norm_values):.4g}, so large that its square overflows "
+                      f"(> {self._max_norm:.3g}), while the loss was finite ({value:.6g})", epoch, step)
         return value
 
     def check_final(self, loss: torch.Tensor, epoch: int, distributed=None) -> None:
@@ -169,13 +185,26 @@ class DivergenceGuard:
         self.steps_taken += 1
 
     def _non_finite(self) -> list[str]:
-        bad = []
-        for name, module in self.modules.items():
-            bad += [f"{name} {key}" for key, t in module.state_dict().items() if _not_finite(t)]
-        for i, state in enumerate(self.optimizer.state.values()):
-            bad += [f"optimiser state {key} of parameter {i}" for key, t in state.items()
-                    if isinstance(t, torch.Tensor) and _not_finite(t)]
-        return bad
+        """Names of the non-finite floating tensors of model, guide and optimiser state.
+
+        One sum per tensor and one synchronisation: a finite sum implies finite entries; only
+        if a sum is not finite (a non-finite entry, or an overflow) is each tensor checked."""
+        named = [(f"{name} {key}", t) for name, module in self.modules.items()
+                 for key, t in module.state_dict().items()]
+        if not isinstance(self.optimizer, _ADAM_LIKE):
+            # Adam's moments are averages of the gradients and their squares, finite whenever the
+            # checked gradient norms are finite and below √(largest float) (check_step)
+            named += [(f"optimiser state {key} of parameter {i}", t)
+                      for i, state in enumerate(self.optimizer.state.values()) for key, t in state.items()]
+        named = [(n, t) for n, t in named if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+        if not named:
+            return []
+        device = named[0][1].device
+        sums = torch.stack([t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).to(device)
+                            for _, t in named])
+        if bool(torch.isfinite(sums).all()):
+            return []
+        return [n for n, t in named if not bool(torch.isfinite(t).all())]
 
     def check_initial(self, epoch: int = 0) -> None:
         """Before the first step: the starting state must be finite (it is what a failure
@@ -221,10 +250,6 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return total(grads)
     device = grads[0].device
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads]))
-
-
-def _not_finite(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
 
 
 def _first_line(exc: BaseException) -> str:

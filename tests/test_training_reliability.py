@@ -147,6 +147,17 @@ def test_nan_gradient_at_last_step_is_caught(tmp_path, data, where):
     assert state["epoch"] == bad_epoch - 1
 
 
+def test_gradient_whose_square_overflows_is_caught(data):
+    """A finite loss (about 1e33) whose gradients exceed √(float32 max): Adam's second moment
+    would overflow to inf, so the step is refused."""
+    x, y = data
+    model, guide = _meanfield()
+    objective = _objective_with(guide, 6, lambda loss: loss * 1e30)
+    with pytest.raises(FloatingPointError, match=r"gradient norm.*epoch 2 \(step 2\).*end of epoch 1"):
+        pb.fit(model, guide, (x, y), epochs=3, lr=1e-2, seed=0, objective=objective, progress=False)
+    assert _finite(model, guide)
+
+
 def test_non_finite_parameter_from_an_epoch_hook(tmp_path, data):
     """A hook that writes NaN (as a failed evidence step could) is caught before the state is
     kept or checkpointed; the restored state is the previous epoch's."""
@@ -257,6 +268,39 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, kind):
         if key != "epoch_seconds":
             assert _same(resumed.history[key], values), key
     assert not pathlib.Path(temporary_path(path)).exists()
+
+
+def test_resume_restores_a_loaders_own_generator(tmp_path, data):
+    """A DataLoader shuffling with its own torch.Generator: its state is in the checkpoint, so
+    the resumed fit sees the same data order (in-process interruption by KeyboardInterrupt)."""
+    x, y = data
+
+    def build():
+        model, guide = _meanfield()
+        gen = torch.Generator().manual_seed(5)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64, shuffle=True,
+                                             generator=gen)
+        return model, guide, loader
+
+    kwargs = dict(epochs=5, lr=1e-2, seed=0, progress=False)
+    model, guide, loader = build()
+    pb.fit(model, guide, loader, **kwargs)
+    path = tmp_path / "r.pt"
+    model2, guide2, loader2 = build()
+    inner, calls = guide2.make_objective(), {"n": 0}
+
+    def interrupted(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3 * 4 + 2:  # epoch 4, step 2: the checkpoint holds epoch 3
+            raise KeyboardInterrupt
+        return inner(*args, **kw)
+
+    guide2.make_objective = lambda num_particles=1: interrupted
+    with pytest.raises(KeyboardInterrupt):
+        pb.fit(model2, guide2, loader2, checkpoint=path, **kwargs)
+    model3, guide3, loader3 = build()
+    result = pb.fit(model3, guide3, loader3, checkpoint=path, resume=True, **kwargs)
+    assert result.resumed_from == 3 and _equal(_states(model, guide), (model3, guide3))
 
 
 def test_resume_settings_and_fresh_start(tmp_path, data):
