@@ -670,3 +670,29 @@ def test_local_gap_sees_the_symmetry_of_a_converged_digits_posterior():
         assert math.log(10) + 10 < gap.item() < sym.log_group_order(sizes)
         grads = torch.autograd.grad(gap, leaves)
         assert sum(g.square().sum() for g in grads).sqrt() > 1.0
+
+
+def test_exact_estimator_is_the_enumerated_gap_and_refuses_large_groups():
+    torch.manual_seed(0)
+    model = pb.BNN(nn.Sequential(nn.Linear(1, 3), nn.ReLU(), nn.Linear(3, 1)), "gaussian", noise=0.5)
+    guide = pb.guides.Symmetrized(model, estimator="exact", init_scale=0.5)
+    x, y = torch.randn(8, 1), torch.randn(8, 1)
+    with pb._local_params.local_params(model, guide):
+        pb.training.setup_guide(model, guide, x, y, 8)
+        torch.manual_seed(3)
+        loss, extras = guide.make_objective()(model, guide, x, y, num_data=8)
+        torch.manual_seed(3)
+        ref = meanfield_loss(model, guide, x, y, 8)
+        torch.manual_seed(3)
+        qs = {n: guide.loc_and_scale(n) for n in guide.site_names()}
+        values = {n: q[0] + q[1] * torch.randn_like(q[0]) for n, q in qs.items()}
+        ratios = se.log_density_ratios(values, {n: q[0] for n, q in qs.items()},
+                                       {n: q[1] for n, q in qs.items()}, guide.symmetry(),
+                                       sym.enumerate_group([3]))
+    gap = math.log(6) - torch.logsumexp(ratios, 0).item()
+    assert extras["entropy_gap"].item() == pytest.approx(gap, abs=1e-5)
+    assert loss.item() == pytest.approx(ref.item() - gap, rel=1e-6)
+    big = pb.BNN(nn.Sequential(nn.Linear(4, 12), nn.ReLU(), nn.Linear(12, 2)))
+    with pytest.raises(ValueError, match="estimator='local'"):
+        pb.fit(big, pb.guides.Symmetrized(big, estimator="exact"), (torch.randn(8, 4), torch.randint(2, (8,))),
+               epochs=1, progress=False)

@@ -22,6 +22,8 @@ estimated at the same ω as the data term (:mod:`.symmetrized_entropy`,
 * ``estimator="uniform"``: the paper's bound with ``K − 1`` uniformly random permutations,
   ``log K − logsumexp(0, d_1..d_{K−1})``; on real networks every random permutation moves
   units far from their own, so it equals ``log K`` with zero gradient (issue 17).
+* ``estimator="exact"``: ``log|G| − logsumexp_g d_g`` summed over all of G — the exact
+  per-ω gap, for small groups (≤ 10⁵ elements) as a reference.
 
 The training loss is ``−L̂^G = −ELBO − gap``.  ``fit``'s ``history["elbo"]`` is the plain
 ELBO, ``history["symmetrized_elbo"]`` the symmetrised one and ``history["entropy_gap"]`` the
@@ -66,8 +68,12 @@ from .symmetrized_entropy import local_entropy_gap, log_density_ratios, uniform_
 __all__ = ["Symmetrized", "SymmetrizedELBO", "symmetrized_elbo", "symmetrized_terms",
            "log_density_ratios", "entropy_gap", "ESTIMATORS"]
 
-#: The entropy-gap estimators and their default K (training; :func:`symmetrized_elbo`).
-ESTIMATORS = {"local": (1, 100), "uniform": (10, 500)}
+#: The entropy-gap estimators and their default K (training; :func:`symmetrized_elbo`);
+#: ``"exact"`` sums over all of G (small groups only: a reference, K is not used).
+ESTIMATORS = {"local": (1, 100), "uniform": (10, 500), "exact": (1, 1)}
+
+#: Largest group ``"exact"`` enumerates.
+MAX_EXACT_GROUP = 100_000
 
 #: The paper's uniform-proposal estimator, under its historical name.
 entropy_gap = uniform_entropy_gap
@@ -104,7 +110,7 @@ class Symmetrized(MeanField):
     permutations : list of dict, optional
         Declared symmetry: groups ``{site name: permuted axis}`` (see
         :mod:`pyro_bnn.symmetry`); default: discovered from the model's modules.
-    estimator : {"local", "uniform"}
+    estimator : {"local", "uniform", "exact"}
         The entropy-gap bound (see the module docstring).
     **meanfield_kwargs
         ``init_scale``, ``init_loc_fn``, ``local_reparameterization`` of :class:`MeanField`.
@@ -169,7 +175,8 @@ register_guide("symmetrized", lambda model, **kw: Symmetrized(model, **kw))
 
 
 def symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=None, values=None):
-    """One-sample data term and entropy gap of a BNN at ``ω = μ + σ ε`` (random numbers given).
+    """One-sample data term and uniform-estimator entropy gap of a BNN at ``ω = μ + σ ε``
+    (random numbers given).
 
     Parameters
     ----------
@@ -216,7 +223,7 @@ class SymmetrizedELBO:
         K (default: the estimator's, see :data:`ESTIMATORS`).
     num_particles : int
         Weight samples per step.
-    estimator : {"local", "uniform"}
+    estimator : {"local", "uniform", "exact"}
     """
 
     def __init__(self, num_permutations: int | None = None, num_particles: int = 1, *,
@@ -225,6 +232,15 @@ class SymmetrizedELBO:
         self.num_permutations = _check_k(num_permutations, self.estimator, 0)
         self.num_particles = int(num_particles)
         self._meanfield = MeanFieldELBO(self.num_particles)
+        self._all_elements: tuple | None = None     # (sizes, elements) for "exact"
+
+    def _enumerated(self, sizes, device):
+        if self._all_elements is None or self._all_elements[0] != sizes:
+            if log_group_order(sizes) > math.log(MAX_EXACT_GROUP):
+                raise ValueError(f"estimator='exact' enumerates G, but |G| = exp({log_group_order(sizes):.1f})"
+                                 f" > {MAX_EXACT_GROUP}; use estimator='local'")
+            self._all_elements = (list(sizes), enumerate_group(sizes, device=device))
+        return self._all_elements[1]
 
     def _gap(self, values, locs, scales, groups, sizes, device, log_scales=False):
         """(estimate, surrogate) of the entropy gap at ω = ``values``."""
@@ -234,6 +250,10 @@ class SymmetrizedELBO:
             return zero, zero
         if self.estimator == "local":
             return local_entropy_gap(values, locs, scales, groups, K, log_scales=log_scales)
+        if self.estimator == "exact":
+            ratios = log_density_ratios(values, locs, scales, groups, self._enumerated(sizes, device))
+            gap = log_group_order(sizes) - torch.logsumexp(ratios, 0)
+            return gap, gap
         gap = uniform_entropy_gap(values, locs, scales, groups,
                                   sample_permutations(sizes, K - 1, device=device))
         return gap, gap
@@ -328,8 +348,8 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
     exact : bool
         Sum over all of G instead of K random elements: ``log q_G(ω)`` exactly (only for
         small ``|G|``; raises ``ValueError`` above 10⁵ elements).
-    estimator : {"local", "uniform"}
-        The gap bound (:mod:`.symmetrized_entropy`); ignored with ``exact=True``.
+    estimator : {"local", "uniform", "exact"}
+        The gap bound (:mod:`.symmetrized_entropy`); ``"exact"`` is ``exact=True``.
     return_terms : bool
         Also return the parts.
 
@@ -341,6 +361,7 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
     """
     x, y = as_tensors(data)
     estimator = _check_estimator(estimator)
+    exact = exact or estimator == "exact"
     try:
         num_permutations = _check_k(num_permutations, estimator, 1)
     except TypeError as err:
@@ -361,7 +382,7 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
         groups = find_symmetries(model, shapes)
     sizes = group_sizes(groups, shapes)
     log_order = log_group_order(sizes)
-    if exact and log_order > math.log(1e5):
+    if exact and log_order > math.log(MAX_EXACT_GROUP):
         raise ValueError(f"exact=True enumerates G, but |G| = exp({log_order:.1f}) > 1e5; "
                          "use num_permutations instead")
     all_g = enumerate_group(sizes, device=device) if exact and groups else None
