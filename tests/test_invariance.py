@@ -88,11 +88,10 @@ def test_invariant_model_averages_and_eta_frozen_under_fit():
     model, values = _mlp_model(aug, dtype=torch.float32)
     x = torch.rand(7, 64)
     with _seeded(3, "cpu"):
-        f_hat = pb.guides.meanfield._run_with_values(model, values, x)
+        f_hat = model.run_with(values, x)
     with _seeded(3, "cpu"):
         copies = aug(x)
-    net_out = pb.guides.meanfield._run_with_values(
-        pb.BNN(nn.Sequential(nn.Linear(64, 5), nn.Tanh(), nn.Linear(5, 3)), "categorical"),
+    net_out = pb.BNN(nn.Sequential(nn.Linear(64, 5), nn.Tanh(), nn.Linear(5, 3)), "categorical").run_with(
         values, copies)
     assert torch.allclose(f_hat, net_out.reshape(7, 5, 3).mean(1), atol=1e-6)
     eta0 = aug.eta.detach().clone()
@@ -138,7 +137,7 @@ def test_invariant_kfac_at_eta_zero_equals_ordinary_kfac():
     vals = {k: v.detach().requires_grad_() for k, v in values.items()}
     layers = find_layers(plain, {k: v.shape for k, v in vals.items()})
     _, sums = kfac.batch_kfac_factors(
-        layers, lambda: pb.guides.meanfield._run_with_values(plain, vals, x), "categorical")
+        layers, lambda: plain.run_with(vals, x), "categorical")
     for layer, fac in zip(layers, facs0):
         assert torch.allclose(sums[layer.path]["A"], fac.A, rtol=1e-8)
         assert torch.allclose(sums[layer.path]["G"], fac.G, rtol=1e-6, atol=1e-10)
@@ -178,7 +177,7 @@ def test_invariant_kfac_is_exact_ggn_of_linear_model():
     def f_hat(flat):
         w, b = flat.reshape(3, 65)[:, :64], flat.reshape(3, 65)[:, 64]
         with _seeded(5, "cpu"):
-            return pb.guides.meanfield._run_with_values(model, {"net.weight": w, "net.bias": b}, x)
+            return model.run_with({"net.weight": w, "net.bias": b}, x)
 
     flat = torch.cat([values["net.weight"], values["net.bias"][:, None]], 1).flatten()
     jac = torch.autograd.functional.jacobian(f_hat, flat)              # (N, C, P)

@@ -13,7 +13,6 @@ import pyro_bnn as pb
 from pyro_bnn import pruning
 from pyro_bnn._draws import site_moments
 from pyro_bnn.guides import init_to_network
-from pyro_bnn.guides.meanfield import _run_with_values
 
 
 def _predict(model, guide, x, seed=3):
@@ -114,7 +113,7 @@ def test_export_pruned_is_plain_and_matches_masked_mean(name):
     mean = pruning.posterior_mean(model, guide, num_samples=64)
     masked = {s: mean[s] * handle.masks[s] for s in mean}
     with torch.no_grad(), pb._local_params.local_params(model):
-        expected = _run_with_values(model, masked, x)
+        expected = model.run_with(masked, x)
         torch.testing.assert_close(net(x), expected)
     params = dict(net.named_parameters())
     zeros = sum(int((params[s[4:]] == 0).sum()) for s in handle.masks)

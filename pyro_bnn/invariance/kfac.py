@@ -26,8 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..guides.meanfield import _run_with_values
-
 __all__ = ["LayerFactors", "kfac_layers", "likelihood_hessian_factor", "invariant_kfac_factors"]
 
 
@@ -162,7 +160,7 @@ def invariant_kfac_factors(model, values: dict, x: torch.Tensor, *,
         hooks.append(module.register_forward_hook(hook))
     try:
         with torch.enable_grad():
-            f = _run_with_values(model, values, x)
+            f = model.run_with(values, x)
     finally:
         for h in hooks:
             h.remove()

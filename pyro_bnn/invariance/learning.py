@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..data import split_batch
-from ..guides.meanfield import _run_with_values
 from ..likelihoods import log_likelihood
 from .evidence import _seeded, accumulate_factors, batch_surrogate, eigen_factors, log_evidence
 from .kfac import kfac_layers
@@ -170,7 +169,7 @@ def evidence_step(model, values: dict, batches, log_delta: torch.Tensor, *,
                     (-sur / n).backward()
                 else:
                     with torch.no_grad():
-                        f = _run_with_values(model, vals, xb)
+                        f = model.run_with(vals, xb)
                         ll = log_likelihood(model.likelihood, f, yb).sum()
             ll_total = ll_total + ll
     if reduce_fn is not None:
@@ -270,7 +269,7 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
         delta = log_delta.detach().exp()
         with _eta_grad(aug, method == "augerino"):
             for xb, yb in _batches(x, y, batch_size, gen):
-                f = _run_with_values(model, values, xb)
+                f = model.run_with(values, xb)
                 nll = -log_likelihood(model.likelihood, f, yb).mean()
                 reg = sum(0.5 * d * (values[fac_w].pow(2).sum() + (values[fac_b].pow(2).sum()
                                                                    if fac_b else 0.0))
@@ -312,7 +311,7 @@ def map_predict(model, values: dict, x: torch.Tensor, batch_size: int = 512) -> 
     """Predictive probabilities (or means) of the MAP network ``f̂(x; θ*)``, shape ``(N, C)``."""
     out = []
     for i in range(0, len(x), batch_size):
-        f = _run_with_values(model, values, x[i:i + batch_size])
+        f = model.run_with(values, x[i:i + batch_size])
         out.append(torch.softmax(f, -1) if model.likelihood.name == "categorical"
                    else torch.sigmoid(f) if model.likelihood.name == "bernoulli" else f)
     return torch.cat(out)
