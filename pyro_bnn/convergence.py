@@ -124,7 +124,7 @@ def objective_trend(values, window: int) -> tuple[float, float]:
     return slope * w, se * w
 
 
-def diagnose(objective, *, lr_decayed: bool | None, scale_moves=None) -> ConvergenceDiagnosis:
+def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None) -> ConvergenceDiagnosis:
     """Judge convergence from a fit's per-epoch objective and its scales' moves.
 
     Parameters
@@ -133,10 +133,11 @@ def diagnose(objective, *, lr_decayed: bool | None, scale_moves=None) -> Converg
         Per-epoch training objective to maximise (``−loss``).
     lr_decayed : bool or None
         Whether the learning rate decayed over the fit (``None``: unknown).
-    scale_moves : (Tensor, Tensor) or None
-        ``(|ρ_end − ρ_start|, Σ_t lr_t)``, both of shape ``(K,)`` over all ``K`` scale
-        entries (the learning rates of each entry's optimiser group), or ``None`` for guides
-        without scales or optimisers without a maximum step.
+    scale_limited : (float, float) or None
+        ``(share, Σ lr)``: the share of unconstrained scales that moved by at least
+        ``LIMITED_MOVE × Σ_t lr_t`` (:meth:`ConvergenceMonitor.limited_share`) and the largest
+        summed learning rate, or ``None`` for guides without scales or optimisers without a
+        maximum step.
 
     Returns
     -------
@@ -172,11 +173,8 @@ def diagnose(objective, *, lr_decayed: bool | None, scale_moves=None) -> Converg
                            "learning rate is too high for the end of training, use lr_schedule='cosine' or a "
                            "smaller lr")
         flat = -TOLERANCE < low and high < TOLERANCE
-    if scale_moves is not None:
-        moves, budgets = scale_moves
-        limited = (moves >= LIMITED_MOVE * budgets) & (budgets > 0)
-        share = float(limited.double().mean()) if moves.numel() else 0.0
-        budget = float(budgets.max()) if budgets.numel() else 0.0
+    if scale_limited is not None:
+        share, budget = scale_limited
         measures.update(scale_limited_share=share, scale_lr_budget=budget)
         if share > LIMITED_SHARE:
             reasons.append(f"the posterior scales were limited by the learning rate: {100 * share:.0f} % of "
@@ -231,14 +229,21 @@ class ConvergenceMonitor:
         self.initial = [t.to(p.device) for t, p in zip(state["initial"], self.initial)]
         self.lr_sums, self.lr_max, self.lr_last = list(state["lr_sums"]), state["lr_max"], state["lr_last"]
 
+    def limited_share(self) -> float:
+        """Share of scale entries with ``|ρ_now − ρ_start| ≥ LIMITED_MOVE × Σ lr`` of their group."""
+        count = total = 0
+        with torch.no_grad():
+            for p, p0, group in zip(self.scales, self.initial, self.scale_groups):
+                budget = self.lr_sums[group]
+                total += p.numel()
+                if budget > 0:
+                    count += int(((p - p0).abs_() >= LIMITED_MOVE * budget).sum())
+        return count / total if total else 0.0
+
     def diagnose(self, objective) -> ConvergenceDiagnosis:
         """:func:`diagnose` with this fit's learning rates and scales."""
         lr_decayed = None if self.lr_last is None else self.lr_last <= 0.5 * self.lr_max
-        scale_moves = None
+        scale_limited = None
         if self.scales and isinstance(self.optimizer, _ADAM_LIKE):
-            moves = torch.cat([(p.detach() - p0).abs().flatten().double().cpu()
-                               for p, p0 in zip(self.scales, self.initial)])
-            budgets = torch.cat([torch.full((p.numel(),), self.lr_sums[g], dtype=torch.float64)
-                                 for p, g in zip(self.scales, self.scale_groups)])
-            scale_moves = (moves, budgets)
-        return diagnose(objective, lr_decayed=lr_decayed, scale_moves=scale_moves)
+            scale_limited = (self.limited_share(), max(self.lr_sums[g] for g in self.scale_groups))
+        return diagnose(objective, lr_decayed=lr_decayed, scale_limited=scale_limited)

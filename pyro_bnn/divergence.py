@@ -92,12 +92,15 @@ class DivergenceGuard:
         """Keep the starting state (checked by :meth:`check_initial`) as the fallback."""
         self._good, self.good_epoch, self._pending = self._snapshot(), epoch, None
 
-    def remember(self, epoch: int) -> None:
+    def remember(self, epoch: int, copy_state: bool = True) -> None:
         """Keep a copy of the state at the end of ``epoch`` (after :meth:`check_state`) as the
         candidate: it becomes the state verified finite when the loss and gradients evaluated
         at it are finite too (:meth:`confirm`).  Finite parameters alone do not make a usable
-        state: ``σ = exp(ρ)`` overflows for a finite ``ρ`` of 89 in float32."""
-        self._pending = (self._snapshot(), epoch)
+        state: ``σ = exp(ρ)`` overflows for a finite ``ρ`` of 89 in float32.
+
+        ``copy_state=False`` (the last epoch of a fit without checkpoint, which nothing can
+        restore to later) records only the epoch: no copy is made."""
+        self._pending = (self._snapshot() if copy_state else None, epoch)
 
     @property
     def pending(self) -> bool:
@@ -107,9 +110,11 @@ class DivergenceGuard:
     def confirm(self) -> tuple[dict, dict, dict]:
         """The candidate passed its loss evaluation: it is now the state verified finite.
         Returns its ``(module states, optimiser state, schedule state)`` (for the checkpoint)."""
-        self._good, self.good_epoch = self._pending
+        good, epoch = self._pending
         self._pending = None
-        return self._good
+        if good is not None:
+            self._good, self.good_epoch = good, epoch
+        return good
 
     def restore(self) -> None:
         """Put the state last verified finite back (model, guide, optimiser, schedule)."""

@@ -425,16 +425,18 @@ def _end_epoch(run: _Run, epoch: int, total: float, extras_sum: dict, steps: int
     history["epoch_seconds"].append(time.perf_counter() - t0)
     run.guard.check_state(epoch)  # after the hook, before the state is kept anywhere
     run.guard.watch_loss(epoch, mean_loss)
-    run.guard.remember(epoch)
-    if run.checkpoint is not None and (run.dstate is None or run.dstate.is_main):
+    writes = run.checkpoint is not None and (run.dstate is None or run.dstate.is_main)
+    run.guard.remember(epoch, copy_state=writes or epoch < run.ctx.epochs)
+    if writes:
         run.pending_checkpoint = checkpoint_entries(run, epoch)
 
 
 def _confirm_state(run: _Run) -> None:
     """The candidate state passed its loss evaluation: keep it and write its checkpoint."""
-    modules, opt_state, sched_state = run.guard.confirm()
+    confirmed = run.guard.confirm()
     extra, run.pending_checkpoint = run.pending_checkpoint, None
     if extra is not None:
+        modules, opt_state, sched_state = confirmed
         extra["resume"]["scheduler"] = sched_state
         save_checkpoint(run.checkpoint, StateOf(modules.get("model", {})), StateOf(modules.get("guide", {})),
                         StateOf(opt_state), **extra)

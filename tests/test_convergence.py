@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.convergence import MIN_WINDOW, ConvergenceDiagnosis, diagnose, objective_trend
+from pyro_bnn.convergence import (
+    MIN_WINDOW,
+    ConvergenceDiagnosis,
+    ConvergenceMonitor,
+    diagnose,
+    objective_trend,
+)
 
 
 # ---------------------------------------------------------------- the statistics
@@ -61,15 +67,28 @@ def test_diagnose_cases():
 
 def test_scales_limited_by_the_learning_rate():
     flat = -1000.0 + np.zeros(100)
-    budget = torch.full((1000,), 2.2, dtype=torch.float64)
-    at_max = diagnose(flat, lr_decayed=True, scale_moves=(torch.full((1000,), 2.2, dtype=torch.float64), budget))
+    at_max = diagnose(flat, lr_decayed=True, scale_limited=(1.0, 2.2))
     assert at_max.measures["scale_limited_share"] == 1.0
     assert "limited by the learning rate" in at_max.reasons[0] and "Σ lr = 2.2" in at_max.reasons[0]
-    free = diagnose(flat, lr_decayed=True, scale_moves=(torch.linspace(0, 2.5, 1000, dtype=torch.float64),
-                                                        budget * 100))
-    assert free.converged and free.measures["scale_limited_share"] == 0.0
-    no_steps = diagnose(flat, lr_decayed=True, scale_moves=(torch.zeros(1000, dtype=torch.float64), budget * 0))
-    assert no_steps.measures["scale_limited_share"] == 0.0
+    assert diagnose(flat, lr_decayed=True, scale_limited=(0.2, 2.2)).converged
+
+
+def test_monitor_measures_moves_against_the_summed_learning_rate():
+    """Adam with a gradient of constant sign moves each entry by lr per step, the most it can:
+    all limited.  Entries with zero gradient do not move: not limited.  No step: share 0."""
+    rho = torch.nn.Parameter(torch.zeros(4, 5))
+    opt = torch.optim.Adam([rho], lr=0.1)
+    monitor = ConvergenceMonitor(opt, [rho])
+    assert monitor.limited_share() == 0.0
+    for _ in range(10):
+        opt.zero_grad()
+        (rho[:2].sum()).backward()  # rows 0-1 pushed down every step, rows 2-3 untouched
+        opt.step()
+        monitor.after_step()
+    assert monitor.lr_sums == [pytest.approx(1.0)]
+    torch.testing.assert_close(rho[:2].detach(), torch.full((2, 5), -1.0))
+    assert monitor.limited_share() == pytest.approx(0.5)
+    assert monitor.diagnose([-1.0] * 30).measures["scale_limited_share"] == pytest.approx(0.5)
 
 
 # ---------------------------------------------------------------- pb.fit on digits
