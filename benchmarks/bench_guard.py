@@ -51,6 +51,40 @@ def guard_checks_off(everything: bool):
             setattr(owner, name, value)
 
 
+def gradient_norm_timing(x, y, args, repeats: int = 300) -> tuple[float, float]:
+    """Median CPU milliseconds of the guard's gradient reduction (``torch._foreach_norm`` over
+    one step's real MeanField gradients) and of that step's forward + backward."""
+    from pyro_bnn._local_params import local_params
+
+    model = pb.BNN(mlp(args.hidden), likelihood="categorical")
+    guide = pb.guides.MeanField(model, init_scale=0.1)
+    xb, yb = x[:args.batch_size], y[:args.batch_size]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pb.ConvergenceWarning)
+        pb.fit(model, guide, (xb, yb), epochs=1, batch_size=args.batch_size, progress=False)
+    objective = guide.make_objective()
+    params = [p for p in guide.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            p.grad = None
+        with local_params(model, guide):
+            objective(model, guide, xb, yb, len(x)).backward()
+
+    def timed(fn, n):
+        times = []
+        for _ in range(n):
+            t0 = time.process_time()
+            fn()
+            times.append(time.process_time() - t0)
+        return 1e3 * statistics.median(times)
+
+    step_ms = timed(step, repeats // 3)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_ms = timed(lambda: torch.stack(torch._foreach_norm(grads)).tolist(), repeats)
+    return norm_ms, step_ms
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default="../shared/data/mnist")
@@ -112,6 +146,9 @@ def main(argv=None):
               "c1": "(c1) the same, gradient check off", "c0": "(c0) the same, all new checks off"}
     for key, label in labels.items():
         print(f"  {label:<48} {med[key]:.3f}  {med_cpu[key]:.3f}")
+    norm_ms, step_ms = gradient_norm_timing(x, y, args)
+    print(f"  one fused norm over a step's gradients: {norm_ms:.3f} ms; forward + backward: {step_ms:.3f} ms "
+          f"(CPU, medians)  -> {100 * norm_ms / step_ms:.1f} % of forward + backward")
     for num, den, note in (("c", "c0", "cost of the guard's checks"), ("c", "c1", "cost of the gradient check"),
                            ("c", "a", "bench_core's (c)/(a)"), ("c0", "a", "")):
         print(f"  ratio ({num})/({den}) = {med[num] / med[den]:.3f} wall, {med_cpu[num] / med_cpu[den]:.3f} cpu"

@@ -50,6 +50,17 @@ def run(data, init_scale, lr, lr_schedule, epochs, seed):
                       seed=seed, progress=False)
 
 
+def _short(reason: str) -> str:
+    for start, label in (("the objective was still improving", "still improving"),
+                         ("the objective got worse", "got worse"),
+                         ("the posterior scales were limited", "σ limited by the lr"),
+                         ("the learning rate never decayed", "constant lr, not confirmed flat"),
+                         ("cannot judge", "cannot judge")):
+        if reason.startswith(start):
+            return label
+    return reason[:40]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
@@ -58,8 +69,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     data = pb.datasets.digits()
     print("| row | init σ | lr | schedule | epochs | seed | final ELBO | window | gain ± se (% of |ELBO|) "
-          "| σ at max rate | converged | reasons |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| σ at max rate | converged | reasons | s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.rows:
         init_scale, lr, schedule, epochs, seed = ROWS[name]
         t0 = time.perf_counter()
@@ -70,9 +81,9 @@ def main(argv=None):
         final = sum(elbo[-max(1, math.ceil(0.05 * epochs)):]) / max(1, math.ceil(0.05 * epochs))
         gain = (f"{100 * m['objective_gain']:+.2f} ± {100 * m['objective_gain_se']:.2f}"
                 if m["objective_gain"] is not None else "–")
-        reasons = "; ".join(r.split(":")[0] for r in d.reasons) or "–"
+        reasons = "; ".join(_short(r) for r in d.reasons) or "–"
         print(f"| {name} | {init_scale:g} | {lr:g} | {schedule} | {epochs} | {seed} | {final:.0f} | {m['window']} "
-              f"| {gain} | {m['scale_limited_share']:.2f} | {d.converged} | {reasons} |  ({time.perf_counter() - t0:.0f} s)",
+              f"| {gain} | {m['scale_limited_share']:.2f} | {d.converged} | {reasons} | {time.perf_counter() - t0:.0f} |",
               flush=True)
 
 
