@@ -47,7 +47,10 @@ def _model_and_guide(kind):
         return model, pyro.infer.autoguide.AutoNormal(model)
     model = pb.BNN(net.double(), "categorical").double()
     if kind == "meanfield":
-        return model, pb.guides.MeanField(model, init_scale=0.05)
+        # weight noise: one draw of the weights, shared by the ranks through the seed, equals
+        # one process's draw; local reparameterisation draws per-example noise, which a rank's
+        # half batch cannot reproduce bit for bit (docs/distributed.md)
+        return model, pb.guides.MeanField(model, init_scale=0.05, local_reparameterization=False)
     if kind == "symmetrized":      # K-1 random permutations per step: must agree across ranks
         return model, pb.guides.Symmetrized(model, num_permutations=3, init_scale=0.05)
     return model, pb.guides.Laplace(model, "kron")

@@ -307,7 +307,7 @@ def test_one_permutation_is_exactly_meanfield():
     net = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))
     torch.manual_seed(0)
     model = pb.BNN(net)
-    mf = pb.guides.MeanField(model)
+    mf = pb.guides.MeanField(model, local_reparameterization=False)   # weight noise, as Symmetrized
     sy = pb.guides.Symmetrized(model, num_permutations=1, estimator="uniform")
     x, y = data.x_train[:50], data.y_train[:50]
     with pb._local_params.local_params(model, mf, sy):

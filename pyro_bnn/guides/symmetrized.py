@@ -129,6 +129,10 @@ class Symmetrized(MeanField):
     >>> result.history["elbo"], result.history["symmetrized_elbo"]        # doctest: +SKIP
     """
 
+    #: "auto" keeps weight noise: the symmetrised objective evaluates its entropy gap at the
+    #: same weight draw ω as the data term (local reparameterisation draws no ω)
+    auto_local_reparameterization = False
+
     def __init__(self, model, num_permutations: int | None = None,
                  permutations: Sequence[Mapping[str, int]] | None = None, *,
                  estimator: str = "local", **meanfield_kwargs):
