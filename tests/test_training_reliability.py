@@ -94,8 +94,8 @@ def test_hypernet_lr100_stops_finite(tmp_path, data):
     guide = pb.guides.Hypernet(model, num_flows=2, hidden=32)
     path = tmp_path / "c.pt"
     with pytest.raises(FloatingPointError, match=r"in epoch \d+ \(step \d+\).*restored to"):
-        pb.fit(model, guide, (x, y), epochs=15, batch_size=len(x), lr=100, seed=0, checkpoint=path,
-               progress=False)
+        pb.fit(model, guide, (x, y), epochs=15, batch_size=len(x), lr=100, lr_schedule="constant", seed=0,
+               checkpoint=path, progress=False)
     assert _finite(model, guide)
     if path.exists():
         state = torch.load(path, weights_only=True)
@@ -108,7 +108,8 @@ def test_meanfield_lr100_restores_a_state_whose_loss_is_finite(data):
     x, y = data
     model, guide = _meanfield()
     with pytest.raises(FloatingPointError, match="restored to the start of the fit"):
-        pb.fit(model, guide, (x, y), epochs=15, batch_size=len(x), lr=100, seed=0, progress=False)
+        pb.fit(model, guide, (x, y), epochs=15, batch_size=len(x), lr=100, lr_schedule="constant", seed=0,
+               progress=False)
     from pyro_bnn._local_params import local_params
 
     with local_params(model, guide):
@@ -123,7 +124,8 @@ def test_autonormal_lr10_is_restored_not_left_nan(data):
     model = pb.BNN(mlp(64, 32, 10))
     guide = AutoNormal(model)
     with pytest.raises(FloatingPointError, match="restored to"):
-        pb.fit(model, guide, (x, y), epochs=15, batch_size=len(x), lr=10, seed=0, progress=False)
+        pb.fit(model, guide, (x, y), epochs=15, batch_size=len(x), lr=10, lr_schedule="constant", seed=0,
+               progress=False)
     assert _finite(model, guide)
 
 
@@ -307,12 +309,17 @@ def test_resume_settings_and_fresh_start(tmp_path, data):
     x, y = data
     path = tmp_path / "r.pt"
     model, guide = _meanfield()
-    r = pb.fit(model, guide, (x, y), epochs=2, lr=1e-2, checkpoint=path, resume=True, progress=False)
+    r = pb.fit(model, guide, (x, y), epochs=2, lr=1e-2, lr_schedule="constant", checkpoint=path, resume=True,
+               progress=False)
     assert r.resumed_from == 0 and torch.load(path, weights_only=True)["epoch"] == 2  # no file: fresh
-    r = pb.fit(model, guide, (x, y), epochs=3, lr=1e-2, checkpoint=path, resume=True, progress=False)
+    r = pb.fit(model, guide, (x, y), epochs=3, lr=1e-2, lr_schedule="constant", checkpoint=path, resume=True,
+               progress=False)
     assert r.resumed_from == 2 and len(r.history["loss"]) == 3  # constant schedule: epochs may grow
     with pytest.raises(ValueError, match=r"other settings \(batch_size=64 there, 32 now"):
-        pb.fit(model, guide, (x, y), epochs=3, batch_size=32, lr=1e-2, checkpoint=path, resume=True,
+        pb.fit(model, guide, (x, y), epochs=3, batch_size=32, lr=1e-2, lr_schedule="constant", checkpoint=path,
+               resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"other settings \(epochs=3 there, 4 now"):
+        pb.fit(model, guide, (x, y), epochs=4, lr=1e-2, lr_schedule="cosine", checkpoint=path, resume=True,
                progress=False)
     with pytest.raises(ValueError, match="resume=True needs checkpoint"):
         pb.fit(model, guide, (x, y), epochs=3, resume=True, progress=False)
