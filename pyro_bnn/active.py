@@ -18,6 +18,9 @@ samples ``per_round`` points without replacement with probability ∝ ``score^β
 
 ``warm_start=True`` continues training the previous round's model and guide on the
 enlarged set (the BHN paper found this helps); ``False`` retrains from scratch.
+
+``seed`` makes a run reproducible (initial set, network initialisation, training, draws)
+without touching the caller's random streams.
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import pyro
 import torch
 
 from . import metrics
 from .prediction import evaluate as _evaluate
 from .prediction import predict
+from .tool_support import seeded, to_model_device
 from .training import fit
 
 __all__ = ["run", "ActiveResult", "acquisition_scores", "balanced_initial", "ACQUISITIONS"]
@@ -111,8 +114,8 @@ def _top_k(scores: torch.Tensor, k: int, generator: torch.Generator) -> torch.Te
 def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "bald",
         initial: int = 20, per_round: int = 10, rounds: int = 10, warm_start: bool = True,
         epochs: int = 100, num_samples: int = 32, seed: int = 0, batch_size: int = 32,
-        lr: float = 1e-2, eval_samples: int = 32, progress: bool = False, batch: str = "topk",
-        beta: float = 1.0, **fit_kwargs) -> ActiveResult:
+        lr: float | None = None, eval_samples: int = 32, progress: bool = False, batch: str = "topk",
+        beta: float = 1.0, method: str = "sample", **fit_kwargs) -> ActiveResult:
     """Run pool-based active learning and return the test-accuracy curve.
 
     Parameters
@@ -131,13 +134,18 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
     warm_start : bool
         Continue training the previous model/guide (True) or start fresh each round.
     epochs, batch_size, lr, **fit_kwargs
-        Passed to :func:`pyro_bnn.fit` every round.
+        Passed to :func:`pyro_bnn.fit` every round (``lr=None``: the guide's default; the
+        learning-rate schedule, fit's cosine decay by default, restarts every round).
     num_samples : int
         Posterior draws for the acquisition scores; ``eval_samples`` for test accuracy.
     seed : int
-        Seeds the initial set, the tie-breaking, training and sampling.
+        Seeds the initial set, the tie-breaking, training and sampling; the caller's random
+        streams are left as they were.
     batch : {"topk", "power"}
         Take the ``per_round`` best scores, or sample them ∝ ``score^beta``.
+    method : str
+        Predictive of the acquisition scores and the test metrics (:func:`pyro_bnn.predict`:
+        ``"sample"`` or a guide's own, e.g. Laplace's ``"glm"``).
 
     Returns
     -------
@@ -154,36 +162,41 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
     if initial + rounds * per_round > len(x_pool):
         raise ValueError(f"the pool has {len(x_pool)} points, fewer than initial + rounds·per_round "
                          f"= {initial + rounds * per_round}")
-    g = torch.Generator().manual_seed(seed)
-    labelled = balanced_initial(y_pool, initial, g)
-    mask = torch.zeros(len(x_pool), dtype=torch.bool)
-    mask[labelled] = True
-    result = ActiveResult(acquisition, initial=labelled.tolist())
-    model = guide = None
-    for r in range(rounds + 1):
-        if model is None or not warm_start:
-            pyro.set_rng_seed(seed * 1009 + r)
-            model = model_fn()
-            guide = guide_fn(model)
-        idx = torch.nonzero(mask).reshape(-1)
-        fit(model, guide, (x_pool[idx], y_pool[idx]), epochs=epochs, batch_size=batch_size,
-            lr=lr, progress=progress, seed=seed * 1009 + r, **fit_kwargs)
-        pyro.set_rng_seed(seed * 7919 + r)
-        scores = _evaluate(model, guide, x_test, y_test, num_samples=eval_samples)
-        result.num_labelled.append(int(mask.sum()))
-        result.accuracy.append(scores["accuracy"])
-        result.nll.append(scores["nll"])
-        if r == rounds:
-            break
-        rest = torch.nonzero(~mask).reshape(-1)
-        if acquisition == "random":
-            pick = rest[torch.randperm(len(rest), generator=g)[:per_round]]
-        else:
-            probs = predict(model, guide, x_pool[rest], num_samples=num_samples)
-            score = acquisition_scores(probs, acquisition)
-            chosen = (_top_k(score, per_round, g) if batch == "topk"
-                      else _power_k(score, per_round, beta, g))
-            pick = rest[chosen]
-        mask[pick] = True
-        result.acquired.append(pick.tolist())
+    with seeded(seed):
+        g = torch.Generator().manual_seed(seed)
+        labelled = balanced_initial(y_pool, initial, g)
+        mask = torch.zeros(len(x_pool), dtype=torch.bool)
+        mask[labelled] = True
+        result = ActiveResult(acquisition, initial=labelled.tolist())
+        model = guide = None
+        for r in range(rounds + 1):
+            if model is None or not warm_start:
+                with seeded(seed * 1009 + r):
+                    model = model_fn()
+                    guide = guide_fn(model)
+            idx = torch.nonzero(mask).reshape(-1)
+            fit(model, guide, (x_pool[idx], y_pool[idx]), epochs=epochs, batch_size=batch_size,
+                lr=lr, progress=progress, seed=seed * 1009 + r, **fit_kwargs)
+            with seeded(seed * 7919 + r):
+                test_metrics = _evaluate(model, guide, *to_model_device(model, guide, x_test, y_test),
+                                         num_samples=eval_samples, method=method)
+                result.num_labelled.append(int(mask.sum()))
+                result.accuracy.append(test_metrics["accuracy"])
+                result.nll.append(test_metrics["nll"])
+                if r == rounds:
+                    break
+                rest = torch.nonzero(~mask).reshape(-1)
+                if acquisition == "random":
+                    pick = rest[torch.randperm(len(rest), generator=g)[:per_round]]
+                else:
+                    probs = predict(model, guide, to_model_device(model, guide, x_pool[rest]),
+                                    num_samples=num_samples, method=method)
+                    if probs.dim() == 2:  # a deterministic predictive (N, C)
+                        probs = probs.unsqueeze(0)
+                    score = acquisition_scores(probs, acquisition)
+                    chosen = (_top_k(score, per_round, g) if batch == "topk"
+                              else _power_k(score, per_round, beta, g))
+                    pick = rest[chosen]
+            mask[pick] = True
+            result.acquired.append(pick.tolist())
     return result

@@ -7,16 +7,19 @@ experiment uses one draw):
     x_adv = clip(x + ε · sign(∇_x L(x, y))),   L = −Σ_n log( (1/n) Σ_t p(y_n | x_n, w_t) ),
 
 with ``w_1..w_n`` drawn from the guide.  ``n = 1`` attacks one sampled network; larger
-``n`` attacks the Monte Carlo model average.
+``n`` attacks the Monte Carlo model average.  The attack needs weight draws to
+differentiate through, so it always uses the sampled predictive (no ``method=``).
+
+Inputs are moved to the model's device, and ``x_adv`` is returned there.
 """
 
 from __future__ import annotations
 
-import pyro
 import torch
 
 from . import metrics
 from ._draws import draw_latents, probs_from_latents
+from .tool_support import seeded, to_model_device
 
 __all__ = ["fgsm", "fgsm_from_latents", "fgsm_curve"]
 
@@ -31,6 +34,7 @@ def fgsm_from_latents(model, latents: list[dict], x: torch.Tensor, y: torch.Tens
                       batch_size: int = 1024) -> torch.Tensor:
     """FGSM inputs with the gradient of the predictive NLL under the given weight draws."""
     _check_eps(epsilon)
+    x, y = to_model_device(model, None, x, y)
     if epsilon == 0:
         return x.clone()
     x_req = x.detach().clone().requires_grad_(True)
@@ -45,7 +49,8 @@ def fgsm_from_latents(model, latents: list[dict], x: torch.Tensor, y: torch.Tens
 
 
 def fgsm(model, guide, x: torch.Tensor, y: torch.Tensor, epsilon: float, num_samples: int = 1,
-         clamp: tuple[float, float] | None = None, batch_size: int = 1024) -> torch.Tensor:
+         clamp: tuple[float, float] | None = None, batch_size: int = 1024,
+         seed: int | None = None) -> torch.Tensor:
     """Adversarial inputs by one FGSM step.
 
     Parameters
@@ -62,26 +67,32 @@ def fgsm(model, guide, x: torch.Tensor, y: torch.Tensor, epsilon: float, num_sam
         Posterior draws n whose averaged predictive is attacked.
     clamp : (float, float), optional
         Valid input range, e.g. ``(0, 1)`` for pixels.
+    seed : int, optional
+        Seeds the attacked draws without touching the caller's random streams
+        (``None``: draw from them).
 
     Returns
     -------
     Tensor
-        ``x_adv``, same shape as ``x``; ``|x_adv − x|_∞ ≤ ε``.
+        ``x_adv``, same shape as ``x``, on the model's device; ``|x_adv − x|_∞ ≤ ε``.
     """
     _check_eps(epsilon)
+    x, y = to_model_device(model, guide, x, y)
     if epsilon == 0:
         return x.clone()
-    latents = draw_latents(model, guide, x, num_samples)
+    with seeded(seed):
+        latents = draw_latents(model, guide, x, num_samples)
     return fgsm_from_latents(model, latents, x, y, epsilon, clamp, batch_size)
 
 
 def fgsm_curve(model, guide, x: torch.Tensor, y: torch.Tensor, epsilons=(0.0, 0.05, 0.1, 0.2, 0.3),
                num_samples: int = 1, eval_samples: int = 32, clamp: tuple[float, float] | None = None,
-               seed: int = 0, batch_size: int = 1024) -> dict[str, list[float]]:
+               seed: int | None = 0, batch_size: int = 1024) -> dict[str, list[float]]:
     """Accuracy and uncertainty of the posterior predictive on FGSM inputs vs step size.
 
     The attack draws (``num_samples``) and the evaluation draws (``eval_samples``) are fixed
-    once (seeded), so the curve changes with ε only through the inputs.
+    once (seeded by ``seed`` without touching the caller's random streams), so the curve
+    changes with ε only through the inputs.
 
     Returns
     -------
@@ -91,9 +102,10 @@ def fgsm_curve(model, guide, x: torch.Tensor, y: torch.Tensor, epsilons=(0.0, 0.
     """
     for e in epsilons:
         _check_eps(e)
-    pyro.set_rng_seed(seed)
-    attack = draw_latents(model, guide, x, num_samples)
-    evaluation = draw_latents(model, guide, x, eval_samples)
+    x, y = to_model_device(model, guide, x, y)
+    with seeded(seed):
+        attack = draw_latents(model, guide, x, num_samples)
+        evaluation = draw_latents(model, guide, x, eval_samples)
     out = {k: [] for k in ("epsilon", "accuracy", "nll", "entropy", "mutual_information",
                            "variation_ratio", "max_prob")}
     for e in epsilons:

@@ -7,20 +7,22 @@ and the accuracy at each level.  A Bayesian network should grow more uncertain a
 inputs leave the training distribution.
 
 Images may be flat ``(N, H·W)`` vectors of square images (8×8 digits, 28×28 MNIST) or
-``(N, C, H, W)`` tensors; flat inputs are returned flat.
+``(N, C, H, W)`` tensors; flat inputs are returned flat.  The curves move ``x`` and ``y``
+to the model's device, and their ``seed`` seeds the draws (and the noise pattern) without
+touching the caller's random streams.
 """
 
 from __future__ import annotations
 
 import math
 
-import pyro
 import torch
 import torch.nn.functional as F
 
 from . import metrics
 from ._draws import draw_latents, probs_from_latents
 from .prediction import predict
+from .tool_support import seeded, to_model_device
 
 __all__ = ["rotate", "gaussian_noise", "corruption_curve", "rotation_curve", "noise_curve"]
 
@@ -95,31 +97,32 @@ def _summary(probs, y):
 
 
 def corruption_curve(model, guide, x: torch.Tensor, transform, levels, y: torch.Tensor | None = None,
-                     num_samples: int = 32, seed: int = 0, batch_size: int = 1024,
+                     num_samples: int = 32, seed: int | None = 0, batch_size: int = 1024,
                      method: str = "sample") -> dict[str, list[float]]:
     """Mean uncertainty over ``x`` after ``transform(x, level)``, for each level.
 
     With ``method="sample"`` the posterior weight draws are fixed once (seeded), so the
     curve changes only through the inputs.  Any other ``method`` (e.g. a Laplace guide's
     linearised ``"glm"`` predictive) goes through ``guide.predict`` via
-    :func:`pyro_bnn.predict`, with the RNG re-seeded at every level (common random numbers
-    where that predictive samples).  Returns lists over ``level``: ``entropy``,
+    :func:`pyro_bnn.predict`, seeded alike at every level (common random numbers where that
+    predictive samples; ``seed=None`` gives up both).  Returns lists over ``level``: ``entropy``,
     ``mutual_information``, ``variation_ratio``, ``max_prob`` and, with ``y``, ``accuracy``.
     (A deterministic predictive, e.g. GLM with the probit link, has one "draw": its mutual
     information and variation ratio are 0.)
     """
+    x, y = to_model_device(model, guide, x, y)
     if method == "sample":
-        pyro.set_rng_seed(seed)
-        latents = draw_latents(model, guide, x, num_samples)
+        with seeded(seed):
+            latents = draw_latents(model, guide, x, num_samples)
     out: dict[str, list] = {"level": []}
     for level in levels:
         xt = transform(x, level)
         if method == "sample":
             probs = probs_from_latents(model, latents, xt, batch_size)
         else:
-            pyro.set_rng_seed(seed)
-            probs = predict(model, guide, xt, num_samples=num_samples, batch_size=batch_size,
-                            method=method)
+            with seeded(seed):
+                probs = predict(model, guide, xt, num_samples=num_samples, batch_size=batch_size,
+                                method=method)
             if probs.dim() == 2:  # deterministic predictive (N, C)
                 probs = probs.unsqueeze(0)
         out["level"].append(float(level))
@@ -129,7 +132,7 @@ def corruption_curve(model, guide, x: torch.Tensor, transform, levels, y: torch.
 
 
 def rotation_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None,
-                   angles=tuple(range(0, 181, 15)), num_samples: int = 32, seed: int = 0,
+                   angles=tuple(range(0, 181, 15)), num_samples: int = 32, seed: int | None = 0,
                    batch_size: int = 1024, method: str = "sample") -> dict[str, list[float]]:
     """:func:`corruption_curve` over rotation ``angles`` (degrees); key ``angle`` added."""
     out = corruption_curve(model, guide, x, rotate, angles, y, num_samples, seed, batch_size, method)
@@ -138,15 +141,16 @@ def rotation_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None,
 
 
 def noise_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None,
-                stds=(0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0), num_samples: int = 32, seed: int = 0,
+                stds=(0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0), num_samples: int = 32, seed: int | None = 0,
                 clamp: tuple[float, float] | None = (0.0, 1.0), batch_size: int = 1024,
                 method: str = "sample") -> dict[str, list[float]]:
     """:func:`corruption_curve` over Gaussian noise ``stds``; key ``std`` added.
 
     The noise pattern is the same at every level (one seeded standard-normal draw, scaled).
     """
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    base = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
+    x, y = to_model_device(model, guide, x, y)
+    with seeded(seed):
+        base = torch.randn(x.shape).to(x.device, x.dtype)
 
     def transform(x_, s):
         out = x_ + float(s) * base

@@ -15,6 +15,7 @@ import torch
 
 from . import metrics
 from .prediction import predict
+from .tool_support import seeded, to_model_device
 
 __all__ = ["auroc", "aupr", "uncertainty_scores", "evaluate", "evaluate_probs", "SCORES"]
 
@@ -119,7 +120,7 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, num_samples:
     model, guide
         Trained classification model and guide.
     in_x, out_x : Tensor
-        In-distribution and out-of-distribution inputs.
+        In-distribution and out-of-distribution inputs (moved to the model's device).
     num_samples : int
         Posterior draws S per input.  The Monte Carlo error of the per-input scores
         (mutual information above all) lowers their AUROC: for mean-field posteriors whose
@@ -130,7 +131,10 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, num_samples:
         Predictive method passed to :func:`pyro_bnn.predict` (``"sample"``, or e.g. a
         Laplace guide's ``"glm"``).
     seed : int, optional
-        Seeds torch's/Pyro's RNG before predicting (reproducible scores).
+        Seeds the posterior draws (reproducible scores) without touching the caller's random
+        streams; ``None`` draws from them.
+    **kwargs
+        Passed to :func:`pyro_bnn.predict` (e.g. ``link_approx`` for Laplace's ``"glm"``).
 
     Returns
     -------
@@ -143,13 +147,11 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, num_samples:
     >>> res = pb.ood.evaluate(model, guide, x_test_0to4, x_test_5to9)   # doctest: +SKIP
     >>> res["mutual_information"]["auroc"]                               # doctest: +SKIP
     """
-    if seed is not None:
-        import pyro
-
-        pyro.set_rng_seed(seed)
-    x = torch.cat([in_x, out_x.to(in_x.device)])
-    probs = predict(model, guide, x, num_samples=num_samples, batch_size=batch_size,
-                    method=method, **kwargs)
+    in_x, out_x = to_model_device(model, guide, in_x, out_x)
+    x = torch.cat([in_x, out_x])
+    with seeded(seed):
+        probs = predict(model, guide, x, num_samples=num_samples, batch_size=batch_size,
+                        method=method, **kwargs)
     if probs.dim() == 2:  # deterministic predictive (N, C)
         probs = probs.unsqueeze(0)
     labels = torch.cat([torch.zeros(len(in_x)), torch.ones(len(out_x))])

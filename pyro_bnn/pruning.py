@@ -53,7 +53,6 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-import pyro
 import torch
 from pyro.nn import PyroModule
 from torch import nn
@@ -61,6 +60,7 @@ from torch import nn
 from . import metrics
 from ._draws import draw_latents, probs_from_latents, site_moments
 from .model import is_bnn
+from .tool_support import renamed_keyword, seeded, to_model_device
 
 __all__ = ["scores", "prune_", "unprune_", "PruningHandle", "pruning_curve", "export_pruned",
            "posterior_mean"]
@@ -91,7 +91,7 @@ def score_from_moments(mean: torch.Tensor, std: torch.Tensor, kind: str = "snr")
 
 
 def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
-           num_samples: int = 200) -> dict[str, torch.Tensor]:
+           num_samples: int = 200, seed: int | None = None) -> dict[str, torch.Tensor]:
     """Pruning scores of every random weight, ``{site: tensor of the site's shape}``.
 
     Parameters
@@ -106,6 +106,8 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
         An input batch, for guides that are sampled (default: a dummy row for MLPs).
     num_samples : int
         Guide draws for sample-based moments.
+    seed : int, optional
+        Seeds those draws without touching the caller's random streams (``None``: use them).
 
     Examples
     --------
@@ -120,7 +122,10 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
         class _Names:  # minimal stand-in: site_moments only reads site_names
             site_names = guide.site_names()
         model = _Names()
-    mean, std, _ = site_moments(model, guide, x, num_samples)
+    if x is not None and is_bnn(model):
+        x = to_model_device(model, guide, x)
+    with seeded(seed):
+        mean, std, _ = site_moments(model, guide, x, num_samples)
     if all(float(s.abs().max()) == 0.0 for s in std.values()):
         std = {k: torch.ones_like(v) for k, v in std.items()}  # point estimates: magnitude
     return {k: score_from_moments(mean[k], std[k], kind) for k in mean}
@@ -184,7 +189,7 @@ def _mask_hook(attr, mask):
 
 def prune_(model, guide, fraction: float | None = None, threshold: float | None = None,
            kind: str = "snr", sites=None, x: torch.Tensor | None = None,
-           num_samples: int = 200, score: dict | None = None) -> PruningHandle:
+           num_samples: int = 200, score: dict | None = None, seed: int | None = None) -> PruningHandle:
     """Mask the least important weights of ``model`` in place (reversible).
 
     One global ranking over all selected weights (not per layer).  With ``fraction=f``
@@ -206,7 +211,7 @@ def prune_(model, guide, fraction: float | None = None, threshold: float | None 
     sites : iterable of str or callable, optional
         Sites considered (default all random sites, weights and biases);
         a callable ``site -> bool`` filters, e.g. ``lambda s: s.endswith("weight")``.
-    x, num_samples
+    x, num_samples, seed
         For guides scored from samples (see :func:`scores`).
     score : dict, optional
         Precomputed :func:`scores` (skips recomputing them).
@@ -222,7 +227,7 @@ def prune_(model, guide, fraction: float | None = None, threshold: float | None 
     if fraction is not None and not 0.0 <= float(fraction) <= 1.0:
         raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
     unprune_(model)
-    score = score if score is not None else scores(guide, kind, model, x, num_samples)
+    score = score if score is not None else scores(guide, kind, model, x, num_samples, seed)
     names = [s for s in score if _selected(s, sites)]
     if not names:
         raise ValueError(f"no site selected for pruning; sites are {list(score)}")
@@ -264,18 +269,24 @@ def unprune_(model) -> bool:
     return True
 
 
-def posterior_mean(model, guide, x: torch.Tensor | None = None, num_samples: int = 200
-                   ) -> dict[str, torch.Tensor]:
-    """Posterior mean of every site (exact for MeanField/AutoNormal, else from draws)."""
-    return site_moments(model, guide, x, num_samples)[0]
+def posterior_mean(model, guide, x: torch.Tensor | None = None, num_samples: int = 200,
+                   seed: int | None = None) -> dict[str, torch.Tensor]:
+    """Posterior mean of every site (exact for MeanField/AutoNormal, else from ``num_samples``
+    draws, seeded by ``seed`` without touching the caller's random streams)."""
+    if x is not None:
+        x = to_model_device(model, guide, x)
+    with seeded(seed):
+        return site_moments(model, guide, x, num_samples)[0]
 
 
-def export_pruned(model, guide, x: torch.Tensor | None = None, num_samples: int = 200) -> nn.Module:
+def export_pruned(model, guide, x: torch.Tensor | None = None, num_samples: int = 200,
+                  seed: int | None = None) -> nn.Module:
     """The network as a plain ``torch.nn.Module`` with posterior-mean weights, pruned ones at 0.
 
     The current masks of :func:`prune_` (if any) are applied; the result has no Pyro
     machinery (its layers are ``nn.Linear``/``nn.Conv2d`` again) and can be saved, traced
-    or quantised like any network.
+    or quantised like any network.  For guides without exact moments the posterior mean is
+    estimated from ``num_samples`` draws (seeded by ``seed``, see :func:`posterior_mean`).
 
     Returns
     -------
@@ -284,7 +295,7 @@ def export_pruned(model, guide, x: torch.Tensor | None = None, num_samples: int 
     """
     if not is_bnn(model) or not hasattr(model, "net"):
         raise TypeError(f"export_pruned needs a pyro_bnn.BNN, got {type(model).__name__}")
-    mean = posterior_mean(model, guide, x, num_samples)
+    mean = posterior_mean(model, guide, x, num_samples, seed)
     handle = model.__dict__.get(_HANDLE_ATTR)
     masks = handle.masks if handle is not None else {}
     net = copy.deepcopy(model.net)
@@ -309,22 +320,36 @@ def export_pruned(model, guide, x: torch.Tensor | None = None, num_samples: int 
     return net
 
 
+PRUNING_METHODS = ("sample", "mean")
+
+
 @torch.no_grad()
 def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0, 0.5, 0.9, 0.95),
-                  kind: str = "snr", num_samples: int = 32, predictive: str = "sample",
-                  sites=None, seed: int = 0, batch_size: int = 1024) -> dict[str, list]:
+                  kind: str = "snr", num_samples: int = 32, method: str = "sample",
+                  sites=None, seed: int | None = 0, batch_size: int = 1024,
+                  predictive: str | None = None) -> dict[str, list]:
     """Test accuracy and NLL as a growing fraction of weights is pruned.
 
     Parameters
     ----------
     x, y : Tensor
-        Test inputs ``(N, ...)`` and labels ``(N,)``.
+        Test inputs ``(N, ...)`` and labels ``(N,)``; moved to the model's device.
     fractions : sequence of float
         Fractions pruned (each in [0, 1]).
-    predictive : {"sample", "mean"}
+    kind : {"snr", "zero_prob", "magnitude"}
+        The score that ranks the weights (see the module docstring).
+    num_samples : int
+        Posterior draws of the ``"sample"`` predictive.
+    method : {"sample", "mean"}
         ``"sample"``: Monte Carlo predictive of the masked BNN with ``num_samples``
         draws — the *same* draws at every fraction; ``"mean"``: the exported
-        posterior-mean network (:func:`export_pruned`).
+        posterior-mean network (:func:`export_pruned`).  (A guide's own predictive such as
+        Laplace's ``"glm"`` does not see the masks, so it is refused.)
+    seed : int or None
+        Seeds the draws (scores of sample-based guides and the predictive) without
+        touching the caller's random streams; ``None`` uses and advances them.
+    predictive : str, optional
+        Deprecated name of ``method``.
 
     Returns
     -------
@@ -332,31 +357,35 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
         ``fraction``, ``accuracy``, ``nll``, ``num_pruned`` lists (one entry per fraction)
         and ``kind``.
     """
-    if predictive not in ("sample", "mean"):
-        raise ValueError(f"predictive must be 'sample' or 'mean', got {predictive!r}")
-    score = scores(guide, kind, model, x[:1])
-    pyro.set_rng_seed(seed)
-    latents = draw_latents(model, guide, x, num_samples) if predictive == "sample" else None
-    out = {"kind": kind, "fraction": [], "accuracy": [], "nll": [], "num_pruned": []}
+    method = renamed_keyword("method", method, "predictive", predictive, "pruning_curve", "sample")
+    if method not in PRUNING_METHODS:
+        raise ValueError(f"pruning_curve: method must be one of {PRUNING_METHODS} (a guide's own "
+                         f"predictive does not apply the pruning masks), got {method!r}")
+    _check_kind(kind)
+    x, y = to_model_device(model, guide, x, y)
     previous = model.__dict__.get(_HANDLE_ATTR)
     previous_masks = None if previous is None else previous.masks
-    try:
-        for f in fractions:
-            handle = prune_(model, guide, fraction=f, sites=sites, score=score)
-            if predictive == "sample":
-                probs = probs_from_latents(model, latents, x, batch_size).mean(0)
-            else:
-                net = export_pruned(model, guide, x[:1])
-                probs = torch.softmax(net(x), -1)
-            y_ = y.to(probs.device)
-            out["fraction"].append(float(f))
-            out["accuracy"].append(metrics.accuracy(probs, y_))
-            out["nll"].append(metrics.negative_log_likelihood(probs, y_))
-            out["num_pruned"].append(handle.num_pruned)
-    finally:
-        unprune_(model)
-        if previous_masks is not None:  # restore the user's own pruning
-            _reinstall(model, previous_masks, previous)
+    out = {"kind": kind, "fraction": [], "accuracy": [], "nll": [], "num_pruned": []}
+    with seeded(seed):
+        score = scores(guide, kind, model, x[:1])
+        latents = draw_latents(model, guide, x, num_samples) if method == "sample" else None
+        try:
+            for f in fractions:
+                handle = prune_(model, guide, fraction=f, sites=sites, score=score)
+                if method == "sample":
+                    probs = probs_from_latents(model, latents, x, batch_size).mean(0)
+                else:
+                    net = export_pruned(model, guide, x[:1])
+                    probs = torch.softmax(net(x), -1)
+                y_ = y.to(probs.device)
+                out["fraction"].append(float(f))
+                out["accuracy"].append(metrics.accuracy(probs, y_))
+                out["nll"].append(metrics.negative_log_likelihood(probs, y_))
+                out["num_pruned"].append(handle.num_pruned)
+        finally:
+            unprune_(model)
+            if previous_masks is not None:  # restore the user's own pruning
+                _reinstall(model, previous_masks, previous)
     return out
 
 
