@@ -1,18 +1,23 @@
-"""Bayesian hypernetwork benchmarks: accuracy (digits, MNIST 5k/5k) and seconds per epoch.
+"""Bayesian hypernetwork benchmarks: converged ELBO and accuracy (digits, MNIST 5k/5k), seconds per epoch.
 
-* ``--task digits``: MLP 64-100-10, MeanField (all weights) vs Hypernet (weight-norm scales,
-  IAF), same epochs, batch size and learning rate; test accuracy and NLL.
+* ``--task digits``: MLP 64-100-10.  MeanField over all weights of the ordinary net (init
+  scale 0.1, lr ``--mf-lr`` 5e-2, cosine decay, ``--mf-epochs``) vs Hypernet over the
+  weight-norm scales (IAF, ``--num-flows``; 0 = mean-field Gaussian on the scales, the
+  like-for-like ELBO baseline; lr ``--lr``, default the guide's ``default_lr``, cosine,
+  ``--epochs``).  Per guide: final full-data ELBO (mean of ``--elbo-draws`` estimates),
+  the training ELBO's change over the last 10 % of epochs (convergence evidence), test
+  accuracy, NLL, ECE, seconds.  ``--seeds`` runs several seeds.
 * ``--task mnist``: weight-norm MLP 784-800-800-10 on MNIST 5k/5k (first 5,000 digits of the
   MNIST test file for training, next 5,000 for testing), Hypernet with 0/4/8 blocks
   (0 = Bayes by Backprop on g).
 * ``--task speed``: one epoch of plain PyTorch MAP vs ``pb.fit`` with Hypernet (8 IAF blocks,
-  weight-norm; ``--num-flows``, ``--hidden`` lists) on MLP 784-400-400-10, epochs interleaved in
-  one process, medians of wall and CPU (``time.process_time``) seconds and ratios.
+  weight-norm; ``--num-flows``, ``--hidden``, ``--layout`` lists) on MLP 784-400-400-10,
+  epochs interleaved in one process, medians of wall and CPU (``time.process_time``)
+  seconds and ratios.
 
-    python benchmarks/bench_hypernet.py --task digits --epochs 100
+    python benchmarks/bench_hypernet.py --task digits --threads 1 --seeds 0 1 2
     python benchmarks/bench_hypernet.py --task mnist --epochs 10 --data-dir ../shared/data/mnist
-    python benchmarks/bench_hypernet.py --task speed --epochs 5 --data-dir ../shared/data/mnist
-    python benchmarks/bench_hypernet.py --task speed --threads 1 --fused --hidden 200 64 32
+    python benchmarks/bench_hypernet.py --task speed --threads 1 --fused --layout stable paper
 """
 
 from __future__ import annotations
@@ -38,28 +43,51 @@ def mlp(sizes):
     return nn.Sequential(*layers[:-1])
 
 
-def _fit_eval(model, guide, train, test, args, **kw):
+def _fit_eval(model, guide, train, test, args, epochs=None, lr=None, **kw):
+    """Fit, then ``(metrics, seconds, final ELBO, change of the training ELBO over the last
+    10 % of epochs in % of |ELBO|)``."""
+    epochs = args.epochs if epochs is None else epochs
     t0 = time.perf_counter()
-    pb.fit(model, guide, train, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-           progress=False, seed=args.seed, **kw)
+    res = pb.fit(model, guide, train, epochs=epochs, batch_size=args.batch_size, lr=lr,
+                 lr_schedule=args.lr_schedule, progress=False, seed=args.seed, **kw)
     secs = time.perf_counter() - t0
     m = pb.evaluate(model, guide, *test, num_samples=args.num_samples)
-    return m, secs
+    elbo = res.history["elbo"]
+    k = max(1, epochs // 20)
+    end, before = statistics.mean(elbo[-k:]), statistics.mean(elbo[int(0.9 * epochs) - k:int(0.9 * epochs)])
+    return m, secs, full_data_elbo(model, guide, train, args.elbo_draws), 100 * (end - before) / abs(end)
+
+
+@torch.no_grad()
+def full_data_elbo(model, guide, data, draws: int) -> float:
+    """Mean of ``draws`` full-data estimates of the ELBO by the guide's own objective."""
+    objective = pb.guides.guide_contract(guide).make_objective(1)
+    x, y = data
+    values = []
+    with local_params(model, guide):
+        for _ in range(draws):
+            out = objective(model, guide, x, y, num_data=len(x))
+            values.append(-(out[0] if isinstance(out, tuple) else out).item())
+    return statistics.mean(values)
 
 
 def task_digits(args):
     d = pb.datasets.digits()
-    rows = []
-    torch.manual_seed(args.seed)
-    net = mlp([64, 100, 10])
-    if not args.no_meanfield:
-        mf_model = pb.BNN(net, "categorical")
-        rows.append(("MeanField (all weights)",)
-                    + _fit_eval(mf_model, pb.guides.MeanField(mf_model), d.train, d.test, args))
-    rows += _hypernet_rows(net, d.train, d.test, args, " (weight-norm g)")
-    print(f"digits 1348/449, MLP 64-100-10, {args.epochs} epochs, batch {args.batch_size}, "
-          f"lr {args.lr}, {args.num_samples} predictive samples")
-    _table(rows)
+    for seed in args.seeds:
+        args.seed = seed
+        rows = []
+        torch.manual_seed(seed)
+        net = mlp([64, 100, 10])
+        if not args.no_meanfield:
+            mf_model = pb.BNN(net, "categorical", prior=pb.priors.IIDNormal(1.0))
+            rows.append((f"MeanField (all weights, {args.mf_epochs} ep)",)
+                        + _fit_eval(mf_model, pb.guides.MeanField(mf_model, init_scale=0.1), d.train,
+                                    d.test, args, epochs=args.mf_epochs, lr=args.mf_lr))
+        rows += _hypernet_rows(net, d.train, d.test, args, f" g, {args.epochs} ep")
+        print(f"digits 1348/449, MLP 64-100-10, seed {seed}, batch {args.batch_size}, "
+              f"{args.lr_schedule} lr (MeanField {args.mf_lr}, Hypernet {args.lr or 'default'}), "
+              f"{args.num_samples} predictive samples, ELBO from {args.elbo_draws} full-data draws")
+        _table(rows)
 
 
 def task_mnist(args):
@@ -80,16 +108,20 @@ def _hypernet_rows(net, train, test, args, suffix=""):
     for k in args.num_flows:
         for h in args.hidden:
             model = pb.BNN(net, "categorical", weight_norm=True)
-            guide = pb.guides.Hypernet(model, flow=args.flow, num_flows=k, hidden=h)
+            guide = pb.guides.Hypernet(model, flow=args.flow, num_flows=k, hidden=h,
+                                       layout=args.layout[0])
+            clip = {"clip_norm": 10.0} if args.layout[0] == "paper" else {}
             rows.append((f"Hypernet {args.flow} K={k} H={h}{suffix}",)
-                        + _fit_eval(model, guide, train, test, args, clip_norm=10.0))
+                        + _fit_eval(model, guide, train, test, args, lr=args.lr, **clip))
     return rows
 
 
 def _table(rows):
-    print(f"  {'guide':40s} {'accuracy':>9s} {'nll':>8s} {'ece':>7s} {'fit s':>8s}")
-    for name, m, secs in rows:
-        print(f"  {name:40s} {m['accuracy']:9.4f} {m['nll']:8.4f} {m['ece']:7.4f} {secs:8.1f}")
+    print(f"  {'guide':44s} {'ELBO':>9s} {'last10%':>8s} {'accuracy':>9s} {'nll':>8s} {'ece':>7s} "
+          f"{'fit s':>8s}")
+    for name, m, secs, elbo, gain in rows:
+        print(f"  {name:44s} {elbo:9.1f} {gain:+7.2f}% {m['accuracy']:9.4f} {m['nll']:8.4f} "
+              f"{m['ece']:7.4f} {secs:8.1f}")
 
 
 def task_speed(args):
@@ -111,11 +143,13 @@ def task_speed(args):
         map_epoch(net_a, opt_a, batches)
 
     guides = {}
-    configs = [(k, h) for k in args.num_flows for h in (args.hidden if k else args.hidden[:1])]
-    for k, h in configs:
+    configs = [(k, h, layout) for layout in args.layout for k in args.num_flows
+               for h in (args.hidden if k else args.hidden[:1])]
+    for k, h, layout in configs:
         torch.manual_seed(args.seed)
         model = pb.BNN(mlp(sizes), "categorical", weight_norm=True).to(device)
-        guides[k, h] = (model, pb.guides.Hypernet(model, flow="iaf", num_flows=k, hidden=h))
+        guides[k, h, layout] = (model, pb.guides.Hypernet(model, flow="iaf", num_flows=k, hidden=h,
+                                                          layout=layout))
 
     def epoch_hn(h):
         model, guide = guides[h]
@@ -164,7 +198,7 @@ def task_speed(args):
     print(f"  {'PyTorch MAP':38s} {n_net:10,d} {med['map']:8.3f} {med_cpu['map']:8.3f}")
     for c in configs:
         n_flow = sum(p.numel() for p in guides[c][1].parameters())
-        name = f"{'loop' if args.loop else 'pb.fit'} + Hypernet ({c[0]} IAF, H={c[1]})"
+        name = f"{'loop' if args.loop else 'pb.fit'} + Hypernet ({c[0]} IAF, H={c[1]}, {c[2]})"
         print(f"  {name:38s} {n_flow:10,d} {med[c]:8.3f} "
               f"{med_cpu[c]:8.3f} {med[c] / med['map']:10.2f} {med_cpu[c] / med_cpu['map']:9.2f}")
     print("  (ratio target <= 2; params: flow parameters stored)")
@@ -177,9 +211,17 @@ def main(argv=None):
     ap.add_argument("--task", choices=["digits", "mnist", "speed"], default="digits")
     ap.add_argument("--data-dir", default="../shared/data/mnist")
     ap.add_argument("--epochs", type=int, default=None,
-                    help="default: 100 (digits), 10 (mnist), 5 timed epochs (speed)")
+                    help="default: 300 (digits), 10 (mnist), 5 timed epochs (speed)")
     ap.add_argument("--batch-size", type=int, default=None, help="default 64 (digits), 100, 128 (speed)")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="Hypernet learning rate (default: the guide's default_lr)")
+    ap.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"])
+    ap.add_argument("--layout", nargs="+", default=["stable"], choices=["stable", "paper"],
+                    help="Hypernet layout(s); speed: several are timed side by side")
+    ap.add_argument("--mf-lr", type=float, default=5e-2, help="MeanField learning rate (digits)")
+    ap.add_argument("--mf-epochs", type=int, default=1000, help="MeanField epochs (digits)")
+    ap.add_argument("--elbo-draws", type=int, default=64)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="digits: one run per seed")
     ap.add_argument("--flow", default=None, help="iaf (digits, speed) / realnvp couplings (mnist)")
     ap.add_argument("--num-flows", type=int, nargs="+", default=None)
     ap.add_argument("--hidden", type=int, nargs="+", default=[200],
@@ -196,7 +238,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    defaults = {"digits": (100, 64, "iaf", [8]), "mnist": (10, 100, "realnvp", [0, 4, 8]),
+    defaults = {"digits": (300, 64, "iaf", [0, 8]), "mnist": (10, 100, "realnvp", [0, 4, 8]),
                 "speed": (5, 128, "iaf", [8])}[args.task]
     args.epochs = defaults[0] if args.epochs is None else args.epochs
     args.batch_size = defaults[1] if args.batch_size is None else args.batch_size

@@ -2,21 +2,37 @@
 
 A sample of the D weights is ``z = h(ε)``, ``ε ~ N(0, I_D)``, with
 
-    h = T_K ∘ … ∘ T_1 ∘ A,      A(ε) = μ + softplus(ρ) ⊙ ε,
+    h = A ∘ T_K ∘ … ∘ T_1,      A(u) = μ + softplus(ρ) ⊙ u,
 
-an elementwise affine layer ``A`` (initial scale ``init_scale`` ≈ 0.002, the paper's choice:
-the flow starts as a narrow Gaussian around the network's weights) followed by K blocks,
-either IAF/MADE blocks (Pyro's :class:`~pyro.distributions.transforms.AffineAutoregressive`,
-``y = μ(x) + exp(s(x)) ⊙ x`` with autoregressive μ, s) or RealNVP couplings (Pyro's
-:func:`~pyro.distributions.transforms.affine_coupling`) separated by fixed permutations
+K blocks ``T_t`` on standardised coordinates followed by an elementwise affine layer ``A``
+whose location starts at the network's weights and whose scale starts at ``init_scale``.
+The blocks are IAF/MADE blocks (Pyro's
+:class:`~pyro.distributions.transforms.AffineAutoregressive`, ``y = m(x) + exp(s(x)) ⊙ x``
+with autoregressive m, s) or RealNVP couplings (Pyro's
+:class:`~pyro.distributions.transforms.AffineCoupling`) separated by fixed permutations
 (Pyro's :class:`~pyro.distributions.transforms.Permute`).  The log-density is the change of
 variables
 
     log q(z) = log N(ε; 0, I) − Σ_t log|det ∂T_t/∂x_{t−1}| − Σ_i log softplus(ρ_i).
 
-Each block's output layer starts at ``init_gain`` × its default initialisation (bias 0), so
-every block starts near the identity.  ``num_flows=0`` is the mean-field Gaussian (Bayes by
-Backprop).
+Every block starts as the exact identity (its conditioner's output layer starts at zero), so
+at the start q is the mean-field Gaussian N(μ, diag σ²) that :class:`~pyro_bnn.guides.MeanField`
+starts from, and the flow can only add to it; ``num_flows=0`` *is* a mean-field Gaussian
+(Bayes by Backprop).  Three choices keep training stable at the learning rates a
+mean-field Gaussian trains at (``docs/results/hypernet.md`` has the measurements):
+
+* the blocks act on standardised coordinates (the affine layer comes last), so a block's
+  shift and scale are relative to σ and never rescale the weights' means;
+* the conditioners' log-scales are bounded smoothly, ``s = B tanh(s̃/B)`` (``log_scale_bound``
+  B = 3), not by Pyro's hard clamp, whose straight-through gradient let raw log-scales drift
+  to 10⁴ while the forward pass stayed at the clamp;
+* the conditioners are fan-in scaled (:class:`MADE` ``fan_in_scaled``): an Adam step moves
+  a pre-activation by at most ``lr · mean|input|`` instead of ``lr · Σ|input|`` (thousands
+  of inputs for a flow over every weight).
+
+The paper's layout (affine layer first with scale 0.002, then blocks starting near the
+identity; Pyro's clamp, plain conditioners) is ``HypernetFlow(..., affine_last=False,
+log_scale_bound=None, fan_in_scaled=False, init_gain=1e-2, init_scale=2e-3)``.
 
 Pyro's ``AutoRegressiveNN`` requires hidden width ≥ D; :class:`MADE` here allows any width
 (hidden degrees spread over 1..D−1, Germain et al. 2015), which the hypernetwork needs
@@ -25,18 +41,20 @@ Pyro's ``AutoRegressiveNN`` requires hidden width ≥ D; :class:`MADE` here allo
 
 from __future__ import annotations
 
+import math
+
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
 from pyro.distributions import constraints
 from pyro.distributions.torch_transform import TransformModule
-from pyro.distributions.transforms import AffineAutoregressive, Permute, affine_coupling
+from pyro.distributions.transforms import AffineAutoregressive, AffineCoupling, Permute
 from pyro.distributions.transforms.utils import clamp_preserve_gradients
 from torch import nn
 
-from .made import MADE
+from .made import MADE, soft_bound
 
-__all__ = ["ElementwiseAffine", "MADE", "HypernetFlow", "hypernet_flow", "FLOW_TYPES"]
+__all__ = ["ElementwiseAffine", "MADE", "CouplingNet", "HypernetFlow", "hypernet_flow", "FLOW_TYPES"]
 
 FLOW_TYPES = ("iaf", "realnvp")
 
@@ -83,7 +101,7 @@ class ElementwiseAffine(TransformModule):
 
 
 class HypernetFlow(nn.Module):
-    """The hypernetwork ``z = h(ε)``: elementwise affine, then K IAF blocks or couplings.
+    """The hypernetwork ``z = h(ε)``: K IAF blocks or couplings, then an elementwise affine layer.
 
     Parameters
     ----------
@@ -98,21 +116,32 @@ class HypernetFlow(nn.Module):
     init_loc : Tensor, shape (D,), optional
         Initial μ of the affine layer (default 0).
     init_scale : float
-        Initial scale of the affine layer.
+        Initial scale ``softplus(ρ)`` of the affine layer.
     init_gain : float
-        Factor on the blocks' output-layer initial weights (near-identity start).
+        Factor on the conditioners' output-layer initial weights; 0 (default) starts every
+        block at the exact identity.
     seed : int
         Seed of the fixed permutations.
     affine_last : bool
-        Put the affine layer after the blocks (``z = μ + s ⊙ T(ε)``: the blocks then act
-        on standardised coordinates); default ``False``, the paper's order.
+        ``z = A(T(ε))`` (default: blocks on standardised coordinates) or, ``False``, the
+        paper's order ``z = T(A(ε))``.
+    log_scale_bound : float or None
+        Smooth bound B of the blocks' log-scales (``B tanh(s̃/B)``); ``None``: Pyro's hard
+        clamp to [−5, 3] with straight-through gradients.
+    fan_in_scaled : bool
+        Fan-in scaled conditioners (see :class:`MADE`).
     """
 
     def __init__(self, dim: int, flow: str = "iaf", num_flows: int = 8, hidden: int = 200,
-                 init_loc: torch.Tensor | None = None, init_scale: float = 2e-3,
-                 init_gain: float = 1e-2, seed: int = 0, affine_last: bool = False):
+                 init_loc: torch.Tensor | None = None, init_scale: float = 0.1,
+                 init_gain: float = 0.0, seed: int = 0, affine_last: bool = True,
+                 log_scale_bound: float | None = 3.0, fan_in_scaled: bool = True):
         super().__init__()
         self.affine_last = bool(affine_last)
+        if log_scale_bound is not None and not log_scale_bound > 0:
+            raise ValueError(f"log_scale_bound must be > 0 or None, got {log_scale_bound!r}")
+        self.log_scale_bound = None if log_scale_bound is None else float(log_scale_bound)
+        self.fan_in_scaled = bool(fan_in_scaled)
         if flow not in FLOW_TYPES:
             raise ValueError(f"flow must be one of {FLOW_TYPES}, got {flow!r}")
         if not isinstance(num_flows, int) or num_flows < 0:
@@ -127,23 +156,44 @@ class HypernetFlow(nn.Module):
         if loc.numel() != dim:
             raise ValueError(f"init_loc must have {dim} values, got {loc.numel()}")
         self.affine = ElementwiseAffine(loc, init_scale)
+        # saved with the parameters: they define this distribution in this layout only
+        self.register_buffer("layout", _layout_code(self.affine_last, self.log_scale_bound))
         gen = torch.Generator().manual_seed(seed)
         perms = [_permutation(dim, i, gen) for i in range(num_flows)]
         blocks = []
         for i in range(num_flows):
             if flow == "iaf":
-                block = AffineAutoregressive(MADE(dim, hidden, perms[i]))
+                block = AffineAutoregressive(MADE(dim, hidden, perms[i],
+                                                  log_scale_bound=self.log_scale_bound,
+                                                  fan_in_scaled=self.fan_in_scaled))
                 block.arn.scale_output_(init_gain)
             else:
-                block = affine_coupling(dim, hidden_dims=[hidden])
-                last = block.nn.layers[-1]
+                split = dim // 2
+                block = AffineCoupling(split, CouplingNet(split, hidden, dim - split,
+                                                          self.log_scale_bound,
+                                                          self.fan_in_scaled))
+                block.nn.scale_output_(init_gain)
                 self.register_buffer(f"perm{i}", perms[i])
-                with torch.no_grad():
-                    last.weight.mul_(init_gain)
-                    last.bias.zero_()
+            if self.log_scale_bound is not None:  # the smooth bound replaces Pyro's hard clamp
+                block.log_scale_min_clip, block.log_scale_max_clip = -math.inf, math.inf
             blocks.append(block)
         self.blocks = nn.ModuleList(blocks).to(loc.device)
         self.to(loc.device)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # The same parameters mean a different distribution in another layout: refuse.
+        # State dicts without the layout were written before it was recorded, by the
+        # paper's layout (affine layer first, Pyro's hard clamp).
+        key = prefix + "layout"
+        saved = _layout_dict(state_dict.get(key, _layout_code(False, None)))
+        if saved != _layout_dict(self.layout) and self.num_flows > 0:
+            raise ValueError(
+                f"this state dict was saved by a flow with layout {saved}, but this flow has "
+                f"{_layout_dict(self.layout)}; the same parameters define another distribution "
+                "there. Build the flow with the saved affine_last and log_scale_bound "
+                "(a Hypernet guide: layout='paper' for the paper's layout) to load it.")
+        state_dict[key] = self.layout.clone()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def transforms(self) -> list:
         """The transforms ``[A, T_1, (Permute,) T_2, …]`` (RealNVP: a permutation before
@@ -208,6 +258,54 @@ def _forward_with_log_det(t, x):
         return torch.addcmul(mean, torch.exp(log_scale), x), log_scale.sum(-1)
     y = t(x)
     return y, t.log_abs_det_jacobian(x, y)
+
+
+class CouplingNet(nn.Module):
+    """Conditioner of a RealNVP coupling: ``x₁ (…, d) -> (mean, log_scale)``, each (…, D − d),
+    one hidden ReLU layer of H units.
+
+    ``pre_k = (1/n_k) Σ_j W'_kj x_j + b_k`` with ``n_k`` the layer's fan-in when
+    ``fan_in_scaled`` (stored weights × fan-in; same function, Adam steps scaled as in
+    :class:`~pyro_bnn.made.MADE`), else ``n_k = 1``; log-scales bounded smoothly by
+    ``log_scale_bound`` (if given).  Initialised as ``nn.Linear`` layers.
+    """
+
+    def __init__(self, in_features: int, hidden: int, out_features: int,
+                 log_scale_bound: float | None = 3.0, fan_in_scaled: bool = True):
+        super().__init__()
+        self.hidden, self.out = nn.Linear(in_features, hidden), nn.Linear(hidden, 2 * out_features)
+        self.log_scale_bound = log_scale_bound
+        self.in_factor = 1.0 / in_features if fan_in_scaled else 1.0
+        self.out_factor = 1.0 / hidden if fan_in_scaled else 1.0
+        with torch.no_grad():
+            self.hidden.weight.div_(self.in_factor)
+            self.out.weight.div_(self.out_factor)
+
+    def forward(self, x):
+        h = torch.addmm(self.hidden.bias, x.reshape(-1, x.shape[-1]), self.hidden.weight.t(),
+                        alpha=self.in_factor).relu()
+        y = torch.addmm(self.out.bias, h, self.out.weight.t(), alpha=self.out_factor)
+        mean, log_scale = y.view(*x.shape[:-1], -1).chunk(2, -1)
+        if self.log_scale_bound is not None:
+            log_scale = soft_bound(log_scale, self.log_scale_bound)
+        return mean, log_scale
+
+    @torch.no_grad()
+    def scale_output_(self, gain: float) -> CouplingNet:
+        """Multiply the output layer's weights by ``gain`` and zero its bias."""
+        self.out.weight.mul_(gain)
+        self.out.bias.zero_()
+        return self
+
+
+def _layout_code(affine_last: bool, log_scale_bound: float | None) -> torch.Tensor:
+    """The layout as a buffer: ``[affine_last, log_scale_bound or 0]``."""
+    return torch.tensor([float(affine_last), log_scale_bound or 0.0])
+
+
+def _layout_dict(code: torch.Tensor) -> dict:
+    last, bound = (float(v) for v in code.detach().cpu().reshape(-1))
+    return {"affine_last": bool(last), "log_scale_bound": bound or None}
 
 
 def _permutation(dim: int, index: int, gen: torch.Generator) -> torch.Tensor:

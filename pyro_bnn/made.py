@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MADE"]
+__all__ = ["MADE", "soft_bound"]
+
+
+def soft_bound(x: torch.Tensor, bound: float) -> torch.Tensor:
+    """``B · tanh(x / B)``: the identity near 0 (slope 1), smoothly bounded to (−B, B)."""
+    return bound * torch.tanh(x / bound)
 
 
 class MADE(nn.Module):
@@ -54,11 +59,30 @@ class MADE(nn.Module):
         input layer has ≥ 160,000 entries (D·H; e.g. D = 810, H = 200), else 1 — more
         blocks store fewer entries but cost ~10 small tensor operations each per step,
         which dominates for small layers.
+    log_scale_bound : float, optional
+        If given (B > 0), the log-scale output is bounded smoothly,
+        ``B · tanh(log_scale / B)`` ∈ (−B, B), with exact gradients (unlike a hard clamp,
+        whose straight-through gradient lets the raw outputs drift without bound).
+    fan_in_scaled : bool
+        Store each weight multiplied by its unit's fan-in ``n_k`` (inputs the mask lets
+        unit ``k`` see) and divide the unit's pre-activation by ``n_k``:
+        ``pre_k = (1/n_k) Σ_j W'_kj x_j + b_k``.  Same function and initialisation; what
+        changes is how Adam steps act.  Adam moves every stored weight by about the learning
+        rate per step, so in the plain layer a step moves ``pre_k`` by up to
+        ``lr · Σ_j |x_j|`` — with thousands of inputs (a flow over every weight) an Adam step
+        at the learning rate that suits the elementwise layer scrambles the conditioner.
+        Scaled, it moves ``pre_k`` by at most ``lr · mean_j |x_j|``, as a step moves a
+        mean-field location.  Default ``False`` (the plain masked layers).
     """
 
     def __init__(self, dim: int, hidden: int, permutation: torch.Tensor,
-                 groups: int | None = None):
+                 groups: int | None = None, log_scale_bound: float | None = None,
+                 fan_in_scaled: bool = False):
         super().__init__()
+        if log_scale_bound is not None and not log_scale_bound > 0:
+            raise ValueError(f"log_scale_bound must be > 0 or None, got {log_scale_bound!r}")
+        self.log_scale_bound = None if log_scale_bound is None else float(log_scale_bound)
+        self.fan_in_scaled = bool(fan_in_scaled)
         if dim < 2:
             raise ValueError(f"an autoregressive block needs dimension >= 2, got {dim}")
         if groups is None:
@@ -67,8 +91,6 @@ class MADE(nn.Module):
             raise ValueError(f"groups must be a positive integer, got {groups!r}")
         self.dim, self.hidden_units = int(dim), int(hidden)
         self.register_buffer("permutation", permutation.long().clone())
-        rank = torch.empty(dim, dtype=torch.long)
-        rank[self.permutation] = torch.arange(1, dim + 1)
         deg_h = 1 + (torch.arange(hidden) * (dim - 1)) // hidden  # nondecreasing
         # input layer, columns in rank order: hidden k sees the first deg_k columns
         self._in = _Staircase(deg_h, groups)
@@ -76,15 +98,26 @@ class MADE(nn.Module):
         prefix_out = torch.searchsorted(deg_h, torch.arange(1, dim + 1), right=False)
         self._out = _Staircase(torch.cat([prefix_out, prefix_out]), groups, pair=dim)
         # gather indices: inputs into rank order, outputs from the blocks' order back
-        self.register_buffer("in_index", self.permutation.clone(), persistent=False)
-        self.register_buffer("rank0", rank - 1, persistent=False)
-        self.register_buffer("out_index", self._out.inverse_rows(rank - 1), persistent=False)
+        for name in ("in_index", "rank0", "out_index"):
+            self.register_buffer(name, None, persistent=False)
+        self._set_order()
+        # fan-in of every row, in the original (rank) row order, and 1/fan-in in the order
+        # the blocks are stacked (the order of the layers' raw outputs)
+        self.register_buffer("fan_in_in", deg_h.float(), persistent=False)
+        self.register_buffer("fan_in_out", torch.cat([prefix_out, prefix_out]).clamp_min(1).float(),
+                             persistent=False)
+        self.register_buffer("inv_fan_in_in", 1 / self.fan_in_in[self._in.order], persistent=False)
+        self.register_buffer("inv_fan_in_out", 1 / self.fan_in_out[self._out.order], persistent=False)
+        # saved with the weights, so that a state dict loads into either convention
+        self.register_buffer("stored_fan_in_scaled", torch.tensor(float(self.fan_in_scaled)))
+        self.register_buffer("zero_in", torch.zeros(hidden), persistent=False)
+        self.register_buffer("zero_out", torch.zeros(2 * dim), persistent=False)
         dense_in, dense_out = nn.Linear(dim, hidden), nn.Linear(hidden, 2 * dim)
         with torch.no_grad():
             w_out = dense_out.weight.view(2, dim, hidden)[:, self.permutation].reshape(2 * dim, hidden)
             b_out = dense_out.bias.view(2, dim)[:, self.permutation].reshape(-1)
-            self.w_in = self._in.pack(dense_in.weight[:, self.permutation])
-            self.w_out = self._out.pack(w_out)
+            self.w_in = self._in.pack(self._stored(dense_in.weight[:, self.permutation], "in"))
+            self.w_out = self._out.pack(self._stored(w_out, "out"))
         self.b_in = nn.Parameter(dense_in.bias.detach().clone())
         self.b_out = nn.Parameter(self._out.order_rows(b_out))
         for i, m in enumerate(self._in.masks):
@@ -92,23 +125,54 @@ class MADE(nn.Module):
         for i, m in enumerate(self._out.masks):
             self.register_buffer(f"strip_out{i}", m, persistent=False)
 
+    def _set_order(self) -> None:
+        """The gather indices of ``permutation`` (the stored weights are in rank order, so
+        only these depend on it)."""
+        perm = self.permutation
+        rank0 = torch.empty_like(perm)
+        rank0[perm] = torch.arange(self.dim, device=perm.device)
+        self.in_index, self.rank0 = perm.clone(), rank0
+        self.out_index = self._out.inverse_rows(rank0.cpu()).to(perm.device)
+
+    def _stored(self, dense: torch.Tensor, layer: str) -> torch.Tensor:
+        """Effective weights (rows in rank order) -> the stored ones (× fan-in if scaled)."""
+        if not self.fan_in_scaled:
+            return dense
+        fan_in = self.fan_in_in if layer == "in" else self.fan_in_out
+        return dense * fan_in.to(dense)[:, None]
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # state dicts saved before the block storage (dense ``hidden``/``out`` Linear layers
-        # and ``mask_in``/``mask_out`` buffers) are converted on load
+        # State dicts saved before the block storage (dense ``hidden``/``out`` Linear layers
+        # and ``mask_in``/``mask_out`` buffers) hold the effective weights and are converted
+        # on load; stored weights of the other fan-in convention are rescaled.  Either way
+        # the loaded MADE computes the saved function.
+        key = prefix + "stored_fan_in_scaled"
+        saved_scaled = bool(state_dict[key].item()) if key in state_dict else False
+        state_dict[key] = self.stored_fan_in_scaled.clone()
         old = [prefix + k for k in ("hidden.weight", "hidden.bias", "out.weight", "out.bias")]
         if all(k in state_dict for k in old):
             w_in, b_in, w_out, b_out = (state_dict.pop(k) for k in old)
             for k in ("mask_in", "mask_out"):
                 state_dict.pop(prefix + k, None)
-            perm, dim = self.permutation.to(w_in.device), self.dim
-            for i, w in enumerate(self._in.pack(w_in[:, perm])):
+            perm = state_dict.get(prefix + "permutation", self.permutation).to(w_in.device)
+            dim = self.dim
+            for i, w in enumerate(self._in.pack(self._stored(w_in[:, perm], "in"))):
                 state_dict[f"{prefix}w_in.{i}"] = w.detach()
             w_out = w_out.view(2, dim, -1)[:, perm].reshape(2 * dim, -1)
-            for i, w in enumerate(self._out.pack(w_out)):
+            for i, w in enumerate(self._out.pack(self._stored(w_out, "out"))):
                 state_dict[f"{prefix}w_out.{i}"] = w.detach()
             state_dict[prefix + "b_in"] = b_in
             state_dict[prefix + "b_out"] = self._out.order_rows(b_out.view(2, dim)[:, perm].reshape(-1))
+        elif saved_scaled != self.fan_in_scaled:
+            for name, stair, fan_in in (("w_in", self._in, self.fan_in_in),
+                                        ("w_out", self._out, self.fan_in_out)):
+                for i, rows in enumerate(stair.rows):
+                    key = f"{prefix}{name}.{i}"
+                    if key in state_dict:
+                        f = fan_in[rows.to(fan_in.device)].to(state_dict[key])[:, None]
+                        state_dict[key] = state_dict[key] * f if self.fan_in_scaled else state_dict[key] / f
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._set_order()  # the loaded permutation (e.g. of a flow built with another seed)
 
     def _strips(self, name, n):
         return [getattr(self, f"strip_{name}{i}") for i in range(n)]
@@ -116,11 +180,18 @@ class MADE(nn.Module):
     def forward(self, x):
         shape = x.shape[:-1]
         xr = x.reshape(-1, self.dim).index_select(-1, self.in_index)
-        h = _StaircaseLinear.apply(xr, self.b_in, self._in, self._strips("in", len(self.w_in)),
-                                   *self.w_in).relu()
-        y = _StaircaseLinear.apply(h, self.b_out, self._out,
-                                   self._strips("out", len(self.w_out)), *self.w_out)
+        strips_in, strips_out = self._strips("in", len(self.w_in)), self._strips("out", len(self.w_out))
+        if self.fan_in_scaled:
+            h = _StaircaseLinear.apply(xr, self.zero_in, self._in, strips_in, *self.w_in)
+            h = torch.addcmul(self.b_in, h, self.inv_fan_in_in).relu()
+            y = _StaircaseLinear.apply(h, self.zero_out, self._out, strips_out, *self.w_out)
+            y = torch.addcmul(self.b_out, y, self.inv_fan_in_out)
+        else:
+            h = _StaircaseLinear.apply(xr, self.b_in, self._in, strips_in, *self.w_in).relu()
+            y = _StaircaseLinear.apply(h, self.b_out, self._out, strips_out, *self.w_out)
         mean, log_scale = y.index_select(-1, self.out_index).view(*shape, 2 * self.dim).chunk(2, -1)
+        if self.log_scale_bound is not None:
+            log_scale = soft_bound(log_scale, self.log_scale_bound)
         return mean, log_scale
 
     @torch.no_grad()
@@ -143,13 +214,18 @@ class MADE(nn.Module):
 
     @torch.no_grad()
     def dense_weights(self) -> tuple[torch.Tensor, ...]:
-        """The masked dense layers in the original input/output order:
+        """The masked dense layers (effective weights) in the original input/output order:
         ``(W_in ⊙ M_in (H, D), b_in (H,), W_out ⊙ M_out (2D, H), b_out (2D,))``."""
         w_in = torch.zeros(self.hidden_units, self.dim, device=self.b_in.device,
                            dtype=self.b_in.dtype)
-        w_in[:, self.permutation] = self._in.unpack(list(self.w_in), self.dim)
+        dense_in = self._in.unpack(list(self.w_in), self.dim)
+        dense_out = self._out.unpack(list(self.w_out), self.hidden_units)
+        if self.fan_in_scaled:
+            dense_in = dense_in / self.fan_in_in[:, None]
+            dense_out = dense_out / self.fan_in_out[:, None]
+        w_in[:, self.permutation] = dense_in
         rows = torch.cat([self.rank0, self.rank0 + self.dim])  # original row -> rank-order row
-        w_out = self._out.unpack(list(self.w_out), self.hidden_units)[rows.cpu()]
+        w_out = dense_out[rows.cpu()]
         return w_in, self.b_in.clone(), w_out, self.b_out[self.out_index].clone()
 
     def num_stored(self) -> int:
@@ -157,7 +233,9 @@ class MADE(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, hidden={self.hidden_units}, groups={len(self.w_in)}"
+        bound = "" if self.log_scale_bound is None else f", log_scale_bound={self.log_scale_bound}"
+        return (f"dim={self.dim}, hidden={self.hidden_units}, groups={len(self.w_in)}{bound}, "
+                f"fan_in_scaled={self.fan_in_scaled}")
 
 
 class _Staircase:

@@ -116,11 +116,87 @@ def test_made_loads_state_dict_of_dense_masked_layers():
            "hidden.weight": w_in + (w_in == 0) * 5.0,  # masked entries held their init values
            "hidden.bias": b_in, "out.weight": w_out + (w_out == 0) * 5.0, "out.bias": b_out,
            "mask_in": torch.ones(hidden, dim), "mask_out": torch.ones(2 * dim, hidden)}
-    fresh = MADE(dim, hidden, made.permutation)
-    fresh.load_state_dict(old)
     x = torch.randn(3, dim)
-    for a, b in zip(made(x), fresh(x)):
+    for scaled in (False, True):
+        fresh = MADE(dim, hidden, made.permutation, fan_in_scaled=scaled)
+        fresh.load_state_dict(dict(old))
+        for a, b in zip(made(x), fresh(x)):
+            assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_made_fan_in_scaling_keeps_the_function_and_divides_the_steps(groups):
+    """``fan_in_scaled``: same function, stored weights × fan-in, so gradients w.r.t. the stored
+    weights are the plain ones / fan-in (Adam's steps on the pre-activations shrink by the
+    fan-in); state dicts load across the two conventions; the log-scale bound is
+    ``B tanh(s/B)`` of the unbounded output."""
+    torch.manual_seed(0)
+    dim, hidden = 9, 6
+    plain = MADE(dim, hidden, torch.randperm(dim), groups=groups)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_()
+        plain.apply_masks_()
+    scaled = MADE(dim, hidden, plain.permutation, groups=groups, fan_in_scaled=True)
+    scaled.load_state_dict(plain.state_dict())
+    for a, b in zip(plain.dense_weights(), scaled.dense_weights()):
         assert torch.allclose(a, b, atol=1e-6)
+    x = torch.randn(4, dim)
+    probe = torch.randn(4, 2 * dim)
+    for m in (plain, scaled):
+        assert torch.allclose(torch.cat(m(x), -1), torch.cat(plain(x), -1), atol=1e-5)
+        (torch.cat(m(x), -1) * probe).sum().backward()
+    for wp, ws, stair, fan_in in ((plain.w_in, scaled.w_in, scaled._in, scaled.fan_in_in),
+                                  (plain.w_out, scaled.w_out, scaled._out, scaled.fan_in_out)):
+        for i, rows in enumerate(stair.rows):
+            assert torch.allclose(ws[i].grad, wp[i].grad / fan_in[rows][:, None], atol=1e-6)
+            assert torch.allclose(ws[i], wp[i] * fan_in[rows][:, None], atol=1e-5)
+    back = MADE(dim, hidden, plain.permutation, groups=groups)
+    back.load_state_dict(scaled.state_dict())
+    assert torch.allclose(torch.cat(back(x), -1), torch.cat(plain(x), -1), atol=1e-5)
+    bounded = MADE(dim, hidden, plain.permutation, groups=groups, log_scale_bound=0.5)
+    bounded.load_state_dict(plain.state_dict())
+    mean, log_scale = bounded(x)
+    assert torch.allclose(mean, plain(x)[0])
+    assert torch.allclose(log_scale, 0.5 * torch.tanh(plain(x)[1] / 0.5))
+    assert log_scale.abs().max() <= 0.5
+
+
+@pytest.mark.parametrize("kind", ["iaf", "realnvp"])
+def test_stable_flow_starts_as_the_mean_field_gaussian(kind):
+    """Default layout: blocks start at the exact identity, so q = N(μ, σ²) at the start
+    (RealNVP: up to the fixed permutations between couplings, which leave N(0, I) as it is)."""
+    torch.manual_seed(0)
+    loc = torch.randn(6)
+    flow = HypernetFlow(6, kind, num_flows=3, hidden=5, init_loc=loc, init_scale=0.1)
+    eps = torch.randn(50, 6)
+    z, log_q = flow.rsample_with_log_prob(eps=eps)
+    if kind == "iaf":
+        assert torch.allclose(z, loc + 0.1 * eps, atol=1e-6)
+    else:
+        assert torch.allclose(((z - loc) / 0.1).sort(-1).values, eps.sort(-1).values, atol=1e-5)
+    assert torch.allclose(log_q, dist.Normal(loc, 0.1).log_prob(z).sum(-1), atol=1e-4)
+    assert torch.allclose(flow.distribution().log_prob(z), log_q, atol=1e-4)
+
+
+def test_flow_layout_is_checked_when_loading():
+    """Parameters of one layout define another distribution in the other: loading refuses;
+    a state dict without the layout record (written before it) is the paper's layout."""
+    stable = HypernetFlow(4, "iaf", num_flows=2, hidden=3)
+    paper = HypernetFlow(4, "iaf", num_flows=2, hidden=3, affine_last=False,
+                         log_scale_bound=None, fan_in_scaled=False)
+    with pytest.raises(ValueError, match="layout"):
+        stable.load_state_dict(paper.state_dict())
+    old = {k: v for k, v in paper.state_dict().items()
+           if k != "layout" and not k.endswith("stored_fan_in_scaled")}
+    with pytest.raises(ValueError, match="layout"):
+        stable.load_state_dict(dict(old))
+    fresh = HypernetFlow(4, "iaf", num_flows=2, hidden=3, affine_last=False, log_scale_bound=None,
+                         fan_in_scaled=False, seed=1)
+    fresh.load_state_dict(old)
+    eps = torch.randn(3, 4)
+    assert torch.allclose(fresh.rsample_with_log_prob(eps=eps)[1],
+                          paper.rsample_with_log_prob(eps=eps)[1])
 
 
 def test_zero_flows_is_mean_field_gaussian():
@@ -205,6 +281,42 @@ def test_handwritten_weight_norm_pyromodule():
     draws = pb.predict(model, guide, x, num_samples=4)
     assert draws.shape == (4, 32)
     assert set(pb.prediction.sample_latents(model, guide, x)) == {"fc1.weight_g", "fc2.weight_g"}
+
+
+def test_full_false_rejects_sites_that_are_not_weight_norm_scales(digits_small):
+    """``full=False`` is the flow over weight-norm scales; any other latent site is a clear
+    error at set-up (it used to train a flow over every weight and end in NaN logits)."""
+
+    class Plain(PyroModule):  # a hand-written model without weight norm
+        def __init__(self):
+            super().__init__()
+            self.fc = PyroModule[nn.Linear](64, 10)
+            self.fc.weight = PyroSample(dist.Normal(0.0, 1.0).expand([10, 64]).to_event(2))
+            self.fc.bias = PyroSample(dist.Normal(0.0, 1.0).expand([10]).to_event(1))
+
+        def forward(self, x, y=None, num_data=None):
+            f = self.fc(x)
+            with pyro.plate("data", num_data or len(x), subsample_size=len(x)):
+                pyro.sample("obs", dist.Categorical(logits=f), obs=y)
+            return f
+
+    xtr, ytr, _, _ = digits_small
+    plain = Plain()
+    guide = pb.guides.Hypernet(plain, num_flows=2, hidden=8)
+    for _ in range(2):  # the failed set-up is not half-kept: a second call checks again
+        with pytest.raises(ValueError, match="'fc.weight', 'fc.bias'.*full=True"):
+            pb.fit(plain, guide, (xtr, ytr), epochs=1, progress=False)
+    # a weight-norm BNN whose biases are random too: the biases are named
+    net = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10))
+    wn = pb.BNN(net, "categorical", weight_norm=True,
+                stochastic=lambda name, module, param: name.endswith(("weight_g", "bias")))
+    with pytest.raises(ValueError, match="2 of the model's 4 latent sites.*'net.0.bias'"):
+        pb.fit(wn, pb.guides.Hypernet(wn, num_flows=2, hidden=8), (xtr, ytr), epochs=1,
+               progress=False)
+    # full=True accepts both
+    res = pb.fit(wn, pb.guides.Hypernet(wn, num_flows=2, hidden=8, full=True), (xtr, ytr),
+                 epochs=1, progress=False)
+    assert math.isfinite(res.final_loss)
 
 
 # --------------------------------------------------------------------------- guide
@@ -299,21 +411,45 @@ def test_prob_clip_and_state_dict_roundtrip(digits_small):
 
 
 # ----------------------------------------------------------------- statistical toys
-def _train(model, guide, objective, x, y, steps, lr):
+def _train(model, guide, objective, x, y, steps, lr, cosine=False, with_model=False):
+    """Full-batch Adam on the guide's parameters (and the model's point estimates if asked,
+    e.g. weight-norm directions), with cosine decay of lr to 0 if asked."""
     setup_guide(model, guide, x, y, len(x))
-    opt = torch.optim.Adam(list(guide.parameters()), lr=lr)
+    factor = (lambda t: 0.5 * (1 + math.cos(math.pi * t / steps))) if cosine else (lambda t: 1.0)
     with local_params(model, guide):
+        params = list(guide.parameters()) + (list(model.parameters()) if with_model else [])
+        opt = torch.optim.Adam(params, lr=lr, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         for _ in range(steps):
             out = objective(model, guide, x, y, num_data=len(x))
             loss = out[0] if isinstance(out, tuple) else out
             opt.zero_grad()
             loss.backward()
             opt.step()
+            sched.step()
 
 
-def test_bimodal_toy_full_guide_captures_ridge_and_beats_mean_field():
-    """ŷ = a·b·x on y = x + 0.1 ε: within the a = b = 1 mode the ridge ab ≈ 1 makes the
-    deviations of a and b negatively correlated; a mean-field guide cannot."""
+def _draws_and_log_q(model, guide, num_samples):
+    if isinstance(guide, pb.guides.Hypernet):
+        return guide.sample_with_log_prob(num_samples)
+    values, log_q = {}, 0.0
+    for name in model.site_names:
+        loc, scale = guide.loc_and_scale(name)
+        w = loc + scale * torch.randn((num_samples,) + loc.shape)
+        values[name] = w
+        log_q = log_q + dist.Normal(loc, scale).log_prob(w).reshape(num_samples, -1).sum(1)
+    return values, log_q
+
+
+@pytest.mark.slow
+def test_bimodal_toy_full_weight_flow_is_not_worse_than_mean_field():
+    """ŷ = a·b·x on y = x + 0.1 ε (the posterior is a curved ridge ab ≈ 1 in each mode).  The
+    full-weight flow (default layout: starts as MeanField's Gaussian; both start at σ = 0.1)
+    reaches a higher ELBO than a converged MeanField, mean of 2 seeds, and follows the ridge (negative
+    within-mode correlation of a and b, which a mean-field guide cannot have).  MeanField:
+    2,000 full-batch steps, lr 0.1, cosine (ELBO flat: 45.40/45.43 at 2,000 vs 45.43/45.45 at
+    4,000 steps); flow: IAF 4 × 32, 500 steps, lr 3e-2, cosine (measured 46.7–46.8; ~3 s per
+    seed)."""
     torch.manual_seed(0)
     x = torch.randn(64, 1)
     y = x + 0.1 * torch.randn(64, 1)
@@ -322,26 +458,47 @@ def test_bimodal_toy_full_guide_captures_ridge_and_beats_mean_field():
         net[0].weight.fill_(0.8)
         net[1].weight.fill_(0.8)
     model = pb.BNN(net, "gaussian", noise=0.1)
-    hn = pb.guides.Hypernet(model, flow="iaf", num_flows=4, hidden=32, full=True)
-    torch.manual_seed(1)
-    _train(model, hn, HypernetELBO(), x, y, steps=1500, lr=3e-3)
-    mf = pb.guides.MeanField(model, init_scale=0.01)
-    _train(model, mf, MeanFieldELBO(), x, y, steps=1000, lr=1e-2)
-    with torch.no_grad():
-        values, log_q = hn.sample_with_log_prob(4000)
-        elbo_hn = log_weights(model, values, log_q, x, y)[0].mean()
-        ab = torch.stack([values["net.0.weight"].reshape(-1), values["net.1.weight"].reshape(-1)])
-        ab = ab * torch.sign(ab[:1])  # fold the a = b = −1 mode onto the other one
-        corr = torch.corrcoef(ab)[0, 1]
-        mf_vals, mf_lq = {}, 0.0
-        for name in model.site_names:
-            loc, scale = mf.loc_and_scale(name)
-            w = loc + scale * torch.randn((4000,) + loc.shape)
-            mf_vals[name] = w
-            mf_lq = mf_lq + dist.Normal(loc, scale).log_prob(w).reshape(4000, -1).sum(1)
-        elbo_mf = log_weights(model, mf_vals, mf_lq, x, y)[0].mean()
-    assert corr <= -0.5, corr
-    assert elbo_hn > elbo_mf + 0.3, (elbo_hn, elbo_mf)
+    elbos = {"flow": [], "meanfield": []}
+    for seed in range(2):
+        torch.manual_seed(seed)
+        hn = pb.guides.Hypernet(model, flow="iaf", num_flows=4, hidden=32, full=True,
+                                init_scale=0.1, seed=seed)
+        _train(model, hn, HypernetELBO(), x, y, steps=500, lr=3e-2, cosine=True)
+        mf = pb.guides.MeanField(model, init_scale=0.1)
+        _train(model, mf, MeanFieldELBO(), x, y, steps=2000, lr=0.1, cosine=True)
+        with torch.no_grad():
+            for name, guide in (("flow", hn), ("meanfield", mf)):
+                values, log_q = _draws_and_log_q(model, guide, 4000)
+                elbos[name].append(log_weights(model, values, log_q, x, y)[0].mean().item())
+            values, _ = hn.sample_with_log_prob(4000)
+            ab = torch.stack([values["net.0.weight"].reshape(-1), values["net.1.weight"].reshape(-1)])
+            ab = ab * torch.sign(ab[:1])  # fold the a = b = −1 mode onto the other one
+            assert torch.corrcoef(ab)[0, 1] <= -0.5, (seed, torch.corrcoef(ab)[0, 1])
+    assert sum(elbos["flow"]) / 2 >= sum(elbos["meanfield"]) / 2, elbos
+
+
+def test_full_weight_flow_trains_at_mean_field_learning_rates(digits_small):
+    """A flow over all 3,760 weights of a 64-50-10 net, trained full batch at lr 5e-2 (a
+    mean-field rate): the loss never rises above its start and falls below a third of it in
+    60 steps.  The paper's layout (affine layer first, hard-clamped log-scales, plain
+    conditioners) spiked to 1e7 and stalled at ~2e4 here (docs/results/hypernet.md)."""
+    xtr, ytr, _, _ = digits_small
+    torch.manual_seed(0)
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 50), nn.ReLU(), nn.Linear(50, 10)), "categorical")
+    guide = pb.guides.Hypernet(model, full=True, num_flows=2, hidden=32, init_scale=0.1)
+    setup_guide(model, guide, xtr, ytr, len(xtr))
+    objective = guide.make_objective(1)
+    losses = []
+    with local_params(model, guide):
+        opt = torch.optim.Adam(list(guide.parameters()), lr=5e-2)
+        for _ in range(60):
+            loss, _ = objective(model, guide, xtr, ytr, len(xtr))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert max(losses) <= losses[0], (losses[0], max(losses))
+    assert sum(losses[-10:]) / 10 < losses[0] / 3, (losses[0], losses[-10:])
 
 
 def _toy_regression_std_ratio(seed):
@@ -350,7 +507,7 @@ def _toy_regression_std_ratio(seed):
     net = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     model = pb.BNN(net, "gaussian", noise=0.02, weight_norm=True)
     guide = pb.guides.Hypernet(model, flow="iaf", num_flows=4, hidden=50)
-    _train(model, guide, HypernetELBO(), x, y, steps=300, lr=3e-3)
+    _train(model, guide, HypernetELBO(), x, y, steps=1000, lr=1e-2, cosine=True, with_model=True)
     grid = torch.linspace(0.0, 1.0, 101).unsqueeze(-1)
     f = pb.predict(model, guide, grid, num_samples=200)[..., 0]
     std = f.std(0)
@@ -360,10 +517,12 @@ def _toy_regression_std_ratio(seed):
     return (outside / inside).item()
 
 
+@pytest.mark.slow
 def test_toy_regression_uncertainty_grows_away_from_data():
-    # The ratio after 300 steps is sensitive to float rounding (the same maths with another
-    # summation order or thread count gave 1.4–7.5 over seeds 0–6), so the median of 3 seeds
-    # is tested, not one run.
+    """Weight-norm MLP 1-64-64-1, IAF 4 × 50 over the scales, 1,000 full-batch steps at
+    lr 1e-2 with cosine decay (training ELBO within a few % over its last 10 %; the example
+    ``examples/toy_regression_hypernet.py`` prints it): the predictive std on [0.8, 1] is
+    ≥ 3× the std inside the data [0, 0.5] (median of 3 seeds)."""
     ratios = sorted(_toy_regression_std_ratio(seed) for seed in range(3))
     assert ratios[1] >= 3, ratios
 

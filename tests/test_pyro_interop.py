@@ -55,15 +55,9 @@ def _svi(model, guide, x, y, steps, elbo=None, lr=1e-2):
     return [svi.step(x, y) for _ in range(steps)]
 
 
-_FULL_FLOW_DIVERGES = pytest.mark.xfail(
-    strict=True, reason="the registry's full-weight Hypernet (2 IAF blocks x 32 over all weights) "
-    "diverges under plain SVI at lr 1e-2 (loss 24,673 -> 63,955 in 300 steps); issue 14 fixes it")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("local", [False, True], ids=["global_store", "module_local"])
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_FULL_FLOW_DIVERGES) if n == "hypernet" else n
-                                  for n in sorted(ALL_GUIDES)])
+@pytest.mark.parametrize("name", sorted(ALL_GUIDES))
 def test_plain_svi_trains_every_guide(name, local, digits):
     """300 full-batch SVI + Trace_ELBO steps at lr 1e-2 on digits (64-50-10): test accuracy
     >= 0.9 through pb.evaluate (Laplace: after fit_curvature, GLM), and Predictive agrees with
