@@ -404,6 +404,8 @@ def test_prob_clip_and_state_dict_roundtrip(digits_small):
         assert torch.allclose(guide.flow.rsample_with_log_prob(eps=eps)[1],
                               guide2.flow.rsample_with_log_prob(eps=eps)[1])
     assert "hypernet" in pb.guides.registered_guides()
+    assert guide.scale_parameters() == [guide.flow.affine.rho]
+    assert pb.guides.Hypernet(model).scale_parameters() == []  # not set up yet
     with pytest.raises(ValueError, match="prob_clip"):
         pb.guides.Hypernet(model, prob_clip=(0.5, 0.1))
     with pytest.raises(ValueError, match="flow must be"):

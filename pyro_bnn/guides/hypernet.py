@@ -206,6 +206,12 @@ class Hypernet(BNNGuide, AutoContinuous):
         z, log_q = self.flow.rsample_with_log_prob(num_samples)
         return self.unpack(z), log_q
 
+    def scale_parameters(self) -> list[torch.Tensor]:
+        """The elementwise layer's unconstrained scales ``ρ`` (σ = softplus ρ), which
+        :func:`pyro_bnn.fit` watches for scales limited by the learning rate; empty before
+        set-up."""
+        return [] if self.flow is None else [self.flow.affine.rho]
+
     def make_objective(self, num_particles: int = 1):
         return HypernetELBO(num_particles, alpha=self.alpha, prob_clip=self.prob_clip)
 
