@@ -53,6 +53,10 @@ class ActiveResult:
         Test accuracy and NLL after training on that many labels.
     acquired : list[list[int]]
         Pool indices labelled in each round.
+    elbo : list[float]
+        Each round's training objective at the end of its fit (the last epoch's mean).
+    converged : list[bool]
+        Each round fit's convergence diagnosis (``FitResult.convergence.converged``).
     """
 
     acquisition: str
@@ -61,6 +65,8 @@ class ActiveResult:
     nll: list[float] = field(default_factory=list)
     acquired: list[list[int]] = field(default_factory=list)
     initial: list[int] = field(default_factory=list)
+    elbo: list[float] = field(default_factory=list)
+    converged: list[bool] = field(default_factory=list)
 
     @property
     def final_accuracy(self) -> float:
@@ -175,8 +181,10 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
                     model = model_fn()
                     guide = guide_fn(model)
             idx = torch.nonzero(mask).reshape(-1)
-            fit(model, guide, (x_pool[idx], y_pool[idx]), epochs=epochs, batch_size=batch_size,
-                lr=lr, progress=progress, seed=seed * 1009 + r, **fit_kwargs)
+            fitted = fit(model, guide, (x_pool[idx], y_pool[idx]), epochs=epochs, batch_size=batch_size,
+                         lr=lr, progress=progress, seed=seed * 1009 + r, **fit_kwargs)
+            result.elbo.append(-fitted.final_loss)
+            result.converged.append(bool(fitted.convergence.converged))
             with seeded(seed * 7919 + r):
                 test_metrics = _evaluate(model, guide, *to_model_device(model, guide, x_test, y_test),
                                          num_samples=eval_samples, method=method)

@@ -66,6 +66,10 @@ def test_run_every_guide(name):
     assert len(res.accuracy) == 3 and all(0.0 <= a <= 1.0 for a in res.accuracy)
     chosen = res.initial + [i for r in res.acquired for i in r]
     assert len(chosen) == len(set(chosen)) == 30          # no point labelled twice
+    # each round's fit is reported: its final objective and convergence diagnosis (3-epoch
+    # fits cannot be judged, so none is reported converged)
+    assert len(res.elbo) == 3 and all(math.isfinite(e) for e in res.elbo)
+    assert res.converged == [False, False, False]
 
 
 def test_run_random_and_cold_start_reproducible():
