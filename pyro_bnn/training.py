@@ -171,7 +171,7 @@ class _Run:
 
 
 def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float | None = None,
-        optimizer=None, lr_schedule="constant", num_particles: int = 1, device=None, progress: bool = True,
+        optimizer=None, lr_schedule="cosine", num_particles: int = 1, device=None, progress: bool = True,
         shuffle: bool = True, seed: int | None = None, clip_norm: float | None = None,
         num_data: int | None = None, objective=None, checkpoint: str | os.PathLike | None = None,
         resume: bool = False, marglik: dict | None = None,
@@ -192,10 +192,12 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         Adam learning rate (> 0; default: the guide's ``default_lr``, else 1e-3).
     optimizer : callable, optional
         ``optimizer(params) -> torch.optim.Optimizer``; default Adam(lr).
-    lr_schedule : {"constant", "cosine"} or callable
-        Learning-rate factor over the fit, applied per optimiser step: ``"cosine"`` decays
-        it as ``½(1 + cos(π t/T))`` from 1 to 0 over the ``T`` steps of the fit; a callable
-        maps the fraction of steps done, ``t/T`` in [0, 1), to a factor.
+    lr_schedule : {"cosine", "constant"} or callable
+        Learning-rate factor over the fit, applied per optimiser step: ``"cosine"`` (default)
+        decays it as ``½(1 + cos(π t/T))`` from 1 to 0 over the ``T`` steps of the fit, so the
+        iterates settle instead of moving at the noise level of a constant rate; a callable
+        maps the fraction of steps done, ``t/T`` in [0, 1), to a factor.  Continuing a fit
+        in several calls restarts the schedule each time: use ``resume=True`` instead.
     num_particles : int
         Monte Carlo samples per ELBO estimate (>= 1).
     device : str or torch.device, optional

@@ -391,7 +391,7 @@ def test_prob_clip_and_state_dict_roundtrip(digits_small):
     net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     model = pb.BNN(net, "categorical", weight_norm=True)
     guide = pb.guides.Hypernet(model, num_flows=2, hidden=32, prob_clip=(1e-3, 0.999))
-    res = pb.fit(model, guide, (xtr, ytr), epochs=8, batch_size=50, lr=3e-3, progress=False,
+    res = pb.fit(model, guide, (xtr, ytr), epochs=8, batch_size=50, lr=3e-3, lr_schedule="constant", progress=False,
                  clip_norm=10.0)
     assert set(res.history) >= {"loss", "nll", "kl"}
     metrics = pb.evaluate(model, guide, xte, yte, num_samples=8)
