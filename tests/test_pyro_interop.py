@@ -350,3 +350,35 @@ def test_laplace_map_objective_in_svi_is_what_fit_optimises(digits):
         svi.step(x, y)
     guide.fit_curvature((x, y))
     assert pb.evaluate(model, guide, *digits.test, method="glm")["accuracy"] >= 0.9
+
+
+class _Hierarchical(PyroModule):
+    """A user's hierarchical classifier: weights ~ N(0, τ²) with a learned τ ~ LogNormal(0, 1)."""
+
+    def __init__(self, d_in=64, hidden=50, d_out=10):
+        super().__init__()
+        self.fc1 = PyroModule[nn.Linear](d_in, hidden)
+        self.fc1.weight = PyroSample(lambda m: dist.Normal(0.0, self.tau).expand([hidden, d_in]).to_event(2))
+        self.fc1.bias = PyroSample(dist.Normal(0.0, 1.0).expand([hidden]).to_event(1))
+        self.fc2 = PyroModule[nn.Linear](hidden, d_out)
+        self.fc2.weight = PyroSample(lambda m: dist.Normal(0.0, self.tau).expand([d_out, hidden]).to_event(2))
+        self.fc2.bias = PyroSample(dist.Normal(0.0, 1.0).expand([d_out]).to_event(1))
+
+    def forward(self, x, y=None):
+        self.tau = pyro.sample("tau", dist.LogNormal(0.0, 1.0))
+        logits = self.fc2(self.fc1(x).relu())
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+@pytest.mark.slow
+def test_hierarchical_model_trains_with_meanfield_defaults(digits):
+    """The constrained hierarchical scale goes through its support transform and the guide does
+    not collapse at the defaults (issue 13 measured 10 % accuracy, τ -> 0.06 at the old ones);
+    40 epochs measured 96.7 %, τ median 0.54."""
+    model = _Hierarchical()
+    guide = pb.guides.MeanField(model)
+    pb.fit(model, guide, digits.train, epochs=40, seed=0, progress=False)
+    assert pb.evaluate(model, guide, *digits.test, num_samples=32)["accuracy"] >= 0.9
+    assert guide.median()["tau"] > 0.2
