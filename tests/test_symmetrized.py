@@ -495,6 +495,13 @@ def test_fused_nodes_match_the_autograd_reference():
     torch.testing.assert_close(se._UnitCost.apply(True, *logs), reference, rtol=1e-12, atol=1e-10)
     assert torch.autograd.gradcheck(lambda *t: se._UnitCost.apply(False, *t), blocks)
     assert torch.autograd.gradcheck(lambda *t: se._UnitCost.apply(True, *t), logs)
+    wide = 60.0 * torch.randn(6, 6, generator=gen, dtype=torch.float64)   # exercises the clamp at −30
+    assert (torch.log_softmax(wide, 0) < -30).any()
+    for w in (wide.requires_grad_(),):
+        fused, ref = se.log_identity_probability(w), se.log_assignment_probability(se.assignment_logits(w))
+        assert fused.item() == pytest.approx(ref.item(), abs=1e-10)
+        torch.testing.assert_close(torch.autograd.grad(fused, w)[0], torch.autograd.grad(ref, w)[0],
+                                   rtol=1e-9, atol=1e-12)
     weights = (4.0 * torch.randn(5, 5, generator=gen, dtype=torch.float64)).requires_grad_()
     for iterations in (1, 3):
         fused = se.log_identity_probability(weights, iterations)

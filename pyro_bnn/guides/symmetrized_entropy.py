@@ -255,7 +255,9 @@ def assignment_logits(log_weights: torch.Tensor, iterations: int = 3,
     """Logits ``Λ`` of the sequential assignment distribution ``ρ`` (units to slots).
 
     ``log_weights[a, r]`` scores unit a in slot r (``−½ M``).  Sinkhorn balancing
-    (``iterations`` rounds, columns then rows, in log space) gives a near doubly-stochastic
+    (``iterations`` rounds, columns then rows, in log space; after the first column
+    normalisation the log-weights are clamped at −30, i.e. a unit less than e⁻³⁰ as likely in
+    a slot as the slot's units together counts as e⁻³⁰) gives a near doubly-stochastic
     ``S``; then ``Λ[a, r] = log S[a, r] + Σ_{s>r} log(1 − (1 − floor) S[a, s])`` discounts
     units that later slots need (this makes ρ exact for two units).  Any finite ``Λ`` gives a
     valid (normalised, equivariant) ρ; these choices only make it close to the posterior
@@ -275,13 +277,20 @@ def assignment_logits(log_weights: torch.Tensor, iterations: int = 3,
     """
     _check_iterations(iterations)
     log_s = log_weights
-    for _ in range(iterations):
+    for t in range(iterations):
         log_s = log_s - torch.logsumexp(log_s, -2, keepdim=True)
+        if t == 0:
+            log_s = log_s.clamp_min(-_CLAMP)
         log_s = log_s - torch.logsumexp(log_s, -1, keepdim=True)
     later = torch.log1p(-(1.0 - floor) * _exp(log_s))
     # Σ_{s > r} later[a, s]: exclusive reverse cumulative sum over slots
     after = torch.cat([later[..., 1:].flip(-1).cumsum(-1).flip(-1), torch.zeros_like(later[..., :1])], -1)
     return log_s + after
+
+
+#: Floor of the column-normalised log-weights (see :func:`assignment_logits`): keeps later
+#: log-softmaxes off ``exp``'s slow path for arguments below float32's underflow threshold.
+_CLAMP = 30.0
 
 
 def _lower_mask(d: int, device) -> torch.Tensor:
@@ -352,13 +361,17 @@ class _IdentityLogProb(torch.autograd.Function):
     def forward(ctx, log_weights, iterations, floor):
         x = log_weights
         steps = []
-        for _ in range(iterations):   # a Sinkhorn half-step is a log-softmax
+        for t in range(iterations):   # a Sinkhorn half-step is a log-softmax
             y = torch.log_softmax(x, 0)
-            x = torch.log_softmax(y, 1)
+            y_in = y
+            if t == 0:
+                ctx.kept = y > -_CLAMP
+                y_in = y.clamp_min(-_CLAMP)
+            x = torch.log_softmax(y_in, 1)
             steps.append((y, x))
         q = (1.0 - floor) * _exp(x)
         later = torch.log1p(-q)
-        after = later.flip(1).cumsum(1).flip(1) - later
+        after = later.sum(1, keepdim=True) - later.cumsum(1)
         upper = torch.ones(x.shape, dtype=torch.bool, device=x.device).triu(1)
         log_p = torch.log_softmax((x + after).masked_fill(upper, -math.inf), 0)
         ctx.steps = steps
@@ -374,8 +387,11 @@ class _IdentityLogProb(torch.autograd.Function):
         g.diagonal().add_(1.0)
         # Λ = log S + Σ_{s>r} log(1 − q[a, s]): exclusive forward cumsum of ∂/∂Λ over slots
         g = g - (g.cumsum(1) - g) * odds
-        for y, x in reversed(ctx.steps):   # back through the Sinkhorn half-steps
+        for t in reversed(range(len(ctx.steps))):   # back through the Sinkhorn half-steps
+            y, x = ctx.steps[t]
             g = g - _exp(x) * g.sum(1, keepdim=True)
+            if t == 0:
+                g = g * ctx.kept
             g = g - _exp(y) * g.sum(0, keepdim=True)
         return grad * g, None, None
 
