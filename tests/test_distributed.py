@@ -63,7 +63,7 @@ def _fit(kind, epochs=EPOCHS, **kw):
     x, y = _data()
     x = x.float() if kind in FLOAT32_KINDS else x
     result = pb.fit(model, guide, (x, y), epochs=epochs, batch_size=GLOBAL_BATCH, lr=0.02,
-                    seed=SEED, shuffle=False, progress=False, **extra, **kw)
+                    seed=SEED, shuffle=False, progress=False, device="cpu", **extra, **kw)
     state = {k: v.detach().clone() for k, v in guide.state_dict().items()}
     evidence = float(guide.log_evidence()) if kind == "laplace" and epochs else None
     return state, result.history, evidence
@@ -123,7 +123,7 @@ def _lila_fit(**kw):
     model = pb.BNN(net.double(), "categorical", augmentation=aug.double()).double()
     guide = pb.guides.Laplace(model, "kron", curvature_batch_size=LILA_BATCH)
     pb.fit(model, guide, _lila_data(), epochs=LILA_EPOCHS, batch_size=LILA_BATCH, lr=0.02,
-           seed=SEED, shuffle=False, progress=False,
+           seed=SEED, shuffle=False, progress=False, device="cpu",
            marglik={"every": 1, "burnin": LILA_EPOCHS - 1, "steps": 5, "lr": 0.1}, **kw)
     return model, guide
 
@@ -263,6 +263,17 @@ def test_curvature_summed_across_ranks_gives_single_process_evidence(two_ranks, 
 
 
 # ------------------------------------------------------------------ single-process units
+def test_a_rank_without_its_gpu_is_a_clear_error():
+    """Process ``local_rank`` trains on ``cuda:local_rank``; with fewer visible GPUs than
+    processes per node that is named (not CUDA's 'invalid device ordinal')."""
+    from pyro_bnn.distributed.group import _resolve_device
+
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"local rank {n}.*{n} CUDA device"):
+        _resolve_device("cuda", n)
+    assert _resolve_device("cpu", n) == torch.device("cpu")
+
+
 def test_backend_choice():
     assert pbd.default_backend("cpu") == "gloo"
     assert pbd.default_backend(torch.device("cuda", 1)) == "nccl"

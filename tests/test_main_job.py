@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run_cli(*args, **kw):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MPLBACKEND="Agg")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, MPLBACKEND="Agg")
     # SIGINT back to its default: a shell starts background jobs with it ignored, and Python
     # then installs no KeyboardInterrupt handler in the child
     return subprocess.Popen([sys.executable, "-m", "pyro_bnn.cli", *args], cwd=kw.get("cwd", ROOT), env=env,

@@ -382,3 +382,32 @@ def test_hierarchical_model_trains_with_meanfield_defaults(digits):
     pb.fit(model, guide, digits.train, epochs=40, seed=0, progress=False)
     assert pb.evaluate(model, guide, *digits.test, num_samples=32)["accuracy"] >= 0.9
     assert guide.median()["tau"] > 0.2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("local", [False, True], ids=["global_store", "module_local"])
+@pytest.mark.parametrize("name", sorted(registered_guides()))
+def test_plain_svi_and_predictive_on_cuda(name, local, digits, tmp_path):
+    """A Pyro user's CUDA workflow: the model moved by ``.to("cuda")``, SVI + Trace_ELBO on
+    CUDA tensors lowers the loss, every guide parameter lives on the GPU, Predictive returns
+    CUDA draws, and the param store saves and restores the trained values."""
+    x, y = (t.cuda() for t in digits.train)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    with pyro.settings.context(module_local_params=local):
+        model = _model().to("cuda")
+        guide = registered_guides()[name](model)
+        losses = _svi(model, guide, x, y, 30)
+        assert losses[-1] < losses[0]
+        assert all(p.is_cuda for p in guide.parameters())
+        out = Predictive(model, guide=guide, num_samples=4, return_sites=["_RETURN"])(x[:7])
+        assert out["_RETURN"].is_cuda and out["_RETURN"].shape == (4, 7, 10)
+        if not local:
+            path = str(tmp_path / "store.pt")
+            pyro.get_param_store().save(path)
+            pyro.clear_param_store()
+            pyro.get_param_store().load(path, map_location="cuda")
+            assert len(pyro.get_param_store()) > 0
+            for key, value in pyro.get_param_store().items():
+                assert value.is_cuda, key

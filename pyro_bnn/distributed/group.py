@@ -153,6 +153,11 @@ def _resolve_device(device, local_rank: int) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"this process (local rank {local_rank}) would train on {device}, but "
+            f"{torch.cuda.device_count()} CUDA device(s) are visible; launch at most that many "
+            "processes per node, or train on the CPU (device='cpu', the gloo backend)")
     return device
 
 
