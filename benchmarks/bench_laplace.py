@@ -16,6 +16,21 @@ Tasks (``--task``):
   last-layer, on digits.
 * ``marglik`` — digits: online marglik (Immer 2021 schedule) vs a grid of fixed prior
   precisions {0.01, 0.1, 1, 10, 100}, same epochs; test NLL (MAP and GLM).
+* ``targets`` — issue 16 on MNIST 5k/5k, MLP 784-400-400-10, ``--mnist-seeds``: per seed a
+  validation split of ``--val`` digits is taken from the 5,000 training digits, one MAP is
+  trained on the rest (``--epochs``, ``--lr``, cosine schedule), and from that θ* the
+  post-hoc Laplace variants — last layer / all layers, KFAC, δ by the evidence (scalar, per
+  layer, per site) or by validation grid search — are scored on the 5,000 test digits
+  (NLL, ECE with 15 bins, accuracy) against the MAP net.  ``--online`` adds online-marglik
+  runs (own MAP each, same protocol): scalar vs per-layer δ, all layers and last layer.
+* ``marglik_noise`` — digits, the former main job's online schedule (all layers, KFAC, every 5
+  epochs after 10, 50 steps, 100 epochs, lr 1e-2), constant vs cosine learning rate: the
+  evidence at each evaluation, its recorded estimate noise, the spread of the evaluations
+  over the second half, and where the best one falls.
+* ``llcompare`` — last-layer KFAC, ours vs laplace-torch's ``Laplace(...,
+  subset_of_weights="last_layer", hessian_structure="kron")`` on the same MAP and δ:
+  largest difference of the GLM probit probabilities on the 5,000 test digits and the time
+  of curvature fit + 5,000-point GLM predictive, interleaved ``--repeats`` in one process.
 
 Example::
 
@@ -26,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import time
 
@@ -34,7 +50,6 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.curvature import KronBlock
-from pyro_bnn.guides.meanfield import _run_with_values
 from pyro_bnn.marglik import log_evidence
 
 
@@ -48,7 +63,7 @@ def mlp(d_in, hidden, d_out):
 
 def map_metrics(model, guide, x, y):
     with torch.no_grad():
-        probs = torch.softmax(_run_with_values(model, guide.median(), x), -1)
+        probs = torch.softmax(model.run_with(guide.median(), x), -1)
     return pb.metrics.classification_metrics(probs[None], y, 15)
 
 
@@ -58,14 +73,15 @@ def glm_metrics(model, guide, x, y):
 
 
 def train_map(split, hidden, epochs, lr, seed, structure="kron", prior_precision=1.0, marglik=None,
-              batch_size=128, kron_bias="joint"):
+              batch_size=128, kron_bias="joint", lr_schedule="constant", **guide_options):
     torch.manual_seed(seed)
     net = mlp(split.x_train.shape[1], hidden, 10)
     model = pb.BNN(net, "categorical")
-    guide = pb.guides.Laplace(model, structure, prior_precision=prior_precision, kron_bias=kron_bias)
+    guide = pb.guides.Laplace(model, structure, prior_precision=prior_precision, kron_bias=kron_bias,
+                              **guide_options)
     t = time.perf_counter()
     res = pb.fit(model, guide, split.train, epochs=epochs, lr=lr, batch_size=batch_size,
-                 progress=False, seed=seed, marglik=marglik)
+                 progress=False, seed=seed, marglik=marglik, lr_schedule=lr_schedule)
     return model, guide, net, res, time.perf_counter() - t
 
 
@@ -151,7 +167,7 @@ def glm_delta_sweep(args, name, model, guide, split, out):
     the GLM at fixed post-hoc δ (``--sweep``).  As δ → ∞ the GLM tends to the MAP, so a GLM
     can only beat the MAP's NLL if the MAP is overconfident."""
     with torch.no_grad():
-        conf = float(torch.softmax(_run_with_values(model, guide.median(), split.x_test), -1).max(-1).values.mean())
+        conf = float(torch.softmax(model.run_with(guide.median(), split.x_test), -1).max(-1).values.mean())
     best = guide.log_prior_precision.detach().clone()
     rows = {}
     for d in args.sweep:
@@ -202,7 +218,7 @@ def task_lastlayer(args, name, split, hidden, epochs, seeds, out):
         model, guide, _, _, secs = train_map(split, hidden, epochs, 1e-3, seed)
         m = map_metrics(model, guide, split.x_test, split.y_test)
         with torch.no_grad():
-            probs = torch.softmax(_run_with_values(model, guide.median(), split.x_test), -1)
+            probs = torch.softmax(model.run_with(guide.median(), split.x_test), -1)
         row = dict(map=m, map_mean_confidence=float(probs.max(-1).values.mean()), train_seconds=secs)
         print(f"[lastlayer {name} seed {seed}] MAP ({epochs} epochs, {secs:.0f}s) {fmt(m)} "
               f"mean conf {row['map_mean_confidence']:.4f}", flush=True)
@@ -241,6 +257,189 @@ def task_lastlayer_marglik(args, split, out):
               f"{m['nll']:.4f} ece {m['ece']:.4f} acc {m['accuracy']:.4f} | GLM nll {g['nll']:.4f} "
               f"ece {g['ece']:.4f} acc {g['accuracy']:.4f} ({rows[label]['seconds']:.0f}s)", flush=True)
     out["lastlayer_marglik"] = rows
+
+
+def validation_split(split, num_val, seed):
+    """``(train, val)``: ``num_val`` digits of the training set (seeded permutation) for
+    validation, the rest for training; the test set is untouched."""
+    perm = torch.randperm(len(split.x_train), generator=torch.Generator().manual_seed(1000 + seed))
+    val, tr = perm[:num_val], perm[num_val:]
+    train = pb.datasets.DataSplit(split.x_train[tr], split.y_train[tr], split.x_test, split.y_test)
+    return train, (split.x_train[val], split.y_train[val])
+
+
+def convergence(res, epochs):
+    """Training loss (epoch means of the MAP objective) at 50/75/90/100 % of the epochs."""
+    loss = res.history["loss"]
+    return {f"{q}%": loss[max(0, int(q / 100 * epochs) - 1)] for q in (50, 75, 90, 100)}
+
+
+def posthoc(model, guide, structure, subset, **options):
+    """A Laplace of the same MAP network θ* as ``guide`` (no training)."""
+    theta = guide.median()
+    return pb.guides.Laplace(model, structure, subset=subset, init_loc_fn=lambda site: theta[site["name"]],
+                             **options)
+
+
+POSTHOC_VARIANTS = {   # name: (subset, Laplace options, tuning)
+    "last-layer, δ evidence": ("last_layer", {}, "marglik"),
+    "last-layer, δ per site evidence": ("last_layer", {"prior_structure": "sitewise", "kron_bias": "separate"},
+                                        "marglik"),
+    "last-layer, δ grid search": ("last_layer", {}, "gridsearch"),
+    "all layers, δ evidence": ("all", {}, "marglik"),
+    "all layers, δ per layer evidence": ("all", {"prior_structure": "layerwise"}, "marglik"),
+    "all layers, δ per site evidence": ("all", {"prior_structure": "sitewise", "kron_bias": "separate"}, "marglik"),
+    "all layers, δ grid search": ("all", {}, "gridsearch"),
+}
+
+
+def task_targets(args, mnist, out):
+    """Issue 16's targets: see the module docstring."""
+    rows = out.setdefault("targets", {})
+    fmt = lambda m: f"nll {m['nll']:.4f} ece {m['ece']:.4f} acc {m['accuracy']:.4f}"  # noqa: E731
+    for seed in args.mnist_seeds:
+        train, val = validation_split(mnist, args.val, seed)
+        model, guide, _, res, secs = train_map(train, [400, 400], args.epochs, args.lr, seed,
+                                               lr_schedule="cosine")
+        m = map_metrics(model, guide, train.x_test, train.y_test)
+        row = {"MAP": dict(metrics=m, train_seconds=secs, loss=convergence(res, args.epochs),
+                           train_log_lik=res.history["log_lik"][-1])}
+        print(f"[targets seed {seed}] MAP ({args.epochs} epochs, lr {args.lr} cosine, {secs:.0f}s) {fmt(m)}; "
+              f"training loss at 50/75/90/100 %: {[round(v, 1) for v in row['MAP']['loss'].values()]}, "
+              f"final train log-lik {row['MAP']['train_log_lik']:.1f}", flush=True)
+        for name, (subset, options, tuning) in ({} if args.skip_posthoc else POSTHOC_VARIANTS).items():
+            t = time.perf_counter()
+            g = posthoc(model, guide, "kron", subset, **options)
+            g.fit_curvature(train.train)
+            if tuning == "marglik":
+                value = g.optimize_prior_precision(steps=args.steps, lr=0.1)
+            else:
+                value = g.optimize_prior_precision(method="gridsearch", val=val)
+            r = glm_metrics(model, g, train.x_test, train.y_test)
+            delta = [round(float(v), 4) for v in g.prior_precision.reshape(-1)]
+            row[name] = dict(metrics=r, prior_precision=delta, value=value, log_evidence=float(g.log_evidence()),
+                             seconds=time.perf_counter() - t,
+                             beats_map_nll=r["nll"] < m["nll"], beats_map_ece=r["ece"] < m["ece"])
+            print(f"[targets seed {seed}] {name:<34} δ={delta} ({tuning} {value:.4g}, log evidence "
+                  f"{row[name]['log_evidence']:.1f}) GLM {fmt(r)}  NLL<MAP {r['nll'] < m['nll']} "
+                  f"ECE<MAP {r['ece'] < m['ece']} ({row[name]['seconds']:.0f}s)", flush=True)
+        if args.online:
+            for name, subset, structure in (("online, last-layer, δ scalar", "last_layer", "scalar"),
+                                            ("online, last-layer, δ per site", "last_layer", "sitewise"),
+                                            ("online, all layers, δ scalar", "all", "scalar"),
+                                            ("online, all layers, δ per layer", "all", "layerwise")):
+                extra = {"kron_bias": "separate"} if structure == "sitewise" else {}
+                mo, go, _, ro, so = train_map(train, [400, 400], args.epochs, args.lr, seed, lr_schedule="cosine",
+                                              marglik=dict(every=args.every, burnin=args.burnin, steps=100, lr=0.1),
+                                              subset=subset, prior_structure=structure, **extra)
+                mm = map_metrics(mo, go, train.x_test, train.y_test)
+                r = glm_metrics(mo, go, train.x_test, train.y_test)
+                ev = [v for v in ro.history["log_evidence"] if v == v]
+                row[name] = dict(metrics=r, map_metrics=mm, seconds=so, loss=convergence(ro, args.epochs),
+                                 prior_precision=[round(float(v), 4) for v in go.prior_precision.reshape(-1)],
+                                 best_log_evidence=ro.history["best_log_evidence"][0], log_evidence=ev,
+                                 beats_map_nll=r["nll"] < m["nll"], beats_map_ece=r["ece"] < m["ece"])
+                print(f"[targets seed {seed}] {name:<34} δ={row[name]['prior_precision']} best evidence "
+                      f"{row[name]['best_log_evidence']:.1f} (evaluation {ev.index(max(ev)) + 1}/{len(ev)}); "
+                      f"own MAP {fmt(mm)}; GLM {fmt(r)}; loss {[round(v, 1) for v in row[name]['loss'].values()]} "
+                      f"({so:.0f}s)", flush=True)
+        rows[seed] = row
+    _summarise_targets(rows)
+
+
+def _summarise_targets(rows):
+    names = [k for k in next(iter(rows.values())) if k != "MAP"]
+    print(f"[targets] over {len(rows)} seeds (MAP NLL / ECE mean "
+          f"{statistics.mean(r['MAP']['metrics']['nll'] for r in rows.values()):.4f} / "
+          f"{statistics.mean(r['MAP']['metrics']['ece'] for r in rows.values()):.4f}):")
+    for name in names:
+        runs = [r[name] for r in rows.values() if name in r]
+        print(f"[targets]   {name:<34} NLL {statistics.mean(x['metrics']['nll'] for x in runs):.4f} "
+              f"ECE {statistics.mean(x['metrics']['ece'] for x in runs):.4f}; NLL < MAP in "
+              f"{sum(x['beats_map_nll'] for x in runs)}/{len(runs)}, ECE < MAP in "
+              f"{sum(x['beats_map_ece'] for x in runs)}/{len(runs)}, both in "
+              f"{sum(x['beats_map_nll'] and x['beats_map_ece'] for x in runs)}/{len(runs)}")
+
+
+def task_marglik_noise(args, digits, out):
+    rows = {}
+    for schedule in ("constant", "cosine"):
+        torch.manual_seed(args.seed)
+        model = pb.BNN(mlp(64, [100], 10), "categorical")
+        guide = pb.guides.Laplace(model, "kron")
+        res = pb.fit(model, guide, digits.train, epochs=args.digits_epochs, lr=1e-2, batch_size=64, progress=False,
+                     seed=args.seed, lr_schedule=schedule, marglik=dict(every=5, burnin=10, steps=50, lr=0.1))
+        ev = [v for v in res.history["log_evidence"] if v == v]
+        second = ev[len(ev) // 2:]
+        again = float(guide.log_evidence())
+        guide.fit_curvature(digits.train)                       # a second pass at the restored state
+        rows[schedule] = dict(log_evidence=ev, noise=res.history["log_evidence_noise"],
+                              best=res.history["best_log_evidence"][0], best_index=ev.index(max(ev)),
+                              second_half_sd=statistics.stdev(second),
+                              second_half_step_sd=statistics.stdev([b - a for a, b in zip(second, second[1:])]),
+                              restored=again, repass=float(guide.log_evidence()))
+        r = rows[schedule]
+        print(f"[marglik_noise {schedule}] evidence per evaluation {[round(v, 1) for v in ev]}; recorded estimate "
+              f"noise max {max(r['noise']):.3g}; best {r['best']:.1f} at evaluation {r['best_index'] + 1}/{len(ev)}; "
+              f"second half sd {r['second_half_sd']:.1f} (successive differences sd {r['second_half_step_sd']:.1f}); "
+              f"restored state {r['restored']:.2f}, re-computed {r['repass']:.2f}", flush=True)
+    out["marglik_noise"] = rows
+
+
+def task_llcompare(args, mnist, out):
+    """Last-layer KFAC vs laplace-torch on one MAP (seed ``--seed``) at one δ (ours by the
+    evidence, given to both): probabilities and side-by-side timings."""
+    from laplace import Laplace as TorchLaplace
+
+    train, _ = validation_split(mnist, args.val, args.seed)
+    model, guide, net, _, secs = train_map(train, [400, 400], args.epochs, args.lr, args.seed, lr_schedule="cosine")
+    tuned = posthoc(model, guide, "kron", "last_layer", kron_bias="separate")
+    tuned.fit_curvature(train.train)
+    tuned.optimize_prior_precision(steps=args.steps, lr=0.1)
+    delta = float(tuned.prior_precision)
+    ref = copy.deepcopy(net)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(guide.map_values()[f"net.{name}"])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(train.x_train, train.y_train),
+                                         batch_size=256)
+    ours_t, theirs_t, split_t = [], [], {"ours_fit": [], "ours_predict": [], "theirs_fit": [], "theirs_predict": []}
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        g = posthoc(model, guide, "kron", "last_layer", kron_bias="separate", prior_precision=delta)
+        g.fit_curvature(train.train, batch_size=256)
+        t1 = time.perf_counter()
+        mine = pb.predict(model, g, train.x_test, method="glm", batch_size=500)[0]
+        t2 = time.perf_counter()
+        ours_t.append(t2 - t)
+        split_t["ours_fit"].append(t1 - t)
+        split_t["ours_predict"].append(t2 - t1)
+        t = time.perf_counter()
+        la = TorchLaplace(ref, "classification", subset_of_weights="last_layer", hessian_structure="kron",
+                          prior_precision=delta)
+        la.fit(loader)
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            theirs = la(train.x_test, pred_type="glm", link_approx="probit")
+        t2 = time.perf_counter()
+        theirs_t.append(t2 - t)
+        split_t["theirs_fit"].append(t1 - t)
+        split_t["theirs_predict"].append(t2 - t1)
+    diff = float((mine - theirs).abs().max())
+    r_ours = pb.metrics.classification_metrics(mine[None], train.y_test, 15)
+    r_theirs = pb.metrics.classification_metrics(theirs[None], train.y_test, 15)
+    out["llcompare"] = dict(prior_precision=delta, max_abs_prob_diff=diff, ours_seconds=ours_t, parts=split_t,
+                            laplace_torch_seconds=theirs_t, ours_nll=r_ours["nll"], laplace_torch_nll=r_theirs["nll"],
+                            laplace_torch_log_evidence=float(la.log_marginal_likelihood()),
+                            ours_log_evidence=float(g.log_evidence()))
+    print(f"[llcompare] MAP {args.epochs} epochs ({secs:.0f}s); δ = {delta:.4g}; max |p_ours − p_laplace-torch| = "
+          f"{diff:.2e} over {tuple(mine.shape)}; NLL {r_ours['nll']:.5f} vs {r_theirs['nll']:.5f}; evidence "
+          f"{out['llcompare']['ours_log_evidence']:.3f} vs {out['llcompare']['laplace_torch_log_evidence']:.3f}")
+    print(f"[llcompare] fit + 5,000-point GLM predictive: ours {[round(v, 3) for v in ours_t]} s, "
+          f"laplace-torch {[round(v, 3) for v in theirs_t]} s; medians {statistics.median(ours_t):.3f} s vs "
+          f"{statistics.median(theirs_t):.3f} s, ratio ours/theirs "
+          f"{statistics.median(ours_t) / statistics.median(theirs_t):.2f}; medians of the parts (s): "
+          + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in split_t.items()))
 
 
 def task_timing(args, split, out):
@@ -301,7 +500,7 @@ def task_crosscheck(args, split, out):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=["evidence", "glm", "marglik", "mnist", "digits", "crosscheck", "timing", "lastlayer",
-                                       "all"], default="all",
+                                       "targets", "llcompare", "marglik_noise", "all"], default="all",
                    help="mnist = evidence + GLM on MNIST; digits = GLM on digits + marglik")
     p.add_argument("--data-dir", default="../shared/data/mnist")
     p.add_argument("--epochs", type=int, default=20, help="MAP epochs on MNIST 5k")
@@ -314,17 +513,24 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="digits seeds of --task lastlayer (none: skip digits and its marglik runs)")
     p.add_argument("--mnist-seeds", type=int, nargs="*", default=[0], help="MNIST 5k seeds of --task lastlayer")
+    p.add_argument("--lr", type=float, default=1e-3, help="MAP learning rate of --task targets/llcompare")
+    p.add_argument("--val", type=int, default=500, help="validation digits taken from the training set")
+    p.add_argument("--steps", type=int, default=300, help="Adam steps on log δ for post-hoc evidence tuning")
+    p.add_argument("--online", action="store_true", help="--task targets: also the online-marglik runs")
+    p.add_argument("--every", type=int, default=5, help="online marglik: epochs between evidence steps")
+    p.add_argument("--skip-posthoc", action="store_true", help="--task targets: only the MAP (and --online runs)")
+    p.add_argument("--json", default=None, help="write the results dict there")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (before 2026-11-29 13:20 UTC the script always used 2)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
-        args.epochs, args.digits_epochs, args.burnin, args.repeats = 2, 5, 1, 1
+        args.epochs, args.digits_epochs, args.burnin, args.repeats, args.val = 2, 5, 1, 1, 100
     torch.set_num_threads(args.threads)
     out = {}
     digits = pb.datasets.digits()
     trained = None
-    if args.task in ("evidence", "all", "glm", "mnist", "timing", "lastlayer"):
+    if args.task in ("evidence", "all", "glm", "mnist", "timing", "lastlayer", "targets", "llcompare"):
         mnist = pb.datasets.mnist_split(args.data_dir, 5000, 5000)
         if args.quick:
             mnist = pb.datasets.DataSplit(mnist.x_train[:500], mnist.y_train[:500], mnist.x_test[:500],
@@ -346,6 +552,15 @@ def main(argv=None):
         task_timing(args, mnist, out)
     if args.task in ("crosscheck", "all"):
         task_crosscheck(args, digits, out)
+    if args.task == "targets":
+        task_targets(args, mnist, out)
+    if args.task == "llcompare":
+        task_llcompare(args, mnist, out)
+    if args.task == "marglik_noise":
+        task_marglik_noise(args, digits, out)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1, default=str)
     return out
 
 

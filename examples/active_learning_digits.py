@@ -40,6 +40,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=None, help="default: the guide's default_lr")
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, …, first-seed + seeds - 1")
     p.add_argument("--batch", choices=["topk", "power"], default="topk",
                    help="take the top scores or sample ∝ score^beta (stochastic batch acquisition)")
     p.add_argument("--beta", type=float, default=1.0)
@@ -65,7 +66,7 @@ def main(argv=None):
     results = {}
     for acq in args.acquisitions.split(","):
         results[acq] = []
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", pb.ConvergenceWarning)   # counted below instead
@@ -78,14 +79,17 @@ def main(argv=None):
                   f"{sum(r.converged)}/{len(r.converged)} ELBO {[round(e, 1) for e in r.elbo]} "
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
     summary = {acq: {"final_mean": statistics.mean(r.final_accuracy for r in runs),
+                     "curve_mean": statistics.mean(statistics.mean(r.accuracy) for r in runs),
                      "final_per_seed": [r.final_accuracy for r in runs],
                      "curves": [r.accuracy for r in runs], "num_labelled": runs[0].num_labelled,
                      "elbo": [r.elbo for r in runs], "converged": [r.converged for r in runs]}
                for acq, runs in results.items()}
     for acq, s in summary.items():
-        print(f"{acq:16s} final accuracy mean {s['final_mean']:.4f}  per seed {s['final_per_seed']}")
+        print(f"{acq:16s} final accuracy mean {s['final_mean']:.4f}  per seed {s['final_per_seed']}; "
+              f"mean over the curve {s['curve_mean']:.4f}")
     os.makedirs(args.out, exist_ok=True)
-    tag = ("quick" if args.quick else f"{args.guide}_r{args.rounds}_s{args.seeds}_{args.batch}_e{args.epochs}"
+    seeds = f"s{args.seeds}" if not args.first_seed else f"s{args.first_seed}-{args.first_seed + args.seeds - 1}"
+    tag = ("quick" if args.quick else f"{args.guide}_r{args.rounds}_{seeds}_{args.batch}_e{args.epochs}"
            f"{'_wn' if weight_norm else ''}_{'-'.join(args.acquisitions.split(','))}")
     with open(os.path.join(args.out, f"active_digits_{tag}.json"), "w") as fh:
         json.dump({"args": vars(args), "summary": summary}, fh, indent=1)

@@ -113,6 +113,7 @@ def main(argv=None):
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--init-scale", type=float, default=1e-2)
+    p.add_argument("--kl-annealing", type=int, default=0, help="MeanField KL warm-up epochs (0: off)")
     p.add_argument("--num-samples", type=int, default=16, help="predictive draws per fraction")
     p.add_argument("--fractions", default="0,0.5,0.75,0.9,0.95,0.98")
     p.add_argument("--kinds", default="snr,magnitude,zero_prob")
@@ -146,7 +147,7 @@ def main(argv=None):
     net = nn.Sequential(nn.Linear(d_in, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
                         nn.ReLU(), nn.Linear(args.hidden, 10))
     model = pb.BNN(net, "categorical", prior=PRIORS[args.prior](net))
-    guide = pb.guides.MeanField(model, init_scale=args.init_scale)
+    guide = pb.guides.MeanField(model, init_scale=args.init_scale, kl_annealing=args.kl_annealing)
     summary = {"args": vars(args), "num_train": len(x_train)}
     if args.load_state:
         pb.training.setup_guide(model, guide, x_train[:2], y_train[:2])
@@ -184,6 +185,8 @@ def main(argv=None):
             print(f"{split:5s} {label:18s} " + " ".join(f"{100 * a:6.2f} " for a in c["accuracy"]))
     os.makedirs(args.out, exist_ok=True)
     tag = args.tag or ("quick" if args.quick else f"{args.prior}_e{args.epochs}"
+                       + (f"_lr{args.lr:g}" if args.lr != 5e-2 else "")
+                       + (f"_kla{args.kl_annealing}" if args.kl_annealing else "")
                        + (f"_val{args.val}" if args.val else "")
                        + ("_digits" if args.dataset == "digits" else ""))
     with open(os.path.join(args.out, f"pruning_mnist_{tag}.json"), "w") as fh:

@@ -11,7 +11,10 @@ meaningful.  The table has one row per guide:
 * ``configuration``: the guide's settings as its ``extra_repr()`` prints them (e.g. the
   Laplace guide's structure, subset and how δ was chosen), empty where it names none;
 * ``elbo``: Monte Carlo ``mean_s [log p(θ_s, D) − log q(θ_s)]`` over the training data
-  (a point-mass guide, ``AutoDelta``, has ``log q = 0``: its value is the log joint);
+  (a point-mass guide, ``AutoDelta``, has ``log q = 0``: its value is the log joint; a
+  Laplace row with the GLM predictive gives the linearised model's, with the guide's δ in
+  the prior and ``log q = 0`` for point-estimate sites such as a last-layer Laplace's body,
+  so it is not comparable with other rows);
 * ``log_evidence``: the guide's own estimate where it has one (Laplace), else NaN;
 * ``elpd_loo`` (``az.loo_approximate_posterior``, the importance-sampling correction for
   draws from an approximate posterior) with its standard error and the share of Pareto

@@ -530,3 +530,25 @@ def test_online_marglik_selects_by_a_deterministic_evidence_pass():
     res = pb.fit(plain, pb.guides.Laplace(plain, "kron"), (x, y), epochs=2, batch_size=40, lr=1e-2,
                  progress=False, seed=0, marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
     assert res.history["log_evidence_noise"] == [0.0, 0.0]
+
+
+def test_sitewise_prior_in_the_map_objective_and_online(digits_small):
+    """With one δ per site the MAP objective's prior is Σ_sites log N(θ_s | 0, δ_s⁻¹), and
+    online marglik learns the weight's and the bias's δ apart (last layer, split-bias KFAC)."""
+    x, y, *_ = digits_small
+    torch.manual_seed(0)
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 10)), "categorical")
+    guide = pb.guides.Laplace(model, "kron", subset="last_layer", prior_structure="sitewise",
+                              kron_bias="separate", prior_precision=torch.tensor([0.5, 4.0]))
+    _, extras = LaplaceMAPObjective()(model, guide, x, y)
+    values = guide.map_values()
+    expected = sum(torch.distributions.Normal(0.0, d ** -0.5).log_prob(values[s]).sum()
+                   for s, d in (("net.2.weight", 0.5), ("net.2.bias", 4.0)))
+    expected = expected + sum(torch.distributions.Normal(0.0, 1.0).log_prob(values[s]).sum()
+                              for s in ("net.0.weight", "net.0.bias"))
+    torch.testing.assert_close(extras["log_prior"], expected.detach(), rtol=1e-5, atol=1e-3)
+    res = pb.fit(model, guide, (x, y), epochs=3, lr=1e-2, progress=False, seed=0,
+                 marglik=dict(every=1, burnin=0, steps=20, lr=0.1))
+    assert guide.prior_precision.shape == (2,)
+    assert not torch.allclose(guide.prior_precision, torch.tensor([0.5, 4.0]))
+    assert float(guide.log_evidence()) == pytest.approx(res.history["best_log_evidence"][0], rel=1e-6)
