@@ -38,6 +38,7 @@ from ..objectives import PyroObjective
 from ..weight_norm import is_weight_norm_layer
 from .base import BNNGuide, init_to_network, register_guide
 from .meanfield import MeanField, _run_with_values
+from .objective import GuideObjective
 
 __all__ = ["Hypernet", "HypernetELBO", "clipped_log_likelihood"]
 
@@ -281,7 +282,7 @@ def clipped_log_likelihood(lik, f: torch.Tensor, y: torch.Tensor,
     return p.clamp(*prob_clip).log()
 
 
-class HypernetELBO:
+class HypernetELBO(GuideObjective):
     """Training loss of a :class:`Hypernet` guide.
 
     With S = ``num_particles`` draws ``θ_s = h_φ(ε_s)`` and log-weights
@@ -294,15 +295,19 @@ class HypernetELBO:
     For a :class:`~pyro_bnn.BNN` it runs the network directly (no Pyro trace); otherwise
     Pyro's ``Trace_ELBO`` / ``RenyiELBO``.  Returns ``(loss, {"nll", "kl"})``, both per
     particle averages (``kl`` is the Monte Carlo ``log q − log p``).
+
+    It is also a Pyro ``ELBO`` (:class:`~pyro_bnn.guides.objective.GuideObjective`):
+    ``SVI(model, guide, optim, loss=guide.make_objective())`` optimises this same loss
+    (the Rényi bound and ``prob_clip`` included), which Pyro's ``Trace_ELBO`` does not.
     """
 
     def __init__(self, num_particles: int = 1, alpha: float = 1.0,
                  prob_clip: tuple[float, float] | None = None):
-        self.num_particles = int(num_particles)
+        if int(num_particles) < 1:
+            raise ValueError(f"num_particles must be >= 1, got {num_particles}")
+        super().__init__(num_particles=int(num_particles))
         self.alpha = float(alpha)
         self.prob_clip = prob_clip
-        if self.num_particles < 1:
-            raise ValueError(f"num_particles must be >= 1, got {num_particles}")
 
     def __call__(self, model, guide, x, y, num_data=None):
         if not (hasattr(model, "site_names") and hasattr(model, "site_prior")):

@@ -63,6 +63,7 @@ from .meanfield import (
     closed_form_kl,
     standard_normal_like,
 )
+from .objective import GuideObjective
 from .symmetrized_entropy import local_entropy_gap, log_density_ratios, uniform_entropy_gap
 
 __all__ = ["Symmetrized", "SymmetrizedELBO", "symmetrized_elbo", "symmetrized_terms",
@@ -210,7 +211,7 @@ def symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=
     return nll, entropy_gap(values, locs, scales, groups, perms)
 
 
-class SymmetrizedELBO:
+class SymmetrizedELBO(GuideObjective):
     """Loss ``−L̂^G = −E_q log p(D|ω) + KL(q‖p) − gap`` of a mean-field guide.
 
     ``gap`` is the chosen estimator's lower bound of ``H(q_G) − H(q)``.  Returns
@@ -228,13 +229,19 @@ class SymmetrizedELBO:
     num_particles : int
         Weight samples per step.
     estimator : {"local", "uniform", "exact"}
+
+    Notes
+    -----
+    It is also a Pyro ``ELBO`` (:class:`~pyro_bnn.guides.objective.GuideObjective`):
+    ``SVI(model, guide, optim, loss=guide.make_objective())`` optimises the symmetrised
+    objective (Pyro's ``Trace_ELBO`` would optimise the plain ELBO).
     """
 
     def __init__(self, num_permutations: int | None = None, num_particles: int = 1, *,
                  estimator: str = "local"):
+        super().__init__(num_particles=int(num_particles))
         self.estimator = _check_estimator(estimator)
         self.num_permutations = _check_k(num_permutations, self.estimator, 0)
-        self.num_particles = int(num_particles)
         self._meanfield = MeanFieldELBO(self.num_particles)
         self._all_elements: tuple | None = None     # (sizes, elements) for "exact"
 
