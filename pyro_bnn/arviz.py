@@ -63,8 +63,8 @@ from .curvature import pointwise_log_likelihood, sample_observations
 from .data import check_finite
 from .guide_density import sample_with_log_density
 from .guides.base import guide_contract
-from .guides.meanfield import _run_with_values
 from .likelihoods import log_likelihood
+from .model import is_bnn
 
 __all__ = ["to_arviz", "loo_approximate", "site_dims", "default_method"]
 
@@ -96,7 +96,7 @@ def _pointwise_bnn(model, values, x, y, batch_size, device, want_pp):
     for start in range(0, len(x), batch_size):
         xb = x[start:start + batch_size].to(device)
         yb = y[start:start + batch_size].to(device)
-        f = _run_with_values(model, values, xb)
+        f = model.run_with(values, xb)
         loglik.append(log_likelihood(model.likelihood, f, yb))
         if want_pp:
             pp.append(model.likelihood.distribution(f).sample())
@@ -231,7 +231,7 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
         data = _glm_groups(guide, x, y, int(num_samples), var_names, batch_size, device,
                            posterior_predictive)
         return _datatree(model, guide, data, y, int(num_samples), "glm")
-    is_bnn = hasattr(model, "site_names") and hasattr(model, "function") and hasattr(model, "site_prior")
+    bnn = is_bnn(model)
 
     draws: dict[str, list[np.ndarray]] = {}
     loglik, pp, lp, log_prior, log_q = [], [], [], [], []
@@ -240,7 +240,7 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
             values, lq = sample_with_log_density(model, guide, x[:1].to(device), y[:1].to(device))
             if s == 0:
                 names = _select_sites(values, var_names, int(num_samples))
-            if is_bnn:
+            if bnn:
                 ll, yrep = _pointwise_bnn(model, values, x, y, batch_size, device, posterior_predictive)
                 lprior = _log_prior_bnn(model, values)
             else:

@@ -218,12 +218,11 @@ def test_weight_norm_model_sites_priors_and_function():
     prior = model.site_prior("net.2.weight_g")
     assert prior.event_shape == (3,) and torch.allclose(prior.base_dist.scale, torch.tensor(0.5))
     x = torch.randn(5, 4)
-    from pyro_bnn.guides.meanfield import _run_with_values
 
-    assert torch.allclose(_run_with_values(model, init, x), net(x), atol=1e-6)
+    assert torch.allclose(model.run_with(init, x), net(x), atol=1e-6)
     doubled = {k: 2 * v for k, v in init.items()}
     h = torch.relu(2 * (net[0](x) - net[0].bias) + net[0].bias)  # W = 2 v/|v|·|v|, same b
-    assert torch.allclose(_run_with_values(model, doubled, x), 2 * net[2](h) - net[2].bias,
+    assert torch.allclose(model.run_with(doubled, x), 2 * net[2](h) - net[2].bias,
                           atol=1e-5)
     with pytest.raises(ValueError, match="weight_norm_precision"):
         pb.BNN(net, weight_norm_precision=2.0)

@@ -132,7 +132,7 @@ def test_two_guides_of_one_class_keep_their_values(name, digits):
     for _ in range(2):
         for model, guide, _ in runs:
             _predictive_probs(model, guide, digits.x_test[:50], 4)
-    for model, guide, state in runs:
+    for _, guide, state in runs:
         now = guide.state_dict()
         assert all(torch.equal(v, now[k]) for k, v in state.items())
     # and Predictive draws from each guide's own values: the mean of its weight draws agrees

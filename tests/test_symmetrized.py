@@ -14,7 +14,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn import symmetry as sym
-from pyro_bnn.guides.meanfield import _run_with_values, meanfield_loss
+from pyro_bnn.guides.meanfield import meanfield_loss
 from pyro_bnn.guides.symmetrized import entropy_gap, log_density_ratios, symmetrized_terms
 
 
@@ -23,7 +23,7 @@ def _random_values(shapes, gen, dtype=torch.float64):
 
 
 def _bnn_function(model, x):
-    return lambda values: _run_with_values(model, values, x)
+    return lambda values: model.run_with(values, x)
 
 
 # ------------------------------------------------------------------------- discovery

@@ -34,10 +34,11 @@ from pyro.infer.autoguide import AutoContinuous
 
 from ..flows import FLOW_TYPES, HypernetFlow
 from ..likelihoods import Categorical, log_likelihood
+from ..model import is_bnn
 from ..objectives import PyroObjective
 from ..weight_norm import is_weight_norm_layer
 from .base import BNNGuide, init_to_network, register_guide
-from .meanfield import MeanField, _run_with_values
+from .meanfield import MeanField
 from .objective import GuideObjective
 
 __all__ = ["Hypernet", "HypernetELBO", "clipped_log_likelihood"]
@@ -310,7 +311,7 @@ class HypernetELBO(GuideObjective):
         self.prob_clip = prob_clip
 
     def __call__(self, model, guide, x, y, num_data=None):
-        if not (hasattr(model, "site_names") and hasattr(model, "site_prior")):
+        if not is_bnn(model):
             if self.prob_clip is not None:
                 raise ValueError("prob_clip needs a pyro_bnn.BNN model")
             elbo = (Trace_ELBO(num_particles=self.num_particles) if self.alpha == 1.0 else
@@ -338,7 +339,7 @@ def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, p
     nll = []
     for s in range(len(log_q)):
         sample = {name: v[s] for name, v in values.items()}
-        f = _run_with_values(model, sample, x)
+        f = model.run_with(sample, x)
         nll.append(-clipped_log_likelihood(model.likelihood, f, y, prob_clip).sum() * scale)
     nll = torch.stack(nll)
     log_p = sum(_prior_log_prob(model, name, v) for name, v in values.items())

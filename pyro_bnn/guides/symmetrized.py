@@ -45,6 +45,7 @@ from torch.distributions import kl_divergence
 from .._local_params import local_params
 from ..data import as_tensors
 from ..likelihoods import log_likelihood
+from ..model import is_bnn
 from ..symmetry import (
     enumerate_group,
     find_symmetries,
@@ -59,7 +60,6 @@ from .meanfield import (
     MeanField,
     MeanFieldELBO,
     _fusable_sites,
-    _run_with_values,
     closed_form_kl,
     standard_normal_like,
 )
@@ -204,7 +204,7 @@ def symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=
     scale_factor = (num_data or len(x)) / len(x)
     if values is None:
         values = {name: locs[name] + scales[name] * noise[name] for name in locs}
-    f = _run_with_values(model, values, x)
+    f = model.run_with(values, x)
     nll = 0.0 - log_likelihood(model.likelihood, f, y).sum() * scale_factor
     if perms is None or not groups:
         return nll, torch.zeros((), device=nll.device, dtype=nll.dtype)
@@ -273,7 +273,7 @@ class SymmetrizedELBO(GuideObjective):
         if guide.prototype_trace is None:
             guide._setup_prototype(x, y, num_data=num_data)
         sites = guide.site_names()
-        fast = (hasattr(model, "site_names") and hasattr(model, "site_prior")
+        fast = (is_bnn(model)
                 and not guide.local_reparameterization)
         # the fused sample-and-KL node of MeanField when every site allows it
         fused = _fusable_sites(model, guide, sites) if fast else {}
@@ -310,7 +310,7 @@ class SymmetrizedELBO(GuideObjective):
                         kl_closed = kl_closed + kl / self.num_particles
                 else:
                     values = {name: locs[name] + scales[name] * noise[name] for name in sites}
-                f = _run_with_values(model, values, x)
+                f = model.run_with(values, x)
                 nll = nll - log_likelihood(model.likelihood, f, y).sum() * scale_factor
                 gap_p, sur_p = self._gap(values, locs, scales, groups, sizes, device, log_scales)
                 gap, surrogate = gap + gap_p, surrogate + sur_p
@@ -397,9 +397,9 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
         raise ValueError(f"exact=True enumerates G, but |G| = exp({log_order:.1f}) > 1e5; "
                          "use num_permutations instead")
     all_g = enumerate_group(sizes, device=device) if exact and groups else None
-    is_bnn = hasattr(model, "site_names") and hasattr(model, "site_prior")
+    bnn = is_bnn(model)
     kl, mc_kl = 0.0, []
-    for name in sites if is_bnn else []:
+    for name in sites if bnn else []:
         try:
             kl = kl + float(kl_divergence(dist.Normal(locs[name], scales[name]).to_event(locs[name].dim()),
                                           model.site_prior(name)))
@@ -415,7 +415,7 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
             values = {n: locs[n] + scales[n] * torch.randn(locs[n].shape, generator=omega_rng,
                                                            device=device, dtype=locs[n].dtype)
                       for n in sites}
-            if is_bnn:
+            if bnn:
                 lls.append(_bnn_log_likelihood(model, values, x, y, batch_size))
                 kls.append(sum(float(dist.Normal(locs[n], scales[n]).log_prob(values[n]).sum()
                                      - model.site_prior(n).log_prob(values[n])) for n in mc_kl))
@@ -453,7 +453,7 @@ def _bnn_log_likelihood(model, values, x, y, batch_size) -> float:
         raise ValueError("symmetrized_elbo needs targets: data must be (x, y)")
     total = 0.0
     for start in range(0, len(x), batch_size):
-        f = _run_with_values(model, values, x[start:start + batch_size])
+        f = model.run_with(values, x[start:start + batch_size])
         total += float(log_likelihood(model.likelihood, f, y[start:start + batch_size]).sum())
     return total
 
