@@ -404,9 +404,12 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[float, dict, int, float]:
         run.monitor.after_step()
         total += value
         steps += 1
+        # extras are summed on the device in float64 (the same sum as of Python floats), so
+        # reading them costs no synchronisation per step
         for k, v in extras.items():
-            extras_sum[k] = extras_sum.get(k, 0.0) + float(v)
-    return total, extras_sum, steps, t0
+            v = v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else float(v)
+            extras_sum[k] = extras_sum.get(k, 0.0) + v
+    return total, {k: float(v) for k, v in extras_sum.items()}, steps, t0
 
 
 def _end_epoch(run: _Run, epoch: int, total: float, extras_sum: dict, steps: int, t0: float) -> None:
