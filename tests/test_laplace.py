@@ -552,3 +552,134 @@ def test_sitewise_prior_in_the_map_objective_and_online(digits_small):
     assert guide.prior_precision.shape == (2,)
     assert not torch.allclose(guide.prior_precision, torch.tensor([0.5, 4.0]))
     assert float(guide.log_evidence()) == pytest.approx(res.history["best_log_evidence"][0], rel=1e-6)
+
+
+class _NoiseRegression(pyro.nn.PyroModule):
+    """Issue 13's layout: PyroSample Linear weights, a learned noise ``sigma ~ HalfNormal``,
+    1-D ``obs`` of shape (N,) in ``pyro.plate("data", N, subsample_size=len(x))``."""
+
+    def __init__(self, num_data, hidden=16, learned_sigma=True):
+        super().__init__()
+        self.num_data, self.learned_sigma = num_data, learned_sigma
+        Normal, PyroSample = pyro.distributions.Normal, pyro.nn.PyroSample
+        self.fc1 = pyro.nn.PyroModule[nn.Linear](1, hidden)
+        self.fc1.weight = PyroSample(Normal(0.0, 1.0).expand([hidden, 1]).to_event(2))
+        self.fc1.bias = PyroSample(Normal(0.0, 1.0).expand([hidden]).to_event(1))
+        self.fc2 = pyro.nn.PyroModule[nn.Linear](hidden, 1)
+        self.fc2.weight = PyroSample(Normal(0.0, 1.0).expand([1, hidden]).to_event(2))
+        self.fc2.bias = PyroSample(Normal(0.0, 1.0).expand([1]).to_event(1))
+
+    def forward(self, x, y=None):
+        sigma = pyro.sample("sigma", pyro.distributions.HalfNormal(1.0)) if self.learned_sigma else 0.1
+        mean = self.fc2(torch.tanh(self.fc1(x))).squeeze(-1)
+        with pyro.plate("data", self.num_data, subsample_size=len(x)):
+            pyro.sample("obs", pyro.distributions.Normal(mean, sigma), obs=y)
+        return mean
+
+
+def _sine(n=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.linspace(-2, 2, n).unsqueeze(-1)
+    return x, torch.sin(2 * x).squeeze(-1) + 0.1 * torch.randn(n, generator=g)
+
+
+def test_handwritten_regression_with_constrained_noise_point_estimate():
+    """Issue 13: last-layer Laplace of a hand-written regression with 1-D obs and a learned
+    ``sigma ~ HalfNormal(1)``.  sigma is a point estimate (MAP of its prior in its support,
+    stored unconstrained); it stays positive and lands near the true 0.1; the MAP objective
+    is the model's own log joint there; evidence and GLM predictive equal those of the same
+    network as a ``pb.BNN`` with the noise fixed at the point estimate."""
+    x, y = _sine()
+    torch.manual_seed(0)
+    model = _NoiseRegression(len(x))
+    guide = pb.guides.Laplace(model, "kron", subset="last_layer")
+    pb.fit(model, guide, (x, y), epochs=400, batch_size=200, lr=1e-2, progress=False, seed=0)
+    assert guide.laplace_sites == ["fc2.weight", "fc2.bias"] and guide.fixed_sites[0] == "sigma"
+    values = guide.median()
+    sigma = values["sigma"]
+    assert 0.07 < float(sigma) < 0.14, float(sigma)          # noise 0.1, 200 points
+
+    # the MAP objective is -log p(y, θ) with the model's HalfNormal prior on sigma (no Jacobian)
+    net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    with torch.no_grad():
+        for i in (0, 2):
+            net[i].weight.copy_(values[f"fc{i // 2 + 1}.weight"])
+            net[i].bias.copy_(values[f"fc{i // 2 + 1}.bias"])
+        f = net(x).squeeze(-1)
+        joint = (pyro.distributions.Normal(f, sigma).log_prob(y).sum()
+                 + pyro.distributions.HalfNormal(1.0).log_prob(sigma)
+                 + sum(pyro.distributions.Normal(0.0, 1.0).log_prob(v).sum() for k, v in values.items()
+                       if k != "sigma"))
+        loss, _ = LaplaceMAPObjective()(model, guide, x, y)
+    torch.testing.assert_close(loss, -joint, rtol=1e-5, atol=1e-3)
+
+    bnn = pb.BNN(net, "gaussian", noise=float(sigma))
+    ref = pb.guides.Laplace(bnn, "kron", subset="last_layer",
+                            prior_precision=float(guide.prior_precision)).fit_curvature((x, y[:, None]))
+    torch.testing.assert_close(guide.log_evidence(), ref.log_evidence(), rtol=1e-5, atol=1e-3)
+    xt = torch.linspace(-2, 2, 51).unsqueeze(-1)
+    f_ours, cov_ours = guide.functional_covariance(xt)
+    f_ref, cov_ref = ref.functional_covariance(xt)
+    assert f_ours.shape == (51, 1) and cov_ours.shape == (51, 1, 1)
+    torch.testing.assert_close(f_ours, f_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cov_ours, cov_ref, rtol=1e-4, atol=1e-7)
+    draws = pb.predict(model, guide, xt, method="glm", num_samples=8)
+    assert draws.shape == (8, 51, 1)
+    rmse = float(((f_ours.squeeze(-1) - torch.sin(2 * xt).squeeze(-1)) ** 2).mean().sqrt())
+    assert rmse < 0.2, rmse
+    sample = guide()                                             # a Pyro guide draw: sigma stays positive
+    assert torch.equal(sample["sigma"], sigma) and sample["fc2.weight"].shape == (1, 16)
+    lin = guide.linearized_samples(xt, 3)                        # one output: (out, in') = (1, 17)
+    assert lin.values["fc2.weight"].shape == (3, 1, 16) and lin.values["sigma"].shape == (3,)
+
+
+def test_laplace_rejects_constrained_site_it_would_cover():
+    """A constrained latent inside the Laplace's subset gets a clear error at set-up that
+    names the site, its support and the alternatives, not a crash inside the curvature."""
+    x, y = _sine(40)
+    model = _NoiseRegression(len(x))
+    for subset in ("all", ["sigma", "fc2.weight", "fc2.bias"]):
+        guide = pb.guides.Laplace(model, "kron", subset=subset)
+        with pytest.raises(ValueError, match=r"site 'sigma' has support GreaterThanEq.*subset=.*MeanField"):
+            pb.fit(model, guide, (x, y), epochs=1, progress=False)
+
+
+def test_handwritten_1d_outputs_without_latent_noise():
+    """1-D ``obs`` (N,) with a fixed noise (regression) and 1-D Bernoulli logits: the
+    curvature treats the output as (N, 1) and matches the same net as a ``pb.BNN``."""
+    x, y = _sine(60)
+    torch.manual_seed(1)
+    model = _NoiseRegression(len(x), learned_sigma=False)
+    guide = pb.guides.Laplace(model, "kron", prior_precision=2.0).fit_curvature((x, y))
+    theta = guide.median()
+    net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    with torch.no_grad():
+        for i in (0, 2):
+            net[i].weight.copy_(theta[f"fc{i // 2 + 1}.weight"])
+            net[i].bias.copy_(theta[f"fc{i // 2 + 1}.bias"])
+    ref = pb.guides.Laplace(pb.BNN(net, "gaussian", noise=0.1), "kron",
+                            prior_precision=2.0).fit_curvature((x, y[:, None]))
+    torch.testing.assert_close(guide.log_evidence(), ref.log_evidence(), rtol=1e-5, atol=1e-3)
+
+    class Binary(pyro.nn.PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.fc = pyro.nn.PyroModule[nn.Linear](1, 1)
+            self.fc.weight = pyro.nn.PyroSample(pyro.distributions.Normal(0.0, 1.0).expand([1, 1]).to_event(2))
+            self.fc.bias = pyro.nn.PyroSample(pyro.distributions.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+        def forward(self, x, y=None):
+            logits = self.fc(x).squeeze(-1)                       # weights sampled outside the plate
+            with pyro.plate("data", len(x)):
+                pyro.sample("obs", pyro.distributions.Bernoulli(logits=logits), obs=y)
+
+    labels = (x.squeeze(-1) > 0).float()
+    binary = pb.guides.Laplace(Binary(), "full", prior_precision=1.0).fit_curvature((x, labels))
+    w, b = binary.median()["fc.weight"], binary.median()["fc.bias"]
+    p = torch.sigmoid(x @ w.T + b).squeeze(-1)
+    X = torch.cat([x, torch.ones_like(x)], 1)
+    H = (X * (p * (1 - p))[:, None]).T @ X + torch.eye(2)      # exact GGN + δ I of logistic regression
+    log_lik = pyro.distributions.Bernoulli(probs=p).log_prob(labels).sum()
+    theta_vec = torch.cat([w.reshape(-1), b])
+    expected = log_lik - 0.5 * (torch.logdet(H) + theta_vec @ theta_vec)
+    torch.testing.assert_close(binary.log_evidence(), expected, rtol=1e-5, atol=1e-4)

@@ -34,14 +34,16 @@ def _obs_distribution(model, values, x, obs_site="obs"):
 
 
 def network_output(model, values: dict, x: torch.Tensor) -> torch.Tensor:
-    """Network output ``f`` (logits or regression mean), shape ``(M, C)``, under ``values``."""
+    """Network output ``f`` (logits or regression mean), shape ``(M, C)``, under ``values``
+    (a hand-written model's 1-D Normal/Bernoulli observation of shape ``(M,)`` gives ``(M, 1)``)."""
     if _is_bnn(model):
         return _run_with_values(model, values, x)
     d = _obs_distribution(model, values, x)
-    if isinstance(d, (dist.Categorical, dist.Bernoulli)):
+    if isinstance(d, dist.Categorical):
         return d.logits
-    if isinstance(d, dist.Normal):
-        return d.loc
+    if isinstance(d, (dist.Bernoulli, dist.Normal)):
+        f = d.logits if isinstance(d, dist.Bernoulli) else d.loc
+        return f.unsqueeze(-1) if f.dim() == 1 else f      # 1-D obs (N,): one output, (N, 1)
     raise TypeError(f"Laplace supports Categorical, Bernoulli or Normal observations, got {type(d).__name__}")
 
 
@@ -104,6 +106,6 @@ def log_likelihood_terms(kind: str, f: torch.Tensor, y: torch.Tensor) -> dict[st
         return {"loglik": -torch.nn.functional.cross_entropy(f, y, reduction="sum")}
     if kind == "bernoulli":
         return {"loglik": -torch.nn.functional.binary_cross_entropy_with_logits(
-            f, y.to(f.dtype), reduction="sum")}
+            f, y.reshape(f.shape).to(f.dtype), reduction="sum")}
     r = f - y.reshape(f.shape).to(f.dtype)
     return {"sse": (r ** 2).sum(), "count": torch.tensor(float(r.numel()), dtype=f.dtype, device=f.device)}

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.distributions import constraints
+from pyro.distributions.transforms import biject_to
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from torch import nn
@@ -38,6 +40,7 @@ from ..curvature import (
 )
 from ..data import split_batch
 from ..likelihoods import Gaussian
+from ..model import is_bnn
 from .base import BNNGuide, init_to_network, register_guide
 from .laplace_objective import LaplaceMAPObjective
 from .laplace_online import OnlineMarglik, _batches
@@ -96,6 +99,14 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         ½ log det(P_S/2π)`` over the subset ``S`` (as laplace-torch's ``LLLaplace``).
         Like every guide it starts at the model's network weights; to take θ* from
         another fitted guide pass ``init_loc_fn=lambda site: other.median()[site["name"]]``.
+        *Constrained latent sites* (a hand-written model's noise ``sigma ~ HalfNormal``, a
+        hierarchical scale) cannot be covered: the Gaussian needs real-valued weight sites
+        of Linear/Conv2d layers, and a constrained site in the subset raises a
+        ``ValueError`` naming it at set-up.  Outside the subset such a site is a point
+        estimate: stored unconstrained (``biject_to(support)``), trained in the MAP phase
+        to the mode of its own prior times the likelihood in its support (no Jacobian, as
+        Pyro's ``AutoDelta``), then held fixed; a noise site then gives the curvature its
+        observation noise.  Discrete latent sites are rejected.
     tune_prior_precision : {None, "marglik"}
         ``"marglik"``: at the end of :func:`pyro_bnn.fit`, after the curvature is fitted,
         maximise the evidence w.r.t. δ (``POSTHOC_STEPS`` = 300 Adam steps, lr 0.1; after
@@ -193,19 +204,27 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         super()._setup_prototype(*args, **kwargs)
         self.theta = nn.ParameterDict()
         self.site_shapes: dict[str, torch.Size] = {}
-        prior_prec = {}
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
+        sites = dict(self.prototype_trace.iter_stochastic_nodes())
+        for name, site in sites.items():
             if any(f.full_size not in (None, f.size) for f in site["cond_indep_stack"]):
                 raise ValueError(f"Laplace does not support subsampled latent sites; {name!r} is subsampled")
-            value = site["value"].detach()
-            self.theta[_key(name)] = nn.Parameter(value.clone())
-            self.site_shapes[name] = value.shape
-            prior_prec[name] = _normal_precision(site["fn"], value)
+            self.site_shapes[name] = site["value"].shape
         self.laplace_sites = _select_sites(self.subset, list(self.site_shapes))
         self.fixed_sites = [s for s in self.site_shapes if s not in self.laplace_sites]
-        for name in self.fixed_sites:       # point estimates keep their model prior in the MAP phase
-            self.register_buffer(f"fixed_prior_precision__{_key(name)}", prior_prec[name].clone())
-        self.layers = find_layers(self.base_model, {s: self.site_shapes[s] for s in self.laplace_sites})
+        # point estimates are stored unconstrained: value = transform(theta)
+        self._point_transforms = _point_estimate_transforms(sites, self.laplace_sites)
+        prior_prec = {}
+        for name, site in sites.items():
+            value = site["value"].detach()
+            unconstrained = self._point_transforms[name].inv(value) if name in self._point_transforms else value
+            self.theta[_key(name)] = nn.Parameter(unconstrained.detach().clone())
+            prior_prec[name] = _normal_precision(site["fn"], value)
+        self._fixed_priors = {name: sites[name]["fn"] for name in self.fixed_sites}
+        try:
+            self.layers = find_layers(self.base_model, {s: self.site_shapes[s] for s in self.laplace_sites})
+        except ValueError as exc:
+            raise ValueError(f"{exc}. Leave such sites out of subset= (e.g. subset='last_layer' or a list "
+                             "of the layer sites): the other sites are point estimates") from exc
         self.register_buffer("log_prior_precision",
                              self._initial_log_prior_precision(prior_prec, self._init_prior_precision))
         like = next(iter(self.theta.values()))
@@ -247,16 +266,26 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
 
     # ------------------------------------------------------------------ values
     def map_values(self) -> dict[str, torch.Tensor]:
-        """θ* (the current MAP), ``{site: tensor}``."""
-        return {name: self.theta[_key(name)] for name in self.site_shapes}
+        """θ* (the current MAP), ``{site: tensor}``, each in its site's support (a constrained
+        point-estimate site is stored unconstrained and mapped through its support here)."""
+        transforms = self._point_transforms
+        return {name: transforms[name](self.theta[_key(name)]) if name in transforms else self.theta[_key(name)]
+                for name in self.site_shapes}
 
     def fixed_log_prior(self, values: dict) -> torch.Tensor | float:
-        """``Σ log N(θ_s | 0, δ_s⁻¹)`` over the point-estimate sites (``subset``), δ_s fixed
-        at the model prior's precision; 0 when the Laplace covers every site."""
+        """``Σ_s log p(θ_s)`` over the point-estimate sites (outside ``subset``) under their
+        model prior; 0 when the Laplace covers every site.
+
+        The prior is :meth:`pyro_bnn.BNN.site_prior` for a ``pb.BNN``, else the site's
+        distribution recorded when the guide was set up (its parameters as they were then).
+        A constrained site's density is taken in its constrained space (no Jacobian), so its
+        point estimate is the MAP of ``p(θ_s)`` itself, as Pyro's ``AutoDelta`` does.
+        """
         total = 0.0
+        bnn = is_bnn(self.base_model)
         for name in self.fixed_sites:
-            d = getattr(self, f"fixed_prior_precision__{_key(name)}")
-            total = total + 0.5 * (d.log() - d * values[name] ** 2 - math.log(2 * math.pi)).sum()
+            prior = self.base_model.site_prior(name) if bnn else self._fixed_priors[name]
+            total = total + prior.log_prob(values[name]).sum()
         return total
 
     def _block_inputs(self, prior_precision=None):
@@ -303,9 +332,11 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
     def _joint_draw(self):
         """θ* + P^{-1/2} ε for all sites, and ``log q`` of the draw."""
         offsets, log_q = self._draw_offsets(1)
-        values = {name: self.theta[_key(name)].detach() for name in self.fixed_sites}
+        theta_star = {k: v.detach() for k, v in self.map_values().items()}
+        values = {name: theta_star[name] for name in self.fixed_sites}
         for layer, off in zip(self.layers, offsets):
-            values.update(layer.unflatten(layer.flatten(self.map_values()).detach() + off[0], self.site_shapes))
+            # flat (numel,) form: a (out, in') matrix with out = 1 would be read as (..., numel)
+            values.update(layer.unflatten((layer.flatten(theta_star) + off[0]).reshape(-1), self.site_shapes))
         return values, log_q[0]
 
     @torch.no_grad()
@@ -486,7 +517,7 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
             fs.append(torch.cat(parts, 1))
             values = {k: v.expand(num, *v.shape) for k, v in theta_star.items() if k in self.fixed_sites}
             for layer, off in zip(self.layers, offsets):
-                values.update(layer.unflatten(layer.flatten(theta_star) + off, self.site_shapes))
+                values.update(layer.unflatten((layer.flatten(theta_star) + off).flatten(-2), self.site_shapes))
             log_prior = gaussian_log_prior_batched(self.layers, values, deltas) \
                 + self.fixed_log_prior(theta_star)
             log_qs.append(log_q)
@@ -533,6 +564,35 @@ def _normal_precision(fn, value) -> torch.Tensor:
     if isinstance(d, dist.Normal):
         return (d.scale ** -2).expand(value.shape).to(value.dtype)
     return torch.ones_like(value)
+
+
+def _is_real(support) -> bool:
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    return support is constraints.real
+
+
+def _point_estimate_transforms(sites: dict, laplace_sites: list[str]) -> dict:
+    """``{site: transform}`` for the constrained point-estimate sites (``biject_to`` of
+    their support); raises for a constrained site that the Laplace is asked to cover and
+    for discrete sites."""
+    transforms = {}
+    for name, site in sites.items():
+        support = site["fn"].support
+        if _is_real(support):
+            continue
+        if support.is_discrete:
+            raise ValueError(f"Laplace needs continuous latent sites; site {name!r} is discrete (support "
+                             f"{support}): marginalise or enumerate it in the model")
+        if name in laplace_sites:
+            raise ValueError(
+                f"Laplace puts a Gaussian N(θ*, P⁻¹) on the sites it covers, which must be real-valued; "
+                f"site {name!r} has support {support}. Leave it out of subset= (e.g. subset='last_layer' "
+                "or a list of the layer sites): it is then a point estimate, the MAP of its own prior "
+                "in its support; or use a guide that transforms constrained sites through their "
+                "support (pb.guides.MeanField, pyro.infer.autoguide.AutoNormal)")
+        transforms[name] = biject_to(support)
+    return transforms
 
 
 def _select_sites(subset, names: list[str]) -> list[str]:

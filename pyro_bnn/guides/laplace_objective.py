@@ -53,8 +53,9 @@ class LaplaceMAPObjective(GuideObjective):
             scaled = scale_observations(factor)(model) if factor != 1.0 else model
             tr = poutine.trace(poutine.condition(scaled, data=values)).get_trace(*args, **kwargs)
             tr.compute_log_prob()
-            loglik = sum(site["log_prob_sum"] for site in tr.nodes.values()
-                         if site["type"] == "sample" and site["is_observed"])
+            # condition() marks the latent sites it fixes as observed too: count data sites only
+            loglik = sum(site["log_prob_sum"] for name, site in tr.nodes.items()
+                         if site["type"] == "sample" and site["is_observed"] and name not in values)
         deltas = [d.detach() for d in guide.layer_prior_precisions()]
         log_prior = gaussian_log_prior(guide.layers, values, deltas) + guide.fixed_log_prior(values)
         loss = -(loglik + log_prior)
