@@ -8,20 +8,26 @@ from scipy import stats
 from torch import nn
 
 import pyro_bnn as pb
+from pyro_bnn.curvature import batch_kfac_factors
 from pyro_bnn.invariance import (
     Affine1dAugmentation,
     AffineAugmentation,
+    batch_surrogate,
+    eigen_factors,
+    evidence_step,
+    invariant_curvature,
     invariant_kfac_factors,
     learn_invariance,
+    log_evidence,
     map_predict,
     transformed_digits,
 )
 from pyro_bnn.invariance.evidence import (
-    _seeded,
     accumulate_factors,
-    batch_surrogate,
-    eigen_factors,
-    log_evidence,
+    invariant_layers,
+    likelihood_scale,
+    num_augmentations,
+    seeded_draws,
 )
 from pyro_bnn.likelihoods import log_likelihood
 
@@ -87,9 +93,9 @@ def test_invariant_model_averages_and_eta_frozen_under_fit():
     aug = AffineAugmentation(num_samples=5, init_extent=SOME)
     model, values = _mlp_model(aug, dtype=torch.float32)
     x = torch.rand(7, 64)
-    with _seeded(3, "cpu"):
+    with seeded_draws(3, "cpu"):
         f_hat = model.run_with(values, x)
-    with _seeded(3, "cpu"):
+    with seeded_draws(3, "cpu"):
         copies = aug(x)
     net_out = pb.BNN(nn.Sequential(nn.Linear(64, 5), nn.Tanh(), nn.Linear(5, 3)), "categorical").run_with(
         values, copies)
@@ -101,46 +107,69 @@ def test_invariant_model_averages_and_eta_frozen_under_fit():
 
 
 # ------------------------------------------------------------------ invariant KFAC
-def _reference_mlp_kfac(values, x, f):
-    """Ordinary KFAC of a tanh MLP in closed form (no hooks): A = Σ a aᵀ, G = Σ_c g gᵀ."""
-    w1, b1, w2 = values["net.0.weight"], values["net.0.bias"], values["net.2.weight"]
-    h = torch.tanh(x @ w1.T + b1)
+def _kfac(model, values, x, create_graph=False):
+    """Invariant KFAC factor sums of one batch through the library's one KFAC implementation."""
+    vals = {k: v if v.requires_grad else v.detach().requires_grad_() for k, v in values.items()}
+    layers = invariant_layers(model, vals)
+    f, sums = batch_kfac_factors(layers, lambda: model.run_with(vals, x), "categorical"
+                                 if model.likelihood.name == "categorical" else model.likelihood.name,
+                                 num_augmentations=num_augmentations(model), create_graph=create_graph)
+    return [sums[layer.path] for layer in layers], f
+
+
+def _reference_mlp_kfac(values, x, aug=None):
+    """Augmentation-averaged KFAC of a tanh MLP in closed form (no hooks, dense autograd only).
+
+    Copies ``x_s = T_s x`` (the augmentation, drawn by the caller's RNG state), hidden
+    ``h_s = tanh(W1 x_s + b1)``, ``f̂ = mean_s (W2 h_s + b2)``; ``ā = mean_s [·, 1]`` and
+    ``ḡ_c = Σ_s ∂(L_cᵀ f̂)/∂(layer output of copy s)``; returns ``[(A, G)]`` sums and ``f̂``.
+    """
+    w1, b1, w2, b2 = (values[k] for k in ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"))
+    s = 1 if aug is None else aug.num_samples
+    copies = x if aug is None else aug(x)                              # (M·S, D)
+    m = len(x)
+    h = torch.tanh(copies @ w1.T + b1)
+    f = (h @ w2.T + b2).reshape(m, s, -1).mean(1)
     p = torch.softmax(f, -1)
-    s = p.sqrt()
-    lam = torch.diag_embed(s) - p.unsqueeze(-1) * s.unsqueeze(-2)     # L Lᵀ = diag p − p pᵀ
-    ones = torch.ones(len(x), 1, dtype=x.dtype)
-    a1, a2 = torch.cat([x, ones], 1), torch.cat([h, ones], 1)
-    g2 = lam.transpose(1, 2)                                           # (N, C cols, C)
-    g1 = (g2 @ w2) * (1 - h ** 2).unsqueeze(1)                          # back through tanh
+    sq = p.sqrt()
+    lam = torch.diag_embed(sq) - p.unsqueeze(-1) * sq.unsqueeze(-2)     # L Lᵀ = diag p − p pᵀ
+    ones = torch.ones(m * s, 1, dtype=x.dtype)
+    a1 = torch.cat([copies, ones], 1).reshape(m, s, -1).mean(1)
+    a2 = torch.cat([h, ones], 1).reshape(m, s, -1).mean(1)
+    g2_copy = lam.transpose(1, 2).repeat_interleave(s, 0) / s           # (M·S, C cols, C)
+    g1_copy = (g2_copy @ w2) * (1 - h ** 2).unsqueeze(1)                # back through tanh
+    g2 = g2_copy.reshape(m, s, *g2_copy.shape[1:]).sum(1)
+    g1 = g1_copy.reshape(m, s, *g1_copy.shape[1:]).sum(1)
     return [(a1.T @ a1, torch.einsum("nco,ncp->op", g1, g1)),
-            (a2.T @ a2, torch.einsum("nco,ncp->op", g2, g2))]
+            (a2.T @ a2, torch.einsum("nco,ncp->op", g2, g2))], f
 
 
-def test_invariant_kfac_at_eta_zero_equals_ordinary_kfac():
+def test_invariant_kfac_equals_closed_form_reference():
+    """The library's KFAC with num_augmentations equals the closed-form augmentation-averaged
+    factors (η ≠ 0, same draws) and, at η = 0, the ordinary KFAC of the plain model."""
     x = torch.rand(20, 64, dtype=torch.float64)
-    plain, values = _mlp_model(None)
-    facs0, f0 = invariant_kfac_factors(plain, values, x)
-    ref = _reference_mlp_kfac(values, x, f0)
-    for fac, (a, g) in zip(facs0, ref):
-        assert torch.allclose(fac.A, a, rtol=1e-10) and torch.allclose(fac.G, g, rtol=1e-8, atol=1e-12)
-    aug = AffineAugmentation(num_samples=4).double()
-    aug.eta.requires_grad_(True)          # η = 0 but on the differentiable grid_sample path
-    inv, _ = _mlp_model(aug)
-    facs, f = invariant_kfac_factors(inv, values, x)
-    assert torch.allclose(f, f0, atol=1e-6)
-    for a, b in zip(facs, facs0):
-        assert torch.allclose(a.A, b.A, atol=1e-5) and torch.allclose(a.G, b.G, atol=1e-7)
-    # the core curvature module (Laplace guide) gives the same ordinary factors
-    kfac = pytest.importorskip("pyro_bnn.curvature.kfac")
-    from pyro_bnn.curvature.layers import find_layers
-
-    vals = {k: v.detach().requires_grad_() for k, v in values.items()}
-    layers = find_layers(plain, {k: v.shape for k, v in vals.items()})
-    _, sums = kfac.batch_kfac_factors(
-        layers, lambda: plain.run_with(vals, x), "categorical")
-    for layer, fac in zip(layers, facs0):
-        assert torch.allclose(sums[layer.path]["A"], fac.A, rtol=1e-8)
-        assert torch.allclose(sums[layer.path]["G"], fac.G, rtol=1e-6, atol=1e-10)
+    aug = AffineAugmentation(num_samples=4, init_extent=SOME).double()
+    inv, values = _mlp_model(aug)
+    with seeded_draws(3, "cpu"):
+        sums, f = _kfac(inv, values, x)
+    with seeded_draws(3, "cpu"):
+        ref, f_ref = _reference_mlp_kfac(values, x, aug)
+    assert torch.allclose(f, f_ref, atol=1e-12)
+    for part, (a, g) in zip(sums, ref):
+        assert torch.allclose(part["A"], a, rtol=1e-10)
+        assert torch.allclose(part["G"], g, rtol=1e-8, atol=1e-12)
+        assert float(part["count"]) == len(x)
+    plain, _ = _mlp_model(None)
+    sums0, f0 = _kfac(plain, values, x)
+    ref0, _ = _reference_mlp_kfac(values, x)
+    aug0 = AffineAugmentation(num_samples=4).double()
+    aug0.eta.requires_grad_(True)          # η = 0 but on the differentiable grid_sample path
+    inv0, _ = _mlp_model(aug0)
+    sums1, f1 = _kfac(inv0, values, x)
+    assert torch.allclose(f1, f0, atol=1e-6)
+    for p0, p1, (a, g) in zip(sums0, sums1, ref0):
+        assert torch.allclose(p0["A"], a, rtol=1e-10) and torch.allclose(p0["G"], g, rtol=1e-8, atol=1e-12)
+        assert torch.allclose(p1["A"], a, atol=1e-5) and torch.allclose(p1["G"], g, atol=1e-7)
 
 
 def test_invariant_kfac_conv_at_eta_zero():
@@ -152,41 +181,92 @@ def test_invariant_kfac_conv_at_eta_zero():
     aug.eta.requires_grad_(True)
     inv = pb.BNN(net, "categorical", augmentation=aug).double()
     values = {k: v.double() for k, v in plain.initial_values().items()}
-    f0s, _ = invariant_kfac_factors(plain, values, x)
-    f1s, _ = invariant_kfac_factors(inv, values, x)
-    assert f0s[0].positions == 64 and f0s[0].A.shape == (10, 10) and f0s[0].G.shape == (3, 3)
+    f0s, _ = _kfac(plain, values, x)
+    f1s, _ = _kfac(inv, values, x)
+    assert float(f0s[0]["count"]) == 6 * 64 and f0s[0]["A"].shape == (10, 10) and f0s[0]["G"].shape == (3, 3)
     for a, b in zip(f1s, f0s):
-        assert torch.allclose(a.A, b.A, atol=1e-5) and torch.allclose(a.G, b.G, atol=1e-7)
+        assert torch.allclose(a["A"], b["A"], atol=1e-5) and torch.allclose(a["G"], b["G"], atol=1e-7)
     # the input factor of the conv layer is the sum of outer products of unfolded patches
     patches = torch.nn.functional.unfold(x, 3, padding=1).transpose(1, 2).reshape(-1, 9)
     patches = torch.cat([patches, torch.ones(len(patches), 1, dtype=x.dtype)], 1)
-    assert torch.allclose(f0s[0].A, patches.T @ patches)
+    assert torch.allclose(f0s[0]["A"], patches.T @ patches)
 
 
 def test_invariant_kfac_is_exact_ggn_of_linear_model():
-    """One Linear layer, Gaussian likelihood: G ⊗ A / N equals the exact GGN of f̂ (η ≠ 0)."""
+    """One Linear layer, Gaussian likelihood (factors with Λ = I, s = 1/σ² outside):
+    s·(G/N ⊗ A) is the exact GGN of f̂ (η ≠ 0)."""
     aug = AffineAugmentation(num_samples=5, init_extent=SOME).double()
     torch.manual_seed(2)
     model = pb.BNN(nn.Linear(64, 3), pb.likelihoods.Gaussian(0.5), augmentation=aug).double()
-    values = {k: v.double() for k, v in model.initial_values().items()}
-    x = torch.rand(9, 64, dtype=torch.float64)
-    with _seeded(5, "cpu"):
-        (fac,), _ = invariant_kfac_factors(model, values, x)
-    kfac = torch.kron(fac.G, fac.A) / len(x)
+    values = {k: v.double().requires_grad_() for k, v in model.initial_values().items()}
+    x, y = torch.rand(9, 64, dtype=torch.float64), torch.rand(9, 3, dtype=torch.float64)
+    fit = invariant_curvature(model, values, [(x, y)], [5])
+    block = fit.blocks[0]
+    _, scale, _ = likelihood_scale(model, values, x)
 
     def f_hat(flat):
         w, b = flat.reshape(3, 65)[:, :64], flat.reshape(3, 65)[:, 64]
-        with _seeded(5, "cpu"):
+        with seeded_draws(5, "cpu"):
             return model.run_with({"net.weight": w, "net.bias": b}, x)
 
-    flat = torch.cat([values["net.weight"], values["net.bias"][:, None]], 1).flatten()
+    flat = torch.cat([values["net.weight"], values["net.bias"][:, None]], 1).detach().flatten()
     jac = torch.autograd.functional.jacobian(f_hat, flat)              # (N, C, P)
     ggn = torch.einsum("ncp,ncq->pq", jac, jac) / 0.5 ** 2
+    kfac = block.to_dense(scale)
     assert (kfac - ggn).abs().max() < 1e-7 * ggn.abs().max()          # float64 round-off
 
 
-# ------------------------------------------------------------------ evidence gradient
-def test_batched_eta_gradient_matches_full_autograd_and_finite_differences():
+# ------------------------------------------------------------------ evidence and its η-gradient
+def test_kron_logdet_derivative_matches_dense_autograd():
+    """KronBlock.logdet_derivative(dA, dG) = d/dt log det(s(G + t dG) ⊗ (A + t dA) + δ) (dense)."""
+    g = torch.Generator().manual_seed(0)
+    ma, mg = torch.randn(5, 5, generator=g, dtype=torch.float64), torch.randn(3, 3, generator=g, dtype=torch.float64)
+    A, G = ma @ ma.T + 0.1 * torch.eye(5, dtype=torch.float64), mg @ mg.T
+    da, dg = torch.randn(5, 5, generator=g, dtype=torch.float64), torch.randn(3, 3, generator=g, dtype=torch.float64)
+    dA, dG = da + da.T, dg + dg.T
+    delta, scale = torch.tensor(0.7, dtype=torch.float64), 2.5
+    t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    dense = torch.logdet(scale * torch.kron(G + t * dG, A + t * dA) + delta * torch.eye(15, dtype=torch.float64))
+    ref, = torch.autograd.grad(dense, t)
+    block = pb.curvature.KronBlock(A, G)
+    assert torch.allclose(block.logdet_derivative(dA, dG, delta, scale), ref, rtol=1e-10)
+    # the split-bias block: weight and bias parts separately (dense block-diagonal reference)
+    split = pb.curvature.SplitBiasKronBlock(A, G)
+    blocks = [(A[:-1, :-1] + t * dA[:-1, :-1], 4), (A[-1:, -1:] + t * dA[-1:, -1:], 1)]
+    dense_split = sum(torch.logdet(scale * torch.kron(G + t * dG, a) + delta * torch.eye(3 * k, dtype=torch.float64))
+                      for a, k in blocks)
+    ref_split, = torch.autograd.grad(dense_split, t)
+    assert torch.allclose(split.logdet_derivative(dA, dG, delta, scale), ref_split, rtol=1e-10)
+    with pytest.raises(ValueError, match="shapes"):
+        block.logdet_derivative(dG, dA, delta, scale)
+
+
+def _dense_evidence(model, values, batches, seeds, delta):
+    """Independent reference: closed-form invariant KFAC factors with autograd through η,
+    dense Kronecker products and dense log-determinants over the whole data (one graph)."""
+    aug = model.augmentation
+    A = G = None
+    ll = 0.0
+    for (xb, yb), sd in zip(batches, seeds):
+        with seeded_draws(sd, "cpu"):
+            fb, f = _reference_mlp_kfac(values, xb, aug)
+        ll = ll + log_likelihood(model.likelihood, f, yb).sum()
+        A = [a for a, _ in fb] if A is None else [a0 + a for a0, (a, _) in zip(A, fb)]
+        G = [g for _, g in fb] if G is None else [g0 + g for g0, (_, g) in zip(G, fb)]
+    n = sum(len(xb) for xb, _ in batches)
+    total = ll
+    for a, g, d, (w, b) in zip(A, G, delta, (("net.0.weight", "net.0.bias"), ("net.2.weight", "net.2.bias"))):
+        p = len(a) * len(g)
+        prec = torch.kron(g / n, a) + d * torch.eye(p, dtype=a.dtype)
+        sq = values[w].pow(2).sum() + values[b].pow(2).sum()
+        total = total - 0.5 * (torch.logdet(prec) - p * torch.log(d) + d * sq)
+    return total
+
+
+def test_evidence_step_value_and_eta_gradient_match_dense_reference():
+    """evidence_step (curvature stack + marglik) vs the dense reference: the log evidence (a
+    total over the data), the batched η-gradient (exact, by the product rule) and finite
+    differences of the reference."""
     aug = AffineAugmentation(num_samples=4, init_extent=SOME).double()
     model, values = _mlp_model(aug)
     torch.manual_seed(4)
@@ -194,49 +274,61 @@ def test_batched_eta_gradient_matches_full_autograd_and_finite_differences():
     batches = [(x[:5], y[:5]), (x[5:], y[5:])]
     delta = torch.tensor([0.5, 2.0], dtype=torch.float64)
     aug.eta.requires_grad_(True)
-
-    def full_evidence():
-        """Whole-data graph: factors with autograd on, dense log-determinants."""
-        A = G = None
-        ll = 0.0
-        for i, (xb, yb) in enumerate(batches):
-            with _seeded(i, "cpu"):
-                fb, f = invariant_kfac_factors(model, values, xb, create_graph=True)
-            ll = ll + log_likelihood(model.likelihood, f, yb).sum()
-            A = [b.A for b in fb] if A is None else [a + b.A for a, b in zip(A, fb)]
-            G = [b.G for b in fb] if G is None else [g + b.G for g, b in zip(G, fb)]
-        logdet = sum(torch.logdet(torch.kron(g, a) / len(x) + d * torch.eye(len(a) * len(g),
-                                                                          dtype=x.dtype))
-                     for a, g, d in zip(A, G, delta))
-        return ll - 0.5 * logdet, ll
-
-    ev, ll = full_evidence()
-    grad_ref, = torch.autograd.grad(ev, aug.eta)
-    facs = accumulate_factors(model, values, batches, seeds=[0, 1])
-    eig = eigen_factors(facs, len(x))
-    grad = torch.zeros(6, dtype=torch.float64)
-    for i, (xb, yb) in enumerate(batches):
-        with _seeded(i, "cpu"):
-            sur, _ = batch_surrogate(model, values, xb, yb, facs, eig, delta)
-        grad = grad + torch.autograd.grad(sur, aug.eta)[0]
-    assert torch.allclose(grad, grad_ref, rtol=1e-8, atol=1e-10)
+    ev_ref = _dense_evidence(model, values, batches, [7, 8], delta)
+    grad_ref, = torch.autograd.grad(ev_ref, aug.eta)
+    aug.eta.requires_grad_(False)
+    opt = torch.optim.SGD([aug.eta], lr=1.0)
+    eta0 = aug.eta.detach().clone()
+    value = evidence_step(model, values, batches, delta.log(), eta_optimizer=opt, seed=7)
+    grad = (eta0 - aug.eta.detach()) * -len(x)          # SGD on −ev/N: η ← η + ∂ev/∂η / N
+    ev_ref = ev_ref.detach()
+    assert abs(value - float(ev_ref)) < 1e-9 * abs(float(ev_ref))
+    assert torch.allclose(grad, grad_ref, rtol=1e-7, atol=1e-9)
     assert grad.abs().min() > 1e-4                       # a non-trivial gradient
-    # the eigen-form evidence equals the dense one (up to the δ-only prior terms)
-    ev_eig = log_evidence(ll.detach(), values, facs, eig, delta)
-    prior = sum(-0.5 * (d * sum(values[s].pow(2).sum() for s in (fa.weight, fa.bias))
-                        - fa.num_params * torch.log(d)) for fa, d in zip(facs, delta))
-    assert torch.allclose(ev_eig, ev.detach() + prior, rtol=1e-10)
+    with torch.no_grad():
+        aug.eta.copy_(eta0)
     # Bilinear resampling is piecewise smooth in η (kinks where a sample point crosses a
     # pixel edge): a tiny central step avoids straddling a kink.
     eps = 1e-7
     with torch.no_grad():
         for k in range(6):
             aug.eta[k] += eps
-            up = full_evidence()[0]
+            up = _dense_evidence(model, values, batches, [7, 8], delta)
             aug.eta[k] -= 2 * eps
-            down = full_evidence()[0]
+            down = _dense_evidence(model, values, batches, [7, 8], delta)
             aug.eta[k] += eps
-            assert abs((up - down) / (2 * eps) - grad[k]) < 1e-5 * (1 + abs(grad[k]))
+            assert abs((up - down) / (2 * eps) - grad_ref[k]) < 1e-5 * (1 + abs(grad_ref[k]))
+
+
+def test_deprecated_names_still_work_and_agree():
+    """The first API's names (exported from pyro_bnn.invariance) warn and give the old
+    conventions' results: factor sums, per-datum-free total evidence, the η surrogate."""
+    aug = AffineAugmentation(num_samples=3, init_extent=SOME).double()
+    model, values = _mlp_model(aug)
+    x, y = torch.rand(10, 64, dtype=torch.float64), torch.randint(0, 3, (10,))
+    with pytest.warns(DeprecationWarning, match="invariant_kfac_factors"):
+        with seeded_draws(1, "cpu"):
+            facs, f = invariant_kfac_factors(model, values, x)
+    with seeded_draws(1, "cpu"):
+        sums, f_new = _kfac(model, values, x)
+    assert torch.equal(f, f_new) and all(torch.equal(a.A, s["A"]) and torch.equal(a.G, s["G"])
+                                         for a, s in zip(facs, sums))
+    delta = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    with pytest.warns(DeprecationWarning):
+        facs = accumulate_factors(model, values, [(x, y)], seeds=[1])
+        eig = eigen_factors(facs, len(x))
+        with seeded_draws(1, "cpu"):
+            f = model.run_with(values, x)
+        ll = log_likelihood(model.likelihood, f, y).sum()
+        old = log_evidence(ll, values, facs, eig, delta)
+    ref = _dense_evidence(model, values, [(x, y)], [1], delta)
+    assert torch.allclose(old, ref, rtol=1e-10)
+    aug.eta.requires_grad_(True)
+    with pytest.warns(DeprecationWarning), seeded_draws(1, "cpu"):
+        sur, _ = batch_surrogate(model, values, x, y, facs, eig, delta)
+    grad, = torch.autograd.grad(sur, aug.eta)
+    grad_ref, = torch.autograd.grad(_dense_evidence(model, values, [(x, y)], [1], delta), aug.eta)
+    assert torch.allclose(grad, grad_ref, rtol=1e-7, atol=1e-9)
 
 
 # ------------------------------------------------------------------ learning loop
@@ -340,3 +432,47 @@ def test_laplace_best_state_restore_includes_eta():
     assert res.history["best_log_evidence"] == [ev[best]]
     assert torch.allclose(aug.extent, torch.tensor(res.history["extent"][best]), atol=1e-6)
     assert not torch.allclose(aug.extent, torch.tensor(res.history["extent"][-1]))
+
+
+def test_online_eta_step_reuses_the_guide_curvature(monkeypatch):
+    """In fit(..., marglik=) the η step makes no full-data factor pass of its own (it reuses
+    the guide's curvature), and its step equals one from a fresh pass over the same draws
+    (the replay is exact); a curvature from other draws gives another step."""
+    from pyro_bnn.data import TensorBatches
+    from pyro_bnn.invariance import guide_step
+    from pyro_bnn.training import FitContext
+
+    def no_second_pass(*args, **kwargs):
+        raise AssertionError("the online η step recomputed the full-data factors")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(guide_step, "invariant_curvature", no_second_pass)
+        x, y, net, aug, res = _fit_rotated_laplace(epochs=3, lr=1e-2)
+    guide = pb.guides.Laplace(pb.BNN(net, "categorical", augmentation=aug), structure="kron",
+                              curvature_batch_size=40)
+    model = guide.base_model
+    pb.fit(model, guide, (x, y), epochs=1, batch_size=50, progress=False)
+    ctx = FitContext(model, guide, TensorBatches(x, y, 50, shuffle=False), len(x), torch.device("cpu"), 1)
+    eta0 = aug.eta.detach().clone()
+
+    def step(curvature_seed, reuse=True):
+        with torch.no_grad():
+            aug.eta.copy_(eta0)
+        with torch.random.fork_rng():
+            guide.fit_curvature(**guide_step.guide_curvature_source(ctx, 40, curvature_seed))
+        opt = torch.optim.SGD([aug.eta], lr=1.0)
+        if reuse:
+            ev = guide_step.guide_online_eta_step(guide, ctx, opt, seed=11)
+            assert abs(ev - float(guide.log_evidence())) < 1e-5 * abs(ev)    # a total, as fit's
+        else:     # own full-data pass, batch i drawn with seed pass_seed(11) + i
+            ev = guide_step.guide_eta_step(guide, model, [(x[i:i + 40], y[i:i + 40]) for i in range(0, 150, 40)],
+                                           opt, seed=guide_step._pass_seed(11))
+        return aug.eta.detach() - eta0, ev
+
+    reused, ev_reused = step(11)
+    fresh, ev_fresh = step(11, reuse=False)
+    other, _ = step(12)
+    assert reused.abs().max() > 1e-6
+    torch.testing.assert_close(reused, fresh, rtol=1e-5, atol=1e-9)
+    assert abs(ev_reused - ev_fresh) < 1e-4 * abs(ev_fresh)
+    assert (other - reused).abs().max() > 1e-3 * reused.abs().max()

@@ -10,8 +10,10 @@ This is exact for a single Linear layer whenever ``Λ_n`` does not depend on ``n
 (Gaussian regression) or for one example.  Computation is split so other code can hook in:
 
 * :func:`batch_kfac_factors` — one batch's factor *sums*; pure, and differentiable when
-  ``create_graph=True`` (e.g. to backpropagate ``½⟨H_b, P⁻¹⟩`` into augmentation
-  parameters).  ``num_augmentations`` averages factors over augmented copies.
+  ``create_graph=True`` (invariance learning backpropagates
+  :meth:`~pyro_bnn.curvature.structures.KronBlock.logdet_derivative` of a batch's factors
+  into the augmentation extents η).  ``num_augmentations`` averages factors over augmented
+  copies (the invariant models of :mod:`pyro_bnn.invariance`).
 * :func:`kfac_blocks` — the single point where the summed factors become
   :class:`~pyro_bnn.curvature.structures.KronBlock`\\ s (after any all-reduce).
 """
@@ -26,7 +28,30 @@ from .layers import Layer, capture_factors
 from .network import hessian_columns
 from .structures import KronBlock, SplitBiasKronBlock
 
-__all__ = ["batch_kfac_factors", "kfac_sums_from_factors", "kfac_blocks"]
+__all__ = ["batch_kfac_factors", "kfac_sums_from_factors", "kfac_blocks",
+           "differentiable_hessian_columns"]
+
+#: Floor under ``p`` (resp. ``p(1 − p)``) before the square root of a differentiated column.
+_SQRT_FLOOR = 1e-30
+
+
+def differentiable_hessian_columns(kind: str, f: torch.Tensor) -> torch.Tensor:
+    """:func:`~pyro_bnn.curvature.network.hessian_columns` whose gradient stays finite.
+
+    ``√p`` has an infinite derivative where a softmax (sigmoid) probability underflows to
+    0 (float32 logits about 100 apart), and ``∞ · 0`` makes the whole η-gradient NaN.  The
+    argument of the square root is floored at 1e-30 (its effect on the value is below
+    float32 resolution of the other entries).  Shape ``(M, C, C)``.
+    """
+    f2 = f.reshape(len(f), -1)
+    if kind == "categorical":
+        p = torch.softmax(f2, -1)
+        s = p.clamp_min(_SQRT_FLOOR).sqrt()
+        return torch.diag_embed(s) - p.unsqueeze(-1) * s.unsqueeze(-2)
+    if kind == "bernoulli":
+        p = torch.sigmoid(f2)
+        return torch.diag_embed((p * (1 - p)).clamp_min(_SQRT_FLOOR).sqrt())
+    return hessian_columns(kind, f)
 
 
 def kfac_sums_from_factors(a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -53,14 +78,16 @@ def batch_kfac_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
         Copies per example averaged inside ``forward`` (see
         :func:`~pyro_bnn.curvature.layers.capture_factors`).
     create_graph : bool
-        Return factors with autograd graph.
+        Return factors with autograd graph (the columns ``L`` are then differentiated too,
+        with ``√p`` kept off 0: :func:`differentiable_hessian_columns`).
 
     Returns
     -------
     f : Tensor, shape (M, C)
     sums : dict path -> {"A": (in', in'), "G": (out, out), "count": 0-d}
     """
-    f, a, g = capture_factors(layers, forward, lambda out: hessian_columns(kind, out),
+    columns = differentiable_hessian_columns if create_graph else hessian_columns
+    f, a, g = capture_factors(layers, forward, lambda out: columns(kind, out),
                               num_augmentations=num_augmentations, create_graph=create_graph)
     return f, {layer.path: kfac_sums_from_factors(a[layer.path], g[layer.path]) for layer in layers}
 

@@ -64,15 +64,9 @@ class OnlineMarglik(PriorPrecision):
         ctx.history.setdefault("log_evidence_noise", []).append(self._evidence_noise(ctx, value))
         ctx.history.setdefault("prior_precision", []).append(float(self.prior_precision.mean()))
         if getattr(self, "_eta_opt", None) is not None:
-            from ..invariance.learning import guide_eta_step
-            dstate = getattr(ctx, "distributed", None)
-            if dstate is None:
-                batches = _batches(ctx.loader, self.curvature_batch_size)
-            else:       # whole-data batches, split across ranks and all-reduced in the step
-                from ..distributed import unsharded_batches
-                batches = unsharded_batches(ctx.loader, self.curvature_batch_size)
-            guide_eta_step(self, self.base_model, batches, self._eta_opt, seed=ctx.epoch,
-                           distributed=dstate)
+            # reuses the curvature of _deterministic_curvature (same seed: its draws replayed)
+            from ..invariance.guide_step import guide_online_eta_step
+            guide_online_eta_step(self, ctx, self._eta_opt, seed=EVIDENCE_SEED)
             ctx.history.setdefault("extent", []).append(self.base_model.augmentation.extent.tolist())
         if self._best is None or value > self._best[0]:
             # The state of this evidence step: the guide's (θ*, δ) and the model's own
@@ -134,7 +128,11 @@ class OnlineMarglik(PriorPrecision):
         devices = [device] if device is not None and device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            self.fit_curvature(**_curvature_source(ctx))
+            if getattr(self, "_eta_opt", None) is not None:     # LILA: per-batch seeded draws
+                from ..invariance.guide_step import guide_curvature_source
+                self.fit_curvature(**guide_curvature_source(ctx, self.curvature_batch_size, seed))
+            else:
+                self.fit_curvature(**_curvature_source(ctx))
 
     def _evidence_noise(self, ctx, value: float) -> float:
         """Standard deviation of one pass's evidence: 0 for an exact (non-random) pass; with

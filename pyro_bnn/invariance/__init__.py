@@ -4,10 +4,17 @@ are chosen by the Laplace marginal likelihood (Immer, van der Ouderaa et al. 202
 * :mod:`~pyro_bnn.invariance.augmentation` — ``AffineAugmentation`` (six 2D generators) and
   ``Affine1dAugmentation`` (sequences); ``pb.BNN(net, lik, augmentation=aug)`` averages the
   network over ``S`` transformed copies.
-* :mod:`~pyro_bnn.invariance.kfac` — augmentation-averaged KFAC factors.
-* :mod:`~pyro_bnn.invariance.evidence` — Laplace-KFAC evidence and its batched η-gradient.
+* :mod:`~pyro_bnn.invariance.evidence` — Laplace-KFAC evidence of the invariant model
+  and its batched η-gradient, on :mod:`pyro_bnn.curvature` (KFAC with
+  ``num_augmentations``) and :func:`pyro_bnn.marglik.log_evidence` (a total over the data).
+* :mod:`~pyro_bnn.invariance.step` — ``evidence_step``: one δ/η hyperparameter step.
+* :mod:`~pyro_bnn.invariance.guide_step` — η learning inside ``pb.fit(..., marglik=)``
+  with a Laplace guide, reusing the guide's curvature.
 * :mod:`~pyro_bnn.invariance.learning` — ``learn_invariance(model, data, method=...)``:
   LILA, Augerino and no-invariance in one loop.
+* :mod:`~pyro_bnn.invariance.kfac` — deprecated names of the first API
+  (``invariant_kfac_factors``, ``LayerFactors``, ``eigen_factors``, ``batch_surrogate``,
+  ``log_evidence``), kept as thin wrappers.
 * :mod:`~pyro_bnn.invariance.datasets` — rotated/translated/scaled digits and MNIST.
 """
 
@@ -22,12 +29,14 @@ from .augmentation import (
                            infer_image_shape,
 )
 from .datasets import transform_images, transformed_digits, transformed_mnist
-from .evidence import batch_surrogate, eigen_factors, log_evidence
-from .kfac import LayerFactors, invariant_kfac_factors
-from .learning import METHODS, InvarianceResult, evidence_step, learn_invariance, map_predict
+from .evidence import eta_surrogate, invariant_curvature
+from .kfac import LayerFactors, batch_surrogate, eigen_factors, invariant_kfac_factors, log_evidence
+from .learning import METHODS, InvarianceResult, learn_invariance, map_predict
+from .step import evidence_step
 
 __all__ = ["AffineAugmentation", "Affine1dAugmentation", "GENERATORS", "GENERATORS_1D",
            "affine_generators", "affine_matrices", "apply_affine", "infer_image_shape",
            "learn_invariance", "evidence_step", "map_predict", "InvarianceResult", "METHODS",
            "invariant_kfac_factors", "LayerFactors", "batch_surrogate", "eigen_factors",
-           "log_evidence", "transform_images", "transformed_digits", "transformed_mnist"]
+           "log_evidence", "transform_images", "transformed_digits", "transformed_mnist",
+           "invariant_curvature", "eta_surrogate"]

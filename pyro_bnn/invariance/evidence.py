@@ -1,143 +1,85 @@
-"""Laplace-KFAC log evidence of an invariant model and its gradient in ``η`` by minibatches.
+"""Laplace-KFAC evidence of an invariant model and its η-gradient by minibatches.
 
-Per layer ``l`` the posterior precision is ``P_l = G_l ⊗ A_l / (N T_l) + δ_l I`` and::
+Built on :mod:`pyro_bnn.curvature` and :func:`pyro_bnn.marglik.log_evidence`, with their
+conventions: per layer ``l`` the posterior precision is the
+:class:`~pyro_bnn.curvature.structures.KronBlock` ``P_l = s·G_l ⊗ A_l + δ_l I`` (``A_l`` the
+summed input factor, ``G_l`` the output factor divided by ``N·T_l``), ``s = 1/σ²`` for a
+Gaussian likelihood (whose factors use ``Λ = I``) and 1 otherwise, and::
 
-    log p(D | δ, η) ≈ Σ_n log p(y_n | f̂_n) − ½ Σ_l [δ_l ‖θ_l‖² + log det P_l − p_l log δ_l]
+    log p(D | δ, η) ≈ Σ_n log p(y_n | f̂_n) − ½ Σ_l [log det P_l − p_l log δ_l + δ_l ‖θ_l‖²]
 
-with ``log det P_l = Σ_ij log(λ^G_i λ^A_j / (N T_l) + δ_l)`` from the factors' eigenvalues.
+is a **total over the data set** (nats), never a per-datum value.
 
-The ``η``-gradient of ``log det P_l`` is ``tr(P_l⁻¹ ∂H_l/∂η)``.  ``H_l`` is a product of
-sums over the data, so by the product rule
-``∂H_l = Σ_b (G_l ⊗ ∂A_b + ∂G_b ⊗ A_l) / (N T_l)`` over minibatches ``b``.  In the eigenbasis
-of ``P_l`` only diagonals matter::
+The invariant model averages the network over ``S`` transformed copies,
+``f̂(x) = (1/S) Σ_s f(T_s x)``; its KFAC factors average the layer inputs and sum the
+output gradients over the copies (``num_augmentations`` of
+:func:`~pyro_bnn.curvature.kfac.batch_kfac_factors`).  The draws ``T_s`` of batch ``i`` are
+made under the seed ``seeds[i]`` (:class:`seeded_draws`), so a second pass can replay them.
 
-    tr(P_l⁻¹ (G ⊗ X)) = Σ_ij λ^G_i (Q_Aᵀ X Q_A)_jj / (λ^G_i λ^A_j s + δ_l)
-
-so :func:`batch_surrogate` rebuilds one batch's factors with autograd on, and its
-gradient — ``∂ log p(y_b | f̂) − ½ tr(P⁻¹ ∂H_b)`` — summed over batches is exactly the
-gradient of the full-data evidence (for fixed ``θ``), with memory of one batch.
+The η-gradient of ``log det P_l`` is ``tr(P_l⁻¹ ∂H_l/∂η)``.  ``H_l`` is a product of sums
+over the data, so by the product rule ``∂H_l = Σ_b (G_l ⊗ ∂A_b + ∂G_b ⊗ A_l)`` over
+minibatches ``b``: :func:`eta_surrogate` rebuilds one batch's factors with autograd on and
+takes :meth:`~pyro_bnn.curvature.structures.KronBlock.logdet_derivative` against the
+full-data blocks; the gradients of its values, summed over the batches, are exactly the
+gradient of the full-data evidence (for fixed θ and fixed draws), with the memory of one
+batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ..likelihoods import log_likelihood
-from .kfac import LayerFactors, invariant_kfac_factors
+from .. import marglik as ml
+from ..curvature import CurvatureFit, Layer, accumulate_curvature, batch_kfac_factors, find_layers
+from ..curvature.network import likelihood_kind, log_likelihood_terms
+from .kfac import (  # noqa: F401  (deprecated names of the first API, importable from here as before)
+    KronEigen,
+    accumulate_factors,
+    batch_surrogate,
+    eigen_factors,
+    log_det_posterior,
+    log_evidence,
+)
 
-__all__ = ["KronEigen", "eigen_factors", "log_det_posterior", "log_evidence", "batch_surrogate",
-           "accumulate_factors"]
+__all__ = ["invariant_layers", "num_augmentations", "likelihood_scale", "seeded_draws",
+           "batch_seeds", "invariant_curvature", "eta_surrogate", "log_evidence_at"]
 
 
-@dataclass
-class KronEigen:
-    """Eigen form of one layer's Kronecker curvature ``G ⊗ A · scale``.
+def invariant_layers(model, values: dict) -> list[Layer]:
+    """The model's curvature groups (Linear/Conv2d layers whose weights are ``values``' sites).
 
-    Attributes
-    ----------
-    qa, la : Tensor (D_A, D_A), (D_A,)
-        Eigenvectors and eigenvalues of ``A``.
-    qg, lg : Tensor (D_G, D_G), (D_G,)
-        Eigenvectors and eigenvalues of ``G``.
-    scale : float
-        ``1 / (N T)``.
+    Raises
+    ------
+    ValueError
+        A site is not the weight or bias of a Linear or Conv2d layer
+        (:func:`~pyro_bnn.curvature.layers.find_layers`).
     """
-
-    qa: torch.Tensor
-    la: torch.Tensor
-    qg: torch.Tensor
-    lg: torch.Tensor
-    scale: float
-
-    def eigenvalues(self) -> torch.Tensor:
-        """Eigenvalues of ``G ⊗ A · scale``, shape ``(D_G, D_A)``."""
-        return self.lg[:, None] * self.la[None, :] * self.scale
+    return find_layers(model, {k: v.shape for k, v in values.items()})
 
 
-def accumulate_factors(model, values: dict, batches, *, seeds=None) -> list[LayerFactors]:
-    """Sum :func:`invariant_kfac_factors` over ``batches`` (iterable of ``(x, y)``), no graph."""
-    total: list[LayerFactors] | None = None
-    for i, (x, _) in enumerate(batches):
-        with _seeded(None if seeds is None else seeds[i], x.device):
-            facs, _ = invariant_kfac_factors(model, values, x)
-        if total is None:
-            total = facs
-        else:
-            for t, f in zip(total, facs):
-                t.A = t.A + f.A
-                t.G = t.G + f.G
-    if total is None:
-        raise ValueError("no batches given")
-    return total
+def num_augmentations(model) -> int:
+    """``S``: the copies an invariant model (``pb.BNN(..., augmentation=)``) averages, else 1."""
+    aug = model._modules.get("augmentation") if isinstance(model, torch.nn.Module) else None
+    return 1 if aug is None else int(aug.num_samples)
 
 
-def eigen_factors(factors: list[LayerFactors], num_data: int) -> list[KronEigen]:
-    """Symmetric eigendecompositions of every layer's factors (eigenvalues clamped at 0)."""
-    out = []
-    for fac in factors:
-        la, qa = torch.linalg.eigh(fac.A.detach())
-        lg, qg = torch.linalg.eigh(fac.G.detach())
-        out.append(KronEigen(qa, la.clamp_min(0), qg, lg.clamp_min(0),
-                             1.0 / (num_data * fac.positions)))
-    return out
+def likelihood_scale(model, values: dict, x: torch.Tensor):
+    """``(kind, s, σ)``: the likelihood kind, the curvature scale ``s`` (``1/σ²`` for a
+    Gaussian, else 1) and the Gaussian noise (``None`` otherwise), all without a graph."""
+    kind, noise = likelihood_kind(model, values, x)
+    if noise is None:
+        return kind, 1.0, None
+    noise = noise.detach()
+    return kind, noise ** -2, noise
 
 
-def log_det_posterior(eig: list[KronEigen], prior_precision: torch.Tensor) -> torch.Tensor:
-    """``Σ_l log det P_l`` with ``P_l = H_l + δ_l I``; ``prior_precision``: (L,) (differentiable)."""
-    return sum(torch.log(e.eigenvalues() + d).sum() for e, d in zip(eig, prior_precision))
+class seeded_draws:
+    """Make the block's random draws from a stream seeded with ``seed`` and restore the
+    caller's stream afterwards (``torch.random.fork_rng``; ``seed=None``: a no-op)."""
 
-
-def log_evidence(log_lik: torch.Tensor, values: dict, factors: list[LayerFactors],
-                 eig: list[KronEigen], prior_precision: torch.Tensor) -> torch.Tensor:
-    """Laplace-KFAC log marginal likelihood (module docstring); differentiable in ``δ``.
-
-    Parameters
-    ----------
-    log_lik : Tensor, scalar
-        ``Σ_n log p(y_n | f̂_n)`` at the MAP.
-    values : dict
-        MAP weights ``{site: tensor}``.
-    factors, eig : per-layer factors and their eigen forms (same order).
-    prior_precision : Tensor, shape (L,)
-        ``δ_l`` per layer.
-    """
-    total = log_lik
-    for fac, e, d in zip(factors, eig, prior_precision):
-        sq = values[fac.weight].detach().pow(2).sum()
-        if fac.bias is not None:
-            sq = sq + values[fac.bias].detach().pow(2).sum()
-        p = fac.num_params
-        total = total - 0.5 * (d * sq + torch.log(e.eigenvalues() + d).sum() - p * torch.log(d))
-    return total
-
-
-def batch_surrogate(model, values: dict, x: torch.Tensor, y: torch.Tensor,
-                    factors: list[LayerFactors], eig: list[KronEigen],
-                    prior_precision: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch's share of the evidence, whose ``η``-gradient is that batch's share of ``∂ log p(D)``.
-
-    Returns ``(log p(y_b | f̂(x_b)) − ½ Σ_l tr(P_l⁻¹ H_l^{(b)}), log p(y_b | f̂))`` where
-    ``H^{(b)} = (G ⊗ A_b + G_b ⊗ A) s`` with the full-data ``A, G`` held fixed and the
-    batch's ``A_b, G_b`` rebuilt with autograd on (the product rule of ``∂(G ⊗ A)``).
-    The value of the trace term is not the evidence; only its gradient is meaningful.
-    """
-    batch, f = invariant_kfac_factors(model, values, x, create_graph=True)
-    ll = log_likelihood(model.likelihood, f, y).sum()
-    trace = 0.0
-    for fb, e, d in zip(batch, eig, prior_precision.detach()):
-        w = 1.0 / (e.eigenvalues() + d)                         # (D_G, D_A): diag of P⁻¹
-        da = (e.qa * (fb.A @ e.qa)).sum(0)                       # diag(Q_Aᵀ A_b Q_A)
-        dg = (e.qg * (fb.G @ e.qg)).sum(0)
-        trace = trace + e.scale * (e.lg @ w @ da + dg @ w @ e.la)
-    return ll - 0.5 * trace, ll.detach()
-
-
-class _seeded:
-    """Replay the same augmentation draws: fork the RNG and seed it (``None``: no-op)."""
-
-    def __init__(self, seed, device):
+    def __init__(self, seed: int | None, device):
         self.seed, self.device = seed, torch.device(device)
         self._fork = None
 
@@ -154,3 +96,105 @@ class _seeded:
         if self._fork is not None:
             self._fork.__exit__(*exc)
         return False
+
+
+def batch_seeds(seed: int, indices: Sequence[int]) -> list[int]:
+    """Seeds of the augmentation draws of batches ``indices`` (their positions among all the
+    data's batches): batch ``i`` is drawn with ``seed + i``, on any rank."""
+    return [int(seed) + int(i) for i in indices]
+
+
+def invariant_curvature(model, values: dict, batches: Sequence, seeds: Sequence[int], *,
+                        layers: list[Layer] | None = None,
+                        reduce_fn: Callable[[dict], dict] | None = None) -> CurvatureFit:
+    """Full-data KFAC curvature and log-likelihood of ``f̂`` at ``values``, batch ``i`` drawn
+    under ``seeds[i]`` (one :func:`~pyro_bnn.curvature.fit.accumulate_curvature` pass, no graph).
+
+    Parameters
+    ----------
+    model : pyro_bnn.BNN
+        With or without an augmentation (without: ordinary KFAC).
+    values : dict
+        ``{site: tensor}`` weights; they must require grad (the layer outputs need a graph).
+    batches : sequence of (x, y)
+    seeds : sequence of int
+        One per batch.
+    layers : list of Layer, optional
+        Default: :func:`invariant_layers`.
+    reduce_fn : callable, optional
+        All-reduce of the flat dict of sums (distributed passes).
+
+    Returns
+    -------
+    CurvatureFit
+        ``blocks``: one :class:`~pyro_bnn.curvature.structures.KronBlock` per layer;
+        ``loglik_stats`` and ``num_data`` summed over the batches (and ranks).
+    """
+    if len(seeds) != len(batches):
+        raise ValueError(f"expected one seed per batch, got {len(seeds)} seeds for {len(batches)} batches")
+    layers = invariant_layers(model, values) if layers is None else layers
+    x0 = batches[0][0]
+    kind, _, _ = likelihood_scale(model, values, x0[:2])
+    stream = iter(seeds)
+
+    def run(x):
+        with seeded_draws(next(stream), x.device):
+            return model.run_with(values, x)
+
+    return accumulate_curvature(layers, batches, run, kind, "kron", reduce_fn=reduce_fn,
+                                num_augmentations=num_augmentations(model))
+
+
+def eta_surrogate(model, values: dict, x: torch.Tensor, y: torch.Tensor, layers: list[Layer],
+                  blocks: Sequence, prior_precision: Sequence[torch.Tensor], num_data: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's share of the evidence whose η-gradient is that batch's share of ``∂ log p(D)``.
+
+    Run it under the batch's seed (:class:`seeded_draws`), with ``η`` requiring grad.
+
+    Parameters
+    ----------
+    model, values : the invariant model and its MAP weights.
+    x, y : Tensor
+        The batch.
+    layers : list of Layer
+        The curvature groups of ``blocks`` (same order).
+    blocks : sequence of KronBlock or SplitBiasKronBlock
+        The full-data curvature (the same draws as this pass).
+    prior_precision : sequence of Tensor
+        ``δ_l`` per block, 0-d (no graph needed).
+    num_data : int
+        ``N`` of the full-data curvature.
+
+    Returns
+    -------
+    surrogate : Tensor, 0-d
+        ``log p(y_b | f̂(x_b)) − ½ Σ_l logdet_derivative(A_b, G_b/(N T_l))``; only its
+        gradient is meaningful (its value is not the evidence).
+    log_lik : Tensor, 0-d
+        ``log p(y_b | f̂(x_b))`` without a graph.
+    """
+    kind, scale, noise = likelihood_scale(model, values, x[:2])
+    f, sums = batch_kfac_factors(layers, lambda: model.run_with(values, x), kind,
+                                 num_augmentations=num_augmentations(model), create_graph=True)
+    ll = ml.log_likelihood_from_stats(log_likelihood_terms(kind, f, y), noise)
+    trace = 0.0
+    for layer, block, delta in zip(layers, blocks, prior_precision):
+        part = sums[layer.path]
+        positions = part["count"] / len(x)                            # T_l
+        trace = trace + block.logdet_derivative(part["A"], part["G"] / (num_data * positions),
+                                                delta.detach(), scale)
+    return ll - 0.5 * trace, ll.detach()
+
+
+def log_evidence_at(curvature: CurvatureFit, layers: list[Layer], values: dict,
+                    prior_precision: Sequence[torch.Tensor], noise: torch.Tensor | None = None,
+                    ) -> torch.Tensor:
+    """:func:`pyro_bnn.marglik.log_evidence` of a KFAC curvature fit (total, differentiable in δ).
+
+    ``noise``: the Gaussian σ (``None`` otherwise); ``s = 1/σ²``.
+    """
+    theta = [layer.flatten(values).reshape(-1).detach() for layer in layers]
+    log_lik = ml.log_likelihood_from_stats(curvature.loglik_stats, noise)
+    scale = 1.0 if noise is None else noise ** -2
+    return ml.log_evidence(log_lik, curvature.blocks, theta, list(prior_precision), scale)

@@ -1,49 +1,46 @@
-"""KFAC for invariant models: augmentation-averaged Kronecker factors (LILA, §4 of METHODS).
+"""Deprecated: the first invariance-learning API (factor lists and eigen forms).
 
-For ``f̂(x) = (1/S) Σ_s f(T_s x)`` the Jacobian of a Linear/Conv2d layer is a sum over
-the ``S`` copies.  One Kronecker product approximates it with averaged factors::
+Invariance learning now runs on :mod:`pyro_bnn.curvature` and :mod:`pyro_bnn.marglik`
+(:mod:`pyro_bnn.invariance.evidence`).  The names below keep working for user code and
+delegate to that one implementation; each call warns with a ``DeprecationWarning``.  They
+keep their old conventions: factors are *sums* over the batch and a Gaussian likelihood's
+``G`` carries ``1/σ²`` (the library's convention is ``Λ = I`` with ``s = 1/σ²`` outside).
 
-    ā_{n,t} = mean_s a_{n,s,t}          (layer inputs, bias as an extra 1; t: conv positions)
-    ē_{n,t,c} = Σ_s e_{n,s,t,c}         (output gradients of L_cᵀ f̂_n, which carry the 1/S)
-    A = Σ_{n,t} ā ā ᵀ,   G = Σ_{n,t,c} ē_c ē_cᵀ,   H_l ≈ G ⊗ A / (N·T)
-
-with ``Λ_n = L_n L_nᵀ`` the likelihood Hessian in ``f`` (softmax: ``L = diag(√p) − p √pᵀ``,
-exact ``C``-column factorisation).  For ``S = 1`` (or ``η = 0``) these are the ordinary KFAC
-factors; for a one-layer model with a Gaussian likelihood ``G ⊗ A / N`` is the exact GGN
-of ``f̂`` (tested).  Parameters are ordered ``vec([W, b])`` row-major (output-major), so
-the Kronecker product is ``G ⊗ A``.
-
-Everything is computed from forward hooks and ``torch.autograd.grad`` on the layer
-outputs — no per-example Jacobians.  With ``create_graph=True`` the factors are
-differentiable in the augmentation extents ``η`` (needed for the evidence gradient).
+=============================  =================================================================
+old                            new
+=============================  =================================================================
+``invariant_kfac_factors``     :func:`pyro_bnn.curvature.kfac.batch_kfac_factors` (``num_augmentations=S``)
+``accumulate_factors``         :func:`pyro_bnn.invariance.evidence.invariant_curvature`
+``eigen_factors``/``KronEigen``  :class:`pyro_bnn.curvature.structures.KronBlock`
+``log_evidence``               :func:`pyro_bnn.marglik.log_evidence` (``evidence.log_evidence_at``)
+``batch_surrogate``            :func:`pyro_bnn.invariance.evidence.eta_surrogate`
+``kfac_layers``                :func:`pyro_bnn.curvature.layers.find_layers`
+=============================  =================================================================
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-__all__ = ["LayerFactors", "kfac_layers", "likelihood_hessian_factor", "invariant_kfac_factors"]
+from .. import marglik as ml
+from ..curvature import KronBlock, batch_kfac_factors, find_layers
+from ..curvature.kfac import differentiable_hessian_columns
+
+__all__ = ["LayerFactors", "kfac_layers", "likelihood_hessian_factor", "invariant_kfac_factors",
+           "KronEigen", "eigen_factors", "log_det_posterior", "log_evidence", "batch_surrogate",
+           "accumulate_factors"]
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"pyro_bnn.invariance: {old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
 
 
 @dataclass
 class LayerFactors:
-    """Kronecker factors of one layer summed over a batch.
-
-    Attributes
-    ----------
-    weight, bias : str, str or None
-        Site names of the layer's weight and bias.
-    A : Tensor, shape (D_in + has_bias, D_in + has_bias)
-        ``Σ_{n,t} ā ā ᵀ`` (input factor).
-    G : Tensor, shape (D_out, D_out)
-        ``Σ_{n,t,c} ē ēᵀ`` (output-gradient factor).
-    positions : int
-        ``T``: spatial positions per example (1 for Linear).
-    """
+    """Kronecker factor *sums* of one layer (``A``: inputs, ``G``: output gradients)."""
 
     weight: str
     bias: str | None
@@ -56,135 +53,132 @@ class LayerFactors:
         return self.A.shape[0] * self.G.shape[0]
 
 
-def kfac_layers(model) -> list[tuple[str, nn.Module, str, str | None]]:
-    """``(path, module, weight_site, bias_site)`` of every Linear/Conv2d layer with random weights.
+@dataclass
+class KronEigen:
+    """Eigen form of ``G ⊗ A · scale`` (``scale = 1/(N T)``)."""
 
-    Raises
-    ------
-    ValueError
-        If the model has random sites KFAC does not cover (other layer types).
-    """
-    sites = set(model.site_names)
-    out, covered = [], set()
-    for path, module in model.net.named_modules():
-        if not isinstance(module, (nn.Linear, nn.Conv2d)):
-            continue
-        w = f"net.{path}.weight" if path else "net.weight"
-        b = f"net.{path}.bias" if path else "net.bias"
-        if w not in sites:
-            continue
-        if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"):
-            raise ValueError(f"KFAC supports Conv2d with groups=1 and zero padding; layer {path!r} "
-                             f"has groups={module.groups}, padding_mode={module.padding_mode!r}")
-        out.append((path, module, w, b if b in sites else None))
-        covered |= {w, b}
-    missing = sites - covered
-    if missing:
-        raise ValueError(f"KFAC covers the weights of Linear and Conv2d layers; the model also has "
-                         f"random sites {sorted(missing)}")
-    return out
+    qa: torch.Tensor
+    la: torch.Tensor
+    qg: torch.Tensor
+    lg: torch.Tensor
+    scale: float
+
+    def eigenvalues(self) -> torch.Tensor:
+        return self.lg[:, None] * self.la[None, :] * self.scale
+
+
+def _layers(model):
+    return find_layers(model, {s: None for s in model.site_names})
+
+
+def _kind_scale(model, f):
+    from .evidence import likelihood_scale
+    return likelihood_scale(model, {}, f)[:2]
+
+
+def kfac_layers(model) -> list:
+    """``(path in model.net, module, weight_site, bias_site)`` per layer (deprecated)."""
+    _deprecated("kfac_layers", "pyro_bnn.curvature.find_layers")
+    return [(layer.path.removeprefix("net").removeprefix("."), layer.module, layer.weight, layer.bias)
+            for layer in _layers(model)]
 
 
 def likelihood_hessian_factor(likelihood, f: torch.Tensor) -> torch.Tensor:
-    """``L`` with ``L Lᵀ = Λ = −∇²_f log p(y | f)``, shape ``(N, C, C)`` (exact, C columns).
-
-    Categorical: ``diag(√p) − p √pᵀ``; Gaussian: ``I/σ``; Bernoulli: ``√(p(1 − p))``.
-    """
+    """``L`` with ``L Lᵀ = Λ`` (Gaussian: ``I/σ``), shape ``(N, C, C)`` (deprecated)."""
+    _deprecated("likelihood_hessian_factor", "pyro_bnn.curvature.network.hessian_columns")
     name = getattr(likelihood, "name", None)
-    n, c = f.shape[0], f.shape[-1]
-    if name == "categorical":
-        p = torch.softmax(f, -1)
-        s = p.clamp_min(1e-30).sqrt()
-        return torch.diag_embed(s) - p.unsqueeze(-1) * s.unsqueeze(-2)
-    if name == "gaussian":
-        eye = torch.eye(c, dtype=f.dtype, device=f.device).expand(n, c, c)
-        return eye / likelihood.noise.to(device=f.device, dtype=f.dtype)
-    if name == "bernoulli":
-        p = torch.sigmoid(f)
-        return torch.diag_embed((p * (1 - p)).sqrt())
-    raise ValueError(f"KFAC needs a categorical, gaussian or bernoulli likelihood, got {name!r}")
+    if name not in ("categorical", "gaussian", "bernoulli"):
+        raise ValueError(f"KFAC needs a categorical, gaussian or bernoulli likelihood, got {name!r}")
+    cols = differentiable_hessian_columns(name, f)
+    return cols / likelihood.noise.to(f) if name == "gaussian" else cols
 
 
-def _layer_input_rows(module: nn.Module, a: torch.Tensor, has_bias: bool) -> torch.Tensor:
-    """Inputs as rows ``(B, T, D)`` (conv: unfolded patches), with a column of ones for the bias."""
-    if isinstance(module, nn.Conv2d):
-        rows = F.unfold(a, module.kernel_size, dilation=module.dilation,
-                        padding=module.padding, stride=module.stride).transpose(1, 2)
-    else:
-        rows = a.reshape(a.shape[0], -1, a.shape[-1])
-    if has_bias:
-        rows = torch.cat([rows, torch.ones_like(rows[..., :1])], -1)
-    return rows
-
-
-def _output_rows(module: nn.Module, e: torch.Tensor) -> torch.Tensor:
-    if isinstance(module, nn.Conv2d):
-        return e.flatten(2).transpose(1, 2)          # (B, T, O)
-    return e.reshape(e.shape[0], -1, e.shape[-1])
-
-
-def invariant_kfac_factors(model, values: dict, x: torch.Tensor, *,
-                           create_graph: bool = False) -> tuple[list[LayerFactors], torch.Tensor]:
-    """Augmentation-averaged KFAC factors of one batch, and ``f̂(x)``.
-
-    Parameters
-    ----------
-    model : pyro_bnn.BNN
-        With or without ``augmentation`` (without: ``S = 1``, ordinary KFAC).
-    values : dict
-        ``{site: tensor}`` weights (the MAP).
-    x : Tensor, shape (M, ...)
-    create_graph : bool
-        Keep the graph so the factors (and ``f̂``) are differentiable in ``η``.
-
-    Returns
-    -------
-    factors : list of LayerFactors
-        Sums over the batch (not normalised).
-    f : Tensor, shape (M, C)
-        ``f̂(x)`` of the same forward pass (same augmentation draws).
-    """
-    layers = kfac_layers(model)
-    # The layer outputs need a graph to take gradients in: weights become leaves if needed.
+def _factors(model, values, x, create_graph):
+    from .evidence import num_augmentations
     values = {k: v if v.requires_grad else v.detach().requires_grad_() for k, v in values.items()}
-    aug = model._modules.get("augmentation")
-    s = 1 if aug is None else int(aug.num_samples)
-    m = len(x)
-    inputs: dict[str, torch.Tensor] = {}
-    outputs: dict[str, torch.Tensor] = {}
-    hooks = []
-    for path, module, _, _ in layers:
-        def hook(mod, inp, out, path=path):
-            inputs[path] = inp[0]
-            outputs[path] = out
-        hooks.append(module.register_forward_hook(hook))
-    try:
-        with torch.enable_grad():
-            f = model.run_with(values, x)
-    finally:
-        for h in hooks:
-            h.remove()
-    lam = likelihood_hessian_factor(model.likelihood, f if create_graph else f.detach())
-    outs = [outputs[path] for path, *_ in layers]
-    grads_per_col = []
-    for c in range(lam.shape[-1]):
-        g = torch.autograd.grad(f, outs, grad_outputs=lam[:, :, c], retain_graph=True,
-                                create_graph=create_graph)
-        grads_per_col.append(g)
-    factors = []
-    for i, (path, module, w, b) in enumerate(layers):
-        a = inputs[path] if create_graph else inputs[path].detach()
-        rows = _layer_input_rows(module, a, b is not None)              # (M·S, T, D)
-        abar = rows.reshape(m, s, *rows.shape[1:]).mean(1)              # (M, T, D)
-        t = abar.shape[1]
-        abar = abar.reshape(-1, abar.shape[-1])
-        big_a = abar.T @ abar
-        big_g = 0.0
-        for g in grads_per_col:
-            e = _output_rows(module, g[i])                              # (M·S, T, O)
-            ebar = e.reshape(m, s, *e.shape[1:]).sum(1).reshape(-1, e.shape[-1])
-            big_g = big_g + ebar.T @ ebar
-        factors.append(LayerFactors(w, b, big_a, big_g, t))
-    if not create_graph:
-        f = f.detach()
-    return factors, f
+    layers = find_layers(model, {k: v.shape for k, v in values.items()})
+    kind, scale = _kind_scale(model, x)
+    f, sums = batch_kfac_factors(layers, lambda: model.run_with(values, x), kind,
+                                 num_augmentations=num_augmentations(model), create_graph=create_graph)
+    out = [LayerFactors(layer.weight, layer.bias, sums[layer.path]["A"], sums[layer.path]["G"] * scale,
+                        int(round(float(sums[layer.path]["count"]))) // len(x)) for layer in layers]
+    return out, f
+
+
+def invariant_kfac_factors(model, values: dict, x: torch.Tensor, *, create_graph: bool = False):
+    """Augmentation-averaged KFAC factor sums of one batch and ``f̂(x)`` (deprecated)."""
+    _deprecated("invariant_kfac_factors", "pyro_bnn.curvature.batch_kfac_factors(num_augmentations=S)")
+    return _factors(model, values, x, create_graph)
+
+
+def accumulate_factors(model, values: dict, batches, *, seeds=None) -> list[LayerFactors]:
+    """Sum the factors over ``batches``, batch ``i`` drawn under ``seeds[i]`` (deprecated)."""
+    from .evidence import seeded_draws
+    _deprecated("accumulate_factors", "pyro_bnn.invariance.evidence.invariant_curvature")
+    total = None
+    for i, (x, _) in enumerate(batches):
+        with seeded_draws(None if seeds is None else seeds[i], x.device):
+            facs, _ = _factors(model, values, x, False)
+        if total is not None:
+            for t, f in zip(total, facs):
+                f.A, f.G = t.A + f.A, t.G + f.G
+        total = facs
+    if total is None:
+        raise ValueError("no batches given")
+    return total
+
+
+def eigen_factors(factors: list[LayerFactors], num_data: int) -> list[KronEigen]:
+    """Eigendecompositions of every layer's factors, eigenvalues clamped at 0 (deprecated)."""
+    _deprecated("eigen_factors", "pyro_bnn.curvature.KronBlock")
+    out = []
+    for fac in factors:
+        block = KronBlock(fac.A.detach(), fac.G.detach())
+        out.append(KronEigen(block.QA, block.lA, block.QG, block.lG, 1.0 / (num_data * fac.positions)))
+    return out
+
+
+class _EigenBlock:
+    """A :class:`KronEigen` seen as a block of :func:`pyro_bnn.marglik.log_evidence`."""
+
+    def __init__(self, eig: KronEigen):
+        self.eig = eig
+
+    def logdet(self, delta, scale=1.0):
+        return torch.log(scale * self.eig.eigenvalues() + delta).sum()
+
+
+def log_det_posterior(eig: list[KronEigen], prior_precision: torch.Tensor) -> torch.Tensor:
+    """``Σ_l log det(H_l + δ_l I)`` (deprecated)."""
+    _deprecated("log_det_posterior", "KronBlock.logdet")
+    return sum(_EigenBlock(e).logdet(d) for e, d in zip(eig, prior_precision))
+
+
+def _theta(values, fac):
+    parts = [values[fac.weight].detach().reshape(-1)]
+    if fac.bias is not None:
+        parts.append(values[fac.bias].detach().reshape(-1))
+    return torch.cat(parts)
+
+
+def log_evidence(log_lik: torch.Tensor, values: dict, factors: list[LayerFactors],
+                 eig: list[KronEigen], prior_precision: torch.Tensor) -> torch.Tensor:
+    """Laplace-KFAC log evidence, a total (deprecated: :func:`pyro_bnn.marglik.log_evidence`)."""
+    _deprecated("log_evidence", "pyro_bnn.marglik.log_evidence")
+    return ml.log_evidence(log_lik, [_EigenBlock(e) for e in eig], [_theta(values, f) for f in factors],
+                           list(prior_precision))
+
+
+def batch_surrogate(model, values: dict, x: torch.Tensor, y: torch.Tensor,
+                    factors: list[LayerFactors], eig: list[KronEigen],
+                    prior_precision: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's η-surrogate of the evidence (deprecated: ``evidence.eta_surrogate``)."""
+    from .evidence import eta_surrogate
+    _deprecated("batch_surrogate", "pyro_bnn.invariance.evidence.eta_surrogate")
+    values = {k: v if v.requires_grad else v.detach().requires_grad_() for k, v in values.items()}
+    layers = find_layers(model, {k: v.shape for k, v in values.items()})
+    _, scale = _kind_scale(model, x)
+    # back to the library's convention: G without 1/σ², normalised by N·T
+    blocks = [KronBlock(f.A.detach(), f.G.detach() * e.scale / scale) for f, e in zip(factors, eig)]
+    num_data = int(round(1.0 / (eig[0].scale * factors[0].positions)))
+    return eta_surrogate(model, values, x, y, layers, blocks, list(prior_precision), num_data)
