@@ -102,7 +102,7 @@ def main(argv=None):
 
     # (c) pb.fit with MeanField; one persistent optimizer so Adam's state carries over blocks
     model_c = pb.BNN(mlp(args.hidden), likelihood="categorical")
-    guide_c = pb.guides.MeanField(model_c)
+    guide_c = pb.guides.MeanField(model_c, local_reparameterization=False)  # weight noise (the default "auto" picks local for this net)
     # (d) the same with local reparameterisation (noise on pre-activations, not weights)
     model_d = pb.BNN(mlp(args.hidden), likelihood="categorical")
     guide_d = pb.guides.MeanField(model_d, local_reparameterization=True)
