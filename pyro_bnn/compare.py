@@ -8,8 +8,16 @@ meaningful.  The table has one row per guide:
   column: Monte Carlo model average of ``num_samples`` draws, or the Laplace guide's
   linearised GLM): ``accuracy, nll, ece, brier`` (classification) or ``rmse, nll,
   coverage_95`` (regression);
-* ``configuration``: the guide's settings as its ``extra_repr()`` prints them (e.g. the
-  Laplace guide's structure, subset and how δ was chosen), empty where it names none;
+* ``converged``: the convergence diagnosis of the row's :func:`pyro_bnn.fit`
+  (``FitResult.convergence``, :mod:`pyro_bnn.convergence`): ``"yes"``, or ``"no: "`` and the
+  short reasons (``still improving``, ``got worse``, ``σ limited by the lr``, ``constant lr,
+  not confirmed flat``, ``cannot judge (E epochs)``); a failed guide reads ``"no: failed"``.
+  The diagnosis is a necessary condition only: a cosine fit that is too short can pass
+  (``docs/training.md``), so check a figure against a run twice as long;
+* ``configuration``: the guide's settings (its ``extra_repr()``, e.g. the Laplace guide's
+  structure, subset and how δ was chosen, or for Gaussian guides the initial scale and
+  estimator) and the training settings (epochs, Adam learning rate and schedule, batch size,
+  gradient clipping, weight-norm model);
 * ``elbo``: Monte Carlo ``mean_s [log p(θ_s, D) − log q(θ_s)]`` over the training data
   (a point-mass guide, ``AutoDelta``, has ``log q = 0``: its value is the log joint; a
   Laplace row with the GLM predictive gives the linearised model's, with the guide's δ in
@@ -45,11 +53,12 @@ import torch
 from . import metrics
 from .arviz import default_method
 from .datasets import DataSplit
-from .guides.base import registered_guides
+from .guides.base import guide_contract, registered_guides
 from .prediction import PredictiveSamples, predict, predictive_samples
 from .training import FitResult, fit
 
-__all__ = ["compare", "Comparison", "GuideRun", "count_variational_parameters", "as_split"]
+__all__ = ["compare", "Comparison", "GuideRun", "count_variational_parameters", "as_split",
+           "convergence_label", "describe_configuration"]
 
 
 @dataclass
@@ -152,6 +161,10 @@ def _takes_argument(fn) -> bool:
     return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
 
 
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
 def _per_guide(value, name, default):
     if isinstance(value, Mapping):
         return value.get(name, default)
@@ -194,6 +207,98 @@ def _log_evidence(guide) -> float:
         return math.nan
 
 
+#: short labels of :class:`~pyro_bnn.convergence.ConvergenceDiagnosis` reasons, by their start
+_REASON_LABELS = (("the objective was still improving", "still improving"),
+                  ("the objective got worse", "got worse"),
+                  ("the posterior scales were limited", "σ limited by the lr"),
+                  ("the learning rate never decayed", "constant lr, not confirmed flat"))
+
+
+def convergence_label(diagnosis) -> str:
+    """The ``converged`` column: ``"yes"`` or ``"no: <short reasons>"``.
+
+    Parameters
+    ----------
+    diagnosis : pyro_bnn.convergence.ConvergenceDiagnosis or None
+        ``FitResult.convergence``; ``None`` (no diagnosis was made) reads ``"no: not diagnosed"``.
+
+    Returns
+    -------
+    str
+    """
+    if diagnosis is None:
+        return "no: not diagnosed"
+    if diagnosis.converged:
+        return "yes"
+    labels = []
+    for reason in diagnosis.reasons:
+        if reason.startswith("cannot judge"):
+            epochs = diagnosis.measures.get("epochs", "?")
+            labels.append(f"cannot judge ({epochs} epoch{'' if epochs == 1 else 's'})")
+            continue
+        labels.append(next((label for start, label in _REASON_LABELS if reason.startswith(start)),
+                           reason.split(":")[0]))
+    return "no: " + "; ".join(labels or ["not converged"])
+
+
+def _guide_settings(guide) -> str:
+    """The guide's own settings: its ``extra_repr()``, else the initial scale and estimator
+    attributes that the Gaussian guides carry."""
+    text = guide.extra_repr() if isinstance(guide, torch.nn.Module) else ""
+    parts = [text] if text else []
+    init_scale = getattr(guide, "init_scale", getattr(guide, "_init_scale", None))
+    if isinstance(init_scale, float) and "init_scale" not in text:
+        parts.append(f"init_scale={init_scale:g}")
+    if text:
+        return ", ".join(parts)
+    estimator = getattr(guide, "estimator", None)
+    if isinstance(estimator, str):
+        parts.append(f"estimator={estimator}, K={getattr(guide, 'num_permutations', '?')}")
+    try:
+        local = getattr(guide, "local_reparameterization", None)
+    except (RuntimeError, AttributeError):  # not set up: the setting cannot be resolved
+        local = None
+    if isinstance(local, bool):
+        parts.append(f"local reparameterisation {'on' if local else 'off'}")
+    return ", ".join(parts)
+
+
+def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch_size: int,
+                           fit_options: Mapping | None = None) -> str:
+    """The ``configuration`` column: the guide's settings and how it was trained.
+
+    Parameters
+    ----------
+    model, guide
+        The trained model and guide.
+    epochs, lr, batch_size
+        The :func:`pyro_bnn.fit` arguments (``lr=None``: the guide's ``default_lr``, as
+        ``fit`` resolves it).
+    fit_options : dict, optional
+        Further ``fit`` options (``lr_schedule``, ``clip_norm``, ...).
+
+    Returns
+    -------
+    str
+        E.g. ``"init_scale=0.01, local reparameterisation on; 300 epochs, Adam lr 0.05 cosine,
+        batch 64"``.
+    """
+    fit_options = dict(fit_options or {})
+    if lr is None:
+        lr = guide_contract(guide).default_lr or 1e-3
+    schedule = fit_options.get("lr_schedule", "cosine")
+    schedule = schedule if isinstance(schedule, str) else "custom schedule"
+    optimizer = "custom optimiser" if fit_options.get("optimizer") is not None else "Adam"
+    training = (f"{epochs} epoch{'' if epochs == 1 else 's'}, {optimizer} lr {lr:g} {schedule}, "
+                f"batch {batch_size}")
+    if fit_options.get("clip_norm") is not None:
+        training += f", clip_norm {fit_options['clip_norm']:g}"
+    if fit_options.get("num_particles", 1) != 1:
+        training += f", {fit_options['num_particles']} particles"
+    model_part = "weight-norm model" if getattr(model, "weight_norm", False) else ""
+    return "; ".join(p for p in (_guide_settings(guide), model_part, training) if p)
+
+
 def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSamples:
     """A guide's own predictive (``pb.predict(method=...)``) as :class:`PredictiveSamples`."""
     values = predict(model, guide, x, num_samples=num_samples, method=method)
@@ -224,7 +329,9 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     out = run.predictive(split.x_test, num_samples)
     run.metrics["predict_seconds"] = time.perf_counter() - t0
     run.metrics["predictive"] = predict_method
-    run.metrics["configuration"] = guide.extra_repr() if isinstance(guide, torch.nn.Module) else ""
+    run.metrics["converged"] = convergence_label(run.fit.convergence)
+    run.metrics["configuration"] = describe_configuration(model, guide, epochs=epochs, lr=lr,
+                                                          batch_size=batch_size, fit_options=fit_kw)
     y_test = split.y_test.to(out.probs.device if out.probs is not None else out.loc.device)
     if out.kind == "categorical":
         scores = metrics.classification_metrics(out.probs, y_test)
@@ -252,7 +359,7 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
 
 
 def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping[str, int] = 20,
-            batch_size: int = 64, lr: float | Mapping[str, float] = 1e-3, num_samples: int = 100,
+            batch_size: int = 64, lr: float | Mapping[str, float] | None = None, num_samples: int = 100,
             loo_samples: int = 200, device=None, seed: int = 0, progress: bool = True,
             guide_options: Mapping[str, dict] | None = None,
             fit_options: Mapping[str, dict] | None = None,
@@ -273,8 +380,12 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     data : DataSplit or ((x_train, y_train), (x_test, y_test))
         Training and test data.
     epochs, lr : int/float or dict
-        Training length and learning rate, one value or ``{guide: value}`` (missing guides
-        use ``20`` epochs / ``1e-3``).
+        Training length and Adam learning rate, one value or ``{guide: value}`` (missing
+        guides: ``20`` epochs; ``lr=None`` or a missing guide: the guide's ``default_lr`` as
+        :func:`pyro_bnn.fit` resolves it, with ``fit``'s default cosine decay).  Whether each
+        fit converged is in the ``converged`` column: 20 epochs are too few to judge, so pass
+        a length that converges for your data (digits 64-100-10: 300, see
+        ``docs/results/compare.md``).
     batch_size : int
         Minibatch size of :func:`pyro_bnn.fit`.
     num_samples : int
@@ -327,7 +438,8 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         try:
             runs[name] = _run_one(
                 name, guide_fn, model_fn, split, epochs=int(_per_guide(epochs, name, 20)),
-                batch_size=batch_size, lr=float(_per_guide(lr, name, 1e-3)), num_samples=num_samples,
+                batch_size=batch_size, lr=_optional_float(_per_guide(lr, name, None)),
+                num_samples=num_samples,
                 loo_samples=loo_samples, device=device, seed=seed, progress=progress,
                 guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
                 fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
@@ -337,12 +449,13 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
                 raise
             warnings.warn(f"guide {name!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning,
                           stacklevel=2)
-            runs[name] = GuideRun(name, error="".join(traceback.format_exception_only(exc)).strip())
+            runs[name] = GuideRun(name, error="".join(traceback.format_exception_only(exc)).strip(),
+                                  metrics={"converged": "no: failed"})
     table = _table(runs)
     return Comparison(table, runs, split) if details else table
 
 
-_ORDER = ["accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "elbo", "log_evidence", "elpd_loo",
+_ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "elbo", "log_evidence", "elpd_loo",
           "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "train_seconds", "predict_seconds", "num_params",
           "predictive", "configuration"]
 

@@ -3,7 +3,8 @@
 :func:`write_report` writes, for a :class:`~pyro_bnn.compare.Comparison`:
 
 * ``table.md`` / ``table.csv`` — the comparison table;
-* ``metrics.json`` — every metric, per-epoch training history, OOD scores, settings;
+* ``metrics.json`` — every metric, per-epoch training history, each fit's convergence diagnosis
+  (``FitResult.convergence``: verdict, reasons, measures), OOD scores, settings;
 * ``reliability.png`` — reliability diagrams (accuracy vs confidence, ECE) per guide;
 * ``entropy.png`` — predictive entropy on test data vs out-of-distribution inputs (rotated
   digits, uniform noise) per guide, with the AUROC of entropy as an OOD detector;
@@ -245,6 +246,8 @@ def _device(model):
 
 
 def _jsonable(v):
+    if isinstance(v, (bool, np.bool_)):  # before int: bool is an int subclass
+        return bool(v)
     if isinstance(v, (float, np.floating)):
         return None if math.isnan(float(v)) else float(v)
     if isinstance(v, (int, np.integer)):
@@ -341,6 +344,10 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
         "settings": dict(settings or {}),
         "table": {name: row for name, row in table.to_dict(orient="index").items()},
         "history": {k: r.fit.history for k, r in comparison.runs.items() if r.fit is not None},
+        "convergence": {k: {"converged": r.fit.convergence.converged, "reasons": r.fit.convergence.reasons,
+                            "measures": r.fit.convergence.measures}
+                        for k, r in comparison.runs.items()
+                        if r.fit is not None and r.fit.convergence is not None},
         "errors": {k: r.error for k, r in comparison.runs.items() if r.error is not None},
         **extra,
     }

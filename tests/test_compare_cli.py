@@ -15,6 +15,8 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn import cli
+from pyro_bnn.compare import convergence_label
+from pyro_bnn.convergence import diagnose
 from pyro_bnn.guides import registered_guides
 from pyro_bnn.report import markdown_table, ood_inputs
 
@@ -132,6 +134,12 @@ def test_cli_smoke_writes_every_artefact(tmp_path, capsys):
     assert set(metrics["table"]) == set(names) and metrics["wall_seconds"] > 0
     assert set(metrics["ood_auroc_entropy"]) == set(names)
     assert set(metrics["history"]) == set(names)
+    assert set(metrics["convergence"]) == set(names)  # each fit's diagnosis, with its evidence
+    for name in names:  # 1 epoch: never reported as converged
+        assert table.loc[name, "converged"].startswith("no: cannot judge (1 epoch)")
+        assert metrics["convergence"][name]["converged"] is False
+        assert metrics["convergence"][name]["measures"]["epochs"] == 1
+        assert "1 epoch, Adam lr" in table.loc[name, "configuration"]
     for name in names:
         dt = xr.open_datatree(out / "datatrees" / f"{name}.nc")
         assert dt["log_likelihood"]["obs"].shape == (1, 64, 200)
@@ -147,3 +155,72 @@ def test_cli_toy_regression_and_bad_guide(tmp_path, capsys):
     assert {"rmse", "coverage_95"} <= set(table.columns)
     assert cli.main(["--guides", "nope", "--out", str(tmp_path / "x")]) == 2
     assert "unknown guide" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the converged column (issue 14)
+def test_converged_column_is_the_fit_diagnosis(comparison):
+    table = comparison.table
+    assert table.columns[0] == "converged"  # no row without its convergence status
+    for name, run in comparison.runs.items():
+        assert table.loc[name, "converged"] == convergence_label(run.fit.convergence)
+        # 3 epochs are too few to judge: every row says "no", never "yes"
+        assert not run.fit.convergence.converged
+        assert table.loc[name, "converged"].startswith("no: cannot judge (3 epochs)")
+
+
+def test_converged_column_yes_after_a_converging_fit_no_after_a_short_one(split):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pb.ConvergenceWarning)
+        # MeanField defaults (lr 5e-2, cosine) on 200 digits and a 64-8-10 net: 60 epochs converge,
+        # 40 leave the scales limited by the learning rate
+        tables = {e: pb.compare(_model, ["meanfield"], split, epochs=e, num_samples=4, loo_samples=0,
+                                progress=False, details=True) for e in (60, 40)}
+    long, short = tables[60], tables[40]
+    assert long.runs["meanfield"].fit.convergence.converged
+    assert long.table.loc["meanfield", "converged"] == "yes"
+    assert not short.runs["meanfield"].fit.convergence.converged
+    assert short.table.loc["meanfield", "converged"] == "no: σ limited by the lr"
+    config = long.table.loc["meanfield", "configuration"]
+    assert "init_scale=0.01" in config and "60 epochs, Adam lr 0.05 cosine, batch 64" in config
+
+
+@pytest.mark.parametrize("objective, limited, label", [
+    ([-100.0] * 40, None, "yes"),
+    ([-100.0 + 2 * t for t in range(40)], None, "no: still improving"),
+    ([-100.0 - 2 * t for t in range(40)], None, "no: got worse"),
+    ([-100.0] * 40, (0.9, 1.0), "no: σ limited by the lr"),
+    ([-100.0] * 5, (0.9, 1.0), "no: cannot judge (5 epochs); σ limited by the lr"),
+    ([-100.0] * 1, None, "no: cannot judge (1 epoch)"),
+])
+def test_convergence_label_names_each_reason(objective, limited, label):
+    diagnosis = diagnose(objective, lr_decayed=True, scale_limited=limited)
+    assert convergence_label(diagnosis) == label
+    assert (label == "yes") == diagnosis.converged
+
+
+def test_convergence_label_of_a_constant_rate_and_no_diagnosis():
+    noisy = [-100.0 + (3.0 if t % 2 else -3.0) for t in range(40)]  # flat within ±1 % not confirmed
+    assert convergence_label(diagnose(noisy, lr_decayed=False)) == "no: constant lr, not confirmed flat"
+    assert convergence_label(None) == "no: not diagnosed"
+
+
+def test_failed_guide_row_says_not_converged(split):
+    def broken(model):
+        raise RuntimeError("boom")
+
+    with pytest.warns(RuntimeWarning, match="boom"):
+        table = pb.compare(_model, {"broken": broken}, split, epochs=1, loo_samples=0, progress=False)
+    assert table.loc["broken", "converged"] == "no: failed"
+
+
+def test_main_job_defaults_are_each_guides_converging_settings():
+    args = cli.build_parser().parse_args([])
+    names = list(registered_guides())
+    epochs, lr, fit_kw, _ = cli._settings(args, names)
+    assert set(cli.GUIDE_DEFAULTS) >= set(names)  # every registered guide has documented settings
+    for name in names:
+        assert epochs[name] == 300, name  # checked against 600 epochs (docs/results/compare.md)
+        assert fit_kw[name].get("lr_schedule", "cosine") == "cosine", name
+    # the variational guides train at their own default_lr (pb.fit resolves lr=None)
+    assert lr["meanfield"] is None and lr["symmetrized"] is None and lr["hypernet"] is None
+    assert cli.GUIDE_DEFAULTS["hypernet"]["model"] == {"weight_norm": True}
