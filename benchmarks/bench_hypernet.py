@@ -1,12 +1,18 @@
 """Bayesian hypernetwork benchmarks: converged ELBO and accuracy (digits, MNIST 5k/5k), seconds per epoch.
 
-* ``--task digits``: MLP 64-100-10.  MeanField over all weights of the ordinary net (init
-  scale 0.1, lr ``--mf-lr`` 5e-2, cosine decay, ``--mf-epochs``) vs Hypernet over the
-  weight-norm scales (IAF, ``--num-flows``; 0 = mean-field Gaussian on the scales, the
-  like-for-like ELBO baseline; lr ``--lr``, default the guide's ``default_lr``, cosine,
-  ``--epochs``).  Per guide: final full-data ELBO (mean of ``--elbo-draws`` estimates),
-  the training ELBO's change over the last 10 % of epochs (convergence evidence), test
-  accuracy, NLL, ECE, seconds.  ``--seeds`` runs several seeds.
+* ``--task digits``: MLP 64-100-10.  MeanField over all weights of the ordinary net (its
+  defaults: init scale and lr ``default_lr``, or ``--mf-lr``; cosine decay, ``--mf-epochs``)
+  vs Hypernet over the weight-norm scales (IAF, ``--num-flows``; 0 = mean-field Gaussian on
+  the scales, the like-for-like ELBO baseline; lr ``--lr``, default the guide's
+  ``default_lr``, cosine, ``--epochs``).  Per guide: final full-data ELBO (mean of
+  ``--elbo-draws`` estimates), the training ELBO's change over the last 10 % of epochs and
+  ``pb.fit``'s convergence diagnosis, test accuracy, NLL, ECE, seconds.  ``--seeds`` runs
+  several seeds.  The two ELBOs bound different models' evidence (the weight-norm model's
+  directions and biases are point estimates): compare Hypernet with MeanField on test
+  accuracy/NLL, and with Hypernet K=0 on the ELBO.
+* ``--task full``: MLP 64-50-10, the full-weight flow (``Hypernet(full=True)``, ``--flow``
+  realnvp by default, ``--num-flows`` 2 blocks of ``--hidden`` 32; lrs ``--full-lrs``) vs
+  MeanField on the same ordinary net and prior (an ELBO comparison of one model).
 * ``--task mnist``: weight-norm MLP 784-800-800-10 on MNIST 5k/5k (first 5,000 digits of the
   MNIST test file for training, next 5,000 for testing), Hypernet with 0/4/8 blocks
   (0 = Bayes by Backprop on g).
@@ -15,7 +21,8 @@
   epochs interleaved in one process, medians of wall and CPU (``time.process_time``)
   seconds and ratios.
 
-    python benchmarks/bench_hypernet.py --task digits --threads 1 --seeds 0 1 2
+    python benchmarks/bench_hypernet.py --task digits --threads 1 --seeds 0 1 2 --json out.json
+    python benchmarks/bench_hypernet.py --task full --threads 1 --seeds 0 1
     python benchmarks/bench_hypernet.py --task mnist --epochs 10 --data-dir ../shared/data/mnist
     python benchmarks/bench_hypernet.py --task speed --threads 1 --fused --layout stable paper
 """
@@ -23,6 +30,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 import warnings
@@ -46,17 +54,26 @@ def mlp(sizes):
 
 def _fit_eval(model, guide, train, test, args, epochs=None, lr=None, **kw):
     """Fit, then ``(metrics, seconds, final ELBO, change of the training ELBO over the last
-    10 % of epochs in % of |ELBO|)``."""
+    10 % of epochs in % of |ELBO|, convergence record)``."""
     epochs = args.epochs if epochs is None else epochs
     t0 = time.perf_counter()
-    res = pb.fit(model, guide, train, epochs=epochs, batch_size=args.batch_size, lr=lr,
-                 lr_schedule=args.lr_schedule, progress=False, seed=args.seed, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pb.ConvergenceWarning)  # recorded in the row instead
+        res = pb.fit(model, guide, train, epochs=epochs, batch_size=args.batch_size, lr=lr,
+                     lr_schedule=args.lr_schedule, progress=False, seed=args.seed, **kw)
     secs = time.perf_counter() - t0
     m = pb.evaluate(model, guide, *test, num_samples=args.num_samples)
     elbo = res.history["elbo"]
-    k = max(1, epochs // 20)
-    end, before = statistics.mean(elbo[-k:]), statistics.mean(elbo[int(0.9 * epochs) - k:int(0.9 * epochs)])
-    return m, secs, full_data_elbo(model, guide, train, args.elbo_draws), 100 * (end - before) / abs(end)
+    k = max(1, epochs // 10)
+    end, before = statistics.mean(elbo[-k:]), statistics.mean(elbo[-2 * k:-k])
+    diag = res.convergence
+    record = {"epochs": epochs, "lr": lr if lr is not None else pb.guides.guide_contract(guide).default_lr,
+              "lr_schedule": args.lr_schedule, "converged": diag.converged, "reasons": diag.reasons,
+              "measures": {k: v for k, v in diag.measures.items()
+                           if v is None or isinstance(v, (int, float, bool, str))},
+              "elbo_history_every_10": elbo[::10] + [elbo[-1]]}
+    return (m, secs, full_data_elbo(model, guide, train, args.elbo_draws),
+            100 * (end - before) / abs(end), record)
 
 
 @torch.no_grad()
@@ -74,6 +91,7 @@ def full_data_elbo(model, guide, data, draws: int) -> float:
 
 def task_digits(args):
     d = pb.datasets.digits()
+    out = []
     for seed in args.seeds:
         args.seed = seed
         rows = []
@@ -82,13 +100,57 @@ def task_digits(args):
         if not args.no_meanfield:
             mf_model = pb.BNN(net, "categorical", prior=pb.priors.IIDNormal(1.0))
             rows.append((f"MeanField (all weights, {args.mf_epochs} ep)",)
-                        + _fit_eval(mf_model, pb.guides.MeanField(mf_model, init_scale=0.1), d.train,
+                        + _fit_eval(mf_model, pb.guides.MeanField(mf_model), d.train,
                                     d.test, args, epochs=args.mf_epochs, lr=args.mf_lr))
-        rows += _hypernet_rows(net, d.train, d.test, args, f" g, {args.epochs} ep")
+        if not args.no_hypernet:
+            rows += _hypernet_rows(net, d.train, d.test, args, f" g, {args.epochs} ep")
         print(f"digits 1348/449, MLP 64-100-10, seed {seed}, batch {args.batch_size}, "
-              f"{args.lr_schedule} lr (MeanField {args.mf_lr}, Hypernet {args.lr or 'default'}), "
+              f"{args.lr_schedule} lr (MeanField {args.mf_lr or 'default'}, Hypernet {args.lr or 'default'}), "
               f"{args.num_samples} predictive samples, ELBO from {args.elbo_draws} full-data draws")
         _table(rows)
+        out += _records(rows, seed)
+    return out
+
+
+def task_full(args):
+    """Full-weight flow vs MeanField on one ordinary BNN (64-50-10, N(0, 1) prior)."""
+    d = pb.datasets.digits()
+    out = []
+    for seed in args.seeds:
+        args.seed = seed
+        rows = []
+        torch.manual_seed(seed)
+        net = mlp([64, 50, 10])
+        if not args.no_meanfield:
+            model = pb.BNN(net, "categorical", prior=pb.priors.IIDNormal(1.0))
+            rows.append((f"MeanField (all weights, {args.mf_epochs} ep)",)
+                        + _fit_eval(model, pb.guides.MeanField(model), d.train, d.test, args,
+                                    epochs=args.mf_epochs, lr=args.mf_lr))
+        for lr in args.full_lrs:
+            for k in args.num_flows:
+                model = pb.BNN(net, "categorical", prior=pb.priors.IIDNormal(1.0))
+                guide = pb.guides.Hypernet(model, flow=args.flow, num_flows=k, hidden=args.hidden[0],
+                                           full=True, layout=args.layout[0])
+                try:
+                    row = _fit_eval(model, guide, d.train, d.test, args, lr=lr)
+                except FloatingPointError as err:   # a diverged fit is a result, not a crash
+                    print(f"  full-weight {args.flow} K={k} lr {lr:g}: FAILED ({err})")
+                    out.append({"seed": seed, "guide": f"full {args.flow} K={k} lr {lr:g}",
+                                "failed": str(err)})
+                    continue
+                rows.append((f"full-weight {args.flow} K={k} H={args.hidden[0]} lr {lr:g}",) + row)
+        print(f"digits 1348/449, MLP 64-50-10, N(0, 1) prior, seed {seed}, batch {args.batch_size}, "
+              f"{args.lr_schedule} lr, {args.epochs} epochs (MeanField {args.mf_epochs}), "
+              f"ELBO from {args.elbo_draws} full-data draws")
+        _table(rows)
+        out += _records(rows, seed)
+    return out
+
+
+def _records(rows, seed):
+    return [{"seed": seed, "guide": name, "elbo": elbo, "elbo_change_last10pct": gain,
+             "accuracy": m["accuracy"], "nll": m["nll"], "ece": m["ece"], "fit_seconds": secs, **rec}
+            for name, m, secs, elbo, gain, rec in rows]
 
 
 def task_mnist(args):
@@ -120,9 +182,9 @@ def _hypernet_rows(net, train, test, args, suffix=""):
 def _table(rows):
     print(f"  {'guide':44s} {'ELBO':>9s} {'last10%':>8s} {'accuracy':>9s} {'nll':>8s} {'ece':>7s} "
           f"{'fit s':>8s}")
-    for name, m, secs, elbo, gain in rows:
+    for name, m, secs, elbo, gain, rec in rows:
         print(f"  {name:44s} {elbo:9.1f} {gain:+7.2f}% {m['accuracy']:9.4f} {m['nll']:8.4f} "
-              f"{m['ece']:7.4f} {secs:8.1f}")
+              f"{m['ece']:7.4f} {secs:8.1f}  converged={rec['converged']}")
 
 
 def task_speed(args):
@@ -211,7 +273,7 @@ def task_speed(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=["digits", "mnist", "speed"], default="digits")
+    ap.add_argument("--task", choices=["digits", "full", "mnist", "speed"], default="digits")
     ap.add_argument("--data-dir", default="../shared/data/mnist")
     ap.add_argument("--epochs", type=int, default=None,
                     help="default: 300 (digits), 10 (mnist), 5 timed epochs (speed)")
@@ -221,16 +283,21 @@ def main(argv=None):
     ap.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"])
     ap.add_argument("--layout", nargs="+", default=["stable"], choices=["stable", "paper"],
                     help="Hypernet layout(s); speed: several are timed side by side")
-    ap.add_argument("--mf-lr", type=float, default=5e-2, help="MeanField learning rate (digits)")
-    ap.add_argument("--mf-epochs", type=int, default=1000, help="MeanField epochs (digits)")
+    ap.add_argument("--mf-lr", type=float, default=None,
+                    help="MeanField learning rate (digits, full; default its default_lr)")
+    ap.add_argument("--mf-epochs", type=int, default=None, help="MeanField epochs (default --epochs)")
+    ap.add_argument("--full-lrs", type=float, nargs="+", default=[None],
+                    help="full task: learning rates of the full-weight flow (default its default_lr)")
     ap.add_argument("--elbo-draws", type=int, default=64)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="digits: one run per seed")
     ap.add_argument("--flow", default=None, help="iaf (digits, speed) / realnvp couplings (mnist)")
     ap.add_argument("--num-flows", type=int, nargs="+", default=None)
-    ap.add_argument("--hidden", type=int, nargs="+", default=[200],
+    ap.add_argument("--hidden", type=int, nargs="+", default=None,
                     help="hidden units of the IAF/coupling conditioners (several: one run each)")
     ap.add_argument("--mlp-width", type=int, default=800, help="MLP hidden width (mnist)")
-    ap.add_argument("--no-meanfield", action="store_true", help="skip MeanField (digits)")
+    ap.add_argument("--no-meanfield", action="store_true", help="skip MeanField (digits, full)")
+    ap.add_argument("--no-hypernet", action="store_true", help="skip the Hypernet rows (digits)")
+    ap.add_argument("--json", default=None, help="digits, full: write every row (with convergence) here")
     ap.add_argument("--loop", action="store_true",
                     help="speed: Hypernet epochs as a plain loop like MAP's instead of pb.fit")
     ap.add_argument("--num-samples", type=int, default=32)
@@ -241,13 +308,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    defaults = {"digits": (300, 64, "iaf", [0, 8]), "mnist": (10, 100, "realnvp", [0, 4, 8]),
-                "speed": (5, 128, "iaf", [8])}[args.task]
+    defaults = {"digits": (300, 64, "iaf", [0, 8], [200]), "full": (300, 64, "realnvp", [2], [32]),
+                "mnist": (10, 100, "realnvp", [0, 4, 8], [200]), "speed": (5, 128, "iaf", [8], [200])}[args.task]
     args.epochs = defaults[0] if args.epochs is None else args.epochs
+    args.mf_epochs = args.epochs if args.mf_epochs is None else args.mf_epochs
     args.batch_size = defaults[1] if args.batch_size is None else args.batch_size
     args.flow = defaults[2] if args.flow is None else args.flow
     args.num_flows = defaults[3] if args.num_flows is None else args.num_flows
-    {"digits": task_digits, "mnist": task_mnist, "speed": task_speed}[args.task](args)
+    args.hidden = defaults[4] if args.hidden is None else args.hidden
+    rows = {"digits": task_digits, "full": task_full, "mnist": task_mnist, "speed": task_speed}[args.task](args)
+    if args.json and args.task in ("digits", "full"):
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -82,13 +82,13 @@ def convergence_evidence(fit) -> dict:
 
 
 def sigma_stats(model, guide) -> dict:
-    scales = torch.cat([guide.loc_and_scale(s)[1].detach().reshape(-1) for s in model.site_names])
-    snr = torch.cat([v.reshape(-1) for v in pruning.scores(guide, "snr", model).values()])
-    mag = torch.cat([v.reshape(-1) for v in pruning.scores(guide, "magnitude", model).values()])
-    zp = torch.cat([v.reshape(-1) for v in pruning.scores(guide, "zero_prob", model).values()])
+    scales = torch.cat([guide.loc_and_scale(s)[1].detach().cpu().reshape(-1) for s in model.site_names])
+    snr = torch.cat([v.cpu().reshape(-1) for v in pruning.scores(guide, "snr", model).values()])
+    mag = torch.cat([v.cpu().reshape(-1) for v in pruning.scores(guide, "magnitude", model).values()])
+    zp = torch.cat([v.cpu().reshape(-1) for v in pruning.scores(guide, "zero_prob", model).values()])
     q = torch.tensor([0.01, 0.5, 0.99])
     per_site = {s: [round(float(v), 5) for v in torch.quantile(guide.loc_and_scale(s)[1].detach()
-                                                                .reshape(-1)[:1_000_000], q)]
+                                                                .cpu().reshape(-1)[:1_000_000], q)]
                 for s in model.site_names}
     return {"sigma_quantiles_1_50_99": [float(v) for v in torch.quantile(scales[:1_000_000], q)],
             "sigma_quantiles_per_site": per_site,
@@ -118,6 +118,7 @@ def main(argv=None):
     p.add_argument("--fractions", default="0,0.5,0.75,0.9,0.95,0.98")
     p.add_argument("--kinds", default="snr,magnitude,zero_prob")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
+    p.add_argument("--device", default=None, help="training and evaluation device (e.g. cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="1k/1k, 5 epochs (smoke run)")
     p.add_argument("--tag", default=None, help="output file tag (default <prior>_e<epochs>[_val<N>])")
@@ -147,11 +148,14 @@ def main(argv=None):
     net = nn.Sequential(nn.Linear(d_in, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
                         nn.ReLU(), nn.Linear(args.hidden, 10))
     model = pb.BNN(net, "categorical", prior=PRIORS[args.prior](net))
+    if args.device:
+        model.to(args.device)
     guide = pb.guides.MeanField(model, init_scale=args.init_scale, kl_annealing=args.kl_annealing)
     summary = {"args": vars(args), "num_train": len(x_train)}
     if args.load_state:
-        pb.training.setup_guide(model, guide, x_train[:2], y_train[:2])
-        state = torch.load(args.load_state, weights_only=True)
+        pb.training.setup_guide(model, guide, x_train[:2].to(args.device or "cpu"),
+                                y_train[:2].to(args.device or "cpu"))
+        state = torch.load(args.load_state, weights_only=True, map_location=args.device or "cpu")
         model.load_state_dict(state["model"])
         guide.load_state_dict(state["guide"])
         summary["loaded"] = args.load_state
@@ -159,7 +163,8 @@ def main(argv=None):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", pb.ConvergenceWarning)
             fit = pb.fit(model, guide, (x_train, y_train), epochs=args.epochs, batch_size=args.batch_size,
-                         lr=args.lr, lr_schedule=args.lr_schedule, seed=args.seed, progress=False)
+                         lr=args.lr, lr_schedule=args.lr_schedule, seed=args.seed, progress=False,
+                         device=args.device)
         summary.update(train_seconds=fit.seconds, convergence=convergence_evidence(fit),
                        elbo_history=fit.history["elbo"],
                        warnings=[str(w.message) for w in caught if issubclass(w.category, pb.ConvergenceWarning)])
