@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -109,9 +110,11 @@ def main(argv=None):
 
     def fit_block(model, guide, store):
         def run(epochs):
-            pb.fit(model, guide, (x, y), epochs=epochs, batch_size=args.batch_size, device=device,
-                   optimizer=lambda params: store.setdefault("opt", default_optimizer(params, 1e-3)),
-                   progress=False)
+            with warnings.catch_warnings():   # timed blocks of a few epochs: nothing to judge
+                warnings.simplefilter("ignore", pb.ConvergenceWarning)
+                pb.fit(model, guide, (x, y), epochs=epochs, batch_size=args.batch_size, device=device,
+                       optimizer=lambda params: store.setdefault("opt", default_optimizer(params, 1e-3)),
+                       lr_schedule="constant", progress=False)
         return run
 
     # (a') MAP with fused Adam, and (f) the weight-noise floor (see the module docstring)
