@@ -188,8 +188,8 @@ def converged_run(split, kind, K, seed, args, start=None, epochs=None, lr=None) 
 
 def bound_table(draws: int, seed: int = 0) -> None:
     """Exact gap vs the local and uniform bounds (mean over ``draws`` paired ω ∼ q, ± s.e.)."""
-    from pyro_bnn import symmetry as sym
     from pyro_bnn.guides import symmetrized_entropy as se
+    from pyro_bnn.guides import symmetry as sym
 
     Ks = (1, 2, 4, 16)
     print("| net | spread | log|G| | exact gap | " + " | ".join(f"local K={K}" for K in Ks) + " | "

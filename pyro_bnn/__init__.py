@@ -1,6 +1,7 @@
 """pyro_bnn: Bayesian neural networks in Pyro — swap guides, compare, analyse in ArviZ."""
 
 from . import (
+    _moved,
     active,
     adversarial,
     corruption,
@@ -12,15 +13,17 @@ from . import (
     ood,
     priors,
     pruning,
-    symmetry,
 )
 from .arviz import to_arviz
 from .compare import compare
 from .convergence import ConvergenceWarning
+from .guides import symmetry
 from .guides.symmetrized import symmetrized_elbo
 from .model import BNN
 from .prediction import evaluate, predict, predictive_samples
 from .training import FitResult, fit, load_checkpoint, save_checkpoint
+
+_moved.install()
 
 __version__ = "0.1.0"
 

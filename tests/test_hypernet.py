@@ -13,10 +13,10 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn._local_params import local_params
-from pyro_bnn.flows import HypernetFlow
 from pyro_bnn.guides.hypernet import HypernetELBO, clipped_log_likelihood, log_weights
+from pyro_bnn.guides.hypernet_flows import HypernetFlow
+from pyro_bnn.guides.made import MADE
 from pyro_bnn.guides.meanfield import MeanFieldELBO
-from pyro_bnn.made import MADE
 from pyro_bnn.training import setup_guide
 from pyro_bnn.weight_norm import WeightNormConv2d, WeightNormLinear, to_weight_norm
 

@@ -13,7 +13,7 @@ from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn import symmetry as sym
+from pyro_bnn.guides import symmetry as sym
 from pyro_bnn.guides.meanfield import meanfield_loss
 from pyro_bnn.guides.symmetrized import entropy_gap, log_density_ratios, symmetrized_terms
 

@@ -1,7 +1,7 @@
 """Bayesian hypernetwork guide (Krueger, Huang et al. 2017): a normalizing flow over weights.
 
 ``q(θ)`` is the distribution of ``θ = h_φ(ε)``, ``ε ~ N(0, I_D)``, with ``h_φ`` a
-:class:`~pyro_bnn.flows.HypernetFlow` (elementwise affine with small initial scale, then
+:class:`~pyro_bnn.guides.hypernet_flows.HypernetFlow` (elementwise affine with small initial scale, then
 IAF/MADE blocks or RealNVP couplings).  ``θ`` are all latent sites of the model packed into
 one vector: for a weight-norm model (``pb.BNN(..., weight_norm=True)``) the D scales ``g``
 (one per output unit), for a small ordinary model (``full=True``) every weight.  The guide
@@ -32,12 +32,12 @@ from pyro.distributions import constraints
 from pyro.infer import RenyiELBO, Trace_ELBO
 from pyro.infer.autoguide import AutoContinuous
 
-from ..flows import FLOW_TYPES, HypernetFlow
 from ..likelihoods import Categorical, log_likelihood
 from ..model import is_bnn
 from ..objectives import PyroObjective
 from ..weight_norm import is_weight_norm_layer
 from .base import BNNGuide, init_to_network, register_guide
+from .hypernet_flows import FLOW_TYPES, HypernetFlow
 from .meanfield import MeanField
 from .objective import GuideObjective
 
@@ -82,7 +82,7 @@ class Hypernet(BNNGuide, AutoContinuous):
         ``"stable"`` (default): blocks on standardised coordinates followed by the
         elementwise affine layer, smoothly bounded log-scales, fan-in scaled conditioners,
         so the guide starts as the mean-field Gaussian N(μ, σ²) and trains at mean-field
-        learning rates (see :mod:`pyro_bnn.flows`).  ``"paper"``: affine layer first, Pyro's
+        learning rates (see :mod:`pyro_bnn.guides.hypernet_flows`).  ``"paper"``: affine layer first, Pyro's
         hard log-scale clamp, plain conditioners (as in the paper's code).
     prob_clip : (float, float), optional
         Clip softmax probabilities to ``[lo, hi]`` in the training data term (paper:
@@ -222,7 +222,7 @@ class Hypernet(BNNGuide, AutoContinuous):
                 f"full={self.full}, layout={self.layout!r}")
 
 
-#: Defaults and flow options of the two layouts (see :class:`~pyro_bnn.flows.HypernetFlow`).
+#: Defaults and flow options of the two layouts (see :class:`~pyro_bnn.guides.hypernet_flows.HypernetFlow`).
 _LAYOUTS = {
     "stable": {"init_scale": 0.1, "init_gain": 0.0,
                "flow": {"affine_last": True, "log_scale_bound": 3.0, "fan_in_scaled": True}},

@@ -29,7 +29,7 @@ The training loss is ``−L̂^G = −ELBO − gap``.  ``fit``'s ``history["elbo"
 ELBO, ``history["symmetrized_elbo"]`` the symmetrised one and ``history["entropy_gap"]`` the
 gap estimate.  ``estimator="uniform", num_permutations=1`` is exactly
 :class:`~pyro_bnn.guides.MeanField`'s loss.  Which architectures the symmetry is
-discovered for: see :mod:`pyro_bnn.symmetry`.
+discovered for: see :mod:`pyro_bnn.guides.symmetry`.
 """
 
 from __future__ import annotations
@@ -46,14 +46,6 @@ from .._local_params import local_params
 from ..data import as_tensors
 from ..likelihoods import log_likelihood
 from ..model import is_bnn
-from ..symmetry import (
-    enumerate_group,
-    find_symmetries,
-    group_sizes,
-    log_group_order,
-    resolve_symmetries,
-    sample_permutations,
-)
 from ._fused_gaussian import sample_and_kl
 from .base import register_guide
 from .meanfield import (
@@ -65,6 +57,14 @@ from .meanfield import (
 )
 from .objective import GuideObjective
 from .symmetrized_entropy import local_entropy_gap, log_density_ratios, uniform_entropy_gap
+from .symmetry import (
+    enumerate_group,
+    find_symmetries,
+    group_sizes,
+    log_group_order,
+    resolve_symmetries,
+    sample_permutations,
+)
 
 __all__ = ["Symmetrized", "SymmetrizedELBO", "symmetrized_elbo", "symmetrized_terms",
            "log_density_ratios", "entropy_gap", "ESTIMATORS"]
@@ -110,7 +110,7 @@ class Symmetrized(MeanField):
         mean-field VI).
     permutations : list of dict, optional
         Declared symmetry: groups ``{site name: permuted axis}`` (see
-        :mod:`pyro_bnn.symmetry`); default: discovered from the model's modules.
+        :mod:`pyro_bnn.guides.symmetry`); default: discovered from the model's modules.
     estimator : {"local", "uniform", "exact"}
         The entropy-gap bound (see the module docstring).
     **meanfield_kwargs

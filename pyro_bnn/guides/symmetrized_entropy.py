@@ -1,7 +1,7 @@
 """Lower bounds on the entropy gap ``H(q_G) − H(q)`` of a permutation-symmetrised mean field.
 
 ``q = N(μ, diag σ²)`` is a mean-field Gaussian over the weights ω and ``q_G`` the uniform
-mixture of its hidden-unit relabelings ``q(g·ω)``, ``g ∈ G`` (:mod:`pyro_bnn.symmetry`).  The
+mixture of its hidden-unit relabelings ``q(g·ω)``, ``g ∈ G`` (:mod:`pyro_bnn.guides.symmetry`).  The
 symmetrised ELBO is ``ELBO(q) + H(q_G) − H(q)``; both estimators here are lower bounds of the
 gap (in expectation over ω ∼ q and their own randomness), so the objective stays a lower
 bound of ``L^G``.  The derivation is in ``docs/symmetrized_estimator.md``.
@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..symmetry import group_sizes, log_group_order, permute_batched
+from .symmetry import group_sizes, log_group_order, permute_batched
 
 __all__ = ["assignment_cost", "group_assignment_cost", "log_density_ratios", "uniform_entropy_gap", "assignment_logits",
            "log_assignment_probability", "log_identity_probability", "sample_assignments",
@@ -206,7 +206,7 @@ def log_density_ratios(values: Mapping[str, torch.Tensor], locs: Mapping[str, to
     values, locs, scales : dict site -> Tensor
         ω, μ, σ (same shapes).
     groups : list of dict
-        The symmetry (see :mod:`pyro_bnn.symmetry`).
+        The symmetry (see :mod:`pyro_bnn.guides.symmetry`).
     perms : list of Tensor
         One ``(K', d_k)`` index tensor per group.
 
@@ -460,7 +460,7 @@ def local_entropy_gap(values: Mapping[str, torch.Tensor], locs: Mapping[str, tor
     values, locs, scales : dict site -> Tensor
         ω (drawn from q), μ, σ.
     groups : list of dict
-        The symmetry (:mod:`pyro_bnn.symmetry`).
+        The symmetry (:mod:`pyro_bnn.guides.symmetry`).
     num_evaluations : int
         K ≥ 1.
     iterations, floor

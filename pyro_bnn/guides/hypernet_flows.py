@@ -266,7 +266,7 @@ class CouplingNet(nn.Module):
 
     ``pre_k = (1/n_k) Σ_j W'_kj x_j + b_k`` with ``n_k`` the layer's fan-in when
     ``fan_in_scaled`` (stored weights × fan-in; same function, Adam steps scaled as in
-    :class:`~pyro_bnn.made.MADE`), else ``n_k = 1``; log-scales bounded smoothly by
+    :class:`~pyro_bnn.guides.made.MADE`), else ``n_k = 1``; log-scales bounded smoothly by
     ``log_scale_bound`` (if given).  Initialised as ``nn.Linear`` layers.
     """
 
