@@ -2,18 +2,15 @@
 
 from . import (
     _moved,
-    active,
-    adversarial,
-    corruption,
+    analysis,
     datasets,
     guides,
     invariance,
     likelihoods,
     metrics,
-    ood,
     priors,
-    pruning,
 )
+from .analysis import active, adversarial, corruption, ood, pruning
 from .arviz import to_arviz
 from .compare import compare
 from .convergence import ConvergenceWarning
@@ -30,4 +27,4 @@ __version__ = "0.1.0"
 __all__ = ["BNN", "fit", "FitResult", "ConvergenceWarning", "predict", "predictive_samples", "evaluate",
            "save_checkpoint", "load_checkpoint", "priors", "guides", "likelihoods",
            "metrics", "datasets"] + ["symmetry", "symmetrized_elbo"] + ["to_arviz", "compare"] + [
-    "pruning", "ood", "adversarial", "active", "corruption"] + ["invariance"]
+    "analysis", "pruning", "ood", "adversarial", "active", "corruption"] + ["invariance"]

@@ -15,6 +15,9 @@ MOVED: dict[str, str] = {
     "pyro_bnn.flows": "pyro_bnn.guides.hypernet_flows",
     "pyro_bnn.made": "pyro_bnn.guides.made",
     "pyro_bnn.symmetry": "pyro_bnn.guides.symmetry",
+    **{f"pyro_bnn.{name}": f"pyro_bnn.analysis.{name}"
+       for name in ("active", "adversarial", "corruption", "ood", "pruning", "tool_support",
+                    "uncertainty_plots")},
 }
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import metrics
-from .ood import auroc
+from .analysis.ood import auroc
 from .staged_folder import StagedFolder
 
 __all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
@@ -119,7 +119,7 @@ def reliability_figure(probs: Mapping[str, torch.Tensor], y: torch.Tensor, num_b
 
 
 def _auroc(in_scores, out_scores) -> float:
-    """AUROC of separating ``out_scores`` (positives) from ``in_scores`` (:func:`pyro_bnn.ood.auroc`)."""
+    """AUROC of separating ``out_scores`` (positives) from ``in_scores`` (:func:`pyro_bnn.analysis.ood.auroc`)."""
     scores = torch.as_tensor(np.r_[in_scores, out_scores], dtype=torch.float64)
     labels = torch.cat([torch.zeros(len(in_scores)), torch.ones(len(out_scores))]).bool()
     return auroc(scores, labels)

@@ -9,7 +9,7 @@ from torch import nn
 from uncertainty_helpers import GUIDE_NAMES, digits, trained
 
 import pyro_bnn as pb
-from pyro_bnn.adversarial import fgsm, fgsm_curve
+from pyro_bnn.analysis.adversarial import fgsm, fgsm_curve
 from pyro_bnn.guides import init_to_network
 from pyro_bnn.training import setup_guide
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from uncertainty_helpers import GUIDE_NAMES, digits, trained
 
-from pyro_bnn.corruption import gaussian_noise, noise_curve, rotate, rotation_curve
+from pyro_bnn.analysis.corruption import gaussian_noise, noise_curve, rotate, rotation_curve
 
 
 def test_rotate_exact_cases():
@@ -79,8 +79,8 @@ def test_curve_with_guide_predictive_method():
 
 def test_plots_write_pngs(tmp_path):
     """Every uncertainty plot renders a titled PNG from the matching tool's output format."""
-    from pyro_bnn import uncertainty_plots as up
-    from pyro_bnn.active import ActiveResult
+    from pyro_bnn.analysis import uncertainty_plots as up
+    from pyro_bnn.analysis.active import ActiveResult
 
     curve = {"level": [0, 45, 90], "entropy": [0.1, 0.5, 0.9], "accuracy": [0.9, 0.5, 0.2]}
     runs = [ActiveResult("bald", [20, 30], [0.5, 0.6]), ActiveResult("bald", [20, 30], [0.55, 0.7])]

@@ -9,7 +9,7 @@ from uncertainty_helpers import GUIDE_NAMES, digits, trained
 
 import pyro_bnn as pb
 from pyro_bnn import metrics
-from pyro_bnn.ood import SCORES, aupr, auroc, evaluate_probs, uncertainty_scores
+from pyro_bnn.analysis.ood import SCORES, aupr, auroc, evaluate_probs, uncertainty_scores
 
 
 def test_auroc_hand_worked():

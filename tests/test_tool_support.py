@@ -10,8 +10,8 @@ import torch
 from uncertainty_helpers import digits, mlp, trained
 
 import pyro_bnn as pb
-from pyro_bnn import active, adversarial, corruption, ood, pruning
-from pyro_bnn.tool_support import model_device, renamed_keyword, seeded, to_model_device
+from pyro_bnn.analysis import active, adversarial, corruption, ood, pruning
+from pyro_bnn.analysis.tool_support import model_device, renamed_keyword, seeded, to_model_device
 
 
 def _streams():

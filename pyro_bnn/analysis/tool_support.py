@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pyro.util
 import torch
 
-from .prediction import _device_of
+from ..prediction import _device_of
 
 __all__ = ["seeded", "model_device", "to_model_device", "renamed_keyword"]
 

@@ -41,7 +41,7 @@ def _finish(fig, ax, title, xlabel, ylabel, path, **legend_kw):
 def plot_pruning_curves(curves: dict, path: str | None = None, title: str = "Pruning by posterior uncertainty",
                         baseline: float | None = None):
     """Test accuracy (%) vs fraction of weights removed; ``curves`` maps a label to a
-    :func:`pyro_bnn.pruning.pruning_curve` result."""
+    :func:`pyro_bnn.analysis.pruning.pruning_curve` result."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, c in curves.items():
@@ -53,7 +53,7 @@ def plot_pruning_curves(curves: dict, path: str | None = None, title: str = "Pru
 
 def plot_fgsm_curve(curves: dict, path: str | None = None, title: str = "FGSM: accuracy and uncertainty vs step size"):
     """Accuracy and mean predictive entropy vs ε; ``curves`` maps a label to a
-    :func:`pyro_bnn.adversarial.fgsm_curve` result."""
+    :func:`pyro_bnn.analysis.adversarial.fgsm_curve` result."""
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for label, c in curves.items():
@@ -66,7 +66,7 @@ def plot_fgsm_curve(curves: dict, path: str | None = None, title: str = "FGSM: a
 
 def plot_active_curves(results: dict, path: str | None = None, title: str = "Active learning"):
     """Test accuracy vs number of labels; ``results`` maps an acquisition name to a list
-    of :class:`pyro_bnn.active.ActiveResult` (one per seed): mean ± std over seeds."""
+    of :class:`pyro_bnn.analysis.active.ActiveResult` (one per seed): mean ± std over seeds."""
     import numpy as np
 
     plt = _plt()
@@ -83,7 +83,7 @@ def plot_active_curves(results: dict, path: str | None = None, title: str = "Act
 def plot_corruption_curves(curves: dict, key: str = "entropy", path: str | None = None,
                            title: str | None = None, xlabel: str = "rotation angle (degrees)"):
     """Mean uncertainty ``key`` vs corruption level; ``curves`` maps a label (guide) to a
-    :func:`pyro_bnn.corruption.corruption_curve` result."""
+    :func:`pyro_bnn.analysis.corruption.corruption_curve` result."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4) if len(curves) <= 4 else (8, 4))
     for label, c in curves.items():
@@ -98,7 +98,7 @@ def plot_corruption_curves(curves: dict, key: str = "entropy", path: str | None 
 def plot_ood_scores(results: dict, path: str | None = None, metric: str = "auroc",
                     title: str = "Out-of-distribution detection"):
     """Grouped bars of AUROC (or AUPR) per score; ``results`` maps a label (guide) to a
-    :func:`pyro_bnn.ood.evaluate` result."""
+    :func:`pyro_bnn.analysis.ood.evaluate` result."""
     import numpy as np
 
     plt = _plt()

@@ -57,9 +57,9 @@ import torch
 from pyro.nn import PyroModule
 from torch import nn
 
-from . import metrics
-from ._draws import draw_latents, probs_from_latents, site_moments
-from .model import is_bnn
+from .. import metrics
+from .._draws import draw_latents, probs_from_latents, site_moments
+from ..model import is_bnn
 from .tool_support import renamed_keyword, seeded, to_model_device
 
 __all__ = ["scores", "prune_", "unprune_", "PruningHandle", "pruning_curve", "export_pruned",

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from . import metrics
-from .prediction import predict
+from .. import metrics
+from ..prediction import predict
 from .tool_support import seeded, to_model_device
 
 __all__ = ["auroc", "aupr", "uncertainty_scores", "evaluate", "evaluate_probs", "SCORES"]

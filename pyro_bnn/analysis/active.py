@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import metrics
-from .prediction import evaluate as _evaluate
-from .prediction import predict
+from .. import metrics
+from ..prediction import evaluate as _evaluate
+from ..prediction import predict
+from ..training import fit
 from .tool_support import seeded, to_model_device
-from .training import fit
 
 __all__ = ["run", "ActiveResult", "acquisition_scores", "balanced_initial", "ACQUISITIONS"]
 
