@@ -61,6 +61,7 @@ from torch import nn
 from ._local_params import local_params
 from .curvature import pointwise_log_likelihood, sample_observations
 from .data import check_finite
+from .devices import module_device
 from .guide_density import sample_with_log_density
 from .guides.base import guide_contract
 from .likelihoods import log_likelihood
@@ -149,14 +150,6 @@ def _select_sites(values: dict, var_names, num_samples: int) -> list[str]:
     return names
 
 
-def _device_of(model, guide, x):
-    for module in (model, guide):
-        if isinstance(module, nn.Module):
-            for t in list(module.parameters()) + list(module.buffers()):
-                return t.device
-    return x.device
-
-
 @torch.no_grad()
 def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 200,
              var_names: Sequence[str] | None = None, batch_size: int = 1024, *,
@@ -223,7 +216,7 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     check_finite(x, "x")
     if seed is not None:
         torch.manual_seed(seed)
-    device = torch.device(device) if device is not None else _device_of(model, guide, x)
+    device = torch.device(device) if device is not None else module_device(model, guide, default=x.device)
     method = default_method(guide) if method is None else method
     if method not in ("sample", "glm"):
         raise ValueError(f"method must be 'sample' or 'glm', got {method!r}")

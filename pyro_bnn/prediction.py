@@ -16,6 +16,7 @@ from pyro import poutine
 from . import metrics
 from ._local_params import local_params
 from .data import BatchCheck, check_inputs
+from .devices import module_device
 from .guides.base import guide_contract
 from .likelihoods import Bernoulli, Categorical, Gaussian
 from .model import is_bnn
@@ -124,7 +125,7 @@ def predictive_samples(model, guide, x, num_samples: int = 64, batch_size: int =
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     check = BatchCheck(model)
     check_inputs(x, "x", check.dtype, allow_integer=check.integer_inputs)
-    device = device or _device_of(model, guide, x)
+    device = device or module_device(model, guide, default=x.device)
     with local_params(model, guide):
         per_sample = []
         for _ in range(num_samples):
@@ -204,11 +205,3 @@ def _check_labels(y, num_classes):
         raise TypeError(f"class labels must be integers, got dtype {y.dtype}")
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= num_classes):
         raise ValueError(f"labels must lie in [0, {num_classes - 1}], got [{int(y.min())}, {int(y.max())}]")
-
-
-def _device_of(model, guide, x):
-    for module in (model, guide):
-        if isinstance(module, torch.nn.Module):
-            for t in list(module.parameters()) + list(module.buffers()):
-                return t.device
-    return x.device

@@ -30,6 +30,7 @@ import torch
 
 from . import metrics
 from .analysis.ood import auroc
+from .devices import module_device
 from .staged_folder import StagedFolder
 
 __all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
@@ -169,6 +170,8 @@ def _forest_selection(dts: Mapping[str, object]):
     best = max(counts.values())
     candidates = [v for v in order if counts[v] == best]
     first = next(dt for dt in dts.values() if candidates[0] in dt["posterior"].data_vars)["posterior"]
+    # on a tie between parametrisations (e.g. one weight-norm and one plain guide), the sites of one
+    candidates = [v for v in candidates if v in first.data_vars]
     vectors = [v for v in candidates if first[v].ndim == 3]
     last = vectors[-1] if vectors else candidates[-1]
     layer = last.rsplit(".", 1)[0]
@@ -222,7 +225,7 @@ def regression_figure(runs: Mapping[str, object], split, num_samples: int = 100)
     rows, cols = _grid(len(runs))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
     for ax, (name, run) in zip(axes.flat, runs.items()):
-        out = run.predictive(grid.to(_device(run.model)), num_samples)
+        out = run.predictive(grid.to(module_device(run.model)), num_samples)
         loc, scale = out.loc.cpu()[..., 0], out.scale.cpu()[..., 0]
         mean = loc.mean(0)
         sd = (loc.var(0, unbiased=False) + (scale ** 2).mean(0)).sqrt()
@@ -237,12 +240,6 @@ def regression_figure(runs: Mapping[str, object], split, num_samples: int = 100)
     fig.suptitle("Posterior predictive (uncertainty should grow away from the data)")
     fig.tight_layout()
     return fig
-
-
-def _device(model):
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return torch.device("cpu")
 
 
 def _jsonable(v):
@@ -313,7 +310,7 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
         for name, run in ok.items():
             sets = {"test data": metrics.predictive_entropy(run.probs).numpy()}
             for k, xo in oods.items():
-                po = run.predictive(xo.to(_device(run.model)), num_samples).probs.cpu()
+                po = run.predictive(xo.to(module_device(run.model)), num_samples).probs.cpu()
                 sets[k] = metrics.predictive_entropy(po).cpu().numpy()
             entropies[name] = sets
         fig, aurocs = entropy_figure(entropies, next(iter(ok.values())).probs.shape[-1])

@@ -31,6 +31,7 @@ from .arguments import check_int, check_positive, reject_unknown_keywords
 from .checkpoint import check_plain_data, load_states, read_checkpoint, write_atomic
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
 from .data import dataset_size, make_loader, split_batch, validate_data
+from .devices import module_device
 from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .guides.base import guide_contract
 from .objectives import call_model
@@ -329,7 +330,7 @@ def _prepare(model, guide, data, *, batch_size, device, shuffle, seed, num_data,
         device = dstate.device
     elif seed is not None:
         pyro.set_rng_seed(seed)
-    device = torch.device(device) if device is not None else _module_device(model)
+    device = torch.device(device) if device is not None else module_device(model)
     if isinstance(model, torch.nn.Module):
         model.to(device)
     check = _validate_data(model, data, device)
@@ -508,13 +509,6 @@ def _progress(total, initial, enabled):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc="fit", unit="epoch", leave=False)
-
-
-def _module_device(model) -> torch.device:
-    if isinstance(model, torch.nn.Module):
-        for t in list(model.parameters()) + list(model.buffers()):
-            return t.device
-    return torch.device("cpu")
 
 
 def save_checkpoint(path, model, guide, optimizer=None, **extra) -> None:

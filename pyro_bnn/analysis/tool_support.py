@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pyro.util
 import torch
 
-from ..prediction import _device_of
+from ..devices import module_device
 
 __all__ = ["seeded", "model_device", "to_model_device", "renamed_keyword"]
 
@@ -63,7 +63,7 @@ def seeded(seed: int | None) -> Iterator[None]:
 
 def model_device(model, guide=None, default: torch.device | str = "cpu") -> torch.device:
     """The device of the model's (else the guide's) first parameter or buffer, else ``default``."""
-    return _device_of(model, guide, torch.empty(0, device=default))
+    return module_device(model, guide, default=default)
 
 
 def to_model_device(model, guide, *tensors: torch.Tensor | None):

@@ -1,0 +1,46 @@
+"""The one device rule: work happens where the model is.
+
+Every entry point (``pb.fit``, ``pb.predict``/``pb.evaluate``, ``pb.to_arviz``, the main
+job's report and the analysis tools) asks :func:`module_device` where the model lives and
+moves its inputs there; an explicit ``device=`` argument overrides it where a function has one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["module_device", "to_device_of"]
+
+
+def module_device(*modules, default: torch.device | str = "cpu") -> torch.device:
+    """The device of the first parameter or buffer of the first of ``modules`` that has one.
+
+    Parameters
+    ----------
+    *modules : torch.nn.Module or object
+        Checked in order (e.g. ``model, guide``); objects that are not modules are skipped.
+    default : torch.device or str
+        Returned when no module holds a tensor (a hand-written model without parameters,
+        a guide not set up yet).
+
+    Returns
+    -------
+    torch.device
+    """
+    for module in modules:
+        if isinstance(module, torch.nn.Module):
+            for t in module.parameters():
+                return t.device
+            for t in module.buffers():
+                return t.device
+    return torch.device(default)
+
+
+def to_device_of(modules, *tensors: torch.Tensor | None):
+    """``tensors`` moved to :func:`module_device` of ``modules`` (a module or a sequence of
+    them; ``None`` stays ``None``): a tuple, or the one tensor if only one is given.  A tensor
+    already there is returned as is (no copy)."""
+    modules = modules if isinstance(modules, (list, tuple)) else (modules,)
+    device = module_device(*modules)
+    moved = tuple(t if t is None else t.to(device) for t in tensors)
+    return moved[0] if len(moved) == 1 else moved
