@@ -224,3 +224,19 @@ def test_main_job_defaults_are_each_guides_converging_settings():
     # the variational guides train at their own default_lr (pb.fit resolves lr=None)
     assert lr["meanfield"] is None and lr["symmetrized"] is None and lr["hypernet"] is None
     assert cli.GUIDE_DEFAULTS["hypernet"]["model"] == {"weight_norm": True}
+
+
+def test_forest_figure_of_guides_with_different_sites(comparison):
+    # a weight-norm guide's sites (weight_g) and a plain guide's sites, one each: a tie
+    from pyro_bnn.report import forest_figure
+
+    wn = pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10)), "categorical", weight_norm=True)
+    guide = pb.guides.Hypernet(wn, num_flows=1, hidden=8)
+    d = pb.datasets.digits()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pb.fit(wn, guide, (d.x_train[:64], d.y_train[:64]), epochs=1, progress=False)
+    hyper = pb.to_arviz(wn, guide, d.x_train[:32], d.y_train[:32], num_samples=8)
+    dts = {"hypernet": hyper, "meanfield": comparison.datatrees["meanfield"]}
+    fig, names, shown = forest_figure(dts)
+    assert fig is not None and names and all(n.endswith("weight_g") for n in names) and shown == ["hypernet"]
