@@ -40,13 +40,16 @@ __all__ = ["main", "build_parser", "GUIDE_DEFAULTS"]
 #: Guides registered later without an entry use ``epochs`` from the command line (default
 #: ``DEFAULT_EPOCHS``) and the guide's ``default_lr``.
 GUIDE_DEFAULTS: dict[str, dict] = {
-    # MeanField defaults (init_scale 0.01, local reparameterisation): 300 epochs converge on digits
-    # (docs/results/convergence.md: within ~2 % of the 600- and 1,000-epoch ELBO).
+    # MeanField defaults (init_scale 0.01, local reparameterisation, lr 5e-2): 300 epochs end within
+    # 0.3 % of the 600-epoch ELBO on digits (docs/results/compare.md; docs/results/convergence.md).
     "meanfield": {"epochs": 300},
-    "symmetrized": {"epochs": 300},
+    # Symmetrized (local estimator; weight draws, no local reparameterisation, so slower to
+    # converge): 300 epochs end ~6 % below 600, 600 within 0.6 % of 1,200 (docs/results/compare.md).
+    "symmetrized": {"epochs": 600},
     # Hypernet, stable layout (flow over the 110 weight-norm scales, 8 IAF blocks of 200 units,
-    # init_scale 0.1), default_lr 1e-2, cosine: docs/results/hypernet.md.
-    "hypernet": {"epochs": 300, "model": {"weight_norm": True}},
+    # init_scale 0.1), default_lr 1e-2: 300 epochs end 5 % (7 nats) below 600, 600 4 % (5 nats)
+    # below 1,200 (docs/results/compare.md; docs/results/hypernet.md).
+    "hypernet": {"epochs": 600, "model": {"weight_norm": True}},
     # Laplace best practice (registry "laplace"): last-layer KFAC, δ by the evidence after the
     # MAP, GLM probit predictive; "laplace_all" is the all-layer variant.  MAP converged on digits:
     # final training loss within ~1 nat of 400 and 800 epochs (docs/results/laplace.md).
