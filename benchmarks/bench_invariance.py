@@ -17,6 +17,7 @@
     python benchmarks/bench_invariance.py --samples 8 16 31 --repeats 3
     git archive <old-commit> pyro_bnn | tar -x -C runs/inv_before
     python benchmarks/bench_invariance.py --baseline runs/inv_before/pyro_bnn/invariance --samples 8 16 --repeats 5 --memory-n
+    python benchmarks/bench_invariance.py --baseline runs/inv_before/pyro_bnn/invariance --samples --memory-n --trajectory 30
 """
 
 from __future__ import annotations
@@ -147,6 +148,31 @@ def compare_guide_step(baseline, samples, n, hidden, batch_size, repeats):
     return _median_pair(current, old, repeats)
 
 
+def compare_trajectories(baseline, epochs, samples=16, hidden=256, size=16):
+    """LILA with the current and the baseline package from the same seed (rotated digits,
+    ``size``×``size``): largest extent difference over the epochs, accuracy, last evidence."""
+    import math
+
+    from pyro_bnn.invariance import transformed_digits
+
+    d = transformed_digits("rotate", math.pi, seed=0, size=size)
+    out = {}
+    for name, mod in (("current", pb.invariance), ("baseline", baseline)):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(d.x_train.shape[1], hidden), nn.Tanh(), nn.Linear(hidden, 10))
+        model = pb.BNN(net, "categorical", augmentation=AffineAugmentation(num_samples=samples))
+        res = mod.learn_invariance(model, d.train, method="lila", epochs=epochs, batch_size=128, lr=1e-2,
+                                   hyper_lr=0.05, burnin=10, seed=0, marglik_batch_size=512)
+        probs = pb.invariance.map_predict(model, res.values, d.x_test)
+        out[name] = (torch.tensor(res.history["extent"]), float((probs.argmax(-1) == d.y_test).float().mean()),
+                     res.history["log_evidence"][-1], statistics.median(res.history["hyper_seconds"]))
+    (ea, acc_a, ev_a, ta), (eb, acc_b, ev_b, tb) = out["current"], out["baseline"]
+    print(f"LILA {size}x{size} rotated digits, S={samples}, {epochs} epochs: max |extent diff| "
+          f"{float((ea - eb).abs().max()):.2e}; rotation extent {ea[-1, 2]:.4f} vs {eb[-1, 2]:.4f}; "
+          f"accuracy {acc_a:.4f} vs {acc_b:.4f}; last log evidence {ev_a:.2f} (total) vs baseline "
+          f"{ev_b:.6f} (x N = {ev_b * len(d.x_train):.2f}); median η step {ta:.2f} s vs {tb:.2f} s")
+
+
 def _peak_child(n, samples, hidden, batch_size):
     """Run in a subprocess: peak RSS (MB) added by one evidence step on N examples."""
     x, y = _data(n)
@@ -170,7 +196,7 @@ def peak_memory(n, samples, hidden, batch_size):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--samples", type=int, nargs="+", default=[8, 16, 31])
+    p.add_argument("--samples", type=int, nargs="*", default=[8, 16, 31])
     p.add_argument("--n", type=int, default=1348)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=256)
@@ -181,6 +207,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--memory-only", action="store_true")
     p.add_argument("--baseline", default=None, help="an older pyro_bnn/invariance folder to time against")
+    p.add_argument("--trajectory", type=int, default=0,
+                   help="with --baseline: also train LILA for this many epochs with both packages")
     p.add_argument("--child", nargs=4, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -208,6 +236,8 @@ def main(argv=None):
                   f"x N = {ev_old * args.n:.2f})", flush=True)
             tn, to = compare_guide_step(baseline, s, args.n, args.hidden, args.batch_size, args.repeats)
             print(f"{s:>4} {'Laplace fit: curvature + η':>28} {tn:10.3f} {to:11.3f} {to / tn:17.2f}", flush=True)
+        if args.trajectory:
+            compare_trajectories(baseline, args.trajectory)
     s = args.memory_samples
     if not args.memory_n:
         return

@@ -92,11 +92,12 @@ def run_method(method, data, args):
     aug = AffineAugmentation(num_samples=1 if method == "none" else args.samples)
     model = pb.BNN(net, "categorical", augmentation=aug)
     t0 = time.perf_counter()
+    n = len(data.x_train)       # history["log_evidence"] holds totals; printed per datum
 
     def log(epoch, res):
         if epoch % max(1, args.epochs // 10) == 0 or epoch == args.epochs:
             ext = " ".join(f"{v:.2f}" for v in res.history["extent"][-1])
-            ev = res.history["log_evidence"][-1] if res.history["log_evidence"] else float("nan")
+            ev = res.history["log_evidence"][-1] / n if res.history["log_evidence"] else float("nan")
             print(f"  [{method}] epoch {epoch:4d}  {time.perf_counter() - t0:6.0f}s  "
                   f"extent [{ext}]  log-ev/N {ev:.4f}", flush=True)
 
@@ -114,6 +115,7 @@ def run_method(method, data, args):
         "extent": res.history["extent"][-1],
         "extent_history": res.history["extent"],
         "log_evidence": res.history["log_evidence"][-1] if res.history["log_evidence"] else None,
+        "log_evidence_per_datum": res.history["log_evidence"][-1] / n if res.history["log_evidence"] else None,
         "log_evidence_history": res.history["log_evidence"],
         "evidence_epoch": res.history["evidence_epoch"],
         "prior_precision": res.prior_precision.tolist(),
