@@ -54,7 +54,9 @@ def log_evidence(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torch.
     Returns
     -------
     Tensor, 0-d
-        ``log p(D|θ*) − ½ Σ_b [log det P_b − Σ log δ_b + Σ δ_b θ_b²]``.
+        ``log p(D|θ*) − ½ Σ_b [log det P_b − Σ log δ_b + Σ δ_b θ_b²]``: a **total** over
+        the data set in nats (not per datum), the unit of every ``log_evidence`` in the
+        library (``fit``'s history, :mod:`pyro_bnn.invariance`).
     """
     if not (len(blocks) == len(theta) == len(prior_precision)):
         raise ValueError(f"blocks, theta and prior_precision must have one entry per block, got "
