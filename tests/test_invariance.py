@@ -476,3 +476,23 @@ def test_online_eta_step_reuses_the_guide_curvature(monkeypatch):
     torch.testing.assert_close(reused, fresh, rtol=1e-5, atol=1e-9)
     assert abs(ev_reused - ev_fresh) < 1e-4 * abs(ev_fresh)
     assert (other - reused).abs().max() > 1e-3 * reused.abs().max()
+
+
+def test_learn_invariance_leaves_the_callers_random_streams_alone():
+    """seed= forks the random streams (as the analysis tools do): the caller's torch stream is
+    where it was, and two runs with the same seed agree."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
+        model = pb.BNN(net, "categorical",
+                       augmentation=AffineAugmentation(num_samples=2, image_shape=(1, 4, 4)))
+        x, y = torch.rand(24, 16), torch.randint(0, 3, (24,))
+        torch.manual_seed(123)
+        res = learn_invariance(model, (x, y), epochs=3, burnin=1, batch_size=12, seed=5)
+        assert torch.equal(torch.rand(3), expected)
+        runs.append(res.history["extent"][-1])
+    assert runs[0] == runs[1]

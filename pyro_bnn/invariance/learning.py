@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..likelihoods import log_likelihood
+from ..seeding import seeded
 from .evidence import invariant_layers
 from .guide_step import guide_eta_optimizer, guide_eta_step, learnable_augmentation
 from .step import eta_grad, evidence_step
@@ -122,17 +123,24 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
     x, y = data
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise TypeError(f"data must be (x, y) tensors, got {type(x).__name__}, {type(y).__name__}")
-    aug = model._modules.get("augmentation")
     if method != "none" and learnable_augmentation(model) is None:
         raise ValueError(f"method {method!r} needs a model with a learnable augmentation "
                          "(pb.BNN(net, lik, augmentation=AffineAugmentation(...)))")
     device = torch.device(device) if device is not None else x.device
     model.to(device)
     x, y = x.to(device), y.to(device)
-    n = len(x)
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
-    if seed is not None:
-        torch.manual_seed(seed)
+    with seeded(seed):   # the caller's random streams are left as they were
+        return _learn(model, x, y, method, epochs, batch_size, lr, burnin, every, eta_steps, delta_steps,
+                      prior_precision, delta_lr, hyper_lr, augerino_weight, augerino_lr,
+                      marglik_batch_size, device, gen, callback)
+
+
+def _learn(model, x, y, method, epochs, batch_size, lr, burnin, every, eta_steps, delta_steps,
+           prior_precision, delta_lr, hyper_lr, augerino_weight, augerino_lr, marglik_batch_size,
+           device, gen, callback) -> InvarianceResult:
+    aug = model._modules.get("augmentation")
+    n = len(x)
     values = {k: torch.nn.Parameter(v.to(device).clone()) for k, v in model.initial_values().items()}
     layers = invariant_layers(model, values)
     log_delta = torch.full((len(layers),), math.log(prior_precision), device=device,
