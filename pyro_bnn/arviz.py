@@ -51,6 +51,7 @@ Linearised (GLM) draws of a Laplace guide (``method="glm"``, its default)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -66,6 +67,7 @@ from .guide_density import sample_with_log_density
 from .guides.base import guide_contract
 from .likelihoods import log_likelihood
 from .model import is_bnn
+from .seeding import seeded
 
 __all__ = ["to_arviz", "loo_approximate", "site_dims", "default_method"]
 
@@ -150,6 +152,17 @@ def _select_sites(values: dict, var_names, num_samples: int) -> list[str]:
     return names
 
 
+def _seed_forked(fn):
+    """``seed=`` runs ``fn`` under :func:`pyro_bnn.seeding.seeded`: reproducible draws, and the
+    caller's random streams are left as they were."""
+    @functools.wraps(fn)
+    def wrapper(*args, seed: int | None = None, **kwargs):
+        with seeded(seed):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+@_seed_forked
 @torch.no_grad()
 def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 200,
              var_names: Sequence[str] | None = None, batch_size: int = 1024, *,
@@ -186,7 +199,7 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     obs_site : str
         Observed site of a hand-written Pyro model (a :class:`~pyro_bnn.BNN` uses ``obs``).
     seed : int, optional
-        Seed of torch's global RNG before drawing (``torch.manual_seed``).
+        Seeds the draws (all random streams forked: the caller's streams are left as they were).
     device : optional
         Where to evaluate; default where the model's parameters are.
 
@@ -214,8 +227,6 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     if int(num_samples) < 1 or int(batch_size) < 1:
         raise ValueError(f"num_samples and batch_size must be >= 1, got {num_samples} and {batch_size}")
     check_finite(x, "x")
-    if seed is not None:
-        torch.manual_seed(seed)
     device = torch.device(device) if device is not None else module_device(model, guide, default=x.device)
     method = default_method(guide) if method is None else method
     if method not in ("sample", "glm"):

@@ -401,3 +401,18 @@ def test_glm_method_choices(trained, data):
     w = full["posterior"]["net.0.weight"].values[0]
     assert np.all(w == w[0]) and not np.all(full["posterior"]["net.2.weight"].values[0, 0] ==
                                               full["posterior"]["net.2.weight"].values[0, 1])
+
+
+def test_seed_leaves_the_callers_random_streams_alone(data):
+    """to_arviz(seed=) draws reproducibly without resetting the caller's torch stream."""
+    x, y = data
+    model = pb.BNN(_mlp(), likelihood="categorical")
+    guide = pb.guides.MeanField(model)
+    pb.fit(model, guide, (x, y), epochs=1, progress=False, seed=0)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    a = pb.to_arviz(model, guide, x[:20], y[:20], num_samples=3, seed=2)
+    assert torch.equal(torch.rand(3), expected)
+    b = pb.to_arviz(model, guide, x[:20], y[:20], num_samples=3, seed=2)
+    np.testing.assert_array_equal(a["posterior"]["net.0.weight"].values, b["posterior"]["net.0.weight"].values)
