@@ -1,8 +1,9 @@
 """``pyro-bnn``: the main job — compare every registered guide and write a report folder.
 
 By default it trains each guide in :func:`pyro_bnn.guides.registered_guides` on the offline
-digits data (1,348 train / 449 test 8×8 images, an MLP 64-100-10), prints the comparison
-table and writes ``pyro-bnn-report/``: ``table.md``, ``table.csv``, ``metrics.json``,
+digits data (1,348 train / 449 test 8×8 images, an MLP 64-100-10) at its converging settings
+(``GUIDE_DEFAULTS``), prints the comparison table (with each fit's ``converged`` status and its
+``configuration``) and writes ``pyro-bnn-report/``: ``table.md``, ``table.csv``, ``metrics.json``,
 ``reliability.png``, ``entropy.png``, ``forest.png`` and ``datatrees/<guide>.nc``
 (see :mod:`pyro_bnn.report`).  ``--smoke`` runs the whole pipeline in seconds.
 
