@@ -9,15 +9,16 @@ from . import (
     likelihoods,
     metrics,
     priors,
+    reporting,
 )
 from .analysis import active, adversarial, corruption, ood, pruning
 from .arviz import to_arviz
-from .compare import compare
 from .convergence import ConvergenceWarning
 from .guides import symmetry
 from .guides.symmetrized import symmetrized_elbo
 from .model import BNN
 from .prediction import evaluate, predict, predictive_samples
+from .reporting import compare
 from .training import FitResult, fit, load_checkpoint, save_checkpoint
 
 _moved.install()
@@ -27,4 +28,4 @@ __version__ = "0.1.0"
 __all__ = ["BNN", "fit", "FitResult", "ConvergenceWarning", "predict", "predictive_samples", "evaluate",
            "save_checkpoint", "load_checkpoint", "priors", "guides", "likelihoods",
            "metrics", "datasets"] + ["symmetry", "symmetrized_elbo"] + ["to_arviz", "compare"] + [
-    "analysis", "pruning", "ood", "adversarial", "active", "corruption"] + ["invariance"]
+    "analysis", "reporting", "pruning", "ood", "adversarial", "active", "corruption"] + ["invariance"]

@@ -8,6 +8,8 @@ that moved stays importable under its old name, e.g. ``import pyro_bnn.symmetry`
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 
 #: old dotted name -> the module's current dotted name
@@ -18,10 +20,38 @@ MOVED: dict[str, str] = {
     **{f"pyro_bnn.{name}": f"pyro_bnn.analysis.{name}"
        for name in ("active", "adversarial", "corruption", "ood", "pruning", "tool_support",
                     "uncertainty_plots")},
+    "pyro_bnn.compare": "pyro_bnn.reporting.comparison",
+    **{f"pyro_bnn.{name}": f"pyro_bnn.reporting.{name}" for name in ("report", "cli", "staged_folder")},
 }
 
 
+class _OldPathFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a moved module, on first use, under its old name (the same module object)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
+
+    def create_module(self, spec):
+        return importlib.import_module(MOVED[spec.name])
+
+    def exec_module(self, module):
+        """Nothing to run: the module was executed under its current name."""
+
+    def get_code(self, fullname):
+        """For ``python -m <old name>``: run the module under its current name."""
+        source = f"import runpy\nrunpy.run_module({MOVED[fullname]!r}, run_name='__main__', alter_sys=True)\n"
+        return compile(source, f"<moved module {fullname}>", "exec")
+
+
 def install() -> None:
-    """Register every moved module under its old name in ``sys.modules``."""
+    """Make every moved module importable under its old name.
+
+    Modules that ``import pyro_bnn`` has loaded already are registered at once; the others
+    (the command line, plots) are found lazily, so that ``python -m pyro_bnn.reporting.cli``
+    does not import its own module before running it.
+    """
     for old, new in MOVED.items():
-        sys.modules.setdefault(old, importlib.import_module(new))
+        if new in sys.modules:
+            sys.modules.setdefault(old, sys.modules[new])
+    if not any(isinstance(finder, _OldPathFinder) for finder in sys.meta_path):
+        sys.meta_path.append(_OldPathFinder())

@@ -14,11 +14,11 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn import cli
-from pyro_bnn.compare import convergence_label
 from pyro_bnn.convergence import diagnose
 from pyro_bnn.guides import registered_guides
-from pyro_bnn.report import markdown_table, ood_inputs
+from pyro_bnn.reporting import cli
+from pyro_bnn.reporting.comparison import convergence_label
+from pyro_bnn.reporting.report import markdown_table, ood_inputs
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -230,7 +230,7 @@ def test_main_job_defaults_are_each_guides_converging_settings():
 
 def test_forest_figure_of_guides_with_different_sites(comparison):
     # a weight-norm guide's sites (weight_g) and a plain guide's sites, one each: a tie
-    from pyro_bnn.report import forest_figure
+    from pyro_bnn.reporting.report import forest_figure
 
     wn = pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10)), "categorical", weight_norm=True)
     guide = pb.guides.Hypernet(wn, num_flows=1, hidden=8)

@@ -153,3 +153,4 @@ def test_moved_modules_keep_their_old_import_paths():
         assert importlib.import_module(old) is importlib.import_module(new), old
     from pyro_bnn.symmetry import find_symmetries  # noqa: F401  (a public function, old path)
     assert pb.symmetry is importlib.import_module("pyro_bnn.guides.symmetry")
+    assert callable(pb.compare)          # importing the old module path does not hide the function

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pyro_bnn import cli
-from pyro_bnn.staged_folder import StagedFolder
+from pyro_bnn.reporting import cli
+from pyro_bnn.reporting.staged_folder import StagedFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def _run_cli(*args, **kw):
     env = dict(os.environ, PYTHONPATH=path, MPLBACKEND="Agg")
     # SIGINT back to its default: a shell starts background jobs with it ignored, and Python
     # then installs no KeyboardInterrupt handler in the child
-    return subprocess.Popen([sys.executable, "-m", "pyro_bnn.cli", *args], cwd=kw.get("cwd", ROOT), env=env,
+    return subprocess.Popen([sys.executable, "-m", "pyro_bnn.reporting.cli", *args], cwd=kw.get("cwd", ROOT), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 

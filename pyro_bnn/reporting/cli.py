@@ -5,7 +5,7 @@ digits data (1,348 train / 449 test 8×8 images, an MLP 64-100-10) at its conver
 (``GUIDE_DEFAULTS``), prints the comparison table (with each fit's ``converged`` status and its
 ``configuration``) and writes ``pyro-bnn-report/``: ``table.md``, ``table.csv``, ``metrics.json``,
 ``reliability.png``, ``entropy.png``, ``forest.png`` and ``datatrees/<guide>.nc``
-(see :mod:`pyro_bnn.report`).  ``--smoke`` runs the whole pipeline in seconds.
+(see :mod:`pyro_bnn.reporting.report`).  ``--smoke`` runs the whole pipeline in seconds.
 
 The report folder is replaced whole at the end of a run, or not at all: ``--out`` is checked
 before any training, the files are written into a temporary sibling folder that is renamed
@@ -24,10 +24,10 @@ import time
 import torch
 from torch import nn
 
-from . import datasets
-from .compare import compare
-from .guides.base import registered_guides
-from .model import BNN
+from .. import datasets
+from ..guides.base import registered_guides
+from ..model import BNN
+from .comparison import compare
 from .report import markdown_table, write_report
 from .staged_folder import StagedFolder
 

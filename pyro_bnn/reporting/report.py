@@ -1,6 +1,6 @@
 """Report of a guide comparison: tables, JSON and PNG figures a person wants to look at.
 
-:func:`write_report` writes, for a :class:`~pyro_bnn.compare.Comparison`:
+:func:`write_report` writes, for a :class:`~pyro_bnn.reporting.comparison.Comparison`:
 
 * ``table.md`` / ``table.csv`` — the comparison table;
 * ``metrics.json`` — every metric, per-epoch training history, each fit's convergence diagnosis
@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import metrics
-from .analysis.ood import auroc
-from .devices import module_device
+from .. import metrics
+from ..analysis.ood import auroc
+from ..devices import module_device
 from .staged_folder import StagedFolder
 
 __all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
@@ -258,7 +258,7 @@ def _jsonable(v):
 
 def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
                  settings: Mapping | None = None, staged: bool = True) -> dict[str, Path]:
-    """Write the report folder for a :class:`~pyro_bnn.compare.Comparison`.
+    """Write the report folder for a :class:`~pyro_bnn.reporting.comparison.Comparison`.
 
     Parameters
     ----------

@@ -50,12 +50,12 @@ import pandas as pd
 import pyro
 import torch
 
-from . import metrics
-from .arviz import default_method
-from .datasets import DataSplit
-from .guides.base import guide_contract, registered_guides
-from .prediction import PredictiveSamples, predict, predictive_samples
-from .training import FitResult, fit
+from .. import metrics
+from ..arviz import default_method
+from ..datasets import DataSplit
+from ..guides.base import guide_contract, registered_guides
+from ..prediction import PredictiveSamples, predict, predictive_samples
+from ..training import FitResult, fit
 
 __all__ = ["compare", "Comparison", "GuideRun", "count_variational_parameters", "as_split",
            "convergence_label", "describe_configuration"]
@@ -174,7 +174,7 @@ def _per_guide(value, name, default):
 def _loo_columns(dt) -> dict:
     import arviz_stats
 
-    from .arviz import loo_approximate
+    from ..arviz import loo_approximate
 
     out = {"elpd_loo": math.nan, "elpd_loo_se": math.nan, "pareto_k_bad": math.nan,
            "elpd_loo_psis": math.nan}
@@ -313,7 +313,7 @@ def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSample
 
 def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_samples, loo_samples,
              device, seed, progress, guide_kw, fit_kw, predict_method) -> GuideRun:
-    from .arviz import to_arviz
+    from ..arviz import to_arviz
 
     run = GuideRun(name)
     pyro.set_rng_seed(seed)
