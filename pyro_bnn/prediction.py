@@ -180,10 +180,10 @@ def evaluate(model, guide, x, y, num_samples: int = 64, batch_size: int = 1024, 
         raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
     if method != "sample":
         out = predict(model, guide, x, num_samples, batch_size, method=method, **kwargs)
-        lik = getattr(model, "likelihood", None)
-        if isinstance(lik, Gaussian):  # draws of the (linearised) function, (S, N, D)
+        kind, noise = _predictive_likelihood(model, guide)
+        if kind == "gaussian":  # draws of the (linearised) function, (S, N, D)
             out = out if out.dim() == 3 else out.unsqueeze(0)
-            return metrics.regression_metrics(out.cpu(), lik.noise.detach().cpu(),
+            return metrics.regression_metrics(out.cpu(), noise.detach().cpu(),
                                               y.reshape(out.shape[1:]).to(out.dtype).cpu())
         if out.dim() == 2:
             out = out.unsqueeze(0)
@@ -205,3 +205,14 @@ def _check_labels(y, num_classes):
         raise TypeError(f"class labels must be integers, got dtype {y.dtype}")
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= num_classes):
         raise ValueError(f"labels must lie in [0, {num_classes - 1}], got [{int(y.min())}, {int(y.max())}]")
+
+
+def _predictive_likelihood(model, guide) -> tuple[str | None, torch.Tensor | None]:
+    """``(kind, Gaussian σ)`` of a guide's non-Monte-Carlo predictive: from the model's
+    likelihood, else (hand-written models) from the guide (``BNNGuide.likelihood_kind``)."""
+    lik = getattr(model, "likelihood", None)
+    if isinstance(lik, Gaussian):
+        return "gaussian", lik.noise
+    if lik is not None:
+        return lik.name, None
+    return guide_contract(guide).likelihood_kind() or (None, None)

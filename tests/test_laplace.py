@@ -625,6 +625,13 @@ def test_handwritten_regression_with_constrained_noise_point_estimate():
     torch.testing.assert_close(cov_ours, cov_ref, rtol=1e-4, atol=1e-7)
     draws = pb.predict(model, guide, xt, method="glm", num_samples=8)
     assert draws.shape == (8, 51, 1)
+    # pb.evaluate with the GLM predictive: regression metrics with the point-estimate sigma,
+    # equal to those of the pb.BNN twin (was a crash: the kind came from model.likelihood only)
+    yt = torch.sin(2 * xt).squeeze(-1)
+    ours = pb.evaluate(model, guide, xt, yt, method="glm", num_samples=64, seed=0)
+    theirs = pb.evaluate(bnn, ref, xt, yt[:, None], method="glm", num_samples=64, seed=0)
+    assert set(ours) >= {"rmse", "nll", "coverage_95"} and ours["rmse"] < 0.2, ours
+    assert ours["nll"] == pytest.approx(theirs["nll"], rel=0.05), (ours, theirs)
     rmse = float(((f_ours.squeeze(-1) - torch.sin(2 * xt).squeeze(-1)) ** 2).mean().sqrt())
     assert rmse < 0.2, rmse
     sample = guide()                                             # a Pyro guide draw: sigma stays positive

@@ -170,6 +170,14 @@ class BNNGuide:
         """
         return _not_set_up_message(self)
 
+    def likelihood_kind(self) -> tuple[str, torch.Tensor | None] | None:
+        """``(kind, noise)`` of the predictive that :meth:`predict` returns for a model without
+        a ``likelihood`` attribute (a hand-written ``PyroModule``): ``kind`` is
+        ``"categorical"``, ``"bernoulli"`` or ``"gaussian"`` and ``noise`` the Gaussian
+        σ (else ``None``).  ``None`` (the default): the guide does not know.
+        """
+        return None
+
     def log_density(self, values: dict) -> torch.Tensor | None:
         """``log q(θ)`` (0-d) at a joint draw ``{site: tensor}``, or ``None``.
 
