@@ -21,6 +21,8 @@ MOVED: dict[str, str] = {
        for name in ("active", "adversarial", "corruption", "ood", "pruning", "tool_support",
                     "uncertainty_plots")},
     "pyro_bnn.compare": "pyro_bnn.reporting.comparison",
+    **{f"pyro_bnn.guides.laplace_{name}": f"pyro_bnn.guides.laplace.{name}"
+       for name in ("objective", "online", "prior", "state")},
     **{f"pyro_bnn.{name}": f"pyro_bnn.reporting.{name}" for name in ("report", "cli", "staged_folder")},
 }
 

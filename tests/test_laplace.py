@@ -11,7 +11,7 @@ from pyro.infer import Predictive
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.guides.laplace_objective import LaplaceMAPObjective
+from pyro_bnn.guides.laplace import LaplaceMAPObjective
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 DELTA, SIGMA = 2.0, 0.5

@@ -174,7 +174,7 @@ def test_param_store_save_clear_load_restores_a_fresh_guide(name, digits, tmp_pa
     if isinstance(guide2, pb.guides.Laplace):
         # δ and the curvature are not Pyro parameters (they are derived from θ and the data):
         # a guide restored from the store refits them post hoc, as fit did at its end
-        from pyro_bnn.guides.laplace_prior import POSTHOC_LR, POSTHOC_STEPS
+        from pyro_bnn.guides.laplace.prior import POSTHOC_LR, POSTHOC_STEPS
         for g in (guide, guide2):
             g.fit_curvature((x, y))
         guide2.optimize_prior_precision(steps=POSTHOC_STEPS, lr=POSTHOC_LR)

@@ -1,6 +1,6 @@
 """Invariance learning inside ``pb.fit(model, pb.guides.Laplace(...), marglik=...)``.
 
-The Laplace guide's online schedule (:mod:`pyro_bnn.guides.laplace_online`) calls two
+The Laplace guide's online schedule (:mod:`pyro_bnn.guides.laplace.online`) calls two
 functions when the model has a learnable augmentation:
 
 * :func:`guide_curvature_source` — the data of the guide's full-data curvature pass:

@@ -25,9 +25,9 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from torch import nn
 
-from .. import marglik as ml
-from .._local_params import local_params
-from ..curvature import (
+from ... import marglik as ml
+from ..._local_params import local_params
+from ...curvature import (
     STRUCTURES,
     accumulate_curvature,
     find_layers,
@@ -38,14 +38,14 @@ from ..curvature import (
     linearized_offsets,
     network_output,
 )
-from ..data import split_batch
-from ..likelihoods import Gaussian
-from ..model import is_bnn
-from .base import BNNGuide, init_to_network, register_guide
-from .laplace_objective import LaplaceMAPObjective
-from .laplace_online import OnlineMarglik, _batches
-from .laplace_prior import PRIOR_STRUCTURES
-from .laplace_state import CurvatureState
+from ...data import split_batch
+from ...likelihoods import Gaussian
+from ...model import is_bnn
+from ..base import BNNGuide, init_to_network, register_guide
+from .objective import LaplaceMAPObjective
+from .online import OnlineMarglik, _batches
+from .prior import PRIOR_STRUCTURES
+from .state import CurvatureState
 
 __all__ = ["Laplace", "LinearizedSamples"]
 
@@ -83,7 +83,7 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
     prior_structure : {"scalar", "layerwise", "sitewise", "diagonal"}
         One δ, one per layer, one per sample site (weight and bias tensors apart; with
         ``"kron"`` only for ``kron_bias="separate"``) or one per weight (not with
-        ``"kron"``); see :mod:`pyro_bnn.guides.laplace_prior`.
+        ``"kron"``); see :mod:`pyro_bnn.guides.laplace.prior`.
     curvature_batch_size : int
         Batch size for curvature and the GLM predictive when given tensors.
     kron_bias : {"joint", "separate"}
@@ -260,7 +260,7 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
 
     def _ensure_setup(self, x, y=None, num_data=None):
         if self.prototype_trace is None:
-            from ..objectives import call_model
+            from ...objectives import call_model
             args, kwargs, _ = call_model(self.base_model, x, y, num_data or len(x))
             with torch.no_grad():
                 pyro.poutine.block(self)(*args, **kwargs)
@@ -433,7 +433,7 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         corruption curves).
         """
         if method == "sample":
-            from ..prediction import predict as mc_predict
+            from ...prediction import predict as mc_predict
             return mc_predict(model, self, x, num_samples, batch_size, method="sample", **kwargs)
         if method != "glm":
             raise ValueError(f"method must be 'glm' or 'sample', got {method!r}")

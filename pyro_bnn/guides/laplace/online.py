@@ -21,10 +21,10 @@ import math
 
 import torch
 
-from .. import marglik as ml
-from ..data import TensorBatches, make_loader
-from ..likelihoods import Gaussian
-from .laplace_prior import POSTHOC_LR, POSTHOC_STEPS, PriorPrecision
+from ... import marglik as ml
+from ...data import TensorBatches, make_loader
+from ...likelihoods import Gaussian
+from .prior import POSTHOC_LR, POSTHOC_STEPS, PriorPrecision
 
 __all__ = ["OnlineMarglik", "EVIDENCE_SEED"]
 
@@ -49,7 +49,7 @@ class OnlineMarglik(PriorPrecision):
             leaves = [p for p in self._hyper if p is not None]
             self._hyper_opt = torch.optim.Adam(leaves, lr=float(self._marglik["lr"]))
             # A learnable augmentation (LILA): η follows the evidence too (pyro_bnn.invariance).
-            from ..invariance.learning import guide_eta_optimizer
+            from ...invariance.learning import guide_eta_optimizer
             self._eta_opt = guide_eta_optimizer(self.base_model, self._marglik["lr"])
 
     def on_epoch_end(self, ctx):
@@ -65,7 +65,7 @@ class OnlineMarglik(PriorPrecision):
         ctx.history.setdefault("prior_precision", []).append(float(self.prior_precision.mean()))
         if getattr(self, "_eta_opt", None) is not None:
             # reuses the curvature of _deterministic_curvature (same seed: its draws replayed)
-            from ..invariance.guide_step import guide_online_eta_step
+            from ...invariance.guide_step import guide_online_eta_step
             guide_online_eta_step(self, ctx, self._eta_opt, seed=EVIDENCE_SEED)
             ctx.history.setdefault("extent", []).append(self.base_model.augmentation.extent.tolist())
         if self._best is None or value > self._best[0]:
@@ -129,7 +129,7 @@ class OnlineMarglik(PriorPrecision):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             if getattr(self, "_eta_opt", None) is not None:     # LILA: per-batch seeded draws
-                from ..invariance.guide_step import guide_curvature_source
+                from ...invariance.guide_step import guide_curvature_source
                 self.fit_curvature(**guide_curvature_source(ctx, self.curvature_batch_size, seed))
             else:
                 self.fit_curvature(**_curvature_source(ctx))

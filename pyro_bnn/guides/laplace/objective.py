@@ -15,10 +15,10 @@ import math
 import torch
 from pyro import poutine
 
-from ..likelihoods import log_likelihood
-from ..model import is_bnn
-from ..objectives import call_model, scale_observations
-from .objective import GuideObjective
+from ...likelihoods import log_likelihood
+from ...model import is_bnn
+from ...objectives import call_model, scale_observations
+from ..objective import GuideObjective
 
 __all__ = ["LaplaceMAPObjective", "gaussian_log_prior"]
 

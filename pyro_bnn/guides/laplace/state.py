@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..curvature import CurvatureFit, DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
+from ...curvature import CurvatureFit, DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
 
 __all__ = ["CurvatureState"]
 

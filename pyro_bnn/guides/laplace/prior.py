@@ -32,9 +32,9 @@ import math
 
 import torch
 
-from .. import marglik as ml
-from ..curvature import batch_covariance, glm_log_predictive, jacobian_factors
-from ..likelihoods import Gaussian
+from ... import marglik as ml
+from ...curvature import batch_covariance, glm_log_predictive, jacobian_factors
+from ...likelihoods import Gaussian
 
 __all__ = ["PriorPrecision", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS", "POSTHOC_LR"]
 
