@@ -391,7 +391,7 @@ def test_laplace_accepts_learning_an_augmentation_across_ranks():
     ctx = FitContext(model, guide, None, 4, torch.device("cpu"), 1,
                      options={"marglik": {"steps": 1}}, distributed=state)
     guide.on_fit_start(ctx)                        # η learning under distributed=True: no guard
-    assert guide._eta_opt is not None
+    assert guide.online is not None and guide.online.eta_optimizer is not None
 
 
 def test_example_script_runs_in_one_process(capsys, monkeypatch):

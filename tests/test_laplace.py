@@ -357,7 +357,7 @@ def test_online_marglik_restores_the_whole_best_state(monkeypatch):
                    stochastic=["net.2.weight", "net.2.bias"])
     guide = pb.guides.Laplace(model, structure="kron")
     body, guide_states = [], []
-    original = type(guide)._hyper_steps
+    original = type(guide).evidence_steps
 
     def hyper_steps(self, *args, **kwargs):
         # the real steps, then a penalty growing with every evidence step: the first is "best"
@@ -366,7 +366,7 @@ def test_online_marglik_restores_the_whole_best_state(monkeypatch):
         guide_states.append({k: v.detach().clone() for k, v in self.state_dict().items()})
         return value - 1e4 * len(body)
 
-    monkeypatch.setattr(type(guide), "_hyper_steps", hyper_steps)
+    monkeypatch.setattr(type(guide), "evidence_steps", hyper_steps)
     res = pb.fit(model, guide, (x, y), epochs=4, batch_size=50, lr=1e-2, progress=False,
                  marglik=dict(every=1, burnin=1, steps=5, lr=0.1))
     assert len(body) == 3 and not torch.equal(body[0], body[-1])   # the body did train

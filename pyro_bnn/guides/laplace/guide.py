@@ -43,8 +43,8 @@ from ...likelihoods import Gaussian
 from ...model import is_bnn
 from ..base import BNNGuide, init_to_network, register_guide
 from .objective import LaplaceMAPObjective
-from .online import OnlineMarglik, _batches
-from .prior import PRIOR_STRUCTURES
+from .online import OnlineEvidence, _batches, deterministic_curvature
+from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision
 from .state import CurvatureState
 
 __all__ = ["Laplace", "LinearizedSamples"]
@@ -69,7 +69,7 @@ def _key(site: str) -> str:
     return site.replace(".", "__")
 
 
-class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
+class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     """Laplace approximation of a BNN posterior with GGN curvature.
 
     Parameters
@@ -184,7 +184,7 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         self._posterior_cache = None     # CurvatureFit once the curvature is fitted
         self.register_load_state_dict_post_hook(lambda module, keys: module._invalidate())
         self._map_mode = False
-        self._marglik: dict = {}
+        self.online: OnlineEvidence | None = None   # during a fit with marglik=
 
     def extra_repr(self) -> str:
         """The configuration, as ``pb.compare`` tables and ``print(guide)`` show it."""
@@ -355,6 +355,37 @@ class Laplace(OnlineMarglik, BNNGuide, AutoGuide):
         flat = torch.cat(draws, -1)
         parts = flat.split([layer.numel for layer in self.layers], -1)
         return [p.reshape(num, *layer.shape) for layer, p in zip(self.layers, parts)], log_q
+
+    # ---- pb.fit hooks: MAP phase, then the curvature (and online evidence with marglik=)
+    def on_fit_start(self, ctx):
+        self._map_mode = True
+        options = ml.check_marglik_options(ctx.options.get("marglik"))
+        self.online = OnlineEvidence(self, options) if options else None
+
+    def on_epoch_end(self, ctx):
+        if self.online is not None:
+            self.online.after_epoch(ctx)
+
+    def on_fit_end(self, ctx):
+        self._map_mode = False
+        if self.online is not None:
+            self.online.finish(ctx)
+            self.online = None
+        deterministic_curvature(self, ctx)
+        if self.tune_prior_precision == "marglik":
+            ctx.history["posthoc_log_evidence"] = [self.evidence_steps(POSTHOC_STEPS, POSTHOC_LR)]
+
+    def fit_state(self) -> dict:
+        """The online-evidence state for ``fit(..., resume=True)`` (empty without ``marglik=``)."""
+        return {} if self.online is None else self.online.state_dict()
+
+    def load_fit_state(self, state: dict) -> None:
+        if bool(state) != (self.online is not None):
+            has = "holds" if state else "holds no"
+            wants = "has" if self.online is not None else "has no"
+            raise ValueError(f"the checkpoint {has} online-evidence state, but this fit {wants} marglik=")
+        if state:
+            self.online.load_state_dict(state)
 
     def prediction_problem(self) -> str | None:
         """Not ready before the curvature is fitted: until then the guide is a point mass at θ."""

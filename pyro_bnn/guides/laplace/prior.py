@@ -182,7 +182,7 @@ class PriorPrecision:
             if val is not None:
                 raise ValueError("val= is used by method='gridsearch' only; method='marglik' "
                                  "maximises the evidence of the training data")
-            return self._hyper_steps(steps, lr, learn_noise)
+            return self.evidence_steps(steps, lr, learn_noise)
         if val is None:
             raise ValueError("method='gridsearch' needs validation data val=(x_val, y_val)")
         x_val, y_val = _as_pair(val)
@@ -258,7 +258,8 @@ class PriorPrecision:
             out.append(-total / len(x))
         return torch.tensor(out, dtype=torch.float64)
 
-    def _hyper_params(self, learn_noise):
+    def evidence_hyperparameters(self, learn_noise=None):
+        """Fresh leaves ``(log δ, log σ or None)`` at the current values, for evidence steps."""
         log_pp = self.log_prior_precision.detach().clone().requires_grad_()
         lik = getattr(self.base_model, "likelihood", None)
         if learn_noise is None:
@@ -268,8 +269,11 @@ class PriorPrecision:
         log_noise = lik.log_noise.detach().clone().requires_grad_() if learn_noise else None
         return log_pp, log_noise
 
-    def _hyper_steps(self, steps, lr, learn_noise=None, params=None, optimizer=None):
-        log_pp, log_noise = params or self._hyper_params(learn_noise)
+    def evidence_steps(self, steps, lr, learn_noise=None, params=None, optimizer=None) -> float:
+        """``steps`` Adam steps on the evidence over ``params`` (default: fresh
+        :meth:`evidence_hyperparameters`); the result is written into δ (and σ); returns the
+        last log evidence."""
+        log_pp, log_noise = params or self.evidence_hyperparameters(learn_noise)
 
         def evidence():
             return self.log_evidence(log_pp.exp(), None if log_noise is None else log_noise.exp())
