@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
-import pyro
 import torch
 
 from .. import metrics
@@ -55,6 +54,7 @@ from ..arviz import default_method
 from ..datasets import DataSplit
 from ..guides.base import guide_contract, registered_guides
 from ..prediction import PredictiveSamples, predict, predictive_samples
+from ..seeding import seeded
 from ..training import FitResult, fit
 
 __all__ = ["compare", "Comparison", "GuideRun", "count_variational_parameters", "as_split",
@@ -316,7 +316,6 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     from ..arviz import to_arviz
 
     run = GuideRun(name)
-    pyro.set_rng_seed(seed)
     model = model_fn(name) if _takes_argument(model_fn) else model_fn()
     if device is not None:
         model.to(device)
@@ -436,14 +435,15 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         if progress:
             print(f"[{i}/{len(factories)}] {name}", file=sys.stderr, flush=True)
         try:
-            runs[name] = _run_one(
-                name, guide_fn, model_fn, split, epochs=int(_per_guide(epochs, name, 20)),
-                batch_size=batch_size, lr=_optional_float(_per_guide(lr, name, None)),
-                num_samples=num_samples,
-                loo_samples=loo_samples, device=device, seed=seed, progress=progress,
-                guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
-                fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
-                predict_method=_per_guide(predict_method, name, None))
+            with seeded(seed):   # every guide from the same seed; the caller's streams untouched
+                runs[name] = _run_one(
+                    name, guide_fn, model_fn, split, epochs=int(_per_guide(epochs, name, 20)),
+                    batch_size=batch_size, lr=_optional_float(_per_guide(lr, name, None)),
+                    num_samples=num_samples,
+                    loo_samples=loo_samples, device=device, seed=seed, progress=progress,
+                    guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
+                    fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
+                    predict_method=_per_guide(predict_method, name, None))
         except Exception as exc:
             if errors == "raise":
                 raise
