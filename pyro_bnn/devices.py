@@ -7,9 +7,12 @@ moves its inputs there; an explicit ``device=`` argument overrides it where a fu
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
-__all__ = ["module_device", "to_device_of"]
+__all__ = ["module_device", "to_device_of", "flush_denormals", "flushing_denormals"]
 
 
 def module_device(*modules, default: torch.device | str = "cpu") -> torch.device:
@@ -44,3 +47,29 @@ def to_device_of(modules, *tensors: torch.Tensor | None):
     device = module_device(*modules)
     moved = tuple(t if t is None else t.to(device) for t in tensors)
     return moved[0] if len(moved) == 1 else moved
+
+
+def flushing_denormals() -> bool:
+    """Whether CPU arithmetic currently flushes denormal floats to zero (probed: torch has
+    no getter for the flag that ``torch.set_flush_denormal`` sets)."""
+    tiny = torch.tensor([torch.finfo(torch.float32).tiny])
+    return bool((tiny / 2 == 0).item())
+
+
+@contextlib.contextmanager
+def flush_denormals() -> Iterator[None]:
+    """Flush denormal floats to zero on the CPU inside the block; the previous mode after.
+
+    Long CPU fits otherwise slow down several-fold once weights that only the prior pulls
+    on (e.g. those of always-blank MNIST pixels) decay into the denormal range, where every
+    arithmetic operation on them takes a slow path (``docs/training.md``).  Values below
+    1.2e-38 (float32) become 0, far below anything a posterior can resolve.
+    """
+    before = flushing_denormals()
+    if not torch.set_flush_denormal(True):      # a CPU without the flag: nothing to do
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(before)

@@ -31,7 +31,7 @@ from .arguments import check_int, check_positive, reject_unknown_keywords
 from .checkpoint import check_plain_data, load_states, read_checkpoint, write_atomic
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
 from .data import dataset_size, make_loader, split_batch, validate_data
-from .devices import module_device
+from .devices import flush_denormals, module_device
 from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .guides.base import guide_contract
 from .objectives import call_model
@@ -270,7 +270,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                         lr_schedule=lr_schedule if isinstance(lr_schedule, str) else "callable",
                         optimizer="default" if optimizer is None else "callable",
                         objective="default" if objective is None else "callable")
-    with local_params(model, guide):
+    with local_params(model, guide), flush_denormals():
         run.contract.on_fit_start(run.ctx)
         _prepare_optimisation(run, optimizer, lr, lr_schedule, clip_norm, epochs)
         start = resume_fit(run) if resume else 0

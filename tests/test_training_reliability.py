@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import mlp
 from pyro.infer.autoguide import AutoNormal
+from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.checkpoint import temporary_path
@@ -465,3 +466,31 @@ def test_one_checkpoint_write_per_epoch(tmp_path, data, monkeypatch):
     model, guide = _meanfield()
     pb.fit(model, guide, (x, y), epochs=3, checkpoint=tmp_path / "c.pt", progress=False)
     assert calls == [1, 2, 3]
+
+
+def test_fit_flushes_denormals_during_training_and_restores_the_mode(data):
+    """pb.fit trains with CPU denormals flushed to zero (weights that decay into the denormal
+    range otherwise slow every step several-fold: benchmarks/bench_denormal.py) and leaves the
+    caller's mode as it was, whichever it was."""
+    from pyro_bnn.devices import flushing_denormals
+    from pyro_bnn.guides.meanfield import MeanFieldELBO
+
+    x, y = data
+    seen = []
+    inner = MeanFieldELBO()
+
+    def objective(model, guide, xb, yb, num_data):
+        seen.append(flushing_denormals())
+        return inner(model, guide, xb, yb, num_data)
+
+    for before in (False, True):
+        torch.set_flush_denormal(before)
+        try:
+            model = pb.BNN(nn.Sequential(nn.Linear(x.shape[1], 8), nn.ReLU(), nn.Linear(8, 10)), "categorical")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", pb.ConvergenceWarning)
+                pb.fit(model, pb.guides.MeanField(model), (x, y), epochs=1, progress=False, objective=objective)
+            assert flushing_denormals() is before
+        finally:
+            torch.set_flush_denormal(False)
+    assert seen and all(seen)
