@@ -265,13 +265,18 @@ def closed_form_kl(model, qs: dict) -> tuple[torch.Tensor | float, list[str]]:
     return kl, mc_sites
 
 
-def meanfield_loss(model, guide, x, y, num_data, num_particles=1):
+def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
     """Negative ELBO for a BNN and a MeanField guide (see :class:`MeanFieldELBO`).
 
     Sites with a Normal prior are sampled together with their KL by one
     fused autograd node (:mod:`._fused_gaussian`); the rest go through ``closed_form_kl`` or
-    a Monte Carlo KL.
+    a Monte Carlo KL.  ``on_draw(values)``, if given, is called with each particle's weight
+    draw ``{site: ω}`` after its likelihood term (the symmetrised guide adds its entropy
+    term on the same ω); with local reparameterisation no weights are drawn and it must
+    be ``None``.
     """
+    if on_draw is not None and guide.local_reparameterization:
+        raise ValueError("on_draw needs weight draws, but local reparameterisation draws none")
     scale_factor = (num_data or len(x)) / len(x)
     sites = model.site_names
     local = guide.local_reparameterization
@@ -298,6 +303,8 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1):
             for h in hooks:
                 h.remove()
         nll = nll - log_likelihood(model.likelihood, f, y).sum() * scale_factor
+        if on_draw is not None:
+            on_draw(values)
         for name in mc_sites:
             loc, scale = qs[name]
             w = values[name] if not local else loc + scale * standard_normal_like(loc)

@@ -46,13 +46,12 @@ from .._local_params import local_params
 from ..data import as_tensors
 from ..likelihoods import log_likelihood
 from ..model import is_bnn
-from ._fused_gaussian import sample_and_kl
 from .base import register_guide
 from .meanfield import (
     MeanField,
     MeanFieldELBO,
     _fusable_sites,
-    closed_form_kl,
+    meanfield_loss,
     standard_normal_like,
 )
 from .objective import GuideObjective
@@ -292,37 +291,19 @@ class SymmetrizedELBO(GuideObjective):
         groups = [] if trivial else guide.symmetry()
         sizes = group_sizes(groups, {k: v.shape for k, v in locs.items()})
         device = locs[sites[0]].device
-        kl_closed = 0.0
-        if fast and not fused:
-            kl_closed, mc_sites = closed_form_kl(model, qs)
-            fast = not mc_sites
         gap = surrogate = 0.0
-        scale_factor = (num_data or len(x)) / len(x)
-        if fast:  # the same arithmetic as meanfield_loss, plus the gap on the same ω
-            nll = 0.0
-            for _ in range(self.num_particles):
-                noise = {name: standard_normal_like(locs[name]) for name in sites}
-                if fused:
-                    values = {}
-                    for name, (loc, rho, prior_loc, prior_scale) in fused.items():
-                        values[name], kl = sample_and_kl(loc, rho, noise[name], prior_loc,
-                                                         prior_scale, guide.scale_parameterization)
-                        kl_closed = kl_closed + kl / self.num_particles
-                else:
-                    values = {name: locs[name] + scales[name] * noise[name] for name in sites}
-                f = model.run_with(values, x)
-                nll = nll - log_likelihood(model.likelihood, f, y).sum() * scale_factor
-                gap_p, sur_p = self._gap(values, locs, scales, groups, sizes, device, log_scales)
-                gap, surrogate = gap + gap_p, surrogate + sur_p
-            kl_weight = getattr(guide, "kl_weight", 1.0)  # KL annealing of the base guide
-            neg_elbo = nll / self.num_particles + (
-                kl_closed if kl_weight == 1.0 else kl_weight * kl_closed)
-        else:
+        if fast:  # MeanField's own loss; the gap is taken on each particle's weight draw ω
+            draws = []
+            neg_elbo = meanfield_loss(model, guide, x, y, num_data, self.num_particles,
+                                      on_draw=lambda values: draws.append(
+                                          self._gap(values, locs, scales, groups, sizes, device, log_scales)))
+        else:     # local reparameterisation draws no weights: the gap gets its own ω ~ q
             neg_elbo = self._meanfield(model, guide, x, y, num_data)
-            for _ in range(self.num_particles):
-                values = {n: locs[n] + scales[n] * standard_normal_like(locs[n]) for n in sites}
-                gap_p, sur_p = self._gap(values, locs, scales, groups, sizes, device)
-                gap, surrogate = gap + gap_p, surrogate + sur_p
+            draws = [self._gap({n: locs[n] + scales[n] * standard_normal_like(locs[n]) for n in sites},
+                               locs, scales, groups, sizes, device)
+                     for _ in range(self.num_particles)]
+        for gap_p, sur_p in draws:
+            gap, surrogate = gap + gap_p, surrogate + sur_p
         gap, surrogate = gap / self.num_particles, surrogate / self.num_particles
         w = getattr(guide, "kl_weight", 1.0)  # the modified KL, KL(q‖p) − gap, is annealed as one
         loss = neg_elbo - (surrogate if w == 1.0 else w * surrogate)
