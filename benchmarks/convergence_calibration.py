@@ -50,17 +50,6 @@ def run(data, init_scale, lr, lr_schedule, epochs, seed):
                       seed=seed, progress=False)
 
 
-def _short(reason: str) -> str:
-    for start, label in (("the objective was still improving", "still improving"),
-                         ("the objective got worse", "got worse"),
-                         ("the posterior scales were limited", "σ limited by the lr"),
-                         ("the learning rate never decayed", "constant lr, not confirmed flat"),
-                         ("cannot judge", "cannot judge")):
-        if reason.startswith(start):
-            return label
-    return reason[:40]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
@@ -81,7 +70,7 @@ def main(argv=None):
         final = sum(elbo[-max(1, math.ceil(0.05 * epochs)):]) / max(1, math.ceil(0.05 * epochs))
         gain = (f"{100 * m['objective_gain']:+.2f} ± {100 * m['objective_gain_se']:.2f}"
                 if m["objective_gain"] is not None else "–")
-        reasons = "; ".join(_short(r) for r in d.reasons) or "–"
+        reasons = "; ".join(d.short_reasons()) or "–"
         print(f"| {name} | {init_scale:g} | {lr:g} | {schedule} | {epochs} | {seed} | {final:.0f} | {m['window']} "
               f"| {gain} | {m['scale_limited_share']:.2f} | {d.converged} | {reasons} | {time.perf_counter() - t0:.0f} |",
               flush=True)

@@ -92,6 +92,29 @@ class ConvergenceDiagnosis:
         head = "pb.fit did not converge" if self.judged else "pb.fit cannot judge convergence"
         return f"{head}: " + "; ".join(self.reasons)
 
+    def short_reasons(self) -> list[str]:
+        """One short label per reason (``"still improving"``, ``"σ limited by the lr"``,
+        ``"cannot judge (3 epochs)"``, ...), for tables."""
+        labels = []
+        for reason in self.reasons:
+            if reason.startswith("cannot judge"):
+                epochs = self.measures.get("epochs", "?")
+                labels.append(f"cannot judge ({epochs} epoch{'' if epochs == 1 else 's'})")
+                continue
+            labels.append(next((label for start, label in _REASON_LABELS if reason.startswith(start)),
+                               reason.split(":")[0]))
+        return labels
+
+    def label(self) -> str:
+        """``"yes"`` or ``"no: <short reasons>"`` (the main job's ``converged`` column)."""
+        return "yes" if self.converged else "no: " + "; ".join(self.short_reasons() or ["not converged"])
+
+
+_REASON_LABELS = (("the objective was still improving", "still improving"),
+                  ("the objective got worse", "got worse"),
+                  ("the posterior scales were limited", "σ limited by the lr"),
+                  ("the learning rate never decayed", "constant lr, not confirmed flat"))
+
 
 def objective_trend(values, window: int) -> tuple[float, float]:
     """Gain of ``values`` over their last ``window`` entries by a least-squares line, and its

@@ -208,12 +208,6 @@ def _log_evidence(guide) -> float:
 
 
 #: short labels of :class:`~pyro_bnn.convergence.ConvergenceDiagnosis` reasons, by their start
-_REASON_LABELS = (("the objective was still improving", "still improving"),
-                  ("the objective got worse", "got worse"),
-                  ("the posterior scales were limited", "σ limited by the lr"),
-                  ("the learning rate never decayed", "constant lr, not confirmed flat"))
-
-
 def convergence_label(diagnosis) -> str:
     """The ``converged`` column: ``"yes"`` or ``"no: <short reasons>"``.
 
@@ -226,19 +220,7 @@ def convergence_label(diagnosis) -> str:
     -------
     str
     """
-    if diagnosis is None:
-        return "no: not diagnosed"
-    if diagnosis.converged:
-        return "yes"
-    labels = []
-    for reason in diagnosis.reasons:
-        if reason.startswith("cannot judge"):
-            epochs = diagnosis.measures.get("epochs", "?")
-            labels.append(f"cannot judge ({epochs} epoch{'' if epochs == 1 else 's'})")
-            continue
-        labels.append(next((label for start, label in _REASON_LABELS if reason.startswith(start)),
-                           reason.split(":")[0]))
-    return "no: " + "; ".join(labels or ["not converged"])
+    return "no: not diagnosed" if diagnosis is None else diagnosis.label()
 
 
 def _guide_settings(guide) -> str:
