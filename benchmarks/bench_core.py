@@ -22,43 +22,15 @@ import time
 import warnings
 
 import pyro
-import pyro.distributions as dist
 import torch
-from _common import map_epoch, sync  # benchmarks/_common.py (on sys.path when run as a script)
+from _common import PlainPyroMLP, map_epoch, sync
+from _common import mnist_mlp as mlp  # benchmarks/_common.py (on sys.path when run as a script)
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
-from pyro.nn import PyroModule, PyroSample
-from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.data import TensorBatches
 from pyro_bnn.training import default_optimizer
-
-
-def mlp(hidden=400):
-    return nn.Sequential(nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, 10))
-
-
-class PlainPyroMLP(PyroModule):
-    """How a Pyro user writes it by hand: PyroSample priors, a data plate, SVI."""
-
-    def __init__(self, hidden, num_data, device="cpu"):
-        super().__init__()
-        self.num_data = num_data
-        net = mlp(hidden)
-        pyro.nn.module.to_pyro_module_(net)
-        self.net = net
-        for layer in (self.net[0], self.net[2], self.net[4]):
-            zero, one = torch.zeros((), device=device), torch.ones((), device=device)
-            layer.weight = PyroSample(dist.Normal(zero, one).expand(layer.weight.shape).to_event(2))
-            layer.bias = PyroSample(dist.Normal(zero, one).expand(layer.bias.shape).to_event(1))
-
-    def forward(self, x, y=None):
-        logits = self.net(x)
-        with pyro.plate("data", self.num_data, subsample_size=len(x)):
-            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
-        return logits
 
 
 def main(argv=None):
@@ -92,7 +64,7 @@ def main(argv=None):
         map_epoch(net_a, opt_a, batches_a)
 
     # (b) plain Pyro: PyroModule + AutoNormal + SVI
-    model_b = PlainPyroMLP(args.hidden, n, device).to(device)
+    model_b = PlainPyroMLP(n, args.hidden, device).to(device)
     guide_b = AutoNormal(model_b, init_scale=0.01)
     svi = SVI(model_b, guide_b, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
     batches_b = TensorBatches(x, y, args.batch_size)

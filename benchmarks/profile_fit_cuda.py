@@ -16,17 +16,12 @@ import time
 import warnings
 
 import torch
-from _common import map_epoch, sync  # benchmarks/_common.py (on sys.path when run as a script)
-from torch import nn
+from _common import map_epoch, sync
+from _common import mnist_mlp as mlp  # benchmarks/_common.py (on sys.path when run as a script)
 from torch.profiler import ProfilerActivity, profile
 
 import pyro_bnn as pb
 from pyro_bnn.data import TensorBatches
-
-
-def mlp(hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, 10))
 
 
 def summarise(prof, steps: int, label: str, top: int) -> None:

@@ -27,42 +27,16 @@ import time
 import warnings
 
 import pyro
-import pyro.distributions as dist
 import torch
+from _common import PlainPyroMLP  # benchmarks/_common.py (on sys.path when run as a script)
+from _common import mnist_mlp as mlp
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
-from pyro.nn import PyroModule, PyroSample
-from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn._local_params import local_params
 from pyro_bnn.data import TensorBatches
 from pyro_bnn.guides.meanfield import meanfield_loss
-
-
-def mlp(hidden=400):
-    return nn.Sequential(nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, 10))
-
-
-class PlainPyroMLP(PyroModule):
-    """How a Pyro user writes the model by hand."""
-
-    def __init__(self, num_data, hidden=400):
-        super().__init__()
-        self.num_data = num_data
-        net = mlp(hidden)
-        pyro.nn.module.to_pyro_module_(net)
-        self.net = net
-        for layer in (self.net[0], self.net[2], self.net[4]):
-            layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand(layer.weight.shape).to_event(2))
-            layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand(layer.bias.shape).to_event(1))
-
-    def forward(self, x, y=None):
-        logits = self.net(x)
-        with pyro.plate("data", self.num_data, subsample_size=len(x)):
-            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
-        return logits
 
 
 def elbo_bnn(model, guide, x, y, draws):

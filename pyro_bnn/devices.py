@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["module_device", "to_device_of", "flush_denormals", "flushing_denormals"]
+__all__ = ["module_device", "flush_denormals", "flushing_denormals"]
 
 
 def module_device(*modules, default: torch.device | str = "cpu") -> torch.device:
@@ -37,16 +37,6 @@ def module_device(*modules, default: torch.device | str = "cpu") -> torch.device
             for t in module.buffers():
                 return t.device
     return torch.device(default)
-
-
-def to_device_of(modules, *tensors: torch.Tensor | None):
-    """``tensors`` moved to :func:`module_device` of ``modules`` (a module or a sequence of
-    them; ``None`` stays ``None``): a tuple, or the one tensor if only one is given.  A tensor
-    already there is returned as is (no copy)."""
-    modules = modules if isinstance(modules, (list, tuple)) else (modules,)
-    device = module_device(*modules)
-    moved = tuple(t if t is None else t.to(device) for t in tensors)
-    return moved[0] if len(moved) == 1 else moved
 
 
 def flushing_denormals() -> bool:

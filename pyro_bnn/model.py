@@ -15,7 +15,7 @@ from torch import nn
 from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
 BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -67,6 +67,17 @@ def is_bnn(model) -> bool:
     since Python 3.12 inspects protocols with ``getattr_static``.
     """
     return all(hasattr(model, name) for name in _PROTOCOL_MEMBERS)
+
+
+def site_module(model: nn.Module, site: str) -> tuple[nn.Module | None, str]:
+    """``(module, attribute)`` of a site named by its module path (``"net.0.weight"`` →
+    ``(model.net[0], "weight")``), as ``pb.BNN`` and ``PyroSample`` attributes of a
+    hand-written ``PyroModule`` name them; ``module`` is ``None`` if the path names none."""
+    path, _, attr = site.rpartition(".")
+    try:
+        return (model.get_submodule(path) if path else model), attr
+    except AttributeError:
+        return None, attr
 
 
 _PROTOCOL_MEMBERS = ("site_names", "likelihood", "site_prior", "run_with")

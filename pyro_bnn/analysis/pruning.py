@@ -59,7 +59,7 @@ from torch import nn
 
 from .. import metrics
 from .._draws import draw_latents, probs_from_latents, site_moments
-from ..model import is_bnn
+from ..model import is_bnn, site_module
 from .tool_support import renamed_keyword, seeded, to_model_device
 
 __all__ = ["scores", "prune_", "unprune_", "PruningHandle", "pruning_curve", "export_pruned",
@@ -169,11 +169,7 @@ class PruningHandle:
 
 
 def _site_module(model, site: str):
-    path, attr = site.rsplit(".", 1) if "." in site else ("", site)
-    try:
-        module = model.get_submodule(path) if path else model
-    except AttributeError:
-        module = None
+    module, attr = site_module(model, site)
     if not isinstance(module, PyroModule) or attr not in module.__dict__.get("_pyro_samples", {}):
         raise ValueError(f"site {site!r} is not a PyroSample attribute of a module of the model; "
                          "pruning masks need PyroSample weights (pyro_bnn.BNN or PyroModule)")

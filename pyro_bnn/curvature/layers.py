@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model import site_module
+
 __all__ = ["Layer", "find_layers", "capture_factors"]
 
 
@@ -96,11 +98,8 @@ def find_layers(model: nn.Module, site_shapes: dict[str, torch.Size]) -> list[La
     """
     groups: dict[str, dict] = {}
     for site in site_shapes:
-        path, _, pname = site.rpartition(".")
-        try:
-            module = model.get_submodule(path) if path else model
-        except AttributeError:
-            module = None
+        module, pname = site_module(model, site)
+        path = site.rpartition(".")[0]
         ok = (isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.groups == 1
               and module.padding_mode == "zeros")) and pname in ("weight", "bias")
         if not ok:

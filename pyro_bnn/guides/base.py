@@ -26,6 +26,7 @@ from pyro.infer.autoguide.initialization import init_to_median
 from pyro.poutine.messenger import Messenger
 
 from .._local_params import local_params, prepare_local_params
+from ..model import site_module
 from ..objectives import PyroObjective
 from ..param_store import expose_unconstrained, global_param_mode, sync_param_store
 
@@ -303,10 +304,8 @@ class init_to_network:
 
 
 def _sibling_weight_shape(model, bias_site: str):
-    path = bias_site.rsplit(".", 1)[0]
-    try:
-        module = model.get_submodule(path) if path else model
-    except AttributeError:
+    module, _ = site_module(model, bias_site)
+    if module is None:
         return None
     samples = module.__dict__.get("_pyro_samples", {})
     if "weight" in samples:

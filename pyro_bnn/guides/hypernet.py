@@ -33,7 +33,7 @@ from pyro.infer import RenyiELBO, Trace_ELBO
 from pyro.infer.autoguide import AutoContinuous
 
 from ..likelihoods import Categorical, log_likelihood
-from ..model import is_bnn
+from ..model import is_bnn, site_module
 from ..objectives import PyroObjective
 from ..weight_norm import is_weight_norm_layer
 from .base import BNNGuide, init_to_network, register_guide
@@ -251,11 +251,7 @@ def non_scale_sites(model, names) -> list[str]:
     attributes of a hand-written ``PyroModule``)."""
     out = []
     for name in names:
-        path, _, leaf = name.rpartition(".")
-        try:
-            module = model.get_submodule(path) if path else model
-        except AttributeError:
-            module = None
+        module, leaf = site_module(model, name)
         if leaf != "weight_g" or not is_weight_norm_layer(module):
             out.append(name)
     return out

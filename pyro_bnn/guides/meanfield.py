@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributions import kl_divergence
 
 from ..likelihoods import log_likelihood
-from ..model import is_bnn
+from ..model import is_bnn, site_module
 from ..objectives import PyroObjective
 from ._fused_gaussian import can_fuse, sample_and_kl
 from .base import BNNGuide, init_to_network, register_guide
@@ -339,10 +339,9 @@ def supports_local_reparameterization(model) -> bool:
     if not is_bnn(model) or not hasattr(model, "net") or getattr(model, "augmentation", None) is not None:
         return False
     for site in model.site_names:
-        path, _, leaf = site.partition(".")[2].rpartition(".")
+        module, leaf = site_module(model, site)
         if leaf not in ("weight", "bias"):
             return False
-        module = model.net.get_submodule(path) if path else model.net
         if not (isinstance(module, nn.Linear) or (isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
                                                   and module.padding_mode == "zeros")):
             return False

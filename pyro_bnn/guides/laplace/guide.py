@@ -43,7 +43,7 @@ from ...likelihoods import Gaussian
 from ...model import is_bnn
 from ..base import BNNGuide, init_to_network, register_guide
 from .objective import LaplaceMAPObjective
-from .online import OnlineEvidence, _batches, deterministic_curvature
+from .online import OnlineEvidence, _batches, _num_augmentations, deterministic_curvature
 from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision
 from .state import CurvatureState
 
@@ -580,12 +580,6 @@ def _leading(layer, values):
         v = values[layer.bias]
         parts.append(v.reshape(v.shape[0], layer.out_features, 1))
     return torch.cat(parts, -1)
-
-
-def _num_augmentations(model) -> int:
-    """``S`` copies averaged by an invariant model (``pb.BNN(..., augmentation=)``), else 1."""
-    aug = getattr(model, "_modules", {}).get("augmentation")
-    return int(getattr(aug, "num_samples", 1)) if aug is not None else 1
 
 
 def _normal_precision(fn, value) -> torch.Tensor:
