@@ -131,72 +131,64 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
     x, y = x.to(device), y.to(device)
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     with seeded(seed):   # the caller's random streams are left as they were
-        return _learn(model, x, y, method, epochs, batch_size, lr, burnin, every, eta_steps, delta_steps,
-                      prior_precision, delta_lr, hyper_lr, augerino_weight, augerino_lr,
-                      marglik_batch_size, device, gen, callback)
-
-
-def _learn(model, x, y, method, epochs, batch_size, lr, burnin, every, eta_steps, delta_steps,
-           prior_precision, delta_lr, hyper_lr, augerino_weight, augerino_lr, marglik_batch_size,
-           device, gen, callback) -> InvarianceResult:
-    aug = model._modules.get("augmentation")
-    n = len(x)
-    values = {k: torch.nn.Parameter(v.to(device).clone()) for k, v in model.initial_values().items()}
-    layers = invariant_layers(model, values)
-    log_delta = torch.full((len(layers),), math.log(prior_precision), device=device,
-                           requires_grad=True)
-    opt = torch.optim.Adam(values.values(), lr=lr)
-    delta_opt = torch.optim.Adam([log_delta], lr=delta_lr)
-    eta_opt = None
-    if method == "lila":
-        eta_opt = torch.optim.Adam([aug.eta], lr=hyper_lr)
-    elif method == "augerino":
-        eta_opt = torch.optim.Adam([aug.eta], lr=augerino_lr)
-    hist: dict[str, list] = {"loss": [], "extent": [], "log_evidence": [], "evidence_epoch": [],
-                             "epoch_seconds": [], "hyper_seconds": []}
-    result = InvarianceResult(values, log_delta.detach().exp(), hist)
-    t_start = time.perf_counter()
-    mb = marglik_batch_size or batch_size
-    for epoch in range(1, epochs + 1):
-        t0 = time.perf_counter()
-        total = 0.0
-        delta = log_delta.detach().exp()
-        with eta_grad(aug, method == "augerino"):
-            for xb, yb in _batches(x, y, batch_size, gen):
-                f = model.run_with(values, xb)
-                nll = -log_likelihood(model.likelihood, f, yb).mean()
-                reg = sum(0.5 * d * sum(values[s].pow(2).sum() for s in layer.sites)
-                          for d, layer in zip(delta, layers)) / n
-                loss = nll + reg
-                if method == "augerino":
-                    loss = loss - augerino_weight * (aug.coefficients().pow(2).sum() + 1e-12).sqrt()
-                    eta_opt.zero_grad()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                if method == "augerino":
-                    eta_opt.step()
-                total += float(loss.detach()) * len(xb)
-        hist["loss"].append(total / n)
-        hist["epoch_seconds"].append(time.perf_counter() - t0)
-        if epoch > burnin and (epoch - burnin) % every == 0:
-            for _ in range(eta_steps):
-                th = time.perf_counter()
-                ev = evidence_step(model, values, _batches(x, y, mb), log_delta,
-                                   delta_optimizer=delta_opt, delta_steps=delta_steps,
-                                   eta_optimizer=eta_opt if method == "lila" else None,
-                                   seed=int(torch.randint(0, 2**31 - 1, (1,),
-                                                                          generator=gen)))
-                hist["hyper_seconds"].append(time.perf_counter() - th)
-                hist["log_evidence"].append(ev)
-                hist["evidence_epoch"].append(epoch)
-        hist["extent"].append(aug.extent.tolist() if aug is not None else [])
-        result.prior_precision = log_delta.detach().exp()
-        result.seconds = time.perf_counter() - t_start
-        if callback is not None and callback(epoch, result):
-            break
-    result.values = {k: v.detach() for k, v in values.items()}
-    return result
+        aug = model._modules.get("augmentation")
+        n = len(x)
+        values = {k: torch.nn.Parameter(v.to(device).clone()) for k, v in model.initial_values().items()}
+        layers = invariant_layers(model, values)
+        log_delta = torch.full((len(layers),), math.log(prior_precision), device=device,
+                               requires_grad=True)
+        opt = torch.optim.Adam(values.values(), lr=lr)
+        delta_opt = torch.optim.Adam([log_delta], lr=delta_lr)
+        eta_opt = None
+        if method == "lila":
+            eta_opt = torch.optim.Adam([aug.eta], lr=hyper_lr)
+        elif method == "augerino":
+            eta_opt = torch.optim.Adam([aug.eta], lr=augerino_lr)
+        hist: dict[str, list] = {"loss": [], "extent": [], "log_evidence": [], "evidence_epoch": [],
+                                 "epoch_seconds": [], "hyper_seconds": []}
+        result = InvarianceResult(values, log_delta.detach().exp(), hist)
+        t_start = time.perf_counter()
+        mb = marglik_batch_size or batch_size
+        for epoch in range(1, epochs + 1):
+            t0 = time.perf_counter()
+            total = 0.0
+            delta = log_delta.detach().exp()
+            with eta_grad(aug, method == "augerino"):
+                for xb, yb in _batches(x, y, batch_size, gen):
+                    f = model.run_with(values, xb)
+                    nll = -log_likelihood(model.likelihood, f, yb).mean()
+                    reg = sum(0.5 * d * sum(values[s].pow(2).sum() for s in layer.sites)
+                              for d, layer in zip(delta, layers)) / n
+                    loss = nll + reg
+                    if method == "augerino":
+                        loss = loss - augerino_weight * (aug.coefficients().pow(2).sum() + 1e-12).sqrt()
+                        eta_opt.zero_grad()
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    if method == "augerino":
+                        eta_opt.step()
+                    total += float(loss.detach()) * len(xb)
+            hist["loss"].append(total / n)
+            hist["epoch_seconds"].append(time.perf_counter() - t0)
+            if epoch > burnin and (epoch - burnin) % every == 0:
+                for _ in range(eta_steps):
+                    th = time.perf_counter()
+                    ev = evidence_step(model, values, _batches(x, y, mb), log_delta,
+                                       delta_optimizer=delta_opt, delta_steps=delta_steps,
+                                       eta_optimizer=eta_opt if method == "lila" else None,
+                                       seed=int(torch.randint(0, 2**31 - 1, (1,),
+                                                                              generator=gen)))
+                    hist["hyper_seconds"].append(time.perf_counter() - th)
+                    hist["log_evidence"].append(ev)
+                    hist["evidence_epoch"].append(epoch)
+            hist["extent"].append(aug.extent.tolist() if aug is not None else [])
+            result.prior_precision = log_delta.detach().exp()
+            result.seconds = time.perf_counter() - t_start
+            if callback is not None and callback(epoch, result):
+                break
+        result.values = {k: v.detach() for k, v in values.items()}
+        return result
 
 
 @torch.no_grad()
