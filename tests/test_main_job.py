@@ -110,6 +110,36 @@ def test_interrupt_during_training_keeps_the_previous_report(tmp_path, monkeypat
     assert _contents(out) == before and _siblings(out) == []
 
 
+def test_interrupt_inside_an_extension_import_is_an_interrupt(tmp_path, monkeypatch, capsys):
+    # Ctrl-C during a C extension's import (matplotlib's Agg backend, as seen in CI) arrives as
+    # ImportError("initialization failed") raised from the KeyboardInterrupt: exit 130, no traceback.
+    out = tmp_path / "report"
+    before = _previous_report(out)
+
+    def import_interrupted(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise ImportError("initialization failed") from exc
+
+    monkeypatch.setattr(cli, "write_report", import_interrupted)
+    assert cli.main(["--smoke", "--guides", "meanfield", "--out", str(out), "--no-progress",
+                     "--loo-samples", "8"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1] == f"interrupted: no report written; the previous one in {out} is unchanged"
+    assert _contents(out) == before and _siblings(out) == []
+
+
+def test_an_unrelated_import_error_is_not_an_interrupt(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ImportError("no module named matplotlib")
+
+    monkeypatch.setattr(cli, "write_report", broken)
+    with pytest.raises(ImportError, match="no module named matplotlib"):
+        cli.main(["--smoke", "--guides", "meanfield", "--out", str(tmp_path / "r"), "--no-progress",
+                  "--loo-samples", "8"])
+
+
 def test_failed_report_write_keeps_the_previous_report(tmp_path, monkeypatch, capsys):
     out = tmp_path / "report"
     before = _previous_report(out)

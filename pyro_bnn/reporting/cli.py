@@ -166,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     had_report = staging.out.exists()
     try:
-        return _run(args, names, staging, t_start)
+        try:
+            return _run(args, names, staging, t_start)
+        except Exception as exc:
+            # Ctrl-C that lands inside a C extension's import (matplotlib's backend, say) surfaces as
+            # ``ImportError("initialization failed")`` caused by the KeyboardInterrupt: still an interrupt.
+            if _caused_by_interrupt(exc):
+                raise KeyboardInterrupt from exc
+            raise
     except KeyboardInterrupt:
         if staging.committed:
             state = f"after the report was written to {args.out}"
@@ -178,6 +185,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         staging.discard()
+
+
+def _caused_by_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised because of a KeyboardInterrupt (anywhere in its cause chain)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _run(args, names, staging: StagedFolder, t_start: float) -> int:
