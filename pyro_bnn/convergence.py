@@ -20,6 +20,10 @@ Three checks, each a statistic of the training run only (never of test data):
     interval ``g ± 2s`` is not inside ±1 %): with a constant rate the parameters keep moving
     at the noise level and only a flat trend shows convergence.
 
+The objective judged is ``−loss`` without the part an objective reports as parameter-free
+(its ``loss_constant`` extra: the Laplace MAP loss's Gaussian prior normaliser, most of the
+loss of a large network, which would make the relative tolerance blind to the data term).
+
 Fewer than ``2W`` = 20 epochs: the diagnosis says it *cannot judge* and does not claim
 convergence.  The thresholds were calibrated on training objectives (``docs/training.md``).
 

@@ -51,6 +51,9 @@ class FitResult:
         Per-epoch ``loss`` (mean minibatch estimate of the full-data negative ELBO),
         ``elbo`` (its negative, unless the objective reports an ``elbo`` extra itself, as
         the symmetrised guide does), ``epoch_seconds``, and any extras the objective reports.
+        An extra ``loss_constant`` (the part of the loss that does not depend on the trained
+        parameters, as the Laplace MAP objective's prior normaliser) is left out of the
+        objective the convergence diagnosis judges.
         A resumed fit's history includes the epochs before the interruption.
     seconds : float
         Wall time of this call.
@@ -111,20 +114,42 @@ def setup_guide(model, guide, x, y=None, num_data=None) -> None:
         poutine.block(guide)(*args, **kwargs)
 
 
-def default_optimizer(params, lr: float) -> torch.optim.Optimizer:
+def default_optimizer(params, lr: float, factors=()) -> torch.optim.Optimizer:
     """Adam, fused (one kernel for all parameters) where the parameters allow it.
 
+    ``factors``: ``(parameter, factor)`` pairs (the guide's ``learning_rate_factors()``)
+    trained at ``factor × lr`` in their own parameter groups; the rest at ``lr``.
     On a 478k-weight MLP the fused step measured ~30× faster than the default per-tensor
     loop on CPU, which matters for mean-field guides with twice the network's parameters.
     """
+    params = list(params)
+    groups = _parameter_groups(params, lr, factors)
     fusable = params and all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
                              for p in params) and len({p.device for p in params}) == 1
     if fusable:
         try:
-            return torch.optim.Adam(params, lr=lr, fused=True)
+            return torch.optim.Adam(groups, lr=lr, fused=True)
         except (RuntimeError, ValueError):  # older torch or unsupported dtype/device
             pass
-    return torch.optim.Adam(params, lr=lr)
+    return torch.optim.Adam(groups, lr=lr)
+
+
+def _parameter_groups(params, lr: float, factors) -> list[dict]:
+    """One group at ``lr`` and one per distinct factor (in order of first appearance)."""
+    factor_of = {}
+    for p, factor in factors:
+        factor = float(factor)
+        if not factor > 0 or not math.isfinite(factor):
+            raise ValueError(f"learning-rate factors must be positive and finite, got {factor!r}")
+        factor_of[id(p)] = factor
+    by_factor: dict[float, list] = {}
+    base = []
+    for p in params:
+        factor = factor_of.get(id(p), 1.0)
+        (base if factor == 1.0 else by_factor.setdefault(factor, [])).append(p)
+    groups = [{"params": base, "lr": lr}] if base else []
+    groups += [{"params": ps, "lr": lr * f} for f, ps in by_factor.items()]
+    return groups
 
 
 def _parameters(*modules):
@@ -288,11 +313,19 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         _verify_final_state(run)
         run.contract.on_fit_end(run.ctx)
     publish_after_fit(model, guide)  # Predictive / SVI / the param store see the trained values
-    diagnosis = run.monitor.diagnose([-v for v in run.history["loss"]])
+    diagnosis = run.monitor.diagnose(_judged_objective(run.history))
     if not diagnosis.converged and epochs > 0 and (run.dstate is None or run.dstate.is_main):
         warnings.warn(diagnosis.message(), ConvergenceWarning, stacklevel=2)
     return FitResult(history=run.history, seconds=time.perf_counter() - t_start, convergence=diagnosis,
                      resumed_from=start)
+
+
+def _judged_objective(history: dict) -> list[float]:
+    """``−loss`` per epoch without the objective's parameter-independent part (the
+    ``loss_constant`` extra, e.g. a Gaussian prior's normaliser), which would otherwise make
+    the diagnosis's relative tolerance blind to the rest."""
+    constants = history.get("loss_constant") or [0.0] * len(history["loss"])
+    return [-(v - c) for v, c in zip(history["loss"], constants)]
 
 
 def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedule, num_particles, seed,
@@ -363,7 +396,8 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     """Optimiser, schedule, loss module, divergence guard and convergence monitor (after the
     guide's ``on_fit_start``, which may freeze parameters)."""
     run.params = _parameters(run.model, run.guide)
-    run.optimizer = optimizer(run.params) if optimizer is not None else default_optimizer(run.params, lr)
+    run.optimizer = optimizer(run.params) if optimizer is not None else default_optimizer(
+        run.params, lr, run.contract.learning_rate_factors())
     run.ctx.optimizer = run.optimizer
     run.scheduler = make_lr_scheduler(run.optimizer, lr_schedule, epochs * _num_batches(run.loader))
     run.loss_module = _LossModule(run.model, run.guide, run.objective, run.ctx.num_data)
