@@ -12,7 +12,9 @@
   accuracy/NLL, and with Hypernet K=0 on the ELBO.
 * ``--task full``: MLP 64-50-10, the full-weight flow (``Hypernet(full=True)``, ``--flow``
   realnvp by default, ``--num-flows`` 2 blocks of ``--hidden`` 32; lrs ``--full-lrs``) vs
-  MeanField on the same ordinary net and prior (an ELBO comparison of one model).
+  MeanField on the same ordinary net and prior (an ELBO comparison of one model);
+  ``--refine-lrs``: the flow started as the trained MeanField (``init_from``), trained
+  ``--refine-epochs`` more at each lr.
 * ``--task mnist``: weight-norm MLP 784-800-800-10 on MNIST 5k/5k (first 5,000 digits of the
   MNIST test file for training, next 5,000 for testing), Hypernet with 0/4/8 blocks
   (0 = Bayes by Backprop on g).
@@ -123,9 +125,15 @@ def task_full(args):
         net = mlp([64, 50, 10])
         if not args.no_meanfield:
             model = pb.BNN(net, "categorical", prior=pb.priors.IIDNormal(1.0))
+            meanfield = pb.guides.MeanField(model)
             rows.append((f"MeanField (all weights, {args.mf_epochs} ep)",)
-                        + _fit_eval(model, pb.guides.MeanField(model), d.train, d.test, args,
+                        + _fit_eval(model, meanfield, d.train, d.test, args,
                                     epochs=args.mf_epochs, lr=args.mf_lr))
+            for lr in args.refine_lrs:  # the flow started as the converged MeanField posterior
+                guide = pb.guides.Hypernet(model, flow=args.flow, num_flows=args.num_flows[0],
+                                           hidden=args.hidden[0], full=True, init_from=meanfield)
+                rows.append((f"{args.flow} from MeanField, +{args.refine_epochs} ep lr {lr:g}",)
+                            + _fit_eval(model, guide, d.train, d.test, args, epochs=args.refine_epochs, lr=lr))
         for lr in args.full_lrs:
             for k in args.num_flows:
                 model = pb.BNN(net, "categorical", prior=pb.priors.IIDNormal(1.0))
@@ -288,6 +296,9 @@ def main(argv=None):
     ap.add_argument("--mf-epochs", type=int, default=None, help="MeanField epochs (default --epochs)")
     ap.add_argument("--full-lrs", type=float, nargs="+", default=[None],
                     help="full task: learning rates of the full-weight flow (default its default_lr)")
+    ap.add_argument("--refine-lrs", type=float, nargs="*", default=[],
+                    help="full: also train a flow started as the trained MeanField (init_from) at these lrs")
+    ap.add_argument("--refine-epochs", type=int, default=100, help="full: epochs of each --refine-lrs fit")
     ap.add_argument("--elbo-draws", type=int, default=64)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="digits: one run per seed")
     ap.add_argument("--flow", default=None, help="iaf (digits, speed) / realnvp couplings (mnist)")

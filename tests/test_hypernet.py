@@ -1,6 +1,7 @@
 """Bayesian hypernetwork guide, flows and weight-norm models (issue 5)."""
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -8,6 +9,7 @@ import pytest
 import torch
 from pyro import poutine
 from pyro.infer import Trace_ELBO
+from pyro.infer.autoguide import AutoDelta
 from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
@@ -500,6 +502,49 @@ def test_full_weight_flow_trains_at_mean_field_learning_rates(digits_small):
             losses.append(loss.item())
     assert max(losses) <= losses[0], (losses[0], max(losses))
     assert sum(losses[-10:]) / 10 < losses[0] / 3, (losses[0], losses[-10:])
+
+
+def _digits_meanfield(digits_small, epochs=5):
+    xtr, ytr, _, _ = digits_small
+    torch.manual_seed(0)
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 20), nn.ReLU(), nn.Linear(20, 10)), "categorical")
+    mf = pb.guides.MeanField(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pb.ConvergenceWarning)
+        pb.fit(model, mf, (xtr, ytr), epochs=epochs, progress=False, seed=0)
+    return model, mf, xtr, ytr
+
+
+@pytest.mark.parametrize("kind", ["iaf", "realnvp"])
+def test_init_from_meanfield_starts_as_that_posterior(digits_small, kind):
+    """The flow built from a trained MeanField has that guide's density: draws have log q =
+    Σ log N(w; μ, σ²) of the MeanField (blocks at the identity, affine layer at μ, σ)."""
+    model, mf, xtr, ytr = _digits_meanfield(digits_small)
+    hn = pb.guides.Hypernet(model, full=True, flow=kind, num_flows=2, hidden=16, init_from=mf)
+    setup_guide(model, hn, xtr, ytr, len(xtr))
+    with torch.no_grad():
+        values, log_q = hn.sample_with_log_prob(64)
+        expected = sum(dist.Normal(*mf.loc_and_scale(name)).log_prob(values[name]).reshape(64, -1).sum(1)
+                       for name in model.site_names)
+        assert torch.allclose(log_q, expected, rtol=1e-5, atol=1e-3)
+        for name in model.site_names:  # the draws scatter around the MeanField's means at its scales
+            loc, scale = mf.loc_and_scale(name)
+            z = ((values[name] - loc) / scale).reshape(-1)
+            assert abs(float(z.mean())) < 0.05 and abs(float(z.std()) - 1.0) < 0.05
+
+
+def test_init_from_checks_what_it_is_given(digits_small):
+    model, mf, xtr, ytr = _digits_meanfield(digits_small, epochs=1)
+    with pytest.raises(TypeError, match="init_from must be a trained pb.guides.MeanField"):
+        pb.guides.Hypernet(model, full=True, init_from=AutoDelta(model))
+    with pytest.raises(ValueError, match="not set up"):
+        pb.guides.Hypernet(model, full=True, init_from=pb.guides.MeanField(model))
+    with pytest.raises(ValueError, match="layout='stable' and init_gain=0"):
+        pb.guides.Hypernet(model, full=True, init_from=mf, layout="paper")
+    other = pb.BNN(nn.Sequential(nn.Linear(64, 21), nn.ReLU(), nn.Linear(21, 10)), "categorical")
+    hn = pb.guides.Hypernet(other, full=True, num_flows=2, hidden=8, init_from=mf)
+    with pytest.raises(ValueError, match="init_from's site 'net.0.weight' has shape \\(20, 64\\)"):
+        setup_guide(other, hn, xtr, ytr, len(xtr))
 
 
 def _toy_regression_std_ratio(seed):

@@ -153,6 +153,12 @@ class BNNGuide:
         the learning rate.  Default: none."""
         return []
 
+    def learning_rate_factors(self) -> list[tuple[torch.Tensor, float]]:
+        """``(parameter, factor)`` pairs: parameters that :func:`pyro_bnn.fit`'s default
+        optimiser trains at ``factor × lr`` instead of ``lr`` (called after set-up).
+        Default: none, every parameter at ``lr``."""
+        return []
+
     # ---------------------------------------------------------- prediction
     def predict(self, model, x, method: str = "sample", num_samples: int = 64,
                 batch_size: int = 1024, **kwargs):

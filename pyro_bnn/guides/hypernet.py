@@ -92,6 +92,12 @@ class Hypernet(BNNGuide, AutoContinuous):
         in ``pb.fit``) a mass-covering bound, α = 0 the importance-weighted bound.
     init_loc_fn : callable, optional
         Pyro init strategy for the flow's initial location; default the network's weights.
+    init_from : MeanField, optional
+        A trained :class:`~pyro_bnn.guides.MeanField` (or ``Symmetrized``) guide of the same
+        model: the flow starts *as that posterior* — the affine layer at its μ and σ, the
+        blocks at the identity (``layout="stable"``, ``init_gain=0``) — so training refines a
+        converged mean-field posterior with correlations and starts at its ELBO.  Its values
+        are copied when this guide is constructed.
     seed : int
         Seed of the flow's fixed permutations.
 
@@ -109,7 +115,7 @@ class Hypernet(BNNGuide, AutoContinuous):
                  full: bool = False, init_scale: float | None = None,
                  init_gain: float | None = None, layout: str = "stable",
                  prob_clip: tuple[float, float] | None = None, alpha: float = 1.0,
-                 init_loc_fn=None, seed: int = 0):
+                 init_loc_fn=None, init_from=None, seed: int = 0):
         if flow not in FLOW_TYPES:
             raise ValueError(f"flow must be one of {FLOW_TYPES}, got {flow!r}")
         if layout not in _LAYOUTS:
@@ -140,6 +146,8 @@ class Hypernet(BNNGuide, AutoContinuous):
         self.alpha = float(alpha)
         self.layout = layout
         self.flow = None
+        # plain dict of tensors (not a module): copied values, not a reference to the other guide
+        self._init_from = None if init_from is None else _meanfield_values(init_from, layout, self.init_gain)
 
     # ------------------------------------------------------------ AutoContinuous
     def _setup_prototype(self, *args, **kwargs):
@@ -150,10 +158,33 @@ class Hypernet(BNNGuide, AutoContinuous):
             self.prototype_trace = None  # not set up: a later call checks again
             raise
         init_loc = self._init_loc()
+        init_scale = None
+        if self._init_from is not None:
+            init_loc, init_scale = self._pack_meanfield(init_loc)
         self.flow = HypernetFlow(self.latent_dim, self.flow_type, self.num_flows, self.hidden,
                                  init_loc=init_loc, init_scale=self.init_scale,
                                  init_gain=self.init_gain, seed=self.seed,
                                  **_LAYOUTS[self.layout]["flow"]).to(init_loc.device)
+        if init_scale is not None:
+            self.flow.affine.set_scale_(init_scale)
+
+    def _pack_meanfield(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``init_from``'s μ and σ packed in this guide's latent order (checked site by site)."""
+        values = self._init_from
+        names = list(self._unconstrained_shapes)
+        if sorted(values) != sorted(names):
+            raise ValueError(f"init_from has sites {sorted(values)}, but this guide's model has latent "
+                             f"sites {sorted(names)}; pass a guide trained on the same model")
+        locs, scales = [], []
+        for name in names:
+            loc, scale = values[name]
+            shape = self._unconstrained_shapes[name]
+            if loc.shape != shape:
+                raise ValueError(f"init_from's site {name!r} has shape {tuple(loc.shape)}, this model's "
+                                 f"{tuple(shape)}; pass a guide trained on the same model")
+            locs.append(loc.reshape(-1))
+            scales.append(scale.reshape(-1))
+        return (torch.cat(locs).to(like.device, like.dtype), torch.cat(scales).to(like.device, like.dtype))
 
     def _check_sites(self) -> None:
         """Real-valued latent sites only; with ``full=False`` only weight-norm scales.
@@ -238,6 +269,21 @@ def _hypernet_factory(model, **options) -> Hypernet:
     if not getattr(model, "weight_norm", False):
         options = {"full": True, "num_flows": 2, "hidden": 32, **options}
     return Hypernet(model, **options)
+
+
+def _meanfield_values(guide, layout: str, init_gain: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{site: (μ, σ)}`` copied from a trained mean-field guide (``Hypernet(init_from=)``)."""
+    if not callable(getattr(guide, "loc_and_scale", None)) or not callable(getattr(guide, "site_names", None)):
+        raise TypeError("init_from must be a trained pb.guides.MeanField (or Symmetrized) guide, got "
+                        f"{type(guide).__name__}")
+    if getattr(guide, "prototype_trace", None) is None:
+        raise ValueError("init_from's guide is not set up: train it (pb.fit) or call it once first")
+    if layout != "stable" or init_gain != 0.0:
+        raise ValueError("init_from needs the flow to start at the identity on top of the copied Gaussian: "
+                         f"layout='stable' and init_gain=0, got layout={layout!r}, init_gain={init_gain!r}")
+    with torch.no_grad():
+        return {name: tuple(t.detach().clone() for t in guide.loc_and_scale(name))
+                for name in guide.site_names()}
 
 
 def _meanfield_init_scale() -> float:

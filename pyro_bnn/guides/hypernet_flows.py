@@ -90,6 +90,16 @@ class ElementwiseAffine(TransformModule):
     def scale(self) -> torch.Tensor:
         return F.softplus(self.rho)
 
+    def set_scale_(self, scale: torch.Tensor) -> ElementwiseAffine:
+        """Set ``softplus(ρ)`` to ``scale`` (shape (D,), positive), in place."""
+        scale = torch.as_tensor(scale, dtype=self.rho.dtype, device=self.rho.device)
+        if scale.shape != self.rho.shape or not bool((scale > 0).all()):
+            raise ValueError(f"scale must be positive with shape {tuple(self.rho.shape)}, got shape "
+                             f"{tuple(scale.shape)}")
+        with torch.no_grad():
+            self.rho.copy_(_inv_softplus(scale))
+        return self
+
     def _call(self, x):
         return self.loc + self.scale * x
 
