@@ -294,7 +294,7 @@ def main(argv=None):
     ap.add_argument("--mf-lr", type=float, default=None,
                     help="MeanField learning rate (digits, full; default its default_lr)")
     ap.add_argument("--mf-epochs", type=int, default=None, help="MeanField epochs (default --epochs)")
-    ap.add_argument("--full-lrs", type=float, nargs="+", default=[None],
+    ap.add_argument("--full-lrs", type=float, nargs="*", default=[None],
                     help="full task: learning rates of the full-weight flow (default its default_lr)")
     ap.add_argument("--refine-lrs", type=float, nargs="*", default=[],
                     help="full: also train a flow started as the trained MeanField (init_from) at these lrs")

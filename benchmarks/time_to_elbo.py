@@ -4,7 +4,8 @@ MNIST 5k (first 5,000 training digits of the IDX files in ``--data-dir``), MLP
 784-400-400-10, N(0, 1) priors on every weight, batch 128, one process, one thread.
 
 * ``pb.fit`` + ``MeanField(model)``: the library defaults (σ₀ 0.01, local reparameterisation,
-  lr 5e-2, cosine decay); one fit per budget ``--pb-epochs``, each timed as a whole.
+  lr 5e-2 with the means of wide layers at ``lr·√(100/fan_in)``, cosine decay); one fit per
+  budget ``--pb-epochs``, each timed as a whole.
 * plain Pyro: a hand-written ``PyroModule`` with ``PyroSample`` priors, ``AutoNormal``
   (σ₀ 0.01), ``pyro.optim.Adam`` at each ``--pyro-lrs`` (constant, as Pyro's examples train);
   one long run per lr, the ELBO estimated every ``--every`` epochs.
