@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="MAP learning-rate schedule (cosine: θ settles, so the final evidence is a converged MAP's)")
     p.add_argument("--hyper-lr", type=float, default=0.05)
     p.add_argument("--eta-steps", type=int, default=1)
     p.add_argument("--every", type=int, default=1, help="evidence step every this many epochs")
@@ -104,7 +106,7 @@ def run_method(method, data, args):
     res = learn_invariance(model, data.train, method=method, epochs=args.epochs,
                            batch_size=args.batch_size, lr=args.lr, hyper_lr=args.hyper_lr,
                            burnin=args.burnin, every=args.every, eta_steps=args.eta_steps,
-                           seed=args.seed,
+                           seed=args.seed, lr_schedule=args.lr_schedule,
                            marglik_batch_size=args.marglik_batch_size,
                            callback=log)
     probs = map_predict(model, res.values, data.x_test)
