@@ -78,7 +78,8 @@ class MeanField(BNNGuide, AutoNormal):
         about ``lr`` per step, whatever its size; weights of a wide layer are of size
         ``1/√f``, so one learning rate that suits a 64-input layer throws a 784-input
         layer's means around.  On MNIST 784-400-400-10 with N(0, 1) priors the defaults
-        without it ended in a posterior equal to the prior (``docs/results/convergence.md``).
+        without it ended at ELBO −13,015 after 400 epochs (test accuracy 20 %), with it at
+        −7,447 (91 %), 0.5 % below an 800-epoch fit (``docs/results/convergence.md``).
         ``None``: every parameter at ``lr``.  For ``pyro.infer.SVI`` use
         :meth:`optim_args`.
 
@@ -187,7 +188,7 @@ class MeanField(BNNGuide, AutoNormal):
         guide is set up, e.g. after one ``guide(x, y)``)."""
         if self.prototype_trace is None:
             raise RuntimeError("optim_args needs the guide set up first: call guide(x, y) once (or "
-                               "pb.setup_guide) so the sites, and their fan-ins, are known")
+                               "pyro_bnn.training.setup_guide) so the sites, and their fan-ins, are known")
         factors = self.loc_lr_factors() if self.loc_lr_scaling is not None else {}
 
         def args(param_name: str) -> dict:
