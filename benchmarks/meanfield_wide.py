@@ -33,6 +33,8 @@ from _common import mnist_mlp  # benchmarks/_common.py (on sys.path when run as 
 from time_to_elbo import elbo_bnn
 
 import pyro_bnn as pb
+from pyro_bnn.guides.meanfield import REFERENCE_FAN_IN
+from pyro_bnn.training import default_optimizer
 
 
 def optimizer_for(guide, rule: str, lr: float):
@@ -42,18 +44,13 @@ def optimizer_for(guide, rule: str, lr: float):
     c = 0.0 if rule == "none" else float(rule)
 
     def make(params):
-        groups, used = [], set()
-        factors = guide.loc_lr_factors()
-        for name in guide.site_names():
-            loc, rho = guide.loc_and_raw_scale(name)
-            loc_lr = lr
-            if c and factors[name] < 1.0:  # a wide layer: fan-in f = 100 / factor²
-                fan_in = 100.0 / factors[name] ** 2
-                loc_lr = c / math.sqrt(fan_in)
-            groups += [{"params": [loc], "lr": loc_lr}, {"params": [rho], "lr": lr}]
-            used |= {id(loc), id(rho)}
-        rest = [p for p in params if id(p) not in used]
-        return torch.optim.Adam(groups + ([{"params": rest, "lr": lr}] if rest else []), fused=True)
+        factors = []
+        if c:  # every wide layer's means at c/√f (fan-in f = REFERENCE_FAN_IN / default factor²)
+            for name, factor in guide.loc_lr_factors().items():
+                if factor < 1.0:
+                    fan_in = REFERENCE_FAN_IN / factor ** 2
+                    factors.append((guide.loc_and_raw_scale(name)[0], c / math.sqrt(fan_in) / lr))
+        return default_optimizer(params, lr, factors)
 
     return make
 

@@ -281,10 +281,10 @@ def _hypernet_factory(model, **options) -> Hypernet:
 
 def _meanfield_values(guide, layout: str, init_gain: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{site: (μ, σ)}`` copied from a trained mean-field guide (``Hypernet(init_from=)``)."""
-    if not callable(getattr(guide, "loc_and_scale", None)) or not callable(getattr(guide, "site_names", None)):
+    if not isinstance(guide, MeanField):
         raise TypeError("init_from must be a trained pb.guides.MeanField (or Symmetrized) guide, got "
                         f"{type(guide).__name__}")
-    if getattr(guide, "prototype_trace", None) is None:
+    if guide.prototype_trace is None:
         raise ValueError("init_from's guide is not set up: train it (pb.fit) or call it once first")
     if layout != "stable" or init_gain != 0.0:
         raise ValueError("init_from needs the flow to start at the identity on top of the copied Gaussian: "

@@ -47,9 +47,21 @@ def _plt():
     return plt
 
 
-def _grid(n):
+def _panels(n: int, height: float = 3.6):
+    """A figure of ``n`` panels, at most 3 per row (spare panels hidden): ``(fig, axes)``."""
     cols = min(n, 3)
-    return math.ceil(n / cols), cols
+    rows = math.ceil(n / cols)
+    fig, grid = _plt().subplots(rows, cols, figsize=(4.2 * cols, height * rows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[n:]:
+        ax.axis("off")
+    return fig, axes[:n]
+
+
+def _finish(fig, title: str):
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
 
 
 def markdown_table(df, floatfmt: str = ".4g") -> str:
@@ -89,12 +101,10 @@ def reliability_figure(probs: Mapping[str, torch.Tensor], y: torch.Tensor, num_b
 
     ``probs`` maps a guide name to ``(S, N, C)`` predictive samples.
     """
-    plt = _plt()
-    rows, cols = _grid(len(probs))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 4.0 * rows), squeeze=False)
+    fig, axes = _panels(len(probs), height=4.0)
     width = 1.0 / num_bins
     centers = (torch.arange(num_bins, dtype=torch.float64) + 0.5) * width
-    for ax, (name, p) in zip(axes.flat, probs.items()):
+    for ax, (name, p) in zip(axes, probs.items()):
         mean = p.mean(0)
         conf, acc, count = metrics.calibration_bins(mean, y.to(mean.device), num_bins)
         conf, acc, count = conf.cpu(), acc.cpu(), count.cpu()
@@ -112,11 +122,7 @@ def reliability_figure(probs: Mapping[str, torch.Tensor], y: torch.Tensor, num_b
         ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (max predictive probability)",
                ylabel="accuracy", title=f"{name}: ECE = {ece:.3f}")
         ax.legend(loc="upper left", fontsize=8)
-    for ax in list(axes.flat)[len(probs):]:
-        ax.axis("off")
-    fig.suptitle("Reliability diagrams (test set, posterior predictive)")
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "Reliability diagrams (test set, posterior predictive)")
 
 
 def _auroc(in_scores, out_scores) -> float:
@@ -132,12 +138,10 @@ def entropy_figure(entropies: Mapping[str, Mapping[str, np.ndarray]], num_classe
     ``entropies[guide][set]`` are per-input entropies (nats); the first set is in-distribution.
     Returns ``(figure, {guide: {ood_set: AUROC}})``.
     """
-    plt = _plt()
-    rows, cols = _grid(len(entropies))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+    fig, axes = _panels(len(entropies))
     bins = np.linspace(0, math.log(num_classes), 31)
     aurocs = {}
-    for ax, (name, sets) in zip(axes.flat, entropies.items()):
+    for ax, (name, sets) in zip(axes, entropies.items()):
         keys = list(sets)
         aurocs[name] = {k: _auroc(sets[keys[0]], sets[k]) for k in keys[1:]}
         for k in keys:
@@ -145,11 +149,7 @@ def entropy_figure(entropies: Mapping[str, Mapping[str, np.ndarray]], num_classe
             ax.hist(sets[k], bins=bins, alpha=0.5, density=True, label=label)
         ax.set(xlabel="predictive entropy H[p̄] (nats)", ylabel="density", title=name)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(entropies):]:
-        ax.axis("off")
-    fig.suptitle("Predictive entropy: in-distribution vs out-of-distribution")
-    fig.tight_layout()
-    return fig, aurocs
+    return _finish(fig, "Predictive entropy: in-distribution vs out-of-distribution"), aurocs
 
 
 def _forest_selection(dts: Mapping[str, object]):
@@ -217,14 +217,12 @@ def forest_figure(datatrees: Mapping[str, object], var_names=None, coords=None):
 
 def regression_figure(runs: Mapping[str, object], split, num_samples: int = 100):
     """Predictive mean ± 2 sd per guide on a grid wider than the training inputs (1-D x)."""
-    plt = _plt()
     x_tr, y_tr = split.x_train.cpu(), split.y_train.cpu()
     lo, hi = float(x_tr.min()), float(x_tr.max())
     pad = hi - lo
     grid = torch.linspace(lo - pad, hi + pad, 200).unsqueeze(-1)
-    rows, cols = _grid(len(runs))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
-    for ax, (name, run) in zip(axes.flat, runs.items()):
+    fig, axes = _panels(len(runs))
+    for ax, (name, run) in zip(axes, runs.items()):
         out = run.predictive(grid.to(module_device(run.model)), num_samples)
         loc, scale = out.loc.cpu()[..., 0], out.scale.cpu()[..., 0]
         mean = loc.mean(0)
@@ -235,11 +233,7 @@ def regression_figure(runs: Mapping[str, object], split, num_samples: int = 100)
         ax.scatter(x_tr[:, 0], y_tr[:, 0], s=8, c="k", label="training data")
         ax.set(xlabel="x", ylabel="y", title=name)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(runs):]:
-        ax.axis("off")
-    fig.suptitle("Posterior predictive (uncertainty should grow away from the data)")
-    fig.tight_layout()
-    return fig
+    return _finish(fig, "Posterior predictive (uncertainty should grow away from the data)")
 
 
 def _jsonable(v):
