@@ -16,6 +16,7 @@ from .arviz import to_arviz
 from .convergence import ConvergenceWarning
 from .guides import symmetry
 from .guides.symmetrized import symmetrized_elbo
+from .length_check import LengthCheck, check_convergence
 from .model import BNN
 from .prediction import evaluate, predict, predictive_samples
 from .reporting import compare
@@ -25,7 +26,7 @@ _moved.install()
 
 __version__ = "0.1.0"
 
-__all__ = ["BNN", "fit", "FitResult", "ConvergenceWarning", "predict", "predictive_samples", "evaluate",
+__all__ = ["BNN", "fit", "FitResult", "ConvergenceWarning", "check_convergence", "LengthCheck", "predict", "predictive_samples", "evaluate",
            "save_checkpoint", "load_checkpoint", "priors", "guides", "likelihoods",
            "metrics", "datasets"] + ["symmetry", "symmetrized_elbo"] + ["to_arviz", "compare"] + [
     "analysis", "reporting", "pruning", "ood", "adversarial", "active", "corruption"] + ["invariance"]

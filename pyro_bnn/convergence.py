@@ -1,6 +1,6 @@
 """Did a fit converge?  The end-of-fit diagnosis of :func:`pyro_bnn.fit` and its warning.
 
-Three checks, each a statistic of the training run only (never of test data):
+Four checks, each a statistic of the training run only (never of test data):
 
 (a) **still improving** — the trend of the per-epoch training objective (``−loss``, the ELBO
     for variational guides) over the last stretch of ``W = max(⌈0.1 E⌉, 10)`` epochs: the
@@ -15,6 +15,13 @@ Three checks, each a statistic of the training run only (never of test data):
     parameter by at most about ``lr`` per step: the share of unconstrained scales ``ρ`` whose
     total move ``|ρ_end − ρ_start|`` reached 90 % of ``Σ_t lr_t``.  Above 25 %, σ went as far
     as the optimiser allowed, not where the objective wanted.
+(b') **other parameters limited by the learning rate** — the same measure for every other
+    trained parameter (means, flow weights, network weights): above 25 % of their entries
+    moved by 90 % of ``Σ_t lr_t``, the optimiser carried them as far as it could in one
+    direction the whole fit, so the fit stopped where the step budget ran out (a short fit
+    or a small lr, typically under a decaying schedule whose flat end check (a) cannot
+    see).  A fit long enough to converge has ``Σ lr`` far above any parameter's distance
+    to its optimum (digits, 300 epochs at lr 5e-2: ``Σ lr`` ≈ 165), so this cannot fire.
 (c) **constant learning rate, not confirmed flat** — the learning rate never decayed (its
     last value is above half its largest) and the trend cannot confirm convergence (the
     interval ``g ± 2s`` is not inside ±1 %): with a constant rate the parameters keep moving
@@ -29,8 +36,8 @@ convergence.  The thresholds were calibrated on training objectives (``docs/trai
 
 A decaying schedule ends with the learning rate near 0, which freezes the parameters
 wherever they are; check (a) then measures a curve the schedule has flattened, so a fit
-whose learning rate decayed too early can pass.  Compare the final objective of runs of
-different lengths when in doubt.
+whose learning rate decayed too early can pass unless check (b') sees it.  Compare the final
+objective of runs of different lengths when in doubt (:func:`pyro_bnn.check_convergence`).
 """
 
 from __future__ import annotations
@@ -77,7 +84,8 @@ class ConvergenceDiagnosis:
         The measured quantities: ``epochs``, ``window``, ``objective_end`` (mean objective over
         the window), ``objective_gain`` and ``objective_gain_se`` (relative gain over the window
         and its standard error), ``lr_decayed``, ``scale_limited_share`` and ``scale_lr_budget``
-        (``Σ lr`` of the scales' group), ``None`` where not measured.
+        (``Σ lr`` of the scales' group), ``param_limited_share`` and ``param_lr_budget`` (the
+        same for the other trained parameters), ``None`` where not measured.
     """
 
     converged: bool
@@ -117,6 +125,7 @@ class ConvergenceDiagnosis:
 _REASON_LABELS = (("the objective was still improving", "still improving"),
                   ("the objective got worse", "got worse"),
                   ("the posterior scales were limited", "σ limited by the lr"),
+                  ("the parameters were limited", "params limited by the lr"),
                   ("the learning rate never decayed", "constant lr, not confirmed flat"))
 
 
@@ -151,7 +160,7 @@ def objective_trend(values, window: int) -> tuple[float, float]:
     return slope * w, se * w
 
 
-def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None) -> ConvergenceDiagnosis:
+def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None, param_limited=None) -> ConvergenceDiagnosis:
     """Judge convergence from a fit's per-epoch objective and its scales' moves.
 
     Parameters
@@ -165,6 +174,8 @@ def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None) -> Conve
         ``LIMITED_MOVE × Σ_t lr_t`` (:meth:`ConvergenceMonitor.limited_share`) and the largest
         summed learning rate, or ``None`` for guides without scales or optimisers without a
         maximum step.
+    param_limited : (float, float) or None
+        The same for every other trained parameter (check (b')).
 
     Returns
     -------
@@ -175,7 +186,8 @@ def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None) -> Conve
     window = max(math.ceil(WINDOW_FRACTION * epochs), MIN_WINDOW)
     measures = {"epochs": epochs, "window": window, "judged": epochs >= 2 * window,
                 "objective_end": None, "objective_gain": None, "objective_gain_se": None,
-                "lr_decayed": lr_decayed, "scale_limited_share": None, "scale_lr_budget": None}
+                "lr_decayed": lr_decayed, "scale_limited_share": None, "scale_lr_budget": None,
+                "param_limited_share": None, "param_lr_budget": None}
     reasons = []
     flat = False
     if not all(math.isfinite(v) for v in values[-window:]):
@@ -208,6 +220,15 @@ def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None) -> Conve
                            f"the unconstrained scales moved by at least {100 * LIMITED_MOVE:.0f} % of the summed "
                            f"learning rate (Σ lr = {budget:.3g}), the most the optimiser can move them; raise the "
                            "lr, start nearer the posterior (init_scale) or train longer")
+    if param_limited is not None:
+        share, budget = param_limited
+        measures.update(param_limited_share=share, param_lr_budget=budget)
+        if share > LIMITED_SHARE:
+            reasons.append(f"the parameters were limited by the learning rate: {100 * share:.0f} % of the "
+                           f"trained parameters other than scales moved by at least {100 * LIMITED_MOVE:.0f} % "
+                           f"of the summed learning rate (Σ lr = {budget:.3g}), the most the optimiser can move "
+                           "them, so the fit stopped where its step budget ran out; train for more epochs or "
+                           "raise the lr")
     if measures["judged"] and lr_decayed is False and not flat and not any(
             r.startswith("the objective") for r in reasons):
         reasons.append(f"the learning rate never decayed and the objective's trend over the last {window} "
@@ -218,8 +239,8 @@ def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None) -> Conve
 
 
 class ConvergenceMonitor:
-    """What the diagnosis needs from the training loop: the scales at the start and the
-    learning rates of every step.
+    """What the diagnosis needs from the training loop: the trained parameters at the start
+    (one copy) and the learning rates of every step.
 
     Parameters
     ----------
@@ -234,6 +255,11 @@ class ConvergenceMonitor:
         self.scales = [p for p in scale_parameters if id(p) in groups]
         self.scale_groups = [groups[id(p)] for p in self.scales]
         self.initial = [p.detach().clone() for p in self.scales]
+        scale_ids = {id(p) for p in self.scales}
+        self.others = [p for g in optimizer.param_groups for p in g["params"]
+                       if id(p) not in scale_ids and p.requires_grad]
+        self.other_groups = [groups[id(p)] for p in self.others]
+        self.others_initial = [p.detach().clone() for p in self.others]
         self.lr_sums = [0.0] * len(optimizer.param_groups)
         self.lr_max = 0.0
         self.lr_last = None
@@ -247,20 +273,34 @@ class ConvergenceMonitor:
         self.lr_max = max(self.lr_max, self.lr_last)
 
     def state_dict(self) -> dict:
-        return {"initial": self.initial, "lr_sums": list(self.lr_sums), "lr_max": self.lr_max,
-                "lr_last": self.lr_last}
+        return {"initial": self.initial, "others_initial": self.others_initial, "lr_sums": list(self.lr_sums),
+                "lr_max": self.lr_max, "lr_last": self.lr_last}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["initial"]) != len(self.initial) or len(state["lr_sums"]) != len(self.lr_sums):
             raise ValueError("the checkpoint's convergence record does not match this guide and optimiser")
         self.initial = [t.to(p.device) for t, p in zip(state["initial"], self.initial)]
+        others = state.get("others_initial")
+        if others is None:  # a checkpoint from before check (b'): that check is skipped
+            self.others, self.other_groups, self.others_initial = [], [], []
+        elif len(others) != len(self.others_initial):
+            raise ValueError("the checkpoint's convergence record does not match this guide and optimiser")
+        else:
+            self.others_initial = [t.to(p.device) for t, p in zip(others, self.others_initial)]
         self.lr_sums, self.lr_max, self.lr_last = list(state["lr_sums"]), state["lr_max"], state["lr_last"]
 
     def limited_share(self) -> float:
         """Share of scale entries with ``|ρ_now − ρ_start| ≥ LIMITED_MOVE × Σ lr`` of their group."""
+        return self._share(self.scales, self.initial, self.scale_groups)
+
+    def param_limited_share(self) -> float:
+        """The same share for the other trained parameters (check (b'))."""
+        return self._share(self.others, self.others_initial, self.other_groups)
+
+    def _share(self, params, initial, param_groups) -> float:
         count = total = 0
         with torch.no_grad():
-            for p, p0, group in zip(self.scales, self.initial, self.scale_groups):
+            for p, p0, group in zip(params, initial, param_groups):
                 budget = self.lr_sums[group]
                 total += p.numel()
                 if budget > 0:
@@ -270,7 +310,10 @@ class ConvergenceMonitor:
     def diagnose(self, objective) -> ConvergenceDiagnosis:
         """:func:`diagnose` with this fit's learning rates and scales."""
         lr_decayed = None if self.lr_last is None else self.lr_last <= 0.5 * self.lr_max
-        scale_limited = None
-        if self.scales and isinstance(self.optimizer, _ADAM_LIKE):
-            scale_limited = (self.limited_share(), max(self.lr_sums[g] for g in self.scale_groups))
-        return diagnose(objective, lr_decayed=lr_decayed, scale_limited=scale_limited)
+        scale_limited = param_limited = None
+        if isinstance(self.optimizer, _ADAM_LIKE):
+            if self.scales:
+                scale_limited = (self.limited_share(), max(self.lr_sums[g] for g in self.scale_groups))
+            if self.others:
+                param_limited = (self.param_limited_share(), max(self.lr_sums[g] for g in self.other_groups))
+        return diagnose(objective, lr_decayed=lr_decayed, scale_limited=scale_limited, param_limited=param_limited)

@@ -91,6 +91,55 @@ def test_monitor_measures_moves_against_the_summed_learning_rate():
     assert monitor.diagnose([-1.0] * 30).measures["scale_limited_share"] == pytest.approx(0.5)
 
 
+def test_monitor_measures_other_parameters_separately_from_scales():
+    """Check (b'): parameters that are not scales are measured against their own group's Σ lr;
+    a scale that moved at the maximum rate does not count for them, and vice versa."""
+    rho = torch.nn.Parameter(torch.zeros(10))
+    loc = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.Adam([{"params": [rho]}, {"params": [loc], "lr": 0.05}], lr=0.1)
+    monitor = ConvergenceMonitor(opt, [rho])
+    for _ in range(10):
+        opt.zero_grad()
+        (loc[:3].sum() + 0.0 * rho.sum()).backward()  # 3 of 4 locs pushed every step
+        opt.step()
+        monitor.after_step()
+    assert monitor.limited_share() == 0.0
+    assert monitor.param_limited_share() == pytest.approx(0.75)
+    d = monitor.diagnose([-1.0] * 30)
+    assert d.measures["param_limited_share"] == pytest.approx(0.75)
+    assert d.measures["param_lr_budget"] == pytest.approx(0.5)
+    assert not d.converged and d.short_reasons() == ["params limited by the lr"]
+    assert diagnose([-1.0] * 30, lr_decayed=True, param_limited=(0.2, 0.5)).converged
+
+
+def test_short_cosine_fit_with_a_flat_end_is_caught_by_the_parameter_moves():
+    """The blind spot of check (a): a cosine fit of Bayesian linear regression that is far
+    too short (40 epochs of one step at lr 1e-2; the converged ELBO is about −51, this one
+    about −1,270) ends flat, because the schedule stops it.  Its means moved by the whole step
+    budget, which check (b') sees.  At its default lr and 300 epochs nothing is limited."""
+    torch.manual_seed(0)
+    x = torch.randn(100, 5)
+    y = x @ torch.randn(5, 1) + 0.3 * torch.randn(100, 1)
+
+    def run(epochs, **kw):
+        torch.manual_seed(0)
+        model = pb.BNN(nn.Linear(5, 1), likelihood="gaussian", noise=0.3)
+        guide = pb.guides.MeanField(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pb.ConvergenceWarning)
+            return pb.fit(model, guide, (x, y), epochs=epochs, batch_size=100, seed=0, progress=False, **kw)
+
+    short = run(40, lr=1e-2)
+    assert short.history["elbo"][-1] < -500
+    assert not short.convergence.converged
+    assert short.convergence.short_reasons() == ["params limited by the lr"]  # check (a) alone passes
+    assert short.convergence.measures["param_limited_share"] > 0.5  # 4 of the 6 means
+    long = run(300)
+    assert long.convergence.converged, long.convergence.reasons
+    assert long.convergence.measures["param_limited_share"] == 0.0
+    assert long.history["elbo"][-1] > -60
+
+
 # ---------------------------------------------------------------- pb.fit on digits
 @pytest.fixture(scope="module")
 def digits():

@@ -372,7 +372,7 @@ def test_learn_invariance_cosine_schedule_settles_the_map():
         snapshots = []
         learn_invariance(model, (x, y), method="lila", epochs=8, burnin=2, batch_size=60, lr=1e-2,
                          lr_schedule=schedule,
-                         callback=lambda epoch, res: snapshots.append(
+                         callback=lambda epoch, res, snapshots=snapshots: snapshots.append(
                              torch.cat([v.detach().reshape(-1).clone() for v in res.values.values()])))
         moves[schedule] = float((snapshots[-1] - snapshots[-2]).abs().max())
     assert moves["cosine"] < 0.1 * moves["constant"], moves
