@@ -309,3 +309,32 @@ def test_dense_block_eigen_path_equals_cholesky_path():
     gd, gs = torch.autograd.grad(block.logdet(d, s), (d, s))
     torch.testing.assert_close(gd, torch.linalg.inv(P).trace())
     torch.testing.assert_close(gs, (torch.linalg.inv(P) @ H).trace())
+
+
+def test_layer_unflatten_round_trips_and_is_unambiguous_for_one_output():
+    """flatten → unflatten is the identity, in matrix and flat form, with leading draw
+    dimensions, also for a layer with one output (where a (1, in') matrix and a flat
+    (in',) vector have the same last dimension)."""
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
+    model = pb.BNN(net, "gaussian")
+    values = model.initial_values()
+    shapes = {k: v.shape for k, v in values.items()}
+    layers = find_layers(model, shapes)
+    assert [layer.shape for layer in layers] == [(3, 5), (1, 4)]
+    for layer in layers:
+        mat = layer.flatten(values)
+        for name, value in layer.unflatten(mat, shapes).items():
+            torch.testing.assert_close(value, values[name])
+        for name, value in layer.unflatten_flat(mat.reshape(-1), shapes).items():
+            torch.testing.assert_close(value, values[name])
+        draws = torch.stack([mat, 2 * mat])  # (2, out, in')
+        for name, value in layer.unflatten(draws, shapes).items():
+            assert value.shape == (2, *shapes[name])
+            torch.testing.assert_close(value[1], 2 * values[name])
+        for name, value in layer.unflatten_flat(draws.flatten(-2), shapes).items():
+            assert value.shape == (2, *shapes[name])
+    last = layers[1]
+    with pytest.raises(ValueError, match=r"expected a matrix of shape \(\.\.\., 1, 4\), got \(4,\)"):
+        last.unflatten(last.flatten(values).reshape(-1), shapes)
+    with pytest.raises(ValueError, match="expected a flat vector of 4 entries"):
+        last.unflatten_flat(torch.zeros(2, 3), shapes)

@@ -57,8 +57,13 @@ class Layer:
         return torch.cat(parts, 1)
 
     def unflatten(self, mat: torch.Tensor, shapes: dict) -> dict:
-        """Inverse of :meth:`flatten`; ``mat`` is ``(..., out, in')`` or ``(..., numel)``."""
-        mat = mat.reshape(*mat.shape[:-1], *self.shape) if mat.shape[-1] == self.numel else mat
+        """Inverse of :meth:`flatten`: ``mat`` of shape ``(..., out, in')`` → site values
+        (with the same leading dimensions) shaped as ``shapes``.  For the flat form
+        ``(..., out · in')`` use :meth:`unflatten_flat` (the two cannot be told apart by shape
+        when ``out`` is 1)."""
+        if tuple(mat.shape[-2:]) != self.shape:
+            raise ValueError(f"layer {self.path!r}: expected a matrix of shape (..., {self.out_features}, "
+                             f"{self.in_dim}), got {tuple(mat.shape)}")
         lead = mat.shape[:-2]
         out = {}
         if self.weight is not None:
@@ -67,6 +72,13 @@ class Layer:
         if self.bias is not None:
             out[self.bias] = mat[..., -1].reshape(*lead, *shapes[self.bias])
         return out
+
+    def unflatten_flat(self, vec: torch.Tensor, shapes: dict) -> dict:
+        """Inverse of ``flatten(values).reshape(-1)``: ``vec`` of shape ``(..., out · in')``."""
+        if vec.shape[-1] != self.numel:
+            raise ValueError(f"layer {self.path!r}: expected a flat vector of {self.numel} entries in the last "
+                             f"dimension, got {tuple(vec.shape)}")
+        return self.unflatten(vec.reshape(*vec.shape[:-1], *self.shape), shapes)
 
     def expand_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Layer input → ``ã`` of shape ``(M, T, in')``."""

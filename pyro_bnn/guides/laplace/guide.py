@@ -336,8 +336,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         theta_star = {k: v.detach() for k, v in self.map_values().items()}
         values = {name: theta_star[name] for name in self.fixed_sites}
         for layer, off in zip(self.layers, offsets):
-            # flat (numel,) form: a (out, in') matrix with out = 1 would be read as (..., numel)
-            values.update(layer.unflatten((layer.flatten(theta_star) + off[0]).reshape(-1), self.site_shapes))
+            values.update(layer.unflatten(layer.flatten(theta_star) + off[0], self.site_shapes))
         return values, log_q[0]
 
     @torch.no_grad()
@@ -549,7 +548,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             fs.append(torch.cat(parts, 1))
             values = {k: v.expand(num, *v.shape) for k, v in theta_star.items() if k in self.fixed_sites}
             for layer, off in zip(self.layers, offsets):
-                values.update(layer.unflatten((layer.flatten(theta_star) + off).flatten(-2), self.site_shapes))
+                values.update(layer.unflatten(layer.flatten(theta_star) + off, self.site_shapes))
             log_prior = gaussian_log_prior_batched(self.layers, values, deltas) \
                 + self.fixed_log_prior(theta_star)
             log_qs.append(log_q)
