@@ -100,7 +100,7 @@ class LengthCheck:
 
 @torch.no_grad()
 def estimate_objective(model, guide, data, *, draws: int = 16, eval_batch_size: int = 1024,
-                       objective=None, device=None) -> tuple[float, float]:
+                       objective=None, device=None, num_data: int | None = None) -> tuple[float, float]:
     """Estimate a trained guide's final training objective on ``data``.
 
     Parameters
@@ -117,6 +117,9 @@ def estimate_objective(model, guide, data, *, draws: int = 16, eval_batch_size: 
         ``objective(model, guide, x, y, num_data)``; default the guide's own.
     device : str or torch.device, optional
         Default: where the model is.
+    num_data : int, optional
+        The data set size N the objective scales to (as ``fit``'s ``num_data``); default the
+        size of ``data``.
 
     Returns
     -------
@@ -128,7 +131,8 @@ def estimate_objective(model, guide, data, *, draws: int = 16, eval_batch_size: 
     check_int("eval_batch_size", eval_batch_size, minimum=1)
     device = torch.device(device) if device is not None else module_device(model)
     loader = make_loader(data, batch_size=eval_batch_size, shuffle=False, device=device)
-    n = dataset_size(loader)
+    size = dataset_size(loader)
+    n = size if num_data is None else check_int("num_data", num_data, minimum=1)
     objective = objective or guide_contract(guide).make_objective(1)
     values = []
     with local_params(model, guide):
@@ -141,7 +145,7 @@ def estimate_objective(model, guide, data, *, draws: int = 16, eval_batch_size: 
                 out = objective(model, guide, xb, yb, num_data=n)
                 loss, extras = out if isinstance(out, tuple) else (out, {})
                 constant = float(extras.get("loss_constant", 0.0))
-                total += len(xb) / n * (float(loss) - constant)
+                total += len(xb) / size * (float(loss) - constant)
             values.append(-total)
     return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
 
@@ -220,7 +224,7 @@ def check_convergence(make: Callable[[], tuple[Any, Any]], data, *, epochs: int,
             fits.append(fit(model, guide, data, epochs=length, seed=seed, **fit_kwargs))
         estimates.append(estimate_objective(model, guide, data, draws=draws, eval_batch_size=eval_batch_size,
                                             objective=fit_kwargs.get("objective"),
-                                            device=fit_kwargs.get("device")))
+                                            device=fit_kwargs.get("device"), num_data=fit_kwargs.get("num_data")))
         pairs.append(pair)
     (o1, s1), (o2, s2) = estimates
     scale = max(abs(o2), 1.0)

@@ -64,6 +64,12 @@ def test_estimate_objective_leaves_out_the_laplace_prior_normaliser():
         loss, extras = pb.guides.guide_contract(guide).make_objective(1)(model, guide, x, y, num_data=200)
     assert float(extras["loss_constant"]) > 0.5 * float(loss)  # most of the loss: it must be left out
     assert full == pytest.approx(-(float(loss) - float(extras["loss_constant"])), rel=1e-5)
+    # num_data: the objective scaled to a larger data set (as fit's num_data=)
+    scaled, _ = estimate_objective(model, guide, (x, y), draws=2, eval_batch_size=33, num_data=400)
+    with torch.no_grad(), local_params(model, guide):
+        loss, extras = pb.guides.guide_contract(guide).make_objective(1)(model, guide, x, y, num_data=400)
+    assert scaled == pytest.approx(-(float(loss) - float(extras["loss_constant"])), rel=1e-5)
+    assert scaled < full - 10
 
 
 def test_check_convergence_flags_a_short_fit_and_passes_a_long_one(regression):
