@@ -73,7 +73,8 @@ def main(argv=None):
         for xb, yb in batches_b:
             svi.step(xb, yb)
 
-    # (c) pb.fit with MeanField; one persistent optimizer so Adam's state carries over blocks
+    # (c) pb.fit with MeanField; one persistent optimizer so Adam's state carries over blocks,
+    # with the parameter groups pb.fit's default builds (the wide layers' means at a lower lr)
     model_c = pb.BNN(mlp(args.hidden), likelihood="categorical")
     guide_c = pb.guides.MeanField(model_c, local_reparameterization=False)  # weight noise (the default "auto" picks local for this net)
     # (d) the same with local reparameterisation (noise on pre-activations, not weights)
@@ -85,7 +86,8 @@ def main(argv=None):
             with warnings.catch_warnings():   # timed blocks of a few epochs: nothing to judge
                 warnings.simplefilter("ignore", pb.ConvergenceWarning)
                 pb.fit(model, guide, (x, y), epochs=epochs, batch_size=args.batch_size, device=device,
-                       optimizer=lambda params: store.setdefault("opt", default_optimizer(params, 1e-3)),
+                       optimizer=lambda params: store.setdefault("opt", default_optimizer(
+                           params, 1e-3, pb.guides.guide_contract(guide).learning_rate_factors())),
                        lr_schedule="constant", progress=False)
         return run
 
