@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
+from pyro_bnn.analysis.uncertainty_plots import plot_active_curves
 from pyro_bnn.guides import registered_guides
-from pyro_bnn.uncertainty_plots import plot_active_curves
 
 
 def main(argv=None):
@@ -46,7 +46,9 @@ def main(argv=None):
     p.add_argument("--beta", type=float, default=1.0)
     p.add_argument("--weight-norm", action="store_true",
                    help="weight-norm BNN: only the per-unit scales are random (BHN paper's setup)")
-    p.add_argument("--cold-start", action="store_true", help="retrain from scratch each round")
+    p.add_argument("--warm-start", action="store_true",
+                   help="continue the previous round's fit (default: retrain from scratch each round)")
+    p.add_argument("--cold-start", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 20 epochs")
     p.add_argument("--out", default="docs/results/figures")
@@ -71,7 +73,7 @@ def main(argv=None):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", pb.ConvergenceWarning)   # counted below instead
                 r = pb.active.run(model_fn, factory, d.train, d.test, acquisition=acq, initial=args.initial,
-                                  per_round=args.per_round, rounds=args.rounds, warm_start=not args.cold_start,
+                                  per_round=args.per_round, rounds=args.rounds, warm_start=args.warm_start,
                                   epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=seed,
                                   batch=args.batch, beta=args.beta, lr_schedule=args.lr_schedule)
             results[acq].append(r)
@@ -90,7 +92,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     seeds = f"s{args.seeds}" if not args.first_seed else f"s{args.first_seed}-{args.first_seed + args.seeds - 1}"
     tag = ("quick" if args.quick else f"{args.guide}_r{args.rounds}_{seeds}_{args.batch}_e{args.epochs}"
-           f"{'_wn' if weight_norm else ''}_{'-'.join(args.acquisitions.split(','))}")
+           f"{'_wn' if weight_norm else ''}{'_warm' if args.warm_start else ''}"
+           f"_{'-'.join(args.acquisitions.split(','))}")
     with open(os.path.join(args.out, f"active_digits_{tag}.json"), "w") as fh:
         json.dump({"args": vars(args), "summary": summary}, fh, indent=1)
     plot_active_curves(results, path=os.path.join(args.out, f"active_digits_{tag}.png"),

@@ -35,9 +35,9 @@ from pyro.infer.autoguide import AutoDelta, AutoNormal
 from torch import nn
 
 import pyro_bnn as pb
+from pyro_bnn.analysis.uncertainty_plots import plot_corruption_curves
 from pyro_bnn.guides import init_to_network, registered_guides
 from pyro_bnn.guides.base import guide_contract
-from pyro_bnn.uncertainty_plots import plot_corruption_curves
 
 PYRO = {"AutoNormal": lambda m: AutoNormal(m, init_loc_fn=init_to_network(m), init_scale=0.01),
         "AutoDelta": lambda m: AutoDelta(m, init_loc_fn=init_to_network(m))}
