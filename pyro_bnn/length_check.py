@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import pyro
 import torch
 
 from ._local_params import local_params
@@ -33,6 +32,7 @@ from .convergence import ConvergenceWarning
 from .data import dataset_size, make_loader, split_batch
 from .devices import module_device
 from .guides.base import guide_contract
+from .seeding import seeded
 from .training import FitResult, fit
 
 __all__ = ["LengthCheck", "check_convergence", "estimate_objective"]
@@ -170,7 +170,8 @@ def check_convergence(make: Callable[[], tuple[Any, Any]], data, *, epochs: int,
         Relative gain of the longer fit's objective that counts as "not converged" (> 0).
     seed : int
         Seeds the random-number generators before each ``make()`` and each fit (the same
-        initialisation and data order at both lengths).
+        initialisation and data order at both lengths); the caller's random streams are left
+        as they were.
     draws, eval_batch_size : int, int
         How the final objectives are estimated (:func:`estimate_objective`).
     warn : bool
@@ -211,20 +212,21 @@ def check_convergence(make: Callable[[], tuple[Any, Any]], data, *, epochs: int,
     lengths = (epochs, factor * epochs)
     pairs, fits, estimates = [], [], []
     for length in lengths:
-        pyro.set_rng_seed(seed)  # the same initialisation for both lengths
-        pair = make()
-        if not (isinstance(pair, tuple) and len(pair) == 2):
-            raise TypeError(f"make() must return a (model, guide) tuple; got {type(pair).__name__}")
-        if any(obj is prev for prev_pair in pairs for obj, prev in zip(pair, prev_pair)):
-            raise ValueError("make() returned the same model or guide twice; it must build a fresh, "
-                             "untrained pair on each call")
-        model, guide = pair
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ConvergenceWarning)  # this function gives the verdict
-            fits.append(fit(model, guide, data, epochs=length, seed=seed, **fit_kwargs))
-        estimates.append(estimate_objective(model, guide, data, draws=draws, eval_batch_size=eval_batch_size,
-                                            objective=fit_kwargs.get("objective"),
-                                            device=fit_kwargs.get("device"), num_data=fit_kwargs.get("num_data")))
+        with seeded(seed):  # the same initialisation for both lengths; the caller's streams kept
+            pair = make()
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise TypeError(f"make() must return a (model, guide) tuple; got {type(pair).__name__}")
+            if any(obj is prev for prev_pair in pairs for obj, prev in zip(pair, prev_pair)):
+                raise ValueError("make() returned the same model or guide twice; it must build a fresh, "
+                                 "untrained pair on each call")
+            model, guide = pair
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ConvergenceWarning)  # this function gives the verdict
+                fits.append(fit(model, guide, data, epochs=length, seed=seed, **fit_kwargs))
+            estimates.append(estimate_objective(
+                model, guide, data, draws=draws, eval_batch_size=eval_batch_size,
+                objective=fit_kwargs.get("objective"), device=fit_kwargs.get("device"),
+                num_data=fit_kwargs.get("num_data")))
         pairs.append(pair)
     (o1, s1), (o2, s2) = estimates
     scale = max(abs(o2), 1.0)

@@ -93,7 +93,8 @@ def test_check_convergence_flags_a_short_fit_and_passes_a_long_one(regression):
 
 
 def test_check_convergence_uses_the_same_initialisation_for_both_lengths(regression):
-    """Both make() calls start from the same seed: the two fits start equal."""
+    """Both make() calls start from the same seed: the two fits start equal; the caller's
+    random stream is not advanced."""
     starts = []
 
     def make():
@@ -101,8 +102,12 @@ def test_check_convergence_uses_the_same_initialisation_for_both_lengths(regress
         starts.append(model.net.weight.detach().clone())
         return model, guide
 
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
     pb.check_convergence(make, regression, epochs=20, batch_size=100, warn=False, seed=3)
     torch.testing.assert_close(starts[0], starts[1])
+    torch.testing.assert_close(torch.rand(3), expected)  # the caller's stream is left as it was
 
 
 def test_check_convergence_rejects_bad_arguments(regression):
