@@ -122,3 +122,14 @@ def test_check_convergence_rejects_bad_arguments(regression):
         pb.check_convergence(lambda: pair, regression, epochs=2, batch_size=100)
     with pytest.raises(TypeError, match=r"\(model, guide\) tuple"):
         pb.check_convergence(lambda: pair[0], regression, epochs=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_check_convergence_on_cuda(regression):
+    """Both fits, the parameter-move record of the diagnosis and the objective estimate run on
+    the GPU, and the verdict matches the CPU's for a clearly converged length."""
+    check = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100, device="cuda")
+    assert check.converged, check.message()
+    assert next(check.guide.parameters()).device.type == "cuda"
+    assert check.fits[1].convergence.measures["param_limited_share"] == 0.0
+    assert check.objective[1] > -60
