@@ -44,6 +44,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn._local_params import local_params
 from pyro_bnn.data import TensorBatches
+from pyro_bnn.length_check import estimate_objective
 from pyro_bnn.training import setup_guide
 
 
@@ -74,21 +75,9 @@ def _fit_eval(model, guide, train, test, args, epochs=None, lr=None, **kw):
               "measures": {k: v for k, v in diag.measures.items()
                            if v is None or isinstance(v, (int, float, bool, str))},
               "elbo_history_every_10": elbo[::10] + [elbo[-1]]}
-    return (m, secs, full_data_elbo(model, guide, train, args.elbo_draws),
+    return (m, secs, estimate_objective(model, guide, train, draws=args.elbo_draws,
+                                              eval_batch_size=len(train[0]))[0],
             100 * (end - before) / abs(end), record)
-
-
-@torch.no_grad()
-def full_data_elbo(model, guide, data, draws: int) -> float:
-    """Mean of ``draws`` full-data estimates of the ELBO by the guide's own objective."""
-    objective = pb.guides.guide_contract(guide).make_objective(1)
-    x, y = data
-    values = []
-    with local_params(model, guide):
-        for _ in range(draws):
-            out = objective(model, guide, x, y, num_data=len(x))
-            values.append(-(out[0] if isinstance(out, tuple) else out).item())
-    return statistics.mean(values)
 
 
 def task_digits(args):

@@ -35,14 +35,8 @@ from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 import pyro_bnn as pb
-from pyro_bnn._local_params import local_params
 from pyro_bnn.data import TensorBatches
-from pyro_bnn.guides.meanfield import meanfield_loss
-
-
-def elbo_bnn(model, guide, x, y, draws):
-    with torch.no_grad(), local_params(model, guide):
-        return -sum(float(meanfield_loss(model, guide, x, y, len(x))) for _ in range(draws)) / draws
+from pyro_bnn.length_check import estimate_objective
 
 
 def elbo_plain(model, guide, x, y, draws):
@@ -82,7 +76,7 @@ def main(argv=None):
                         progress=False)
         seconds = time.perf_counter() - start
         rows.append(dict(method="pb.fit+MeanField", epochs=epochs, seconds=seconds,
-                         elbo=elbo_bnn(model, guide, x, y, args.draws),
+                         elbo=estimate_objective(model, guide, (x, y), draws=args.draws, eval_batch_size=len(x))[0],
                          diagnosed_converged=result.convergence.converged))
         print(json.dumps(rows[-1]), flush=True)
     for lr in args.pyro_lrs:

@@ -122,6 +122,16 @@ class ConvergenceDiagnosis:
         return "yes" if self.converged else "no: " + "; ".join(self.short_reasons() or ["not converged"])
 
 
+#: checks (b) and (b'): the reason given when a share of parameters moved at the maximum rate
+_SCALES_LIMITED = ("the posterior scales were limited by the learning rate: {share:.0f} % of the unconstrained "
+                   "scales moved by at least {move:.0f} % of the summed learning rate (Σ lr = {budget:.3g}), the "
+                   "most the optimiser can move them; raise the lr, start nearer the posterior (init_scale) or "
+                   "train longer")
+_PARAMS_LIMITED = ("the parameters were limited by the learning rate: {share:.0f} % of the trained parameters "
+                   "other than scales moved by at least {move:.0f} % of the summed learning rate (Σ lr = "
+                   "{budget:.3g}), the most the optimiser can move them, so the fit stopped where its step budget "
+                   "ran out; train for more epochs or raise the lr")
+
 _REASON_LABELS = (("the objective was still improving", "still improving"),
                   ("the objective got worse", "got worse"),
                   ("the posterior scales were limited", "σ limited by the lr"),
@@ -212,23 +222,12 @@ def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None, param_li
                            "learning rate is too high for the end of training, use lr_schedule='cosine' or a "
                            "smaller lr")
         flat = -TOLERANCE < low and high < TOLERANCE
-    if scale_limited is not None:
-        share, budget = scale_limited
-        measures.update(scale_limited_share=share, scale_lr_budget=budget)
-        if share > LIMITED_SHARE:
-            reasons.append(f"the posterior scales were limited by the learning rate: {100 * share:.0f} % of "
-                           f"the unconstrained scales moved by at least {100 * LIMITED_MOVE:.0f} % of the summed "
-                           f"learning rate (Σ lr = {budget:.3g}), the most the optimiser can move them; raise the "
-                           "lr, start nearer the posterior (init_scale) or train longer")
-    if param_limited is not None:
-        share, budget = param_limited
-        measures.update(param_limited_share=share, param_lr_budget=budget)
-        if share > LIMITED_SHARE:
-            reasons.append(f"the parameters were limited by the learning rate: {100 * share:.0f} % of the "
-                           f"trained parameters other than scales moved by at least {100 * LIMITED_MOVE:.0f} % "
-                           f"of the summed learning rate (Σ lr = {budget:.3g}), the most the optimiser can move "
-                           "them, so the fit stopped where its step budget ran out; train for more epochs or "
-                           "raise the lr")
+    for limited, key, reason in ((scale_limited, "scale", _SCALES_LIMITED), (param_limited, "param", _PARAMS_LIMITED)):
+        if limited is not None:
+            share, budget = limited
+            measures.update({f"{key}_limited_share": share, f"{key}_lr_budget": budget})
+            if share > LIMITED_SHARE:
+                reasons.append(reason.format(share=100 * share, move=100 * LIMITED_MOVE, budget=budget))
     if measures["judged"] and lr_decayed is False and not flat and not any(
             r.startswith("the objective") for r in reasons):
         reasons.append(f"the learning rate never decayed and the objective's trend over the last {window} "
