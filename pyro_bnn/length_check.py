@@ -50,7 +50,9 @@ class LengthCheck:
     converged : bool
         The longer fit did not end higher than the shorter one by more than the tolerance
         (beyond ``Z = 2`` standard errors), nor lower (a fit that does not reproduce its
-        objective at a longer length is not confirmed either).
+        objective at a longer length is not confirmed either), and the estimates resolve the
+        tolerance (two standard errors of the relative gain at most ``tolerance``; otherwise
+        raise ``draws``).
     epochs : tuple of int
         The two lengths, shorter first.
     objective : tuple of float
@@ -92,6 +94,9 @@ class LengthCheck:
                 f"tolerance {100 * self.tolerance:.2g} %)")
         if self.converged:
             return f"{head}: {e1} epochs are enough"
+        if Z * self.relative_gain_se > self.tolerance and abs(self.relative_gain) - Z * self.relative_gain_se <= self.tolerance:
+            return (f"{head}: the estimates are too noisy to tell (two standard errors exceed the tolerance); "
+                    "raise draws")
         if self.relative_gain > 0:
             return f"{head}: {e1} epochs are not enough; train longer (at least {e2} epochs) and check again"
         return (f"{head}: the longer fit ended lower, so the objective does not reproduce at this length; "
@@ -231,7 +236,10 @@ def check_convergence(make: Callable[[], tuple[Any, Any]], data, *, epochs: int,
     (o1, s1), (o2, s2) = estimates
     scale = max(abs(o2), 1.0)
     gain, gain_se = (o2 - o1) / scale, math.hypot(s1, s2) / scale
-    converged = gain - Z * gain_se <= tolerance and gain + Z * gain_se >= -tolerance
+    # "enough" needs the estimate to resolve the tolerance at all: a noisy pair of estimates
+    # whose interval is wider than the tolerance says nothing either way
+    converged = (Z * gain_se <= tolerance and gain - Z * gain_se <= tolerance
+                 and gain + Z * gain_se >= -tolerance)
     result = LengthCheck(converged, lengths, (o1, o2), (s1, s2), gain, gain_se, tolerance, tuple(fits),
                          model=pairs[1][0], guide=pairs[1][1], short_model=pairs[0][0], short_guide=pairs[0][1])
     if warn and not converged:

@@ -83,13 +83,21 @@ def test_check_convergence_flags_a_short_fit_and_passes_a_long_one(regression):
     assert [len(f.history["loss"]) for f in short.fits] == [30, 60]
     with warnings.catch_warnings():
         warnings.simplefilter("error", pb.ConvergenceWarning)
-        long = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100)
+        long = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100, draws=128)
     assert long.converged and abs(long.relative_gain) < 0.02, long.message()
     assert long.objective[1] > -60 and "300 epochs are enough" in long.message()
     # the longer fit's model and guide are returned, trained, and usable
     assert len(long.fits[1].history["loss"]) == 600
     mean = pb.predict(long.model, long.guide, regression[0], num_samples=50)
     assert torch.mean((mean.mean(0) - regression[1]) ** 2) < 0.2
+
+
+def test_check_convergence_does_not_call_a_noisy_comparison_enough(regression):
+    """300 vs 600 epochs is enough (above, with 128 passes); with 4 passes the two standard
+    errors of the relative gain exceed the 2 % tolerance, so the check cannot tell and says so."""
+    with pytest.warns(pb.ConvergenceWarning, match="too noisy to tell"):
+        noisy = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100, draws=4)
+    assert not noisy.converged and 2 * noisy.relative_gain_se > noisy.tolerance
 
 
 def test_check_convergence_uses_the_same_initialisation_for_both_lengths(regression):
@@ -128,7 +136,8 @@ def test_check_convergence_rejects_bad_arguments(regression):
 def test_check_convergence_on_cuda(regression):
     """Both fits, the parameter-move record of the diagnosis and the objective estimate run on
     the GPU, and the verdict matches the CPU's for a clearly converged length."""
-    check = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100, device="cuda")
+    check = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100, device="cuda",
+                                 draws=128)
     assert check.converged, check.message()
     assert next(check.guide.parameters()).device.type == "cuda"
     assert check.fits[1].convergence.measures["param_limited_share"] == 0.0
