@@ -10,7 +10,9 @@ import math
 import numbers
 from collections.abc import Iterable
 
-__all__ = ["reject_unknown_keywords", "check_int", "check_positive"]
+import numpy as np
+
+__all__ = ["reject_unknown_keywords", "check_int", "check_positive", "check_bool"]
 
 
 def reject_unknown_keywords(function: str, unknown: dict, valid: Iterable[str]) -> None:
@@ -52,3 +54,11 @@ def check_positive(name: str, value, *, optional: bool = False) -> float | None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` as a ``bool``: only ``True``/``False`` (NumPy's ``np.bool_`` too), so that
+    ``shuffle="no"`` or ``resume=1`` is an error instead of being read as true."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)

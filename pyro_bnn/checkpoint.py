@@ -6,11 +6,16 @@ which never runs code from the file.  This module holds the mechanics that
 :func:`pyro_bnn.fit`, :func:`pyro_bnn.save_checkpoint` and :func:`pyro_bnn.load_checkpoint`
 share:
 
-* :func:`write_atomic` writes through a fixed temporary file next to the target
-  (``.<name>.tmp``) and renames it into place, so a crash never leaves a half-written
-  checkpoint and an interrupted save leaves at most that one file, replaced by the next save;
-* :func:`read_checkpoint` reads with ``weights_only=True`` and turns torch's errors for
-  truncated, foreign or unsafe files into one clear ``ValueError``;
+* :func:`write_atomic` stores a SHA-256 digest of the content in the file (:func:`content_digest`)
+  and writes through a temporary file of its own, created exclusively (``O_EXCL``, never
+  following a link) under a unique name ``.<name>.<random>.tmp`` next to the target, flushed
+  and renamed into place: a crash never leaves a half-written checkpoint, two writers never
+  share a temporary file, and a link planted in the folder is never written through;
+* :func:`read_checkpoint` reads with ``weights_only=True``, verifies the digest (a flipped bit
+  is an error, not a different result) and turns torch's errors for truncated, foreign or
+  unsafe files into one clear ``ValueError``;
+* :class:`CheckpointLock` is the lock ``fit`` holds on its checkpoint path for the whole fit
+  (``<path>.lock``, ``fcntl.flock``), so a second fit on the same path stops at its start;
 * :func:`load_states` loads several ``state_dict``s as one transaction: everything is checked
   against the targets first, and a failure part-way restores what was already loaded;
 * :func:`rng_state` / :func:`set_rng_state` capture and restore every random stream a fit
@@ -21,17 +26,29 @@ share:
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import pickle
 import random
+import tempfile
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): fit's checkpoint lock is unavailable
+    fcntl = None
+
 __all__ = ["write_atomic", "read_checkpoint", "check_plain_data", "load_states", "rng_state",
-           "set_rng_state", "loader_rng_state", "set_loader_rng_state", "temporary_path"]
+           "set_rng_state", "loader_rng_state", "set_loader_rng_state", "content_digest",
+           "CheckpointLock", "CheckpointInUseError", "CHECKSUM_KEY"]
+
+#: the entry of every checkpoint written by :func:`write_atomic` that holds its digest
+CHECKSUM_KEY = "checksum"
+_DIGEST_SCHEME = "pyro_bnn.sha256/1"
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
@@ -60,35 +77,125 @@ def check_plain_data(value, where: str = "checkpoint") -> None:
                     "torch.load(weights_only=True), which never runs code from the file)")
 
 
-def temporary_path(path) -> str:
-    """The fixed temporary file :func:`write_atomic` uses for ``path``: ``<dir>/.<name>.tmp``."""
-    path = os.path.abspath(os.fspath(path))
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-
-
 def write_atomic(path, state: dict) -> None:
-    """``torch.save(state)`` to ``path`` atomically.
+    """``torch.save(state)`` to ``path`` atomically, with a digest of the content.
 
-    The data go to :func:`temporary_path` (truncated first, so a file left by an interrupted
-    save is replaced), are flushed to disk, and the file is renamed over ``path``.  A crash
-    at any point leaves either the previous ``path`` or the new one, never a mixture.
+    ``state`` gets the entry ``"checksum"`` (:data:`CHECKSUM_KEY`: the SHA-256 of
+    :func:`content_digest`), which :func:`read_checkpoint` verifies.  The data go to a new
+    temporary file in the target's folder, created with ``O_CREAT | O_EXCL`` under a random
+    name ``.<name>.<random>.tmp`` (:func:`tempfile.mkstemp`: it never opens an existing file
+    or follows a link, so neither a link planted there nor a second writer can make it write
+    elsewhere), are flushed to disk, and the file is renamed over ``path``.  A crash at any
+    point leaves either the previous ``path`` or the new one, never a mixture; a failure
+    removes the temporary file.  The file gets the permissions ``open`` would give it
+    (``0o666`` less the umask).
     """
+    if CHECKSUM_KEY in state:
+        raise ValueError(f"the checkpoint entry {CHECKSUM_KEY!r} is reserved for the file's digest")
     check_plain_data(state)
+    state = {**state, CHECKSUM_KEY: {"scheme": _DIGEST_SCHEME, "sha256": content_digest(state)}}
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp = temporary_path(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        with open(tmp, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh:
+            if hasattr(os, "fchmod"):
+                os.fchmod(fh.fileno(), 0o666 & ~_umask())
             torch.save(state, fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        try:
             os.remove(tmp)
+        except FileNotFoundError:
+            pass
         raise
     _fsync_folder(folder)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux allows (``/proc``)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def content_digest(state) -> str:
+    """SHA-256 (hex) of a checkpoint's content: every tensor's dtype, shape and bytes, every
+    number, string and key, and the nesting, in order.
+
+    It is computed from the values, not from torch's file format, so a file read back gives
+    the digest it was written with exactly when its content is what was written.
+    """
+    hasher = hashlib.sha256()
+    _feed(hasher, state)
+    return hasher.hexdigest()
+
+
+def _feed(hasher, value) -> None:
+    """Feed one value to ``hasher`` as a tagged, length-prefixed record."""
+    def record(tag: bytes, payload: bytes) -> None:
+        hasher.update(tag + len(payload).to_bytes(8, "little") + payload)
+
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.is_quantized:
+            t = t.int_repr()
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        t = t.cpu().contiguous().reshape(-1)
+        record(b"T", f"{t.dtype}|{tuple(value.shape)}".encode())
+        record(b"D", t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, bool) or value is None:
+        record(b"B", repr(value).encode())
+    elif isinstance(value, (int, float, complex)):
+        record(type(value).__name__[:1].upper().encode(), repr(type(value)(value)).encode())
+    elif isinstance(value, str):
+        record(b"S", value.encode("utf-8", "surrogatepass"))
+    elif isinstance(value, bytes):
+        record(b"Y", value)
+    elif isinstance(value, (torch.dtype, torch.device)):
+        record(b"E", str(value).encode())
+    elif isinstance(value, dict):
+        record(b"M", str(len(value)).encode())
+        for key, item in value.items():
+            _feed(hasher, key)
+            _feed(hasher, item)
+    elif isinstance(value, (list, tuple)):
+        record(b"L", str(len(value)).encode())
+        for item in value:
+            _feed(hasher, item)
+    else:
+        raise TypeError(f"cannot digest a {type(value).__name__}")
+
+
+def verify_digest(state: dict, path: str) -> None:
+    """Raise ``ValueError`` unless ``state`` matches the digest stored in it (a file without
+    one, written by ``torch.save`` itself or an older pyro_bnn, passes unverified)."""
+    stored = state.get(CHECKSUM_KEY)
+    if stored is None:
+        return
+    if not (isinstance(stored, dict) and stored.get("scheme") == _DIGEST_SCHEME
+            and isinstance(stored.get("sha256"), str)):
+        raise ValueError(f"checkpoint {path!r} has a malformed {CHECKSUM_KEY!r} entry (expected "
+                         f"{{'scheme': {_DIGEST_SCHEME!r}, 'sha256': <hex>}}, got {stored!r:.200}); "
+                         "the file is corrupt or was edited")
+    content = {k: v for k, v in state.items() if k != CHECKSUM_KEY}
+    actual = content_digest(content)
+    if actual != stored["sha256"]:
+        raise ValueError(f"checkpoint {path!r} is corrupt: its content does not match the SHA-256 "
+                         f"digest stored in it ({stored['sha256'][:16]}... expected, {actual[:16]}... "
+                         "found), so a bit changed on disk or in transfer, or the file was edited; "
+                         "nothing was loaded. Restore the file from a copy or start a new fit")
 
 
 def _fsync_folder(folder: str) -> None:
@@ -137,6 +244,14 @@ def read_checkpoint(path, map_location=None) -> dict:
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path!r} is not a pyro_bnn checkpoint: expected a dict with 'model' and "
                          f"'guide' state dicts, got {got}")
+    verify_digest(state, path)
+    for key in ("model", "guide"):
+        if not isinstance(state[key], dict):
+            raise ValueError(f"checkpoint {path!r}: {key!r} must be a state_dict (dict), got "
+                             f"{type(state[key]).__name__}")
+    epoch = state.get("epoch")
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+        raise ValueError(f"checkpoint {path!r}: 'epoch' must be an int >= 0, got {epoch!r}")
     return state
 
 
@@ -283,3 +398,87 @@ def set_loader_rng_state(loader, state: dict) -> None:
                          f"this loader has {sorted(gens)}; resume with the same kind of loader")
     for name, gen in gens.items():
         gen.set_state(state[name].cpu())
+
+
+# ----------------------------------------------------------------- the fit's lock
+class CheckpointInUseError(RuntimeError):
+    """Another fit holds the lock on this checkpoint path."""
+
+
+class CheckpointLock:
+    """An exclusive, non-blocking lock on a checkpoint path, held by one fit at a time.
+
+    The lock is ``fcntl.flock`` on ``<path>.lock`` (opened with ``O_NOFOLLOW``, holding the
+    owner's pid for the message).  The operating system releases it when the process dies, so
+    a killed fit never leaves a stale lock; a clean release removes the file.  Where
+    ``fcntl`` does not exist (Windows) the lock does nothing.  Use as a context manager.
+
+    Raises
+    ------
+    CheckpointInUseError
+        On entry, when another process (or another fit in this one) holds the lock.
+    """
+
+    def __init__(self, path):
+        self.lock_path = os.path.abspath(os.fspath(path)) + ".lock"
+        self.checkpoint = os.fspath(path)
+        self._fd = None
+
+    def __enter__(self):
+        if fcntl is None:
+            return self
+        os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        for _ in range(100):  # the file may be removed by the previous owner meanwhile: retry
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                owner = _read_owner(fd)
+                os.close(fd)
+                raise CheckpointInUseError(
+                    f"checkpoint path {self.checkpoint!r} is in use by another fit ({owner}): two "
+                    "fits writing one checkpoint would overwrite each other's; wait for it to end, "
+                    f"or give this fit another checkpoint path (lock file {self.lock_path!r})") from None
+            if self._same_file(fd):
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self._fd = fd
+                return self
+            os.close(fd)
+        raise CheckpointInUseError(f"could not lock {self.lock_path!r}: it is being replaced repeatedly")
+
+    def _open(self) -> int:
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            return os.open(self.lock_path, flags, 0o644)
+        except OSError:
+            if os.path.islink(self.lock_path):
+                raise ValueError(f"the checkpoint lock file {self.lock_path!r} is a symbolic link; "
+                                 "pyro_bnn does not follow it. Remove it if it is not yours") from None
+            raise
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            now = os.stat(self.lock_path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+    def __exit__(self, *exc_info):
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if self._same_file(fd):
+                os.remove(self.lock_path)
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def _read_owner(fd: int) -> str:
+    try:
+        text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return f"pid {text}" if text.isdigit() else "pid unknown"

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .arguments import check_int, check_positive
+
 __all__ = ["log_evidence", "log_likelihood_from_stats", "maximize_evidence", "marglik_due",
            "MARGLIK_DEFAULTS", "check_marglik_options"]
 
@@ -90,7 +92,12 @@ def maximize_evidence(evidence: Callable[[], torch.Tensor], params: list[torch.T
 
 
 def check_marglik_options(options: dict | None) -> dict:
-    """Validate ``fit(..., marglik=dict(every, burnin, steps, lr))`` and fill defaults."""
+    """Validate ``fit(..., marglik=dict(every, burnin, steps, lr))`` and fill defaults.
+
+    ``every`` (>= 1), ``burnin`` and ``steps`` (>= 0) must be ints (a fractional
+    ``burnin=1.5`` is an error, not truncated), ``lr`` a finite number > 0; every message
+    names the option as ``marglik['name']``.
+    """
     if options is None:
         return {}
     if not isinstance(options, dict):
@@ -99,8 +106,9 @@ def check_marglik_options(options: dict | None) -> dict:
     if unknown:
         raise ValueError(f"unknown marglik options {sorted(unknown)}; expected keys {sorted(MARGLIK_DEFAULTS)}")
     out = dict(MARGLIK_DEFAULTS, **options)
-    if int(out["every"]) < 1 or int(out["burnin"]) < 0 or int(out["steps"]) < 0 or not out["lr"] > 0:
-        raise ValueError(f"marglik needs every >= 1, burnin >= 0, steps >= 0, lr > 0; got {out}")
+    for key, minimum in (("every", 1), ("burnin", 0), ("steps", 0)):
+        out[key] = check_int(f"marglik[{key!r}]", out[key], minimum)
+    out["lr"] = check_positive("marglik['lr']", out["lr"])
     return out
 
 

@@ -13,8 +13,10 @@ safe checkpoints, convergence warning).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import numbers
 import os
 import time
 import warnings
@@ -27,8 +29,8 @@ from pyro import poutine
 
 from . import distributed as _dist
 from ._local_params import local_params
-from .arguments import check_int, check_positive, reject_unknown_keywords
-from .checkpoint import check_plain_data, load_states, read_checkpoint, write_atomic
+from .arguments import check_bool, check_int, check_positive, reject_unknown_keywords
+from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
 from .data import dataset_size, make_loader, split_batch, validate_data
 from .devices import flush_denormals, module_device
@@ -36,7 +38,8 @@ from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .guides.base import guide_contract
 from .objectives import call_model
 from .param_store import publish_after_fit, sync_param_store
-from .resume import StateOf, checkpoint_entries, resume_fit
+from .marglik import check_marglik_options
+from .resume import StateOf, checkpoint_entries, fit_fingerprint, resume_fit
 
 __all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide",
            "ConvergenceWarning"]
@@ -194,13 +197,15 @@ class _Run:
     monitor: ConvergenceMonitor | None = None
     #: the checkpoint entries of the state waiting for its loss evaluation (DivergenceGuard.remember)
     pending_checkpoint: dict | None = None
+    #: what is being fitted (pyro_bnn.resume.fit_fingerprint), recorded in every checkpoint
+    fingerprint: dict = field(default_factory=dict)
 
 
 def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float | None = None,
         optimizer=None, lr_schedule="cosine", num_particles: int = 1, device=None, progress: bool = True,
         shuffle: bool = True, seed: int | None = None, clip_norm: float | None = None,
         num_data: int | None = None, objective=None, checkpoint: str | os.PathLike | None = None,
-        resume: bool = False, marglik: dict | None = None,
+        resume: bool = False, overwrite: bool = False, marglik: dict | None = None,
         distributed: bool | _dist.DistributedOptions = False, **unknown) -> FitResult:
     """Train ``model`` and ``guide`` by stochastic variational inference.
 
@@ -215,14 +220,18 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     epochs, batch_size : int, int
         Passes over the data (>= 0) and minibatch size (>= 1).
     lr : float, optional
-        Adam learning rate (> 0; default: the guide's ``default_lr``, else 1e-3).
+        Adam learning rate (> 0; default: the guide's ``default_lr``, else 1e-3).  For the
+        default optimiser only: with ``optimizer=`` set the rate in the factory (``lr`` and
+        ``optimizer`` together are an error, since fit could not pass ``lr`` on).
     optimizer : callable, optional
         ``optimizer(params) -> torch.optim.Optimizer``; default Adam(lr).
     lr_schedule : {"cosine", "constant"} or callable
         Learning-rate factor over the fit, applied per optimiser step: ``"cosine"`` (default)
         decays it as ``½(1 + cos(π t/T))`` from 1 to 0 over the ``T`` steps of the fit, so the
         iterates settle instead of moving at the noise level of a constant rate; a callable
-        maps the fraction of steps done, ``t/T`` in [0, 1), to a factor.  Continuing a fit
+        maps the fraction of steps done, ``t/T`` in [0, 1), to a factor, a finite number >= 0
+        (it is called at 64 fractions before training to check that, and every factor it
+        returns during training is checked: a negative one would train uphill).  Continuing a fit
         in several calls restarts the schedule each time: use ``resume=True`` instead.
     num_particles : int
         Monte Carlo samples per ELBO estimate (>= 1).
@@ -235,19 +244,29 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     clip_norm : float, optional
         Clip the total gradient norm to this value (> 0).
     num_data : int, optional
-        Data set size N for minibatch scaling (>= 1); default the size of ``data``.
+        Data set size N for minibatch scaling (>= 1, and at least one minibatch); default the
+        size of ``data``.
     objective : callable, optional
         ``objective(model, guide, x, y, num_data) -> loss``; default the guide's own
         (``guide.make_objective``) or Pyro's ``Trace_ELBO``.
     checkpoint : path, optional
         After each epoch whose state is verified finite, write model, guide, optimiser,
-        schedule, history, random-number states and the guide's fit state there
-        (atomically; loads with ``torch.load(weights_only=True)``).
+        schedule, history, random-number states, the guide's fit state and a fingerprint of the
+        fit there (atomically through a unique temporary file, with a SHA-256 digest; loads
+        with ``torch.load(weights_only=True)``).  The fit holds a lock on the path
+        (``<path>.lock``) from start to end: a second fit on the same path raises
+        :class:`pyro_bnn.checkpoint.CheckpointInUseError` before it starts.  An existing file
+        at the path is refused unless ``resume=True`` or ``overwrite=True``.
     resume : bool
         Continue the fit whose ``checkpoint`` is at that path (start fresh if there is no
         file yet): on CPU the result is bit-identical to a fit that was never interrupted.
         The call must repeat the interrupted one's settings (``epochs`` may grow under a
-        constant schedule).  Not supported with ``distributed``.
+        constant schedule) and fit the same model (prior, architecture), guide (class and
+        options) and data (:func:`pyro_bnn.resume.fit_fingerprint`): a difference is a
+        ``ValueError`` naming it.  Not supported with ``distributed``.
+    overwrite : bool
+        Start afresh even though a file exists at ``checkpoint``; it is replaced (atomically)
+        at the first epoch's write.
     marglik : dict, optional
         Online marginal-likelihood options for guides that support it (Laplace).
     distributed : bool or pyro_bnn.distributed.DistributedOptions
@@ -284,11 +303,29 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     lr = _check_fit_arguments(guide, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
                               lr_schedule=lr_schedule, num_particles=num_particles, seed=seed,
                               clip_norm=clip_norm, num_data=num_data, objective=objective,
-                              checkpoint=checkpoint, resume=resume, distributed=distributed)
-    t_start = time.perf_counter()
-    run = _prepare(model, guide, data, batch_size=batch_size, device=device, shuffle=shuffle, seed=seed,
-                   num_data=num_data, objective=objective, num_particles=num_particles, marglik=marglik,
-                   distributed=distributed, epochs=epochs, checkpoint=checkpoint)
+                              checkpoint=checkpoint, resume=resume, overwrite=overwrite,
+                              distributed=distributed, shuffle=shuffle, progress=progress, marglik=marglik)
+    with contextlib.ExitStack() as held:
+        if checkpoint is not None and not distributed:
+            held.enter_context(CheckpointLock(checkpoint))  # up front: no second fit on this path
+        _refuse_overwrite(checkpoint, resume, overwrite)
+        t_start = time.perf_counter()
+        run = _prepare(model, guide, data, batch_size=batch_size, device=device, shuffle=shuffle, seed=seed,
+                       num_data=num_data, objective=objective, num_particles=num_particles, marglik=marglik,
+                       distributed=distributed, epochs=epochs, checkpoint=checkpoint)
+        if checkpoint is not None and run.dstate is not None and run.dstate.is_main:
+            held.enter_context(CheckpointLock(checkpoint))  # distributed: rank 0 writes
+        return _fit_prepared(run, data, t_start, epochs=epochs, batch_size=batch_size, lr=lr,
+                             optimizer=optimizer, lr_schedule=lr_schedule, num_particles=num_particles,
+                             shuffle=shuffle, seed=seed, clip_norm=clip_norm, marglik=marglik,
+                             objective=objective, resume=resume, progress=progress)
+
+
+def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, optimizer, lr_schedule,
+                  num_particles, shuffle, seed, clip_norm, marglik, objective, resume, progress) -> FitResult:
+    """The fit after :func:`_prepare`: optimisation set-up, resume, the epochs, the diagnosis."""
+    model, guide = run.model, run.guide
+    run.fingerprint = fit_fingerprint(model, guide, data)  # before a resume loads anything
     run.settings = dict(epochs=epochs, batch_size=batch_size, lr=lr, num_particles=num_particles,
                         shuffle=bool(shuffle), seed=seed, clip_norm=clip_norm, num_data=run.ctx.num_data,
                         marglik=marglik, model=type(model).__name__, guide=type(guide).__name__,
@@ -315,7 +352,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     publish_after_fit(model, guide)  # Predictive / SVI / the param store see the trained values
     diagnosis = run.monitor.diagnose(_judged_objective(run.history))
     if not diagnosis.converged and epochs > 0 and (run.dstate is None or run.dstate.is_main):
-        warnings.warn(diagnosis.message(), ConvergenceWarning, stacklevel=2)
+        warnings.warn(diagnosis.message(), ConvergenceWarning, stacklevel=3)
     return FitResult(history=run.history, seconds=time.perf_counter() - t_start, convergence=diagnosis,
                      resumed_from=start)
 
@@ -329,7 +366,8 @@ def _judged_objective(history: dict) -> list[float]:
 
 
 def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedule, num_particles, seed,
-                         clip_norm, num_data, objective, checkpoint, resume, distributed) -> float:
+                         clip_norm, num_data, objective, checkpoint, resume, overwrite, distributed, shuffle,
+                         progress, marglik) -> float:
     """Validate ``fit``'s arguments; return the learning rate to use."""
     check_int("epochs", epochs, 0)
     check_int("batch_size", batch_size, 1)
@@ -338,18 +376,62 @@ def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedul
     check_int("seed", seed, 0, optional=True)
     check_positive("clip_norm", clip_norm, optional=True)
     check_positive("lr", lr, optional=True)
-    lr_factor_function(lr_schedule)
+    for name, value in (("shuffle", shuffle), ("progress", progress), ("resume", resume),
+                        ("overwrite", overwrite)):
+        check_bool(name, value)
+    _probe_lr_schedule(lr_schedule)
     for name, value in (("optimizer", optimizer), ("objective", objective)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be a callable or None, got {type(value).__name__}")
-    if not isinstance(resume, bool):
-        raise TypeError(f"resume must be True or False, got {resume!r}")
+    if optimizer is not None and lr is not None:
+        raise ValueError(f"lr={lr!r} is the learning rate of fit's default optimiser, which optimizer= "
+                         "replaces; fit cannot pass lr to your factory. Set the rate in the factory "
+                         "(e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1)) and leave lr=None")
+    check_marglik_options(marglik)
+    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"checkpoint must be a path (str or os.PathLike) or None, got "
+                        f"{type(checkpoint).__name__}")
     if resume and checkpoint is None:
         raise ValueError("resume=True needs checkpoint=<path> (the file to resume from and to keep writing)")
+    if overwrite and checkpoint is None:
+        raise ValueError("overwrite=True needs checkpoint=<path> (the file to replace)")
+    if resume and overwrite:
+        raise ValueError("resume=True continues the checkpoint and overwrite=True replaces it; pass one")
     if resume and distributed:
         raise NotImplementedError("resume=True is not supported with distributed= yet; resume the fit in "
                                   "one process, or start the distributed fit afresh")
     return lr if lr is not None else guide_contract(guide).default_lr or 1e-3
+
+
+def _refuse_overwrite(checkpoint, resume: bool, overwrite: bool) -> None:
+    """A fresh fit does not replace an existing checkpoint unless told to."""
+    if checkpoint is None or resume or overwrite or not os.path.lexists(checkpoint):
+        return
+    raise FileExistsError(f"checkpoint {os.fspath(checkpoint)!r} already exists; this fit would replace "
+                          "it. Pass resume=True to continue the fit it holds, overwrite=True to start "
+                          "afresh and replace it, or another checkpoint path")
+
+
+def _probe_lr_schedule(lr_schedule) -> None:
+    """Check a callable schedule at 64 fractions of the fit before anything is set up."""
+    factor = lr_factor_function(lr_schedule)
+    if callable(lr_schedule):
+        for k in range(64):
+            _checked_factor(factor, k / 64)
+
+
+def _checked_factor(factor, fraction: float) -> float:
+    """``factor(fraction)`` as a float, which must be finite and >= 0."""
+    value = factor(fraction)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"lr_schedule must return a number, got {value!r} ({type(value).__name__}) at "
+                        f"fraction {fraction:.4g} of the fit")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"lr_schedule returned {value!r} at fraction {fraction:.4g} of the fit; a "
+                         "learning-rate factor must be a finite number >= 0 (a negative one trains uphill)")
+    return float(value)
 
 
 def _prepare(model, guide, data, *, batch_size, device, shuffle, seed, num_data, objective, num_particles,
@@ -373,6 +455,11 @@ def _prepare(model, guide, data, *, batch_size, device, shuffle, seed, num_data,
         loader = make_loader(data, batch_size=batch_size, shuffle=shuffle, device=device, check=check)
     n = int(num_data) if num_data is not None else dataset_size(loader)
     x0, y0 = split_batch(next(iter(loader)))
+    if num_data is not None and n < len(x0):
+        raise ValueError(f"num_data={n} is smaller than one minibatch ({len(x0)} examples): num_data is "
+                         "the size N of the whole training set, to which each minibatch's "
+                         "log-likelihood is scaled; pass N (at least the number of training examples) or "
+                         "leave num_data=None")
     x0 = x0.to(device)
     y0 = None if y0 is None else y0.to(device)
     setup_guide(model, guide, x0, y0, n)
@@ -527,7 +614,8 @@ def make_lr_scheduler(optimizer, lr_schedule, total_steps: int):
     """A per-step ``LambdaLR`` applying :func:`lr_factor_function` over ``total_steps`` steps."""
     factor = lr_factor_function(lr_schedule)
     total = max(int(total_steps), 1)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(min(step, total - 1) / total))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: _checked_factor(factor, min(step, total - 1) / total))
 
 
 def _num_batches(loader) -> int:
@@ -548,9 +636,11 @@ def _progress(total, initial, enabled):
 def save_checkpoint(path, model, guide, optimizer=None, **extra) -> None:
     """Write model, guide (and optimiser) ``state_dict``s and ``extra`` entries to ``path``.
 
-    Atomic (:func:`pyro_bnn.checkpoint.write_atomic`): written to ``.<name>.tmp`` next to
-    ``path``, flushed and renamed into place, so a crash leaves the previous file intact and
-    an interrupted save's temporary file is replaced by the next save.  Every entry must be
+    Replaces a file at ``path`` (this call asks for it).  Atomic
+    (:func:`pyro_bnn.checkpoint.write_atomic`): written to a new, uniquely named temporary file
+    next to ``path`` (created exclusively; never a link), flushed and renamed into place, so a
+    crash leaves the previous file intact and two writers never collide.  The file holds a
+    SHA-256 digest of its content, which :func:`load_checkpoint` verifies.  Every entry must be
     plain data (tensors, numbers, strings, ``None``, lists/tuples/dicts of them), so the file
     loads with ``torch.load(weights_only=True)``.
 
@@ -580,8 +670,9 @@ def load_checkpoint(path, model, guide, example_x=None, example_y=None, map_loca
     FileNotFoundError
         No file at ``path``.
     ValueError
-        A truncated, corrupt, foreign or unsafe file, or states that do not fit ``model`` and
-        ``guide`` (a guide not set up yet: the message asks for ``example_x``).
+        A truncated, corrupt (content not matching its digest), foreign or unsafe file, or
+        states that do not fit ``model`` and ``guide`` (a guide not set up yet: the message
+        asks for ``example_x``).
     """
     state = read_checkpoint(path, map_location=map_location)
     if example_x is not None:

@@ -17,7 +17,6 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.checkpoint import temporary_path
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -270,7 +269,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, kind):
     for key, values in reference.history.items():
         if key != "epoch_seconds":
             assert _same(resumed.history[key], values), key
-    assert not pathlib.Path(temporary_path(path)).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt"]  # no temporary or lock file left
 
 
 def test_resume_restores_a_loaders_own_generator(tmp_path, data):
@@ -408,17 +407,26 @@ def test_corrupt_checkpoints_and_missing_example_x(tmp_path, data):
     assert _equal(_states(model, guide), (fresh_model, fresh_guide))
 
 
-def test_interrupted_save_leaves_no_stale_temporary_file(tmp_path, data):
+def test_interrupted_save_leaves_no_temporary_file(tmp_path, data, monkeypatch):
+    """A save that fails part-way (here: torch.save raising) removes its temporary file and
+    leaves the previous checkpoint as it was; a rejected entry writes nothing."""
     x, y = data
     model, guide = _meanfield()
     path = tmp_path / "c.pt"
-    tmp = pathlib.Path(temporary_path(path))
-    tmp.write_bytes(b"half a checkpoint from a killed save")
     pb.fit(model, guide, (x, y), epochs=2, checkpoint=path, progress=False)
-    assert path.exists() and not tmp.exists() and list(tmp_path.iterdir()) == [path]
+    assert list(tmp_path.iterdir()) == [path]
+    before = path.read_bytes()
     with pytest.raises(TypeError, match=r"checkpoint\['note'\] is a object"):
         pb.save_checkpoint(path, model, guide, note=object())
-    assert not tmp.exists() and torch.load(path, weights_only=True)["epoch"] == 2
+
+    def failing_save(obj, fh):
+        fh.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pb.checkpoint.torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        pb.save_checkpoint(path, model, guide)
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == before
 
 
 # ---------------------------------------------------------------- strict arguments
