@@ -183,6 +183,11 @@ def verify_digest(state: dict, path: str) -> None:
     one, written by ``torch.save`` itself or an older pyro_bnn, passes unverified)."""
     stored = state.get(CHECKSUM_KEY)
     if stored is None:
+        damaged = [k for k in state if isinstance(k, str) and len(k) == len(CHECKSUM_KEY)
+                   and sum(a != b for a, b in zip(k, CHECKSUM_KEY)) == 1]
+        if damaged:  # one flipped bit in the key's name would otherwise skip the check
+            raise ValueError(f"checkpoint {path!r} is corrupt: it has an entry {damaged[0]!r} where "
+                             f"its digest {CHECKSUM_KEY!r} belongs; nothing was loaded")
         return
     if not (isinstance(stored, dict) and stored.get("scheme") == _DIGEST_SCHEME
             and isinstance(stored.get("sha256"), str)):
@@ -190,7 +195,10 @@ def verify_digest(state: dict, path: str) -> None:
                          f"{{'scheme': {_DIGEST_SCHEME!r}, 'sha256': <hex>}}, got {stored!r:.200}); "
                          "the file is corrupt or was edited")
     content = {k: v for k, v in state.items() if k != CHECKSUM_KEY}
-    actual = content_digest(content)
+    try:
+        actual = content_digest(content)
+    except TypeError as exc:  # a damaged file can unpickle to objects that are not plain data
+        actual = f"undigestable ({exc})"
     if actual != stored["sha256"]:
         raise ValueError(f"checkpoint {path!r} is corrupt: its content does not match the SHA-256 "
                          f"digest stored in it ({stored['sha256'][:16]}... expected, {actual[:16]}... "
@@ -237,7 +245,7 @@ def read_checkpoint(path, map_location=None) -> dict:
                 "with torch.load(path, weights_only=False) yourself.") from None
         raise ValueError(f"cannot read checkpoint {path!r}: the file is truncated, corrupt or not "
                          f"written by torch.save ({_detail(exc)})") from None
-    except (RuntimeError, EOFError, KeyError, OSError, ValueError) as exc:
+    except Exception as exc:  # a damaged file makes torch's reader fail in many ways (IndexError, ...)
         raise ValueError(f"cannot read checkpoint {path!r}: the file is truncated, corrupt or not "
                          f"written by torch.save ({type(exc).__name__}: {_first_line(exc)})") from None
     if not isinstance(state, dict) or not {"model", "guide"} <= set(state):

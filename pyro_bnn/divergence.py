@@ -244,7 +244,7 @@ class DivergenceGuard:
             warnings.warn(
                 f"the training loss exploded in epoch {epoch}: {mean_loss:.4g}, against a best epoch "
                 f"loss of {self.best_loss:.4g}; the fit is diverging without (yet) producing NaN. "
-                f"{_ADVICE}", RuntimeWarning, stacklevel=4)
+                f"{_ADVICE}", RuntimeWarning, stacklevel=5)
         self.best_loss = min(self.best_loss, mean_loss)
 
 

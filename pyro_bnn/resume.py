@@ -23,6 +23,7 @@ import os
 import torch
 
 from .checkpoint import (
+    CHECKSUM_KEY,
     load_states,
     loader_rng_state,
     read_checkpoint,
@@ -114,7 +115,8 @@ def check_fit_checkpoint(state: dict, path: str) -> None:
         raise ValueError(f"checkpoint {path!r} has format {state.get('format')!r}, this pyro_bnn resumes "
                          f"{CHECKPOINT_FORMAT!r} (which records the prior, architecture, guide and data "
                          "it was written for, and a digest); load it with load_checkpoint, or start afresh")
-    problems = [f"missing {key!r}" for key in ("optimizer", "epoch", "history") if key not in state]
+    problems = [f"missing {key!r}" for key in ("optimizer", "epoch", "history", CHECKSUM_KEY)
+                if key not in state]
     if not isinstance(extra, dict):
         problems.append(f"'resume' is a {type(extra).__name__}, expected a dict")
     else:
