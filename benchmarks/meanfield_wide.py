@@ -74,8 +74,9 @@ def main(argv=None):
     model = pb.BNN(mnist_mlp(), likelihood="categorical", prior=prior)
     guide = pb.guides.MeanField(model)
     start = time.perf_counter()
-    result = pb.fit(model, guide, (x, y), epochs=args.epochs, batch_size=128, lr=args.lr, seed=args.seed,
-                    progress=False, optimizer=optimizer_for(guide, args.rule, args.lr))
+    optimizer = optimizer_for(guide, args.rule, args.lr)  # a factory sets its own lr: fit's lr= is for the default
+    result = pb.fit(model, guide, (x, y), epochs=args.epochs, batch_size=128, lr=args.lr if optimizer is None else None,
+                    seed=args.seed, progress=False, optimizer=optimizer)
     seconds = time.perf_counter() - start
     elbo = result.history["elbo"]
     k = max(args.epochs // 20, 1)
