@@ -22,7 +22,7 @@ from ._local_params import local_params
 from .likelihoods import Likelihood
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
-           "check_inputs", "validate_data", "check_data", "checked_source", "check_targets", "as_labels",
+           "check_inputs", "validate_data", "check_data", "checked_source", "check_targets", "as_labels", "as_targets",
            "model_dtype", "dataset_size", "split_batch"]
 
 
@@ -200,10 +200,11 @@ class BatchCheck:
 
 def as_labels(likelihood, y):
     """Integer class labels (``int32``, ``uint8``, ...) as ``int64`` for a categorical
-    likelihood: the same values in the dtype torch's indexing needs.  Floating, bool and
+    likelihood (a :class:`~pyro_bnn.likelihoods.Likelihood` or the kind ``"categorical"``):
+    the same values in the dtype torch's indexing needs.  Floating, bool and
     complex labels, other likelihoods and ``None`` are returned unchanged (the check refuses
     what is wrong)."""
-    if (getattr(likelihood, "name", None) == "categorical" and isinstance(y, torch.Tensor)
+    if (getattr(likelihood, "name", likelihood) == "categorical" and isinstance(y, torch.Tensor)
             and not (y.is_floating_point() or y.is_complex() or y.dtype in (torch.bool, torch.int64))):
         return y.long()
     return y
@@ -286,14 +287,24 @@ def check_data(model, x, y=None, *, where: str = "pb.evaluate", device=None):
 
 
 def _one_output_column(check, x, y):
-    """Gaussian/Bernoulli targets of shape ``(N,)`` for a network with one output, as
-    ``(N, 1)`` (unambiguous; the metrics have always accepted them)."""
-    name = getattr(check.likelihood, "name", None)
-    if name not in ("gaussian", "bernoulli") or not isinstance(y, torch.Tensor) or y.dim() != 1 \
-            or not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) == 0 or len(y) != len(x):
+    """:func:`as_targets` with the output shape of ``check``'s network (one pass on two
+    examples of ``x``, the random streams restored)."""
+    if getattr(check.likelihood, "name", None) not in ("gaussian", "bernoulli") or not isinstance(y, torch.Tensor) \
+            or y.dim() != 1 or not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) == 0 or len(y) != len(x):
         return y
     check.learn_output_shape(x)
-    return y[:, None] if check._output_shape == (1,) else y
+    return as_targets(check.likelihood, y, check._output_shape)
+
+
+def as_targets(likelihood, y, output_shape=None):
+    """:func:`as_labels`, and Gaussian or Bernoulli targets of shape ``(N,)`` for a network
+    with one output (``output_shape == (1,)``) as ``(N, 1)``: unambiguous, and what the
+    metrics have always accepted."""
+    y = as_labels(likelihood, y)
+    if getattr(likelihood, "name", likelihood) in ("gaussian", "bernoulli") and isinstance(y, torch.Tensor) \
+            and y.dim() == 1 and output_shape is not None and tuple(output_shape) == (1,):
+        return y[:, None]
+    return y
 
 
 def checked_source(model, data, *, where: str, device=None):

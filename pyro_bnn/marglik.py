@@ -138,8 +138,9 @@ def _finite(evidence, step):
         if step == 0 or "prior precision" not in str(exc):
             raise
         raise _NonFinite(f"the prior precision left (0, inf) ({exc})") from None
-    if not math.isfinite(float(value)):
-        raise _NonFinite(f"the evidence became {float(value)}")
+    number = float(value.detach())
+    if not math.isfinite(number):
+        raise _NonFinite(f"the evidence became {number}")
     return value
 
 

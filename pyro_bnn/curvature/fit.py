@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..data import BatchCheck, split_batch
+from ..data import BatchCheck, as_targets, split_batch
 from ..likelihoods import make_likelihood
 from .ggn import diag_blocks, diag_ggn_sums, full_block, full_ggn_sum
 from .kfac import kfac_blocks, kfac_sums_from_factors
@@ -104,9 +104,9 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
                 raise ValueError("curvature needs targets: data must be (x, y)")
             if device is not None:
                 x, y = x.to(device), y.to(device)
-            y = check.labels(y)
             f, a, g = capture_factors(layers, lambda x=x: run(x), lambda out: hessian_columns(kind, out),
                                       num_augmentations=num_augmentations)
+            y = as_targets(kind, y, f.shape[1:])   # int64 labels; (N,) targets of one output as (N, 1)
             check.set_output_shape(f)   # before the log-likelihood: cross_entropy skips −100
             check(x, y, f"batch {i} of {where}")
             part = _batch_sums(layers, a, g, structure)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data import check_targets
+from ..data import as_targets, check_targets
 from .ggn import per_example_gradients
 from .layers import Layer, capture_factors
 from .network import identity_columns
@@ -179,11 +179,7 @@ def checked_targets(kind: str, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
     one = f.reshape(-1, *f.shape[-2:])[0]                         # (N, C)
-    if kind == "categorical":
-        if not (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool):
-            y = y.long()
-    elif y.dim() == 1 and one.shape[-1] == 1:
-        y = y[:, None]
+    y = as_targets(kind, y, one.shape[1:])
     if y.dim() == 0 or len(y) != len(one):
         raise ValueError(f"expected {len(one)} targets, one per input, got shape {tuple(y.shape)}")
     check_targets(kind, y, one[:0])
