@@ -61,7 +61,7 @@ from torch import nn
 
 from ._local_params import local_params
 from .curvature import pointwise_log_likelihood, sample_observations
-from .data import check_finite
+from .data import check_data, check_finite
 from .devices import module_device
 from .guide_density import sample_with_log_density
 from .guides.base import guide_contract
@@ -227,6 +227,7 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     if int(num_samples) < 1 or int(batch_size) < 1:
         raise ValueError(f"num_samples and batch_size must be >= 1, got {num_samples} and {batch_size}")
     check_finite(x, "x")
+    x, y = check_data(model, x, y, where="pb.to_arviz")
     device = torch.device(device) if device is not None else module_device(model, guide, default=x.device)
     method = default_method(guide) if method is None else method
     if method not in ("sample", "glm"):

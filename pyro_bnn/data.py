@@ -22,7 +22,8 @@ from ._local_params import local_params
 from .likelihoods import Likelihood
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
-           "check_inputs", "validate_data", "model_dtype", "dataset_size", "split_batch"]
+           "check_inputs", "validate_data", "check_data", "checked_source", "check_targets", "as_labels", "as_targets",
+           "model_dtype", "dataset_size", "split_batch"]
 
 
 def as_tensors(data) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,12 +142,12 @@ class BatchCheck:
         Where the model is (the output-shape pass moves two examples there).
     """
 
-    def __init__(self, model=None, device=None):
+    def __init__(self, model=None, device=None, *, likelihood: Likelihood | None = None):
         self.model = model
         self.dtype = model_dtype(model) if model is not None else None
         self.integer_inputs = model is None or (isinstance(model, torch.nn.Module) and any(
             isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) for m in model.modules()))
-        lik = getattr(model, "likelihood", None)
+        lik = likelihood if likelihood is not None else getattr(model, "likelihood", None)
         self.likelihood = lik if isinstance(lik, Likelihood) else None
         self.device = device
         self._output_shape: tuple[int, ...] | None = None
@@ -162,12 +163,15 @@ class BatchCheck:
         if y.dim() == 0 or len(y) != len(x):
             raise ValueError(f"x and y{at} must have the same length, got {len(x)} inputs and "
                              f"{len(y) if y.dim() else 'a 0-d'} targets (shape {tuple(y.shape)})")
-        check_finite(y, f"y{at}")
-        if self.likelihood is not None:
-            try:
-                self.likelihood.validate(y, self._output_carrier(x))
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"y{at}: {exc}") from None
+        if self.likelihood is None:
+            check_finite(y, f"y{at}")
+        else:
+            check_targets(self.likelihood, y, self._output_carrier(x), f"y{at}")
+
+    def labels(self, y):
+        """``y`` with integer class labels as int64 for a categorical likelihood
+        (:func:`as_labels`); anything else unchanged."""
+        return as_labels(self.likelihood, y)
 
     def learn_output_shape(self, x, isolate_rng: bool = True) -> None:
         """Run the network once on two examples of ``x`` to learn its output shape.
@@ -184,10 +188,148 @@ class BatchCheck:
         with rng, torch.no_grad(), poutine.block(), local_params(self.model):
             self._output_shape = tuple(function(xs).shape[1:])
 
+    def set_output_shape(self, f: torch.Tensor) -> None:
+        """Take the output shape from a network output ``f`` ``(M, ...)`` already computed."""
+        self._output_shape = tuple(f.shape[1:])
+
     def _output_carrier(self, x) -> torch.Tensor | None:
         """An empty tensor of shape ``(0, *output_shape)``: carries the shape to ``validate``."""
         self.learn_output_shape(x)
         return None if self._output_shape is None else torch.empty((0, *self._output_shape))
+
+
+def as_labels(likelihood, y):
+    """Integer class labels (``int32``, ``uint8``, ...) as ``int64`` for a categorical
+    likelihood (a :class:`~pyro_bnn.likelihoods.Likelihood` or the kind ``"categorical"``):
+    the same values in the dtype torch's indexing needs.  Floating, bool and
+    complex labels, other likelihoods and ``None`` are returned unchanged (the check refuses
+    what is wrong)."""
+    if (getattr(likelihood, "name", likelihood) == "categorical" and isinstance(y, torch.Tensor)
+            and not (y.is_floating_point() or y.is_complex() or y.dtype in (torch.bool, torch.int64))):
+        return y.long()
+    return y
+
+
+def check_targets(likelihood, y: torch.Tensor, f: torch.Tensor | None = None, what: str = "y") -> None:
+    """Raise ``TypeError``/``ValueError`` if ``y`` cannot be targets of ``likelihood``.
+
+    Parameters
+    ----------
+    likelihood : Likelihood or str
+        A :class:`~pyro_bnn.likelihoods.Likelihood`, or its kind (``"categorical"``,
+        ``"bernoulli"``, ``"gaussian"``).
+    y : Tensor
+        Targets: ``(N,)`` integer labels in ``[0, C)`` (categorical), 0/1 values shaped like
+        the output (Bernoulli), finite floats shaped like the output (Gaussian).
+    f : Tensor, optional
+        Carries the network's output shape ``(M, *output_shape)`` (``M`` may be 0).
+    what : str
+        How ``y`` is named in the message (``"y in pb.evaluate"``).
+    """
+    if isinstance(likelihood, str):
+        from .likelihoods import make_likelihood
+        likelihood = make_likelihood(likelihood)
+    check_finite(y, what)
+    try:
+        likelihood.validate(y, f)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{what}: {exc}{_offending_value(likelihood, y)}") from None
+
+
+def _offending_value(likelihood, y) -> str:
+    """`` (got 0.7 at index 3)``: the first target that is not 0 or 1 (Bernoulli)."""
+    if getattr(likelihood, "name", None) != "bernoulli" or not y.numel():
+        return ""
+    bad = ((y != 0) & (y != 1)).reshape(-1).nonzero()
+    if not len(bad):
+        return ""
+    i = int(bad[0])
+    return f" (got {y.reshape(-1)[i].item():g} at flat index {i}; expected exactly 0 or 1)"
+
+
+def check_data(model, x, y=None, *, where: str = "pb.evaluate", device=None):
+    """Check inputs and targets given to ``where`` for ``model``; return ``(x, y)``.
+
+    The check of :func:`validate_data` (which ``pb.fit`` runs) for data passed to every other
+    entry point (``pb.evaluate``, ``pb.to_arviz``, the Laplace curvature, evidence, grid
+    search and GLM predictive, ``learn_invariance``): ``x`` non-empty, floating in the
+    model's dtype, finite; ``y`` as many as ``x``, finite, and valid for the model's
+    likelihood — ``(N,)`` integer labels in ``[0, C)`` (categorical: PyTorch's ignore_index
+    −100 and float labels are refused), exactly 0 or 1 (Bernoulli), floats of the output's
+    shape (Gaussian).  Integer labels of another integer dtype (``int32``, ``uint8``) are
+    returned as ``int64``: the same values, which torch's indexing needs; Gaussian or
+    Bernoulli targets of shape ``(N,)`` for a network with one output as ``(N, 1)``.
+
+    Parameters
+    ----------
+    model : BNN or PyroModule
+    x : Tensor, shape (N, ...)
+    y : Tensor, optional
+    where : str
+        The entry point, named in messages (``"y in pb.evaluate: labels must lie in ..."``).
+    device : torch.device, optional
+        Where the model is (default: where its parameters are).
+
+    Returns
+    -------
+    x, y : Tensor
+        ``x`` unchanged, ``y`` with int64 labels (categorical) or unchanged.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming ``where``, what was expected and what was received.
+    """
+    check = BatchCheck(model, device if device is not None else _device_of(model))
+    y = _one_output_column(check, x, check.labels(y))
+    check(x, y, where)
+    return x, y
+
+
+def _one_output_column(check, x, y):
+    """:func:`as_targets` with the output shape of ``check``'s network (one pass on two
+    examples of ``x``, the random streams restored)."""
+    if getattr(check.likelihood, "name", None) not in ("gaussian", "bernoulli") or not isinstance(y, torch.Tensor) \
+            or y.dim() != 1 or not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) == 0 or len(y) != len(x):
+        return y
+    check.learn_output_shape(x)
+    return as_targets(check.likelihood, y, check._output_shape)
+
+
+def as_targets(likelihood, y, output_shape=None):
+    """:func:`as_labels`, and Gaussian or Bernoulli targets of shape ``(N,)`` for a network
+    with one output (``output_shape == (1,)``) as ``(N, 1)``: unambiguous, and what the
+    metrics have always accepted."""
+    y = as_labels(likelihood, y)
+    if getattr(likelihood, "name", likelihood) in ("gaussian", "bernoulli") and isinstance(y, torch.Tensor) \
+            and y.dim() == 1 and output_shape is not None and tuple(output_shape) == (1,):
+        return y[:, None]
+    return y
+
+
+def checked_source(model, data, *, where: str, device=None):
+    """``data`` for ``where`` with :func:`check_data` applied: tensors, ``(x, y)`` and a
+    ``TensorDataset`` are checked in full now and returned as ``(x, y)`` (int64 labels); a
+    ``DataLoader`` is wrapped so that each batch is checked as it is read
+    (:class:`CheckedBatches`, integer labels yielded as int64); anything else (a ``Dataset``, batches already checked by
+    ``pb.fit``) is returned as it is."""
+    if isinstance(data, (CheckedBatches, TensorBatches)):
+        return data
+    if isinstance(data, DataLoader):
+        return CheckedBatches(data, BatchCheck(model, device if device is not None else _device_of(model)),
+                              where=where, convert_labels=True)
+    try:
+        x, y = as_tensors(data)
+    except TypeError:
+        return data
+    return check_data(model, x, y, where=where, device=device)
+
+
+def _device_of(model):
+    if isinstance(model, torch.nn.Module):
+        for t in list(model.parameters()) + list(model.buffers()):
+            return t.device
+    return None
 
 
 def validate_data(model, data, device=None) -> BatchCheck:
@@ -286,23 +428,31 @@ class CheckedBatches:
     fewer examples than one batch) raises ``ValueError`` instead of ending silently.
     """
 
-    def __init__(self, loader, check: BatchCheck | None = None):
+    def __init__(self, loader, check: BatchCheck | None = None, *, where: str = "",
+                 convert_labels: bool = False):
         self.loader = loader
         self.check = check if check is not None else BatchCheck()
+        self.where = where
+        self.convert_labels = convert_labels
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __getattr__(self, name):
-        if name in ("loader", "check"):  # not yet set (unpickling): no recursion
+        if name in ("loader", "check", "where", "convert_labels"):  # not yet set (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)
 
     def __iter__(self):
         count = 0
+        given = f" given to {self.where}" if getattr(self, "where", "") else ""
         for count, batch in enumerate(self.loader, 1):
             x, y = split_batch(batch)
-            self.check(x, y, f"batch {count} of the DataLoader")
+            if getattr(self, "convert_labels", False) and y is not None:
+                label = self.check.labels(y)
+                if label is not y:   # int32/uint8 class labels: yielded as int64
+                    y, batch = label, (x, label)
+            self.check(x, y, f"batch {count} of the DataLoader{given}")
             yield batch
         if count == 0:
             raise ValueError(f"data is empty: the DataLoader yielded no batch ({_loader_summary(self.loader)}); "

@@ -12,6 +12,7 @@ gradient ascent (Immer et al. 2021, Algorithm 1; MacKay 1992).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -63,6 +64,7 @@ def log_evidence(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torch.
     if not (len(blocks) == len(theta) == len(prior_precision)):
         raise ValueError(f"blocks, theta and prior_precision must have one entry per block, got "
                          f"{len(blocks)}, {len(theta)}, {len(prior_precision)}")
+    _check_prior_precision(prior_precision)
     total = log_lik
     for block, th, delta in zip(blocks, theta, prior_precision):
         n = th.numel()
@@ -72,23 +74,76 @@ def log_evidence(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torch.
     return total
 
 
+def _check_prior_precision(prior_precision) -> None:
+    """``ValueError`` unless every δ is finite and > 0 (``log δ`` is NaN otherwise)."""
+    bad = [d for d in prior_precision if not bool((torch.isfinite(d) & (d > 0)).all())]
+    if bad:
+        d = bad[0].detach().reshape(-1)
+        v = d[~(torch.isfinite(d) & (d > 0))][0].item()
+        raise ValueError(f"the prior precision δ must be finite and > 0, got {v} "
+                         "(the Laplace evidence needs log δ)")
+
+
+class _NonFinite(Exception):
+    """An evidence step left the finite region (caught by :func:`maximize_evidence`)."""
+
+
 def maximize_evidence(evidence: Callable[[], torch.Tensor], params: list[torch.Tensor],
                       steps: int = 100, lr: float = 0.1, optimizer=None) -> float:
     """``steps`` Adam steps maximising ``evidence()`` w.r.t. the leaf tensors ``params``.
 
     ``optimizer`` may be an existing ``torch.optim.Optimizer`` over ``params`` (the online
     schedule keeps one across epochs).  Returns the final evidence.
+
+    No non-finite value is kept: if a step makes the evidence, its gradient or a parameter
+    non-finite (too large an ``lr``: ``δ = exp(log δ)`` overflows to inf or underflows to 0),
+    ``params`` are restored to the last values whose evidence was finite, the steps stop and
+    a ``RuntimeWarning`` says so; the evidence there is returned.
     """
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
+    if isinstance(steps, bool) or int(steps) != steps or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    if optimizer is None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
     opt = optimizer or torch.optim.Adam(params, lr=lr)
-    for _ in range(int(steps)):
+    last = [p.detach().clone() for p in params]
+    for step in range(int(steps)):
         opt.zero_grad(set_to_none=True)
-        loss = -evidence()
-        loss.backward()
-        opt.step()
+        try:
+            value = _finite(evidence, step)
+            (-value).backward()
+            if not all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params):
+                raise _NonFinite("its gradient became non-finite")
+            last = [p.detach().clone() for p in params]
+            opt.step()
+            if not all(bool(torch.isfinite(p).all()) for p in params):
+                raise _NonFinite("a hyperparameter became non-finite")
+        except _NonFinite as exc:
+            with torch.no_grad():
+                for p, v in zip(params, last):
+                    p.copy_(v)
+            opt.zero_grad(set_to_none=True)
+            rate = f"lr={lr:g}" if optimizer is None else "the optimiser's lr"
+            warnings.warn(f"evidence step {step + 1} of {int(steps)}: {exc}; the hyperparameters were "
+                          f"restored to their last values with a finite evidence and the steps stopped. "
+                          f"Use a smaller {rate}.", RuntimeWarning, stacklevel=2)
+            break
     with torch.no_grad():
         return float(evidence())
+
+
+def _finite(evidence, step):
+    """``evidence()``; :class:`_NonFinite` if it is not finite, or (after the first step) if
+    it refuses the hyperparameters a step produced (δ = 0 or inf)."""
+    try:
+        value = evidence()
+    except ValueError as exc:
+        if step == 0 or "prior precision" not in str(exc):
+            raise
+        raise _NonFinite(f"the prior precision left (0, inf) ({exc})") from None
+    number = float(value.detach())
+    if not math.isfinite(number):
+        raise _NonFinite(f"the evidence became {number}")
+    return value
 
 
 def check_marglik_options(options: dict | None) -> dict:

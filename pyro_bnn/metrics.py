@@ -22,6 +22,7 @@ __all__ = [
     "calibration_bins",
     "brier_score",
     "classification_metrics",
+    "check_labels",
     "rmse",
     "gaussian_mixture_nll",
     "interval_coverage",
@@ -107,8 +108,30 @@ def brier_score(mean_probs: torch.Tensor, y: torch.Tensor) -> float:
     return float(((mean_probs - onehot) ** 2).sum(-1).double().mean())
 
 
+def check_labels(y: torch.Tensor, num_classes: int, num_examples: int | None = None) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``y`` holds ``num_examples`` integer labels
+    of shape ``(N,)`` in ``[0, num_classes)``; a float label would be truncated and a −1 or
+    −100 would index from the end (``gather``) or be dropped (``cross_entropy``)."""
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(y).__name__}")
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise TypeError(f"expected integer class labels, got dtype {y.dtype}")
+    if y.dim() != 1 or (num_examples is not None and len(y) != num_examples):
+        n = "N" if num_examples is None else num_examples
+        raise ValueError(f"expected labels of shape ({n},), got {tuple(y.shape)}")
+    if y.numel():
+        lo, hi = (int(v) for v in torch.aminmax(y))
+        if lo < 0 or hi >= num_classes:
+            raise ValueError(f"expected labels in [0, {num_classes - 1}], got labels in [{lo}, {hi}]")
+
+
 def classification_metrics(probs: torch.Tensor, y: torch.Tensor, num_bins: int = 15) -> dict:
-    """accuracy, nll, ece, brier of the model average of ``probs`` ``(S, N, C)``."""
+    """accuracy, nll, ece, brier of the model average of ``probs`` ``(S, N, C)``.
+
+    ``y``: ``(N,)`` integer labels in ``[0, C)`` (:func:`check_labels`; other integer
+    dtypes are used as int64)."""
+    check_labels(y, probs.shape[-1], probs.shape[-2])
+    y = y.long()
     mean_probs = probs.mean(0)
     return {
         "accuracy": accuracy(mean_probs, y),
@@ -156,6 +179,9 @@ def regression_metrics(loc: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) 
     if tuple(y.shape) != tuple(loc.shape[1:]):
         raise ValueError(f"targets of shape {tuple(y.shape)} do not match the predictive draws "
                          f"{tuple(loc.shape)} (expected {tuple(loc.shape[1:])})")
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError(f"targets contain {int((~torch.isfinite(y)).sum())} NaN/inf values; "
+                         "expected finite numbers")
     return {
         "rmse": rmse(loc, y),
         "nll": gaussian_mixture_nll(loc, scale, y),

@@ -15,7 +15,7 @@ from pyro import poutine
 
 from . import metrics
 from ._local_params import local_params
-from .data import BatchCheck, check_inputs
+from .data import BatchCheck, check_data, check_inputs
 from .devices import module_device
 from .guides.base import guide_contract
 from .likelihoods import Bernoulli, Categorical, Gaussian
@@ -160,6 +160,7 @@ def predict(model, guide, x, num_samples: int = 64, batch_size: int = 1024, meth
         ``(S, N, C)`` probabilities (for ``"bernoulli"``, ``(S, N, D)`` success
         probabilities) or ``(S, N, D)`` predictive means for regression.
     """
+    check_data(model, x, where="pb.predict")
     if method != "sample":
         return guide_contract(guide).predict(model, x, method=method, num_samples=num_samples,
                                              batch_size=batch_size, **kwargs)
@@ -174,6 +175,7 @@ def evaluate(model, guide, x, y, num_samples: int = 64, batch_size: int = 1024, 
     Classification: ``accuracy``, ``nll``, ``ece`` (``num_bins`` equal-width bins),
     ``brier``.  Regression: ``rmse``, ``nll`` (Gaussian mixture), ``coverage_95``.
     """
+    x, y = check_data(model, x, y, where="pb.evaluate")
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
     if len(y) != len(x):

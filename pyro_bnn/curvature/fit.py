@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..data import split_batch
+from ..data import BatchCheck, as_targets, split_batch
+from ..likelihoods import make_likelihood
 from .ggn import diag_blocks, diag_ggn_sums, full_block, full_ggn_sum
 from .kfac import kfac_blocks, kfac_sums_from_factors
 from .layers import Layer, capture_factors
@@ -58,7 +59,8 @@ def _batch_sums(layers, a, g, structure):
 def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, kind: str,
                          structure: str = "kron", *, device=None,
                          reduce_fn: Callable[[dict], dict] | None = None,
-                         num_augmentations: int = 1, split_bias: bool = False) -> CurvatureFit:
+                         num_augmentations: int = 1, split_bias: bool = False,
+                         where: str = "the curvature data") -> CurvatureFit:
     """GGN curvature (``structure``) and log-likelihood at fixed weights over ``batches``.
 
     Parameters
@@ -78,12 +80,25 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
         KFAC only: biases as separate blocks (see :func:`~pyro_bnn.curvature.kfac.kfac_blocks`).
     num_augmentations : int
         ``S`` copies per example averaged inside ``run`` (invariant models, LILA).
+    where : str
+        Names the data in messages.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A batch the likelihood cannot take (:class:`~pyro_bnn.data.BatchCheck`, the check
+        of ``pb.fit``): NaN/inf inputs or targets, as many targets as inputs, categorical
+        labels that are not integers in ``[0, C)`` (PyTorch's ignore_index −100, which
+        ``F.cross_entropy`` would silently drop from the log-likelihood, is refused),
+        Bernoulli targets other than 0/1, targets not shaped like the output.  Integer
+        labels of another dtype (``int32``, ``uint8``) are used as int64.
     """
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
     sums: dict[str, torch.Tensor] = {}
+    check = BatchCheck(likelihood=make_likelihood(kind))
     with torch.enable_grad():
-        for batch in batches:
+        for i, batch in enumerate(batches, 1):
             x, y = split_batch(batch)
             if y is None:
                 raise ValueError("curvature needs targets: data must be (x, y)")
@@ -91,6 +106,9 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
                 x, y = x.to(device), y.to(device)
             f, a, g = capture_factors(layers, lambda x=x: run(x), lambda out: hessian_columns(kind, out),
                                       num_augmentations=num_augmentations)
+            y = as_targets(kind, y, f.shape[1:])   # int64 labels; (N,) targets of one output as (N, 1)
+            check.set_output_shape(f)   # before the log-likelihood: cross_entropy skips −100
+            check(x, y, f"batch {i} of {where}")
             part = _batch_sums(layers, a, g, structure)
             part.update({f"loglik/{k}": v for k, v in log_likelihood_terms(kind, f, y).items()})
             part["num_data"] = torch.tensor(float(len(x)), dtype=f.dtype, device=f.device)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data import as_targets, check_targets
 from .ggn import per_example_gradients
 from .layers import Layer, capture_factors
 from .network import identity_columns
@@ -28,7 +29,7 @@ from .structures import DenseBlock
 
 __all__ = ["JacobianFactors", "jacobian_factors", "batch_covariance", "functional_covariance",
            "linearized_offsets", "probit_probs", "glm_predictive", "glm_log_predictive",
-           "pointwise_log_likelihood", "sample_observations"]
+           "pointwise_log_likelihood", "sample_observations", "checked_targets"]
 
 
 @dataclass
@@ -155,8 +156,9 @@ def pointwise_log_likelihood(kind: str, f: torch.Tensor, y: torch.Tensor,
     Categorical: ``log softmax(f)[y]``; Bernoulli: ``y log σ(f) + (1−y) log σ(−f)``;
     Gaussian: ``log N(y | f, σ² I)``.
     """
+    y = checked_targets(kind, y, f)
     if kind == "categorical":
-        idx = y.long().reshape(-1, 1).expand(*f.shape[:-1], 1) if f.dim() > 2 else y.long().reshape(-1, 1)
+        idx = y.reshape(-1, 1).expand(*f.shape[:-1], 1) if f.dim() > 2 else y.reshape(-1, 1)
         return f.log_softmax(-1).gather(-1, idx).squeeze(-1)
     yy = y.reshape(f.shape[-2:]).to(f.dtype)
     if kind == "bernoulli":
@@ -167,6 +169,21 @@ def pointwise_log_likelihood(kind: str, f: torch.Tensor, y: torch.Tensor,
             raise ValueError("a Gaussian log-likelihood needs the noise σ")
         return torch.distributions.Normal(f, noise).log_prob(yy).sum(-1)
     raise ValueError(f"unknown likelihood kind {kind!r}")
+
+
+def checked_targets(kind: str, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """``y`` checked against the likelihood ``kind`` and the output ``f`` (``(..., N, C)``):
+    :func:`pyro_bnn.data.check_targets`, the check of ``pb.fit`` (integer labels in
+    ``[0, C)``, 0/1, finite values of the output's width).  Returns int64 labels
+    (categorical), or ``(N, 1)`` for ``(N,)`` targets of a one-output network."""
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
+    one = f.reshape(-1, *f.shape[-2:])[0]                         # (N, C)
+    y = as_targets(kind, y, one.shape[1:])
+    if y.dim() == 0 or len(y) != len(one):
+        raise ValueError(f"expected {len(one)} targets, one per input, got shape {tuple(y.shape)}")
+    check_targets(kind, y, one[:0])
+    return y
 
 
 def sample_observations(kind: str, f: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,6 +208,7 @@ def glm_log_predictive(f: torch.Tensor, cov: torch.Tensor, y: torch.Tensor, kind
     """
     if link_approx not in ("probit", "mc"):
         raise ValueError(f"link_approx must be 'probit' or 'mc', got {link_approx!r}")
+    y = checked_targets(kind, y, f)
     if kind == "gaussian":
         if noise is None:
             raise ValueError("a Gaussian predictive needs the noise σ")
@@ -200,7 +218,7 @@ def glm_log_predictive(f: torch.Tensor, cov: torch.Tensor, y: torch.Tensor, kind
     if link_approx == "probit":
         p = probit_probs(f, cov, kind)
         if kind == "categorical":
-            return p.clamp_min(torch.finfo(p.dtype).tiny).log().gather(-1, y.long().reshape(-1, 1)).squeeze(-1)
+            return p.clamp_min(torch.finfo(p.dtype).tiny).log().gather(-1, y.reshape(-1, 1)).squeeze(-1)
         yy = y.reshape(f.shape).to(f.dtype)
         tiny = torch.finfo(p.dtype).tiny
         return (yy * p.clamp_min(tiny).log() + (1 - yy) * (1 - p).clamp_min(tiny).log()).sum(-1)

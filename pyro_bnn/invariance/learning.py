@@ -26,7 +26,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from ..arguments import check_int, check_positive
+from ..data import BatchCheck, CheckedBatches, TensorBatches, as_tensors, check_data, split_batch
+from ..divergence import DivergenceGuard
 from ..likelihoods import log_likelihood
 from ..seeding import seeded
 from ..training import lr_factor_function, make_lr_scheduler
@@ -66,12 +70,65 @@ class InvarianceResult:
     seconds: float = 0.0
 
 
-def _batches(x, y, batch_size, generator=None):
-    idx = torch.randperm(len(x), generator=generator) if generator is not None else torch.arange(len(x))
-    idx = idx.to(x.device)
-    for i in range(0, len(x), batch_size):
-        j = idx[i:i + batch_size]
-        yield x[j], y[j]
+WHERE = "learn_invariance"
+
+
+class _Source:
+    """The training data of :func:`learn_invariance`, checked as ``pb.fit`` checks its data
+    (:func:`pyro_bnn.data.check_data`): tensors in full up front, a ``DataLoader`` (or a
+    ``Dataset``, batched here) batch by batch as it is read."""
+
+    def __init__(self, model, data, batch_size, eval_batch_size, device, generator):
+        self.device = device
+        if isinstance(data, DataLoader) or (isinstance(data, Dataset) and not isinstance(data, TensorDataset)):
+            loader = data if isinstance(data, DataLoader) else DataLoader(data, batch_size=batch_size, shuffle=True,
+                                                                          generator=generator)
+            self.train = self.evidence = CheckedBatches(loader, BatchCheck(model, device), where=WHERE,
+                                                        convert_labels=True)
+            self.num_data = len(loader.dataset)
+            return
+        try:
+            x, y = as_tensors(data)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"data of {WHERE}: {exc}; expected (x, y) tensors, a TensorDataset, "
+                            "a Dataset or a DataLoader") from None
+        if y is None:
+            raise ValueError(f"data of {WHERE} needs targets: expected (x, y), got x alone")
+        x, y = check_data(model, x.to(device), y.to(device), where=WHERE, device=device)
+        self.train = TensorBatches(x, y, batch_size, generator=generator)   # reshuffled per pass
+        self.evidence = TensorBatches(x, y, eval_batch_size, shuffle=False)
+        self.num_data = len(x)
+
+    def batches(self, which):
+        """``(x, y)`` on the device, from ``self.train`` or ``self.evidence``."""
+        for batch in getattr(self, which):
+            x, y = split_batch(batch)
+            yield x.to(self.device), y.to(self.device)
+
+
+class _Weights(torch.nn.Module):
+    """The MAP weights and ``log δ`` as module state, for the divergence guard's snapshots."""
+
+    def __init__(self, values: dict, log_delta: torch.Tensor):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(values.values())
+        self.register_buffer("log_delta", log_delta)
+
+
+def _check_arguments(epochs, batch_size, lr, hyper_lr, burnin, every, eta_steps, delta_steps, delta_lr,
+                     prior_precision, augerino_weight, augerino_lr, marglik_batch_size):
+    """Clear errors (names, expected, received) before any work."""
+    for name, value, minimum in (("epochs", epochs, 1), ("batch_size", batch_size, 1), ("burnin", burnin, 0),
+                                 ("every", every, 1), ("eta_steps", eta_steps, 1),
+                                 ("delta_steps", delta_steps, 0)):
+        check_int(name, value, minimum)
+    check_int("marglik_batch_size", marglik_batch_size, 1, optional=True)
+    for name, value in (("lr", lr), ("hyper_lr", hyper_lr), ("delta_lr", delta_lr),
+                        ("prior_precision", prior_precision), ("augerino_lr", augerino_lr)):
+        check_positive(name, value)
+    if isinstance(augerino_weight, bool) or not isinstance(augerino_weight, (int, float)) \
+            or not (math.isfinite(augerino_weight) and augerino_weight >= 0):
+        raise ValueError(f"augerino_weight must be a finite number >= 0, got {augerino_weight!r}")
 
 
 def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, batch_size: int = 128,
@@ -88,7 +145,11 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
     model : pyro_bnn.BNN
         Usually with ``augmentation=AffineAugmentation(...)``; its Linear/Conv2d weights
         are the parameters (start: the network's weights).
-    data : (x, y) tensors
+    data : (x, y) tensors, TensorDataset, Dataset or DataLoader
+        Checked as ``pb.fit`` checks its data (:func:`pyro_bnn.data.check_data`): finite
+        inputs of the model's dtype, as many targets as inputs, valid for the likelihood.
+        A ``DataLoader`` is used as it is (its batches are checked as they are read, and
+        read again for each evidence step); tensors are batched here (``batch_size``).
     method : {"lila", "augerino", "none"}
         How ``η`` is learned (module docstring).
     epochs, batch_size, lr : MAP training (Adam).
@@ -122,48 +183,78 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
 
     Raises
     ------
-    ValueError
-        Unknown method, or ``"lila"``/``"augerino"`` without a learnable augmentation.
+    TypeError, ValueError
+        Unknown method; ``"lila"``/``"augerino"`` without a learnable augmentation; bad data
+        or arguments (``epochs``, ``batch_size``, ``eta_steps``, ``every`` ints >= 1,
+        ``burnin``, ``delta_steps`` ints >= 0, learning rates and ``prior_precision``
+        finite > 0), before any work.
+    FloatingPointError
+        The loss, a gradient, the weights, δ, η or the evidence became non-finite: the
+        state last verified finite (the end of an epoch whose state gave a finite loss, or
+        the start) is restored and returned as the exception's ``result`` attribute (an
+        :class:`InvarianceResult`) — no NaN weight is kept.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    _check_arguments(epochs, batch_size, lr, hyper_lr, burnin, every, eta_steps, delta_steps, delta_lr,
+                     prior_precision, augerino_weight, augerino_lr, marglik_batch_size)
     lr_factor_function(lr_schedule)  # a clear error for an unknown schedule, before any work
-    x, y = data
-    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-        raise TypeError(f"data must be (x, y) tensors, got {type(x).__name__}, {type(y).__name__}")
     if method != "none" and learnable_augmentation(model) is None:
         raise ValueError(f"method {method!r} needs a model with a learnable augmentation "
                          "(pb.BNN(net, lik, augmentation=AffineAugmentation(...)))")
-    device = torch.device(device) if device is not None else x.device
+    device = torch.device(device) if device is not None else _data_device(data)
     model.to(device)
-    x, y = x.to(device), y.to(device)
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+    source = _Source(model, data, batch_size, marglik_batch_size or batch_size, device, gen)
     with seeded(seed):   # the caller's random streams are left as they were
-        aug = model._modules.get("augmentation")
-        n = len(x)
-        values = {k: torch.nn.Parameter(v.to(device).clone()) for k, v in model.initial_values().items()}
-        layers = invariant_layers(model, values)
-        log_delta = torch.full((len(layers),), math.log(prior_precision), device=device,
-                               requires_grad=True)
-        opt = torch.optim.Adam(values.values(), lr=lr)
-        scheduler = make_lr_scheduler(opt, lr_schedule, epochs * math.ceil(len(x) / batch_size))
-        delta_opt = torch.optim.Adam([log_delta], lr=delta_lr)
-        eta_opt = None
-        if method == "lila":
-            eta_opt = torch.optim.Adam([aug.eta], lr=hyper_lr)
-        elif method == "augerino":
-            eta_opt = torch.optim.Adam([aug.eta], lr=augerino_lr)
-        hist: dict[str, list] = {"loss": [], "extent": [], "log_evidence": [], "evidence_epoch": [],
-                                 "epoch_seconds": [], "hyper_seconds": []}
-        result = InvarianceResult(values, log_delta.detach().exp(), hist)
-        t_start = time.perf_counter()
-        mb = marglik_batch_size or batch_size
+        return _train(model, source, method, epochs, lr, hyper_lr, burnin, every, eta_steps, delta_steps,
+                      delta_lr, prior_precision, augerino_weight, augerino_lr, lr_schedule, device, gen,
+                      callback)
+
+
+def _data_device(data) -> torch.device:
+    """Where the data's tensors are (CPU for a Dataset or DataLoader)."""
+    try:
+        x, _ = as_tensors(data)
+    except (TypeError, ValueError):
+        return torch.device("cpu")
+    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+
+
+def _train(model, source, method, epochs, lr, hyper_lr, burnin, every, eta_steps, delta_steps, delta_lr,
+           prior_precision, augerino_weight, augerino_lr, lr_schedule, device, gen, callback):
+    """The training loop of :func:`learn_invariance` (arguments and data checked)."""
+    aug = model._modules.get("augmentation")
+    n = source.num_data
+    values = {k: torch.nn.Parameter(v.to(device).clone()) for k, v in model.initial_values().items()}
+    layers = invariant_layers(model, values)
+    log_delta = torch.full((len(layers),), math.log(prior_precision), device=device,
+                           requires_grad=True)
+    opt = torch.optim.Adam(values.values(), lr=lr)
+    scheduler = make_lr_scheduler(opt, lr_schedule, epochs * len(source.train))
+    delta_opt = torch.optim.Adam([log_delta], lr=delta_lr)
+    eta_opt = None
+    if method == "lila":
+        eta_opt = torch.optim.Adam([aug.eta], lr=hyper_lr)
+    elif method == "augerino":
+        eta_opt = torch.optim.Adam([aug.eta], lr=augerino_lr)
+    hist: dict[str, list] = {"loss": [], "extent": [], "log_evidence": [], "evidence_epoch": [],
+                             "epoch_seconds": [], "hyper_seconds": []}
+    result = InvarianceResult(values, log_delta.detach().exp(), hist)
+    state = _Weights(values, log_delta)
+    guarded = list(values.values()) + ([aug.eta] if method == "augerino" else [])
+    guard = DivergenceGuard(model, state, opt, scheduler, guarded)
+    guard.check_initial()
+    guard.start()
+    t_start = time.perf_counter()
+    epoch = 0
+    try:
         for epoch in range(1, epochs + 1):
             t0 = time.perf_counter()
             total = 0.0
             delta = log_delta.detach().exp()
             with eta_grad(aug, method == "augerino"):
-                for xb, yb in _batches(x, y, batch_size, gen):
+                for step, (xb, yb) in enumerate(source.batches("train"), 1):
                     f = model.run_with(values, xb)
                     nll = -log_likelihood(model.likelihood, f, yb).mean()
                     reg = sum(0.5 * d * sum(values[s].pow(2).sum() for s in layer.sites)
@@ -174,31 +265,45 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
                         eta_opt.zero_grad()
                     opt.zero_grad()
                     loss.backward()
+                    value = guard.check_step(loss, epoch, step)   # before the step: no NaN is kept
+                    if guard.pending:
+                        guard.confirm()   # the state of the last epoch's end gave a finite loss
                     opt.step()
                     scheduler.step()
                     if method == "augerino":
                         eta_opt.step()
-                    total += float(loss.detach()) * len(xb)
+                    guard.after_step()
+                    total += value * len(xb)
             hist["loss"].append(total / n)
             hist["epoch_seconds"].append(time.perf_counter() - t0)
             if epoch > burnin and (epoch - burnin) % every == 0:
                 for _ in range(eta_steps):
                     th = time.perf_counter()
-                    ev = evidence_step(model, values, _batches(x, y, mb), log_delta,
+                    ev = evidence_step(model, values, list(source.batches("evidence")), log_delta,
                                        delta_optimizer=delta_opt, delta_steps=delta_steps,
                                        eta_optimizer=eta_opt if method == "lila" else None,
                                        seed=int(torch.randint(0, 2**31 - 1, (1,),
-                                                                              generator=gen)))
+                                                              generator=gen)))
+                    if not math.isfinite(ev):
+                        guard.fail(f"the log evidence became {ev}", epoch)
                     hist["hyper_seconds"].append(time.perf_counter() - th)
                     hist["log_evidence"].append(ev)
                     hist["evidence_epoch"].append(epoch)
+            guard.check_state(epoch)
+            guard.remember(epoch)
             hist["extent"].append(aug.extent.tolist() if aug is not None else [])
             result.prior_precision = log_delta.detach().exp()
             result.seconds = time.perf_counter() - t_start
             if callback is not None and callback(epoch, result):
                 break
+    except FloatingPointError as exc:
+        # the guard restored the last state verified finite: hand it back with the error
         result.values = {k: v.detach() for k, v in values.items()}
-        return result
+        result.prior_precision = log_delta.detach().exp()
+        exc.result = result
+        raise
+    result.values = {k: v.detach() for k, v in values.items()}
+    return result
 
 
 @torch.no_grad()

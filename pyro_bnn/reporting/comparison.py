@@ -51,6 +51,7 @@ import torch
 
 from .. import metrics
 from ..arviz import default_method
+from ..data import check_data
 from ..datasets import DataSplit
 from ..guides.base import guide_contract, registered_guides
 from ..prediction import PredictiveSamples, predict, predictive_samples
@@ -302,6 +303,7 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     if device is not None:
         model.to(device)
     run.model = model
+    check_data(model, split.x_test, split.y_test, where="pb.compare's test split")
     run.guide = guide = guide_fn(model, **guide_kw)
     run.fit = fit(model, guide, split.train, epochs=epochs, batch_size=batch_size, lr=lr,
                   device=device, seed=seed, progress=progress, **fit_kw)

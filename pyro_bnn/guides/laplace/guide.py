@@ -38,7 +38,7 @@ from ...curvature import (
     linearized_offsets,
     network_output,
 )
-from ...data import split_batch
+from ...data import checked_source, split_batch
 from ...likelihoods import Gaussian
 from ...model import is_bnn
 from ..base import BNNGuide, init_to_network, register_guide
@@ -409,6 +409,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         all-reduces the flat dict of curvature sums before they are finalised.
         """
         model = self.base_model
+        data = checked_source(model, data, where="Laplace.fit_curvature")
         with local_params(model, self):
             first = next(iter(_batches(data, batch_size or self.curvature_batch_size)))
             x0, y0 = split_batch(first)

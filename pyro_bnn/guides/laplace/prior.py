@@ -33,7 +33,9 @@ import math
 import torch
 
 from ... import marglik as ml
+from ...arguments import check_int, check_positive
 from ...curvature import batch_covariance, glm_log_predictive, jacobian_factors
+from ...data import check_data
 from ...likelihoods import Gaussian
 
 __all__ = ["PriorPrecision", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS", "POSTHOC_LR"]
@@ -174,6 +176,7 @@ class PriorPrecision:
         """
         if method not in ("marglik", "gridsearch"):
             raise ValueError(f"method must be 'marglik' or 'gridsearch', got {method!r}")
+        steps, lr = check_int("steps", steps, 1), check_positive("lr", lr)
         if data is not None:
             self.fit_curvature(data)
         else:
@@ -236,6 +239,7 @@ class PriorPrecision:
             raise TypeError(f"x and y must be torch.Tensors, got {type(x).__name__} and {type(y).__name__}")
         if len(x) != len(y):
             raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
+        x, y = check_data(self.base_model, x, y, where="the validation data of Laplace.validation_nll")
         self._require_posterior()
         cands = [self.prior_precision] if prior_precisions is None else [self._candidate(d) for d in prior_precisions]
         kind, noise, scale = self._kind_and_scale()
