@@ -52,3 +52,25 @@ def check_positive(name: str, value, *, optional: bool = False) -> float | None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` as a ``bool``: only ``True``/``False`` (or ``numpy.bool_``); a string such as
+    ``"False"`` or a number is an error, not a truthy value."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy.bool_ without numpy
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def check_choice(name: str, value, choices: Iterable[str]) -> str:
+    """``value`` if it is one of ``choices`` (strings), else an error naming the closest one."""
+    choices = list(choices)
+    if isinstance(value, str) and value in choices:
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {value!r} ({type(value).__name__})")
+    lowered = {c.lower(): c for c in choices}
+    close = ([lowered[value.lower()]] if value.lower() in lowered
+             else difflib.get_close_matches(value, choices, n=1, cutoff=0.6))
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}{hint}")

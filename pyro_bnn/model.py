@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
@@ -12,6 +13,7 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
 
+from .arguments import check_bool
 from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 
@@ -170,17 +172,16 @@ class BNN(PyroModule):
         super().__init__()
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
-        if noise is not None and likelihood not in ("gaussian", "normal", "regression"):
-            if not (isinstance(likelihood, Likelihood) and likelihood.name == "gaussian"):
-                raise ValueError(f"noise= applies to the gaussian likelihood, not {likelihood!r}")
+        weight_norm = check_bool("weight_norm", weight_norm)
+        likelihood_module = make_likelihood(likelihood, noise)
+        _check_noise_option(likelihood, likelihood_module, noise)
         net = copy.deepcopy(net)
-        self.weight_norm = bool(weight_norm)
+        self.weight_norm = weight_norm
         if weight_norm:  # only the scales g of W_j = g_j v_j/|v_j| are random (Hypernet)
             from .weight_norm import weight_norm_setup
             net, prior, stochastic = weight_norm_setup(net, prior, stochastic, weight_norm_precision)
         elif weight_norm_precision is not None:
             raise ValueError("weight_norm_precision= needs weight_norm=True")
-        self.likelihood = make_likelihood(likelihood, noise)
         prior = IIDNormal(1.0) if prior is None else prior
         select = _make_selector(stochastic, net)
 
@@ -196,16 +197,20 @@ class BNN(PyroModule):
                 "layers or a `stochastic=` selection that matches parameter names; got "
                 f"parameters {[n for n, _ in net.named_parameters()]})"
             )
+        # The priors' and the likelihood's tensors take the dtype and device of the weights
+        # they go with (a float64 network gets float64 priors); later .to() moves them along.
+        self.likelihood = _like(likelihood_module, chosen[0][3], {})
 
         check_prior_keys(prior, [f"net.{c[-1]}" for c in chosen])
         self._initial_values: dict[str, torch.Tensor] = {}
         self._fan_in: dict[str, int] = {}
         to_pyro_module_(net)
         self.priors = nn.ModuleDict()
+        converted: dict = {}
         for mod_name, _, p_name, param, full in chosen:
             module = net.get_submodule(mod_name) if mod_name else net
             site = f"net.{full}"
-            the_prior = resolve_prior(prior, site, param)
+            the_prior = _like(resolve_prior(prior, site, param), param, converted)
             fan_in = fan_in_of(module, p_name, param)
             self.priors[site.replace(".", "__")] = the_prior
             self._initial_values[site] = param.detach().clone()
@@ -351,15 +356,65 @@ def _input_spec(net: nn.Module) -> tuple[str, int] | None:
     return None
 
 
+def _check_noise_option(name_or_module, likelihood: Likelihood, noise) -> None:
+    """``noise=`` belongs to a Gaussian likelihood given by name (a ``Likelihood`` instance
+    carries its own noise; ``noise=`` next to it would be ignored)."""
+    if noise is None:
+        return
+    if isinstance(name_or_module, Likelihood):
+        raise ValueError(f"noise= is ignored next to a likelihood instance "
+                         f"({type(name_or_module).__name__}); give the noise to it instead, "
+                         "e.g. pb.likelihoods.Gaussian(noise=0.1), or pass likelihood='gaussian'")
+    if likelihood.name != "gaussian":
+        raise ValueError(f"noise= applies to the gaussian likelihood, not {name_or_module!r}")
+
+
+def _like(module: nn.Module, reference: torch.Tensor, converted: dict) -> nn.Module:
+    """``module`` with its floating tensors in the dtype and on the device of ``reference``.
+
+    A module already there is returned as it is; otherwise a converted copy, so a prior or
+    likelihood object that the caller also uses elsewhere (with a float32 network) is left
+    unchanged.  ``converted`` maps ``id(module)`` to its copy, so a prior shared by several
+    sites stays one shared module.
+    """
+    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
+    if all(t.dtype == reference.dtype and t.device == reference.device for t in tensors):
+        return module
+    if id(module) not in converted:
+        converted[id(module)] = copy.deepcopy(module).to(device=reference.device, dtype=reference.dtype)
+    return converted[id(module)]
+
+
 def _make_selector(stochastic, net: nn.Module):
+    """The predicate ``(name, module, param) -> bool`` of a ``stochastic=`` option."""
     if stochastic is None:
         return lambda full, module, param: default_stochastic(full, module, param)
     if callable(stochastic):
         return stochastic
-    names = set(stochastic)
-    known = {n for n, _ in net.named_parameters()}
+    names = _stochastic_names(stochastic)
+    known = [n for n, _ in net.named_parameters()]
     stripped = {n[4:] if n.startswith("net.") else n for n in names}
-    unknown = stripped - known
+    unknown = sorted(stripped - set(known))
     if unknown:
-        raise ValueError(f"stochastic= names parameters the network lacks: {sorted(unknown)}; it has {sorted(known)}")
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hints.append(f"{name!r} (did you mean {'net.' + close[0]!r}?)" if close else repr(name))
+        raise ValueError(f"stochastic= names parameters the network lacks: {', '.join(hints)}; "
+                         f"it has {['net.' + n for n in known]}")
     return lambda full, module, param: full in stripped
+
+
+def _stochastic_names(stochastic) -> list[str]:
+    """The parameter paths of a ``stochastic=`` collection (one string is one path)."""
+    if isinstance(stochastic, str):
+        return [stochastic]
+    if not isinstance(stochastic, Iterable):
+        raise TypeError("stochastic must be None, a predicate (name, module, param) -> bool or a "
+                        f"collection of parameter paths ('net.0.weight'), got {type(stochastic).__name__}")
+    names = list(stochastic)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"stochastic= parameter paths must be strings ('net.0.weight'), got "
+                        f"{bad[0]!r} ({type(bad[0]).__name__})")
+    return names
