@@ -10,6 +10,8 @@ import math
 import numbers
 from collections.abc import Iterable
 
+import numpy as np
+
 __all__ = ["reject_unknown_keywords", "check_int", "check_positive"]
 
 
@@ -57,7 +59,7 @@ def check_positive(name: str, value, *, optional: bool = False) -> float | None:
 def check_bool(name: str, value) -> bool:
     """``value`` as a ``bool``: only ``True``/``False`` (or ``numpy.bool_``); a string such as
     ``"False"`` or a number is an error, not a truthy value."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy.bool_ without numpy
+    if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 

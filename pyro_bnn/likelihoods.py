@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arguments import check_choice
-from .priors import real_scalar
+from .priors import ScalarBuffers, real_scalar
 
 __all__ = ["Likelihood", "Categorical", "Gaussian", "Bernoulli", "make_likelihood"]
 
@@ -86,7 +86,7 @@ class Bernoulli(Likelihood):
             )
 
 
-class Gaussian(Likelihood):
+class Gaussian(ScalarBuffers, Likelihood):
     """``y ~ N(f, σ²)``; σ fixed (``noise=0.1``) or learned (``noise="learned"``).
 
     Parameters
@@ -114,7 +114,7 @@ class Gaussian(Likelihood):
             except (TypeError, ValueError) as error:
                 raise type(error)(f"{error}; expected a positive finite number (a float, NumPy "
                                   "scalar or 0-d tensor) or 'learned'") from None
-            self.register_buffer("log_noise", torch.tensor(math.log(value)))
+            self.register_scalar("log_noise", math.log(value))
 
     @property
     def learned(self) -> bool:

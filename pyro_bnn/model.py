@@ -224,6 +224,7 @@ class BNN(PyroModule):
         # Plain values, not a module reference: a second reference would re-register the
         # layer under another name and rename its Pyro sites.
         self._input_spec = _input_spec(net)
+        self.__dict__["_weights_dtype"] = self._common_weights_dtype()
 
     # ------------------------------------------------------------------ model
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, num_data: int | None = None):
@@ -301,6 +302,8 @@ class BNN(PyroModule):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         kind, size = self._input_spec or (None, None)
+        if kind is not None:
+            self._check_input_dtype(x)
         if kind == "linear" and (x.dim() == 0 or x.shape[-1] != size):
             raise ValueError(
                 f"input has {x.shape[-1] if x.dim() else 0} features (shape {tuple(x.shape)}) but "
@@ -317,12 +320,30 @@ class BNN(PyroModule):
                 f"got {tuple(x.shape)}"
             )
 
+    def _check_input_dtype(self, x: torch.Tensor) -> None:
+        """Floating ``x`` of another dtype than the weights (torch's own error names
+        neither the input nor the fix); skipped under autocast and for mixed-dtype models."""
+        if not x.is_floating_point() or torch.is_autocast_enabled(x.device.type):
+            return
+        dtype = self.__dict__.get("_weights_dtype")
+        if dtype is not None and x.dtype != dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the model's weights are {dtype}; convert "
+                            f"the inputs with x.to({dtype}), or convert the model with "
+                            f"model.to({x.dtype})")
+
     def _apply(self, fn, *args, **kwargs):
         # .to(device / dtype), .double(), ... move the initial values too: they define the
         # model's dtype and device for input checks and the guides' initial locations
         out = super()._apply(fn, *args, **kwargs)
         self._initial_values = {name: fn(value) for name, value in self._initial_values.items()}
+        self.__dict__["_weights_dtype"] = self._common_weights_dtype()
         return out
+
+    def _common_weights_dtype(self) -> torch.dtype | None:
+        """The floating dtype of all weights (random and deterministic), ``None`` if mixed."""
+        dtypes = {t.dtype for t in self._initial_values.values() if t.is_floating_point()}
+        dtypes |= {p.dtype for p in self.net.parameters() if p.is_floating_point()}
+        return dtypes.pop() if len(dtypes) == 1 else None
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         """Copies of the weights of the network it was built from, keyed by site name."""

@@ -96,7 +96,35 @@ def _array_item(value, what: str):
     return value.item()
 
 
-class Prior(nn.Module):
+class ScalarBuffers(nn.Module):
+    """A module whose scalar hyperparameters are buffers that keep their exact value.
+
+    ``register_scalar(name, value)`` stores ``value`` as a 0-d float32 buffer (so the module
+    follows ``.to(device / dtype)`` like any buffer) and remembers the Python float.  When
+    a conversion changes the buffer's dtype while it still holds that value, the buffer is
+    rebuilt from the Python float: ``.to(torch.float64)`` gives ``0.1`` as a float64 0.1,
+    not as the float32 value 0.10000000149 widened.  A buffer changed since (a loaded state
+    dict, a tuned hyperparameter) is converted as it is.
+    """
+
+    def register_scalar(self, name: str, value: float) -> None:
+        self.__dict__.setdefault("_exact_scalars", {})[name] = float(value)
+        self.register_buffer(name, torch.tensor(float(value)))
+
+    def _apply(self, fn, *args, **kwargs):
+        exact = self.__dict__.get("_exact_scalars", {})
+        before = {name: self._buffers.get(name) for name in exact}
+        out = super()._apply(fn, *args, **kwargs)
+        for name, value in exact.items():
+            old, new = before[name], self._buffers.get(name)
+            if (old is None or new is None or not new.is_floating_point() or new.dtype == old.dtype
+                    or old.shape != () or float(old) != float(torch.tensor(value, dtype=old.dtype))):
+                continue
+            self._buffers[name] = torch.tensor(value, dtype=new.dtype, device=new.device)
+        return out
+
+
+class Prior(ScalarBuffers):
     """Base class: ``prior(shape, fan_in) -> Distribution`` with event shape ``shape``."""
 
     def forward(self, shape: torch.Size | tuple[int, ...], fan_in: int | None = None):
@@ -126,8 +154,8 @@ class IIDNormal(Prior):
         super().__init__()
         scale = real_scalar(scale, "IIDNormal scale", positive=True)
         loc = real_scalar(loc, "IIDNormal loc")
-        self.register_buffer("loc", torch.tensor(loc))
-        self.register_buffer("scale", torch.tensor(scale))
+        self.register_scalar("loc", loc)
+        self.register_scalar("scale", scale)
 
     def forward(self, shape, fan_in=None):
         return self._to_event(dist.Normal(self.loc, self.scale), shape)
@@ -155,7 +183,7 @@ class FanInNormal(Prior):
     def __init__(self, gain: float = 1.0):
         super().__init__()
         gain = real_scalar(gain, "FanInNormal gain", positive=True)
-        self.register_buffer("gain", torch.tensor(gain))
+        self.register_scalar("gain", gain)
 
     def forward(self, shape, fan_in=None):
         if fan_in is None:
@@ -233,9 +261,9 @@ class ScaleMixture(Prior):
             raise ValueError(f"ScaleMixture pi must be in (0, 1), got {pi!r}")
         sigma1 = real_scalar(sigma1, "ScaleMixture sigma1", positive=True)
         sigma2 = real_scalar(sigma2, "ScaleMixture sigma2", positive=True)
-        self.register_buffer("pi", torch.tensor(pi))
-        self.register_buffer("sigma1", torch.tensor(sigma1))
-        self.register_buffer("sigma2", torch.tensor(sigma2))
+        self.register_scalar("pi", pi)
+        self.register_scalar("sigma1", sigma1)
+        self.register_scalar("sigma2", sigma2)
 
     def forward(self, shape, fan_in=None):
         return self._to_event(ScaleMixtureNormal(self.pi, self.sigma1, self.sigma2), shape)
