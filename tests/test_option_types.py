@@ -93,7 +93,7 @@ def test_noise_refused(noise, error, pattern):
 
 def test_noise_learned_and_init_noise():
     lik = pb.likelihoods.Gaussian("learned", init_noise=np.float32(0.5))
-    assert lik.learned and float(lik.noise) == pytest.approx(0.5, rel=1e-6)
+    assert lik.learned and float(lik.noise.detach()) == pytest.approx(0.5, rel=1e-6)
     with pytest.raises(ValueError, match="init_noise must be > 0"):
         pb.likelihoods.Gaussian("learned", init_noise=0.0)
 
@@ -259,3 +259,30 @@ def test_pruning_curve_options_refused(trained, kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         pruning.pruning_curve(model, guide, x, y, **{"fractions": [0.0, 0.5], "num_samples": 2, **kwargs})
     assert pruning.unprune_(model) is False
+
+
+# ------------------------------------------------------------------ Hypernet options
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    ({"full": "False"}, TypeError, r"full must be True or False, got 'False'"),
+    ({"flow": "IAF"}, ValueError, r"flow must be one of .*did you mean 'iaf'\?"),
+    ({"layout": "stabel"}, ValueError, r"layout must be one of .*did you mean 'stable'\?"),
+    ({"num_flows": 2.5}, TypeError, r"num_flows must be an int >= 0, got 2.5"),
+    ({"num_flows": True}, TypeError, r"num_flows must be an int >= 0, got True"),
+    ({"hidden": 8.0}, TypeError, r"hidden must be an int >= 1, got 8.0"),
+    ({"init_scale": "0.1"}, TypeError, r"init_scale must be a number > 0"),
+    ({"init_gain": math.nan}, TypeError, r"init_gain must be a finite number, got nan"),
+    ({"prob_clip": 0.001}, TypeError, r"prob_clip must be a pair of numbers"),
+    ({"alpha": "0.5"}, TypeError, r"alpha must be a number >= 0"),
+    ({"alpha": math.nan}, ValueError, r"alpha must be a finite number >= 0, got nan"),
+])
+def test_hypernet_options_refused(kwargs, error, pattern):
+    model = pb.BNN(_net(), weight_norm=True)
+    with pytest.raises(error, match=pattern):
+        pb.guides.Hypernet(model, **kwargs)
+
+
+def test_hypernet_full_false_string_no_longer_means_full():
+    # full="False" used to be bool("False") = True: a flow over every weight of a plain BNN
+    with pytest.raises(TypeError, match="full must be True or False"):
+        pb.guides.Hypernet(pb.BNN(_net()), full="False")
+    assert pb.guides.Hypernet(pb.BNN(_net()), full=np.bool_(True), num_flows=1, hidden=4).full is True
