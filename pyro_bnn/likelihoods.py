@@ -92,7 +92,8 @@ class Gaussian(ScalarBuffers, Likelihood):
     Parameters
     ----------
     noise : float or "learned"
-        Observation standard deviation, or ``"learned"`` to learn it as a point estimate.
+        Observation standard deviation (a positive finite number: Python or NumPy scalar,
+        or a one-element tensor), or ``"learned"`` to learn it as a point estimate.
     init_noise : float
         Starting value of a learned σ.
     """

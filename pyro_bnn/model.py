@@ -123,7 +123,8 @@ class BNN(PyroModule):
         (``"net.0.weight"``, with ``"*"`` as default) or a callable
         ``(name, param) -> Prior``.  Default ``IIDNormal(1.0)``.
     noise : float or "learned", optional
-        Gaussian likelihood only: fixed observation std, or ``"learned"``.
+        Gaussian likelihood given by name only: fixed observation std (a positive finite
+        Python/NumPy number or one-element tensor), or ``"learned"``.
     stochastic : callable or iterable of str, optional
         Which parameters are random: a predicate ``(name, module, param) -> bool`` or a
         collection of parameter paths (``"net.0.weight"``).  Default: weights and biases of
@@ -137,7 +138,7 @@ class BNN(PyroModule):
         test time.  Its extents η are model parameters, frozen unless invariance learning
         trains them (:mod:`pyro_bnn.invariance`).
     weight_norm : bool
-        Weight-norm parametrisation (:mod:`pyro_bnn.weight_norm`): Linear/Conv2d weights
+        (``True``/``False`` only: a string such as ``"False"`` is an error.)  Weight-norm parametrisation (:mod:`pyro_bnn.weight_norm`): Linear/Conv2d weights
         ``W_j = g_j v_j/‖v_j‖``; only the scales ``g`` are random (sites
         ``"net.<path>.weight_g"``, shape ``(out,)``, initial value the row norms), the
         directions ``v`` and the biases are point estimates.
@@ -147,7 +148,17 @@ class BNN(PyroModule):
     Raises
     ------
     ValueError
-        If no parameter is selected as random.
+        If no parameter is selected as random, or an option has an unknown value (the
+        message names the closest valid one).
+    TypeError
+        An option of the wrong type.
+
+    Notes
+    -----
+    The priors and the likelihood take the dtype and device of the network's weights
+    (``pb.BNN(net.to(torch.float64))`` has float64 priors and noise); a prior or likelihood
+    object of another dtype is copied, not changed, so it can be shared with other models.
+    ``model.to(dtype)`` converts them along with the network.
 
     Examples
     --------

@@ -2,7 +2,10 @@
 
 A prior is a small :class:`torch.nn.Module` whose hyperparameters are *buffers*, so
 ``model.to("cuda")`` moves them together with the network (a long-standing pain with
-priors built from Python floats in Pyro and TyXe).  Calling a prior with a parameter
+priors built from Python floats in Pyro and TyXe).  :class:`~pyro_bnn.BNN` gives each
+prior the dtype and device of its weights (a copy, if the prior object has others), and
+a conversion to another dtype keeps the exact hyperparameter values
+(:class:`ScalarBuffers`).  Calling a prior with a parameter
 shape returns a Pyro distribution whose event shape is that shape.
 
 A :class:`~pyro_bnn.BNN` accepts a prior in three forms (as NumPyro's

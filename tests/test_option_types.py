@@ -270,7 +270,7 @@ def test_pruning_curve_options_refused(trained, kwargs, error, pattern):
     ({"num_flows": True}, TypeError, r"num_flows must be an int >= 0, got True"),
     ({"hidden": 8.0}, TypeError, r"hidden must be an int >= 1, got 8.0"),
     ({"init_scale": "0.1"}, TypeError, r"init_scale must be a number > 0"),
-    ({"init_gain": math.nan}, TypeError, r"init_gain must be a finite number, got nan"),
+    ({"init_gain": math.nan}, ValueError, r"init_gain must be a finite number, got nan"),
     ({"prob_clip": 0.001}, TypeError, r"prob_clip must be a pair of numbers"),
     ({"alpha": "0.5"}, TypeError, r"alpha must be a number >= 0"),
     ({"alpha": math.nan}, ValueError, r"alpha must be a finite number >= 0, got nan"),

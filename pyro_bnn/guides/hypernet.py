@@ -132,8 +132,10 @@ class Hypernet(BNNGuide, AutoContinuous):
                           else _LAYOUTS[layout]["init_scale"])
         init_scale = check_positive("init_scale", init_scale)
         init_gain = _LAYOUTS[layout]["init_gain"] if init_gain is None else init_gain
-        if isinstance(init_gain, bool) or not isinstance(init_gain, numbers.Real) or not math.isfinite(init_gain):
+        if isinstance(init_gain, bool) or not isinstance(init_gain, numbers.Real):
             raise TypeError(f"init_gain must be a finite number, got {init_gain!r} ({type(init_gain).__name__})")
+        if not math.isfinite(init_gain):
+            raise ValueError(f"init_gain must be a finite number, got {init_gain!r}")
         if prob_clip is not None:
             if not (isinstance(prob_clip, (tuple, list)) and len(prob_clip) == 2
                     and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in prob_clip)):
