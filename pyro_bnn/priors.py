@@ -121,7 +121,8 @@ class ScalarBuffers(nn.Module):
         for name, value in exact.items():
             old, new = before[name], self._buffers.get(name)
             if (old is None or new is None or not new.is_floating_point() or new.dtype == old.dtype
-                    or old.shape != () or float(old) != float(torch.tensor(value, dtype=old.dtype))):
+                    or old.shape != () or old.is_meta
+                    or float(old) != float(torch.tensor(value, dtype=old.dtype))):
                 continue
             self._buffers[name] = torch.tensor(value, dtype=new.dtype, device=new.device)
         return out

@@ -170,3 +170,25 @@ def test_numpy_float64_hyperparameters():
     assert model.priors["net__0__weight"].scale.dtype == F64
     assert float(model.priors["net__0__weight"].scale) == pytest.approx(0.5)
     pyro.clear_param_store()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_priors_and_noise_follow_the_network_device_at_construction():
+    model = pb.BNN(_net("gaussian").cuda(), "gaussian", noise=0.1)
+    tensors = list(model.priors.buffers()) + list(model.likelihood.buffers())
+    assert {t.device.type for t in tensors} == {"cuda"} and {t.dtype for t in tensors} == {F64}
+    x, y = (t.cuda() for t in _data("gaussian"))
+    _fit_and_check(model, pb.guides.MeanField(model), (x, y))
+
+
+def test_exact_hyperparameters_survive_dtype_conversion_unless_changed():
+    prior = pb.priors.IIDNormal(0.1)
+    assert float(prior.double().scale) == 0.1  # exactly float64's 0.1
+    tuned = pb.priors.IIDNormal(0.1)
+    with torch.no_grad():
+        tuned.scale.fill_(0.2)  # changed since construction (a tuned or loaded value)
+    assert float(tuned.double().scale) == float(torch.tensor(0.2))  # converted as it is
+    lik = pb.likelihoods.Gaussian(0.3).double()
+    assert float(lik.log_noise) == math.log(0.3)
+    assert lik.float().log_noise.dtype == torch.float32

@@ -62,8 +62,8 @@ from pyro.nn import PyroModule
 from torch import nn
 
 from .. import metrics
-from ..arguments import check_choice, check_int
 from .._draws import draw_latents, probs_from_latents, site_moments
+from ..arguments import check_choice, check_int
 from ..model import is_bnn, site_module
 from .tool_support import renamed_keyword, seeded, to_model_device
 
