@@ -148,20 +148,22 @@ def test_float32_data_for_a_float64_model_is_refused_with_a_hint():
         pb.fit(model, pb.guides.MeanField(model), (x.float(), y), epochs=1, progress=False)
 
 
-def test_float32_inputs_to_predict_of_a_float64_model():
-    """What ``pb.predict`` does with float32 inputs for a float64 model (reported, not
-    changed here: prediction.py is another helper's): it must not silently compute in
-    float32."""
+def test_float32_inputs_to_predict_evaluate_and_the_model_of_a_float64_model():
+    """Float32 inputs for a float64 model are refused with the conversion to make, in
+    ``pb.predict``/``pb.evaluate`` (data.py's check) and when the model is called directly
+    (``BNN.check_input``; before, a float64 model drew float32 weights from its float32
+    priors and silently computed in float32)."""
     model = pb.BNN(_net("categorical"))
     guide = pb.guides.MeanField(model)
     x, y = _data("categorical")
     _fit_and_check(model, guide, (x, y), epochs=1)
-    try:
-        probs = pb.predict(model, guide, x.float(), num_samples=2)
-    except (TypeError, RuntimeError) as error:
-        assert "float" in str(error).lower() or "dtype" in str(error).lower()
-    else:
-        assert probs.dtype == F64
+    hint = r"x has dtype torch.float32 but the model's weights are torch.float64.*x.to\(torch.float64\)"
+    with pytest.raises(TypeError, match=hint):
+        pb.predict(model, guide, x.float(), num_samples=2)
+    with pytest.raises(TypeError, match=hint):
+        pb.evaluate(model, guide, x.float(), y, num_samples=2)
+    with pytest.raises(TypeError, match=hint + r", or convert the model with model.to\(torch.float32\)"):
+        model(x.float())
 
 
 def test_numpy_float64_hyperparameters():
