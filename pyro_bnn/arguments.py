@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["reject_unknown_keywords", "check_int", "check_positive", "check_bool"]
+__all__ = ["reject_unknown_keywords", "check_int", "check_positive", "check_bool", "check_choice"]
 
 
 def reject_unknown_keywords(function: str, unknown: dict, valid: Iterable[str]) -> None:
@@ -62,3 +62,17 @@ def check_bool(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
     return bool(value)
+
+
+def check_choice(name: str, value, choices: Iterable[str]) -> str:
+    """``value`` if it is one of ``choices`` (strings), else an error naming the closest one."""
+    choices = list(choices)
+    if isinstance(value, str) and value in choices:
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {value!r} ({type(value).__name__})")
+    lowered = {c.lower(): c for c in choices}
+    close = ([lowered[value.lower()]] if value.lower() in lowered
+             else difflib.get_close_matches(value, choices, n=1, cutoff=0.6))
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}{hint}")

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .arguments import check_choice
+from .priors import ScalarBuffers, real_scalar
+
 __all__ = ["Likelihood", "Categorical", "Gaussian", "Bernoulli", "make_likelihood"]
 
 
@@ -83,13 +86,14 @@ class Bernoulli(Likelihood):
             )
 
 
-class Gaussian(Likelihood):
+class Gaussian(ScalarBuffers, Likelihood):
     """``y ~ N(f, σ²)``; σ fixed (``noise=0.1``) or learned (``noise="learned"``).
 
     Parameters
     ----------
     noise : float or "learned"
-        Observation standard deviation, or ``"learned"`` to learn it as a point estimate.
+        Observation standard deviation (a positive finite number: Python or NumPy scalar,
+        or a one-element tensor), or ``"learned"`` to learn it as a point estimate.
     init_noise : float
         Starting value of a learned σ.
     """
@@ -98,12 +102,20 @@ class Gaussian(Likelihood):
 
     def __init__(self, noise: float | str = 1.0, init_noise: float = 1.0):
         super().__init__()
-        if noise == "learned":
-            self.log_noise = nn.Parameter(torch.tensor(math.log(init_noise)))
-        elif isinstance(noise, (int, float)) and noise > 0:
-            self.register_buffer("log_noise", torch.tensor(math.log(float(noise))))
+        if isinstance(noise, str):
+            try:
+                check_choice("noise", noise, ["learned"])
+            except ValueError as error:
+                raise ValueError(f"{error} (or a positive number, not a string)") from None
+            init = real_scalar(init_noise, "init_noise", positive=True)
+            self.log_noise = nn.Parameter(torch.tensor(math.log(init)))
         else:
-            raise ValueError(f"noise must be a positive float or 'learned', got {noise!r}")
+            try:
+                value = real_scalar(noise, "noise", positive=True)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{error}; expected a positive finite number (a float, NumPy "
+                                  "scalar or 0-d tensor) or 'learned'") from None
+            self.register_scalar("log_noise", math.log(value))
 
     @property
     def learned(self) -> bool:
@@ -127,20 +139,31 @@ class Gaussian(Likelihood):
             )
 
 
+#: Likelihood names :func:`make_likelihood` accepts ("normal" and "regression" mean "gaussian").
+LIKELIHOOD_NAMES = ("categorical", "gaussian", "bernoulli", "normal", "regression")
+
+
 def make_likelihood(likelihood: str | Likelihood, noise: float | str | None = None) -> Likelihood:
-    """Build a likelihood from its name (``"categorical"``, ``"gaussian"``, ``"bernoulli"``)."""
+    """Build a likelihood from its name (``"categorical"``, ``"gaussian"``, ``"bernoulli"``).
+
+    Raises
+    ------
+    ValueError
+        An unknown name (the message names the closest one: ``"Gaussian"``, ``"categorial"``).
+    TypeError
+        Neither a name nor a :class:`Likelihood` (e.g. ``torch.nn.CrossEntropyLoss()``).
+    """
     if isinstance(likelihood, Likelihood):
         return likelihood
+    if not isinstance(likelihood, str):
+        raise TypeError(f"likelihood must be one of {list(LIKELIHOOD_NAMES)} or a "
+                        f"pyro_bnn.likelihoods.Likelihood, got {type(likelihood).__name__} {likelihood!r}")
+    check_choice("likelihood", likelihood, LIKELIHOOD_NAMES)
     if likelihood == "categorical":
         return Categorical()
     if likelihood == "bernoulli":
         return Bernoulli()
-    if likelihood in ("gaussian", "normal", "regression"):
-        return Gaussian(1.0 if noise is None else noise)
-    raise ValueError(
-        "likelihood must be 'categorical', 'gaussian', 'bernoulli' or a "
-        f"pyro_bnn.likelihoods.Likelihood, got {likelihood!r}"
-    )
+    return Gaussian(1.0 if noise is None else noise)
 
 
 def log_likelihood(lik: Likelihood, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
@@ -12,6 +13,7 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
 
+from .arguments import check_bool
 from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 
@@ -121,7 +123,8 @@ class BNN(PyroModule):
         (``"net.0.weight"``, with ``"*"`` as default) or a callable
         ``(name, param) -> Prior``.  Default ``IIDNormal(1.0)``.
     noise : float or "learned", optional
-        Gaussian likelihood only: fixed observation std, or ``"learned"``.
+        Gaussian likelihood given by name only: fixed observation std (a positive finite
+        Python/NumPy number or one-element tensor), or ``"learned"``.
     stochastic : callable or iterable of str, optional
         Which parameters are random: a predicate ``(name, module, param) -> bool`` or a
         collection of parameter paths (``"net.0.weight"``).  Default: weights and biases of
@@ -135,7 +138,7 @@ class BNN(PyroModule):
         test time.  Its extents η are model parameters, frozen unless invariance learning
         trains them (:mod:`pyro_bnn.invariance`).
     weight_norm : bool
-        Weight-norm parametrisation (:mod:`pyro_bnn.weight_norm`): Linear/Conv2d weights
+        (``True``/``False`` only: a string such as ``"False"`` is an error.)  Weight-norm parametrisation (:mod:`pyro_bnn.weight_norm`): Linear/Conv2d weights
         ``W_j = g_j v_j/‖v_j‖``; only the scales ``g`` are random (sites
         ``"net.<path>.weight_g"``, shape ``(out,)``, initial value the row norms), the
         directions ``v`` and the biases are point estimates.
@@ -145,7 +148,17 @@ class BNN(PyroModule):
     Raises
     ------
     ValueError
-        If no parameter is selected as random.
+        If no parameter is selected as random, or an option has an unknown value (the
+        message names the closest valid one).
+    TypeError
+        An option of the wrong type.
+
+    Notes
+    -----
+    The priors and the likelihood take the dtype and device of the network's weights
+    (``pb.BNN(net.to(torch.float64))`` has float64 priors and noise); a prior or likelihood
+    object of another dtype is copied, not changed, so it can be shared with other models.
+    ``model.to(dtype)`` converts them along with the network.
 
     Examples
     --------
@@ -170,17 +183,16 @@ class BNN(PyroModule):
         super().__init__()
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
-        if noise is not None and likelihood not in ("gaussian", "normal", "regression"):
-            if not (isinstance(likelihood, Likelihood) and likelihood.name == "gaussian"):
-                raise ValueError(f"noise= applies to the gaussian likelihood, not {likelihood!r}")
+        weight_norm = check_bool("weight_norm", weight_norm)
+        likelihood_module = make_likelihood(likelihood, noise)
+        _check_noise_option(likelihood, likelihood_module, noise)
         net = copy.deepcopy(net)
-        self.weight_norm = bool(weight_norm)
+        self.weight_norm = weight_norm
         if weight_norm:  # only the scales g of W_j = g_j v_j/|v_j| are random (Hypernet)
             from .weight_norm import weight_norm_setup
             net, prior, stochastic = weight_norm_setup(net, prior, stochastic, weight_norm_precision)
         elif weight_norm_precision is not None:
             raise ValueError("weight_norm_precision= needs weight_norm=True")
-        self.likelihood = make_likelihood(likelihood, noise)
         prior = IIDNormal(1.0) if prior is None else prior
         select = _make_selector(stochastic, net)
 
@@ -196,16 +208,20 @@ class BNN(PyroModule):
                 "layers or a `stochastic=` selection that matches parameter names; got "
                 f"parameters {[n for n, _ in net.named_parameters()]})"
             )
+        # The priors' and the likelihood's tensors take the dtype and device of the weights
+        # they go with (a float64 network gets float64 priors); later .to() moves them along.
+        self.likelihood = _like(likelihood_module, chosen[0][3], {})
 
         check_prior_keys(prior, [f"net.{c[-1]}" for c in chosen])
         self._initial_values: dict[str, torch.Tensor] = {}
         self._fan_in: dict[str, int] = {}
         to_pyro_module_(net)
         self.priors = nn.ModuleDict()
+        converted: dict = {}
         for mod_name, _, p_name, param, full in chosen:
             module = net.get_submodule(mod_name) if mod_name else net
             site = f"net.{full}"
-            the_prior = resolve_prior(prior, site, param)
+            the_prior = _like(resolve_prior(prior, site, param), param, converted)
             fan_in = fan_in_of(module, p_name, param)
             self.priors[site.replace(".", "__")] = the_prior
             self._initial_values[site] = param.detach().clone()
@@ -219,6 +235,7 @@ class BNN(PyroModule):
         # Plain values, not a module reference: a second reference would re-register the
         # layer under another name and rename its Pyro sites.
         self._input_spec = _input_spec(net)
+        self.__dict__["_weights_dtype"] = self._common_weights_dtype()
 
     # ------------------------------------------------------------------ model
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, num_data: int | None = None):
@@ -296,6 +313,8 @@ class BNN(PyroModule):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         kind, size = self._input_spec or (None, None)
+        if kind is not None:
+            self._check_input_dtype(x)
         if kind == "linear" and (x.dim() == 0 or x.shape[-1] != size):
             raise ValueError(
                 f"input has {x.shape[-1] if x.dim() else 0} features (shape {tuple(x.shape)}) but "
@@ -312,12 +331,30 @@ class BNN(PyroModule):
                 f"got {tuple(x.shape)}"
             )
 
+    def _check_input_dtype(self, x: torch.Tensor) -> None:
+        """Floating ``x`` of another dtype than the weights (torch's own error names
+        neither the input nor the fix); skipped under autocast and for mixed-dtype models."""
+        if not x.is_floating_point() or torch.is_autocast_enabled(x.device.type):
+            return
+        dtype = self.__dict__.get("_weights_dtype")
+        if dtype is not None and x.dtype != dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the model's weights are {dtype}; convert "
+                            f"the inputs with x.to({dtype}), or convert the model with "
+                            f"model.to({x.dtype})")
+
     def _apply(self, fn, *args, **kwargs):
         # .to(device / dtype), .double(), ... move the initial values too: they define the
         # model's dtype and device for input checks and the guides' initial locations
         out = super()._apply(fn, *args, **kwargs)
         self._initial_values = {name: fn(value) for name, value in self._initial_values.items()}
+        self.__dict__["_weights_dtype"] = self._common_weights_dtype()
         return out
+
+    def _common_weights_dtype(self) -> torch.dtype | None:
+        """The floating dtype of all weights (random and deterministic), ``None`` if mixed."""
+        dtypes = {t.dtype for t in self._initial_values.values() if t.is_floating_point()}
+        dtypes |= {p.dtype for p in self.net.parameters() if p.is_floating_point()}
+        return dtypes.pop() if len(dtypes) == 1 else None
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         """Copies of the weights of the network it was built from, keyed by site name."""
@@ -351,15 +388,65 @@ def _input_spec(net: nn.Module) -> tuple[str, int] | None:
     return None
 
 
+def _check_noise_option(name_or_module, likelihood: Likelihood, noise) -> None:
+    """``noise=`` belongs to a Gaussian likelihood given by name (a ``Likelihood`` instance
+    carries its own noise; ``noise=`` next to it would be ignored)."""
+    if noise is None:
+        return
+    if isinstance(name_or_module, Likelihood):
+        raise ValueError(f"noise= is ignored next to a likelihood instance "
+                         f"({type(name_or_module).__name__}); give the noise to it instead, "
+                         "e.g. pb.likelihoods.Gaussian(noise=0.1), or pass likelihood='gaussian'")
+    if likelihood.name != "gaussian":
+        raise ValueError(f"noise= applies to the gaussian likelihood, not {name_or_module!r}")
+
+
+def _like(module: nn.Module, reference: torch.Tensor, converted: dict) -> nn.Module:
+    """``module`` with its floating tensors in the dtype and on the device of ``reference``.
+
+    A module already there is returned as it is; otherwise a converted copy, so a prior or
+    likelihood object that the caller also uses elsewhere (with a float32 network) is left
+    unchanged.  ``converted`` maps ``id(module)`` to its copy, so a prior shared by several
+    sites stays one shared module.
+    """
+    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
+    if all(t.dtype == reference.dtype and t.device == reference.device for t in tensors):
+        return module
+    if id(module) not in converted:
+        converted[id(module)] = copy.deepcopy(module).to(device=reference.device, dtype=reference.dtype)
+    return converted[id(module)]
+
+
 def _make_selector(stochastic, net: nn.Module):
+    """The predicate ``(name, module, param) -> bool`` of a ``stochastic=`` option."""
     if stochastic is None:
         return lambda full, module, param: default_stochastic(full, module, param)
     if callable(stochastic):
         return stochastic
-    names = set(stochastic)
-    known = {n for n, _ in net.named_parameters()}
+    names = _stochastic_names(stochastic)
+    known = [n for n, _ in net.named_parameters()]
     stripped = {n[4:] if n.startswith("net.") else n for n in names}
-    unknown = stripped - known
+    unknown = sorted(stripped - set(known))
     if unknown:
-        raise ValueError(f"stochastic= names parameters the network lacks: {sorted(unknown)}; it has {sorted(known)}")
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hints.append(f"{name!r} (did you mean {'net.' + close[0]!r}?)" if close else repr(name))
+        raise ValueError(f"stochastic= names parameters the network lacks: {', '.join(hints)}; "
+                         f"it has {['net.' + n for n in known]}")
     return lambda full, module, param: full in stripped
+
+
+def _stochastic_names(stochastic) -> list[str]:
+    """The parameter paths of a ``stochastic=`` collection (one string is one path)."""
+    if isinstance(stochastic, str):
+        return [stochastic]
+    if not isinstance(stochastic, Iterable):
+        raise TypeError("stochastic must be None, a predicate (name, module, param) -> bool or a "
+                        f"collection of parameter paths ('net.0.weight'), got {type(stochastic).__name__}")
+    names = list(stochastic)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"stochastic= parameter paths must be strings ('net.0.weight'), got "
+                        f"{bad[0]!r} ({type(bad[0]).__name__})")
+    return names

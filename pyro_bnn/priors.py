@@ -2,7 +2,10 @@
 
 A prior is a small :class:`torch.nn.Module` whose hyperparameters are *buffers*, so
 ``model.to("cuda")`` moves them together with the network (a long-standing pain with
-priors built from Python floats in Pyro and TyXe).  Calling a prior with a parameter
+priors built from Python floats in Pyro and TyXe).  :class:`~pyro_bnn.BNN` gives each
+prior the dtype and device of its weights (a copy, if the prior object has others), and
+a conversion to another dtype keeps the exact hyperparameter values
+(:class:`ScalarBuffers`).  Calling a prior with a parameter
 shape returns a Pyro distribution whose event shape is that shape.
 
 A :class:`~pyro_bnn.BNN` accepts a prior in three forms (as NumPyro's
@@ -24,8 +27,10 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
@@ -43,17 +48,26 @@ __all__ = [
 ]
 
 
-def _hyperparameter(value, what: str, *, positive: bool = False) -> float:
-    """``value`` as a finite float (``> 0`` if ``positive``), else a clear error.
+def real_scalar(value, what: str, *, positive: bool = False) -> float:
+    """``value`` as a finite Python float (``> 0`` if ``positive``), else a clear error.
 
-    A non-finite hyperparameter makes every ELBO infinite or NaN, which ``fit`` would only
-    report later as a diverged loss; catching it here names the actual mistake.
+    Accepted: Python and NumPy real numbers (``0.1``, ``2``, ``np.float32(0.1)``) and
+    one-element tensors or arrays (``torch.tensor(0.1)``).  Refused: bools (``True`` is
+    not a scale), strings, complex numbers, tensors of several elements, NaN/inf (a
+    non-finite hyperparameter makes every ELBO infinite or NaN, which ``fit`` would only
+    report later as a diverged loss), and values ``<= 0`` when ``positive``.
+
+    Raises
+    ------
+    TypeError
+        Not a real number.
+    ValueError
+        Not finite, or not ``> 0`` when ``positive``.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+    if _is_bool(value) or not (isinstance(value, numbers.Real) or _is_array(value)):
         raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r}")
-    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_complex()):
-        raise TypeError(f"{what} must be a real number (a float or a one-element tensor), "
-                        f"got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
+    if _is_array(value):
+        value = _array_item(value, what)
     v = float(value)
     if not math.isfinite(v):
         raise ValueError(f"{what} must be a finite number, got {v}")
@@ -62,7 +76,59 @@ def _hyperparameter(value, what: str, *, positive: bool = False) -> float:
     return v
 
 
-class Prior(nn.Module):
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, (torch.Tensor, np.ndarray))
+
+
+def _array_item(value, what: str):
+    """The one real element of a tensor or array, else a ``TypeError``."""
+    size = value.size if isinstance(value, np.ndarray) else value.numel()
+    if size != 1:
+        raise TypeError(f"{what} must be a real number (a float or a one-element tensor), "
+                        f"got a {type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}")
+    if isinstance(value, np.ndarray):
+        not_real = value.dtype.kind not in "iuf"
+    else:
+        not_real = value.dtype == torch.bool or value.is_complex()
+    if not_real:
+        raise TypeError(f"{what} must be a real number, got a {type(value).__name__} of dtype {value.dtype}")
+    return value.item()
+
+
+class ScalarBuffers(nn.Module):
+    """A module whose scalar hyperparameters are buffers that keep their exact value.
+
+    ``register_scalar(name, value)`` stores ``value`` as a 0-d float32 buffer (so the module
+    follows ``.to(device / dtype)`` like any buffer) and remembers the Python float.  When
+    a conversion changes the buffer's dtype while it still holds that value, the buffer is
+    rebuilt from the Python float: ``.to(torch.float64)`` gives ``0.1`` as a float64 0.1,
+    not as the float32 value 0.10000000149 widened.  A buffer changed since (a loaded state
+    dict, a tuned hyperparameter) is converted as it is.
+    """
+
+    def register_scalar(self, name: str, value: float) -> None:
+        self.__dict__.setdefault("_exact_scalars", {})[name] = float(value)
+        self.register_buffer(name, torch.tensor(float(value)))
+
+    def _apply(self, fn, *args, **kwargs):
+        exact = self.__dict__.get("_exact_scalars", {})
+        before = {name: self._buffers.get(name) for name in exact}
+        out = super()._apply(fn, *args, **kwargs)
+        for name, value in exact.items():
+            old, new = before[name], self._buffers.get(name)
+            if (old is None or new is None or not new.is_floating_point() or new.dtype == old.dtype
+                    or old.shape != () or old.is_meta
+                    or float(old) != float(torch.tensor(value, dtype=old.dtype))):
+                continue
+            self._buffers[name] = torch.tensor(value, dtype=new.dtype, device=new.device)
+        return out
+
+
+class Prior(ScalarBuffers):
     """Base class: ``prior(shape, fan_in) -> Distribution`` with event shape ``shape``."""
 
     def forward(self, shape: torch.Size | tuple[int, ...], fan_in: int | None = None):
@@ -90,10 +156,10 @@ class IIDNormal(Prior):
 
     def __init__(self, scale: float = 1.0, loc: float = 0.0):
         super().__init__()
-        scale = _hyperparameter(scale, "IIDNormal scale", positive=True)
-        loc = _hyperparameter(loc, "IIDNormal loc")
-        self.register_buffer("loc", torch.tensor(loc))
-        self.register_buffer("scale", torch.tensor(scale))
+        scale = real_scalar(scale, "IIDNormal scale", positive=True)
+        loc = real_scalar(loc, "IIDNormal loc")
+        self.register_scalar("loc", loc)
+        self.register_scalar("scale", scale)
 
     def forward(self, shape, fan_in=None):
         return self._to_event(dist.Normal(self.loc, self.scale), shape)
@@ -120,8 +186,8 @@ class FanInNormal(Prior):
 
     def __init__(self, gain: float = 1.0):
         super().__init__()
-        gain = _hyperparameter(gain, "FanInNormal gain", positive=True)
-        self.register_buffer("gain", torch.tensor(gain))
+        gain = real_scalar(gain, "FanInNormal gain", positive=True)
+        self.register_scalar("gain", gain)
 
     def forward(self, shape, fan_in=None):
         if fan_in is None:
@@ -171,9 +237,10 @@ class ScaleMixtureNormal(dist.TorchDistribution):
     def sample(self, sample_shape=torch.Size()):  # noqa: B008 (torch's own signature)
         shape = self._extended_shape(sample_shape)
         with torch.no_grad():
-            pick = torch.rand(shape, device=self.pi.device) < self.pi.expand(shape)
+            like = {"device": self.sigma1.device, "dtype": self.sigma1.dtype}
+            pick = torch.rand(shape, **like) < self.pi.expand(shape)
             scale = torch.where(pick, self.sigma1.expand(shape), self.sigma2.expand(shape))
-            return torch.randn(shape, device=self.pi.device) * scale
+            return torch.randn(shape, **like) * scale
 
     @property
     def mean(self):
@@ -193,14 +260,14 @@ class ScaleMixture(Prior):
 
     def __init__(self, pi: float = 0.5, sigma1: float = 1.0, sigma2: float = math.exp(-6)):
         super().__init__()
-        pi = _hyperparameter(pi, "ScaleMixture pi")
+        pi = real_scalar(pi, "ScaleMixture pi")
         if not 0.0 < pi < 1.0:
             raise ValueError(f"ScaleMixture pi must be in (0, 1), got {pi!r}")
-        sigma1 = _hyperparameter(sigma1, "ScaleMixture sigma1", positive=True)
-        sigma2 = _hyperparameter(sigma2, "ScaleMixture sigma2", positive=True)
-        self.register_buffer("pi", torch.tensor(pi))
-        self.register_buffer("sigma1", torch.tensor(sigma1))
-        self.register_buffer("sigma2", torch.tensor(sigma2))
+        sigma1 = real_scalar(sigma1, "ScaleMixture sigma1", positive=True)
+        sigma2 = real_scalar(sigma2, "ScaleMixture sigma2", positive=True)
+        self.register_scalar("pi", pi)
+        self.register_scalar("sigma1", sigma1)
+        self.register_scalar("sigma2", sigma2)
 
     def forward(self, shape, fan_in=None):
         return self._to_event(ScaleMixtureNormal(self.pi, self.sigma1, self.sigma2), shape)

@@ -30,7 +30,7 @@ import copy
 import torch
 from torch import nn
 
-from .priors import IIDNormal
+from .priors import IIDNormal, real_scalar
 
 __all__ = ["WeightNormLinear", "WeightNormConv2d", "weight_norm_weight", "to_weight_norm",
            "is_weight_norm_layer", "weight_norm_setup"]
@@ -172,12 +172,10 @@ def weight_norm_setup(net: nn.Module, prior, stochastic, precision: float | None
     if precision is not None and prior is not None:
         raise ValueError("give either prior= or weight_norm_precision=, not both "
                          f"(got prior={prior!r}, weight_norm_precision={precision!r})")
-    lam = 1.0 if precision is None else precision
-    if not isinstance(lam, (int, float)) or not lam > 0:
-        raise ValueError(f"weight_norm_precision must be a positive number, got {lam!r}")
+    lam = 1.0 if precision is None else real_scalar(precision, "weight_norm_precision", positive=True)
     net = to_weight_norm(net)
     if prior is None:
-        prior = IIDNormal(float(lam) ** -0.5)
+        prior = IIDNormal(lam ** -0.5)
     if stochastic is None:
         def stochastic(name, module, param):
             return is_weight_norm_layer(module) and name.rsplit(".", 1)[-1] == "weight_g"

@@ -50,15 +50,20 @@ to magnitude pruning.
 from __future__ import annotations
 
 import copy
+import difflib
 import math
+import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from pyro.nn import PyroModule
 from torch import nn
 
 from .. import metrics
 from .._draws import draw_latents, probs_from_latents, site_moments
+from ..arguments import check_choice, check_int
 from ..model import is_bnn, site_module
 from .tool_support import renamed_keyword, seeded, to_model_device
 
@@ -71,8 +76,55 @@ _TINY = 1e-30
 
 
 def _check_kind(kind):
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    check_choice("kind", kind, KINDS)
+
+
+def _check_fraction(name: str, value) -> float:
+    """``value`` as a float in [0, 1] (a bool, a string or NaN is an error)."""
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or _is_scalar_tensor(value)):
+        raise TypeError(f"{name} must be a number in [0, 1], got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return v
+
+
+def _check_threshold(value) -> float:
+    """``value`` as a float (±inf allowed: prune every / no weight; NaN is an error)."""
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, numbers.Real) or _is_scalar_tensor(value)):
+        raise TypeError(f"threshold must be a number, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if math.isnan(v):
+        raise ValueError("threshold must be a number, got nan (every comparison with NaN is False)")
+    return v
+
+
+def _is_scalar_tensor(value) -> bool:
+    return (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point())
+
+
+def _site_filter(sites, available: list[str]):
+    """A predicate ``site -> bool`` from ``sites=`` (``None``, a callable, one site name or a
+    collection of them); names that are not sites are an error naming the closest site."""
+    if sites is None or callable(sites):
+        return sites
+    names = [sites] if isinstance(sites, str) else sites
+    if not isinstance(names, Iterable):
+        raise TypeError("sites must be None, a site name, a collection of site names or a callable "
+                        f"site -> bool, got {sites!r} ({type(sites).__name__})")
+    names = list(names)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"sites must be site names (str), got {bad[0]!r} ({type(bad[0]).__name__})")
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = ([f"net.{name}"] if f"net.{name}" in available
+                     else difflib.get_close_matches(name, available, n=1, cutoff=0.5))
+            hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+        raise ValueError(f"sites= names no site of the model: {', '.join(hints)}; the sites are {available}")
+    return set(names)
 
 
 def score_from_moments(mean: torch.Tensor, std: torch.Tensor, kind: str = "snr") -> torch.Tensor:
@@ -114,6 +166,7 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
     >>> s = pb.pruning.scores(guide, "snr", model=model)         # doctest: +SKIP
     """
     _check_kind(kind)
+    num_samples = check_int("num_samples", num_samples, 1)
     if model is None:
         if not (hasattr(guide, "loc_and_scale") and hasattr(guide, "site_names")):
             raise TypeError(f"scores() needs model= for a {type(guide).__name__} guide "
@@ -220,21 +273,29 @@ def prune_(model, guide, fraction: float | None = None, threshold: float | None 
     if (fraction is None) == (threshold is None):
         raise ValueError(f"pass exactly one of fraction= or threshold=, got fraction={fraction!r}, "
                          f"threshold={threshold!r}")
-    if fraction is not None and not 0.0 <= float(fraction) <= 1.0:
-        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+    fraction = None if fraction is None else _check_fraction("fraction", fraction)
+    threshold = None if threshold is None else _check_threshold(threshold)
+    _check_kind(kind)
+    num_samples = check_int("num_samples", num_samples, 1)
+    if score is not None and not isinstance(score, Mapping):
+        raise TypeError(f"score must be a dict {{site: tensor}} from pruning.scores, got {type(score).__name__}")
+    site_names = getattr(model, "site_names", None)
+    if score is None and isinstance(site_names, list):
+        _site_filter(sites, site_names)  # a misspelled site fails before the (slow) scores
     unprune_(model)
     score = score if score is not None else scores(guide, kind, model, x, num_samples, seed)
-    names = [s for s in score if _selected(s, sites)]
+    selected = _site_filter(sites, list(score))
+    names = [s for s in score if _selected(s, selected)]
     if not names:
         raise ValueError(f"no site selected for pruning; sites are {list(score)}")
     flat = torch.cat([score[s].reshape(-1).float().cpu() for s in names])
     total = flat.numel()
     if fraction is not None:
-        k = int(math.floor(float(fraction) * total + 1e-9))
+        k = int(math.floor(fraction * total + 1e-9))
         drop = torch.zeros(total, dtype=torch.bool)
         drop[torch.argsort(flat, stable=True)[:k]] = True
     else:
-        drop = flat < float(threshold)
+        drop = flat < threshold
     masks, hooks, start = {}, [], 0
     for s in names:
         n = score[s].numel()
@@ -248,12 +309,12 @@ def prune_(model, guide, fraction: float | None = None, threshold: float | None 
     return handle
 
 
-def _selected(site, sites):
-    if sites is None:
+def _selected(site, selected):
+    if selected is None:
         return True
-    if callable(sites):
-        return bool(sites(site))
-    return site in set(sites)
+    if callable(selected):
+        return bool(selected(site))
+    return site in selected
 
 
 def unprune_(model) -> bool:
@@ -269,6 +330,7 @@ def posterior_mean(model, guide, x: torch.Tensor | None = None, num_samples: int
                    seed: int | None = None) -> dict[str, torch.Tensor]:
     """Posterior mean of every site (exact for MeanField/AutoNormal, else from ``num_samples``
     draws, seeded by ``seed`` without touching the caller's random streams)."""
+    num_samples = check_int("num_samples", num_samples, 1)
     if x is not None:
         x = to_model_device(model, guide, x)
     with seeded(seed):
@@ -358,6 +420,9 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
         raise ValueError(f"pruning_curve: method must be one of {PRUNING_METHODS} (a guide's own "
                          f"predictive does not apply the pruning masks), got {method!r}")
     _check_kind(kind)
+    num_samples = check_int("num_samples", num_samples, 1)
+    batch_size = check_int("batch_size", batch_size, 1)
+    fractions = _check_fractions(fractions)
     x, y = to_model_device(model, guide, x, y)
     previous = model.__dict__.get(_HANDLE_ATTR)
     previous_masks = None if previous is None else previous.masks
@@ -383,6 +448,14 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
             if previous_masks is not None:  # restore the user's own pruning
                 _reinstall(model, previous_masks, previous)
     return out
+
+
+def _check_fractions(fractions) -> list[float]:
+    """``fractions=`` of :func:`pruning_curve` as a list of floats in [0, 1]."""
+    if isinstance(fractions, (str, bytes)) or not isinstance(fractions, Iterable):
+        raise TypeError("fractions must be a sequence of numbers in [0, 1] (e.g. [0.0, 0.5, 0.9]), "
+                        f"got {fractions!r} ({type(fractions).__name__})")
+    return [_check_fraction("each of fractions", f) for f in fractions]
 
 
 def _reinstall(model, masks, old):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 
 import pyro.distributions as dist
 import torch
@@ -32,6 +33,7 @@ from pyro.distributions import constraints
 from pyro.infer import RenyiELBO, Trace_ELBO
 from pyro.infer.autoguide import AutoContinuous
 
+from ..arguments import check_bool, check_choice, check_int, check_positive
 from ..likelihoods import Categorical, log_likelihood
 from ..model import is_bnn, site_module
 from ..objectives import PyroObjective
@@ -119,24 +121,32 @@ class Hypernet(BNNGuide, AutoContinuous):
                  init_gain: float | None = None, layout: str = "stable",
                  prob_clip: tuple[float, float] | None = None, alpha: float = 1.0,
                  init_loc_fn=None, init_from=None, seed: int = 0):
-        if flow not in FLOW_TYPES:
-            raise ValueError(f"flow must be one of {FLOW_TYPES}, got {flow!r}")
-        if layout not in _LAYOUTS:
-            raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+        flow = check_choice("flow", flow, FLOW_TYPES)
+        layout = check_choice("layout", layout, sorted(_LAYOUTS))
+        full = check_bool("full", full)
+        num_flows = check_int("num_flows", num_flows, 0)
+        hidden = check_int("hidden", hidden, 1)
+        seed = check_int("seed", seed, -(2**63))
         if init_scale is None:
             init_scale = (_meanfield_init_scale() if full and layout == "stable"
                           else _LAYOUTS[layout]["init_scale"])
+        init_scale = check_positive("init_scale", init_scale)
         init_gain = _LAYOUTS[layout]["init_gain"] if init_gain is None else init_gain
-        if not isinstance(num_flows, int) or num_flows < 0:
-            raise ValueError(f"num_flows must be an integer >= 0, got {num_flows!r}")
-        if not init_scale > 0:
-            raise ValueError(f"init_scale must be > 0, got {init_scale!r}")
+        if isinstance(init_gain, bool) or not isinstance(init_gain, numbers.Real):
+            raise TypeError(f"init_gain must be a finite number, got {init_gain!r} ({type(init_gain).__name__})")
+        if not math.isfinite(init_gain):
+            raise ValueError(f"init_gain must be a finite number, got {init_gain!r}")
         if prob_clip is not None:
+            if not (isinstance(prob_clip, (tuple, list)) and len(prob_clip) == 2
+                    and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in prob_clip)):
+                raise TypeError(f"prob_clip must be a pair of numbers (lo, hi), got {prob_clip!r}")
             lo, hi = prob_clip
             if not 0.0 <= lo < hi <= 1.0:
                 raise ValueError(f"prob_clip must be (lo, hi) with 0 <= lo < hi <= 1, got {prob_clip!r}")
-        if not alpha >= 0:
-            raise ValueError(f"alpha must be >= 0, got {alpha!r}")
+        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+            raise TypeError(f"alpha must be a number >= 0, got {alpha!r} ({type(alpha).__name__})")
+        if not (alpha >= 0 and math.isfinite(alpha)):
+            raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
         if not full and getattr(model, "weight_norm", None) is False:
             raise ValueError(
                 "Hypernet(full=False) expects a weight-norm model, pb.BNN(..., weight_norm=True) "

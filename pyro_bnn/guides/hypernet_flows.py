@@ -187,8 +187,8 @@ class HypernetFlow(nn.Module):
             if self.log_scale_bound is not None:  # the smooth bound replaces Pyro's hard clamp
                 block.log_scale_min_clip, block.log_scale_max_clip = -math.inf, math.inf
             blocks.append(block)
-        self.blocks = nn.ModuleList(blocks).to(loc.device)
-        self.to(loc.device)
+        self.blocks = nn.ModuleList(blocks)
+        self.to(device=loc.device, dtype=loc.dtype)  # the flow computes in the weights' dtype
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The same parameters mean a different distribution in another layout: refuse.
