@@ -147,13 +147,28 @@ class whole_batch_plates(Messenger):
     ``subsample_size > N``), and nothing random is drawn.  The indices only label the rows
     of the batch; the plate's ``N / len(x)`` scale does not enter the predictive, which is
     read from the observed site's distribution.
+
+    Sites named in ``unsampled`` (the observed site, called with ``y=None``) get a zero
+    placeholder instead of a draw: the predictive reads only their distribution, and a draw
+    would consume random numbers in proportion to the batch, so that the next weight draw
+    would depend on how many inputs were predicted.
     """
 
+    def __init__(self, unsampled=(), device=None):
+        super().__init__()
+        self.unsampled, self.device = frozenset(unsampled), device
+
     def _process_message(self, msg):
-        if site_is_subsample(msg) and msg["value"] is None:
+        if msg["value"] is not None or msg["type"] != "sample":
+            return
+        if site_is_subsample(msg):
             fn = msg["fn"]
             size = fn.size if fn.subsample_size is None else fn.subsample_size
             msg["value"] = torch.arange(size, device=fn.device)
+        elif msg["name"] in self.unsampled:
+            fn = msg["fn"]
+            msg["value"] = torch.zeros(fn.batch_shape + fn.event_shape, device=self.device)
+
 
 
 def _unwrap(d):
@@ -213,8 +228,8 @@ def params_under(model, latents: dict, x, batch_size: int = 1024, obs_site: str 
             if fast:
                 kind, params = _params_from_bnn(model, model.run_with(latents, xb))
             else:
-                tr = poutine.trace(whole_batch_plates()(poutine.condition(model, data=latents))
-                                   ).get_trace(xb, None)
+                conditioned = poutine.condition(model, data=latents)
+                tr = poutine.trace(whole_batch_plates([obs_site], xb.device)(conditioned)).get_trace(xb, None)
                 if obs_site not in tr.nodes:
                     raise ValueError(f"model has no observed site {obs_site!r}; sites: {list(tr.nodes)}")
                 kind, params = _params_from_distribution(tr.nodes[obs_site]["fn"])

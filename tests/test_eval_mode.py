@@ -1,0 +1,147 @@
+"""Issue 24: prediction runs in eval mode and leaves the model and guide as they were.
+
+In train mode a BatchNorm layer normalises with the statistics of the batch it sees (an
+input's prediction then depends on the other inputs of its batch) and updates its running
+statistics with the data; Dropout drops units.  Every predictive entry point must run the
+model and guide in eval mode and restore each module's own ``training`` flag.
+"""
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.prediction import evaluation_mode, sample_latents
+
+
+@pytest.fixture(scope="module")
+def images():
+    return pb.datasets.digits(image=True)
+
+
+def _bn_cnn():
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 64, 10))
+
+
+def _dropout_cnn():
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Dropout(0.5),
+                         nn.Flatten(), nn.Linear(4 * 64, 10))
+
+
+def _train(net_fn, guide_name, images):
+    """A model trained briefly (400 images) with pb.fit + MeanField or plain SVI + AutoNormal."""
+    torch.manual_seed(0)
+    x, y = images.x_train[:400], images.y_train[:400]
+    model = pb.BNN(net_fn())
+    if guide_name == "MeanField":
+        guide = pb.guides.MeanField(model)
+        with pytest.warns(pb.ConvergenceWarning):
+            pb.fit(model, guide, (x, y), epochs=3, batch_size=64, progress=False, seed=0)
+    else:
+        pyro.clear_param_store()
+        guide = AutoNormal(model, init_scale=0.01)
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
+        for start in range(0, 400, 50):
+            svi.step(x[start:start + 50], y[start:start + 50], num_data=400)
+    return model, guide
+
+
+def _state(*modules):
+    """Every module's training flag and a copy of every buffer."""
+    flags = [m.training for mod in modules for m in mod.modules()]
+    buffers = {f"{i}.{k}": v.clone() for i, mod in enumerate(modules) for k, v in mod.named_buffers()}
+    return flags, buffers
+
+
+def _assert_unchanged(before, after):
+    assert before[0] == after[0], "training flags changed"
+    assert before[1].keys() == after[1].keys()
+    for k in before[1]:
+        assert torch.equal(before[1][k], after[1][k]), f"buffer {k} changed"
+
+
+@pytest.mark.parametrize("guide_name", ["MeanField", "AutoNormal"])
+@pytest.mark.parametrize("left_in", ["train", "eval"])
+def test_batchnorm_prediction_does_not_depend_on_the_batch_nor_change_the_model(images, guide_name, left_in):
+    model, guide = _train(_bn_cnn, guide_name, images)
+    model.train(left_in == "train")
+    bn = model.net[1]
+    assert any(k.endswith("running_mean") for k, _ in model.named_buffers())
+    # control: in train mode the network's output for 5 inputs depends on their batch,
+    # so the comparison below can fail
+    values = {k: v.detach() for k, v in sample_latents(model, guide, images.x_test[:1]).items()}
+    with torch.no_grad():
+        model.train()
+        alone = model.run_with(values, images.x_test[:5])
+        batch = model.run_with(values, images.x_test[:100])[:5]
+    assert (alone - batch).abs().max() > 1e-3
+    model.train(left_in == "train")
+    bn.running_mean.copy_(torch.linspace(-1, 1, 4))     # known statistics, not the defaults
+    before = _state(model, guide)
+
+    torch.manual_seed(1)
+    five = pb.predict(model, guide, images.x_test[:5], num_samples=4)
+    torch.manual_seed(1)
+    hundred = pb.predict(model, guide, images.x_test[:100], num_samples=4, batch_size=100)
+    assert five.shape == (4, 5, 10)
+    torch.testing.assert_close(five, hundred[:, :5], rtol=0, atol=1e-6)
+    _assert_unchanged(before, _state(model, guide))
+
+    scores = pb.evaluate(model, guide, *images.test, num_samples=4)
+    assert scores["predictive"] == "sample(4)" and 0.0 <= scores["accuracy"] <= 1.0
+    _assert_unchanged(before, _state(model, guide))
+    assert int(bn.num_batches_tracked) == int(before[1]["0.net.1.num_batches_tracked"])
+    pb.predictive_samples(model, guide, images.x_test[:10], num_samples=2)
+    pb.to_arviz(model, guide, images.x_test[:20], images.y_test[:20], num_samples=3)
+    _assert_unchanged(before, _state(model, guide))
+
+
+def test_dropout_is_off_at_prediction(images):
+    """With the same draws the predictions of 5 inputs alone and in a batch of 100 agree,
+    and two predictions with the same seed are identical (train-mode dropout would make
+    them differ)."""
+    model, guide = _train(_dropout_cnn, "MeanField", images)
+    assert model.training
+    torch.manual_seed(3)
+    five = pb.predict(model, guide, images.x_test[:5], num_samples=4)
+    torch.manual_seed(3)
+    hundred = pb.predict(model, guide, images.x_test[:100], num_samples=4)
+    torch.testing.assert_close(five, hundred[:, :5], rtol=0, atol=1e-6)
+    assert model.training and all(m.training for m in model.modules())
+    # control: in train mode the same weights give different outputs (units dropped)
+    values = sample_latents(model, guide, images.x_test[:1])
+    with torch.no_grad():
+        assert not torch.equal(model.run_with(values, images.x_test[:5]),
+                               model.run_with(values, images.x_test[:5]))
+
+
+def test_laplace_glm_on_a_batchnorm_cnn_is_batch_independent(images):
+    """Last-layer Laplace of a BatchNorm CNN: the probit GLM (deterministic) of 5 inputs alone
+    equals theirs in a batch of 100; the model's flags and buffers are unchanged."""
+    torch.manual_seed(0)
+    model = pb.BNN(_bn_cnn())
+    guide = pb.guides.Laplace(model, subset="last_layer")
+    with pytest.warns(pb.ConvergenceWarning):
+        pb.fit(model, guide, (images.x_train[:400], images.y_train[:400]), epochs=3, batch_size=64,
+               progress=False, seed=0)
+    before = _state(model, guide)
+    five = pb.predict(model, guide, images.x_test[:5], method="glm_probit")
+    hundred = pb.predict(model, guide, images.x_test[:100], method="glm_probit")
+    torch.testing.assert_close(five, hundred[:, :5], rtol=0, atol=1e-6)
+    pb.evaluate(model, guide, *images.test, num_samples=8)         # default: Monte-Carlo GLM
+    _assert_unchanged(before, _state(model, guide))
+
+
+def test_evaluation_mode_restores_each_flag_even_on_error():
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Dropout(0.1))
+    net.train()
+    net[2].eval()                       # a mixed state that net.train(flag) could not restore
+    with pytest.raises(RuntimeError, match="boom"):
+        with evaluation_mode(net, None, lambda x: x):
+            assert not any(m.training for m in net.modules())
+            raise RuntimeError("boom")
+    assert [m.training for m in net.modules()] == [True, True, True, False]
