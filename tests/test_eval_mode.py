@@ -145,3 +145,63 @@ def test_evaluation_mode_restores_each_flag_even_on_error():
             assert not any(m.training for m in net.modules())
             raise RuntimeError("boom")
     assert [m.training for m in net.modules()] == [True, True, True, False]
+
+
+# ---- one predictive per guide (issue 24): pb.evaluate and pb.to_arviz agree
+
+@pytest.fixture(scope="module")
+def laplace_digits():
+    torch.manual_seed(0)
+    split = pb.datasets.digits()
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 20), nn.ReLU(), nn.Linear(20, 10)))
+    guide = pb.guides.Laplace(model, subset="last_layer")
+    with pytest.warns(pb.ConvergenceWarning):
+        pb.fit(model, guide, (split.x_train[:500], split.y_train[:500]), epochs=10, batch_size=100,
+               lr=1e-2, progress=False, seed=0)
+    return model, guide, split
+
+
+def test_evaluate_and_to_arviz_use_the_same_glm_predictive(laplace_digits):
+    """Default predictive of a Laplace guide: Monte-Carlo GLM in both, named; their test NLLs
+    (log of the mean probability over S draws of the same Gaussian) agree within MC error,
+    while the probit link is a different, named predictive."""
+    model, guide, split = laplace_digits
+    x, y = split.x_test[:200], split.y_test[:200]
+    S = 2000
+    torch.manual_seed(0)
+    scores = pb.evaluate(model, guide, x, y, num_samples=S)
+    assert scores["predictive"] == f"glm-mc({S})"
+    dt = pb.to_arviz(model, guide, x, y, num_samples=S, seed=0)
+    assert dt.attrs["method"] == "glm" and dt.attrs["predictive"] == f"glm-mc({S})"
+    ll = torch.as_tensor(dt["log_likelihood"]["obs"].values[0])          # (S, N)
+    arviz_nll = float(-(torch.logsumexp(ll, 0) - torch.log(torch.tensor(float(S)))).mean())
+    assert abs(scores["nll"] - arviz_nll) < 5e-3, (scores["nll"], arviz_nll)
+    probit = pb.evaluate(model, guide, x, y, method="glm_probit")
+    assert probit["predictive"] == "glm-probit"
+    explicit = pb.evaluate(model, guide, x, y, num_samples=S, method="glm", link_approx="probit")
+    assert explicit["predictive"] == "glm-probit" and explicit["nll"] == probit["nll"]
+    with pytest.raises(ValueError, match="glm_probit.*not draws"):
+        pb.to_arviz(model, guide, x, y, num_samples=4, method="glm_probit")
+    assert pb.predict(model, guide, x[:3], num_samples=5).shape == (5, 3, 10)   # MC by default
+    assert pb.predict(model, guide, x[:3], method="glm_probit").shape == (1, 3, 10)
+
+
+@pytest.mark.parametrize("call", ["predict", "evaluate", "to_arviz", "predictive_samples"])
+def test_prediction_options_are_checked(laplace_digits, call):
+    model, guide, split = laplace_digits
+    x, y = split.x_test[:10], split.y_test[:10]
+    fn = {"predict": lambda **kw: pb.predict(model, guide, x, **kw),
+          "evaluate": lambda **kw: pb.evaluate(model, guide, x, y, **kw),
+          "to_arviz": lambda **kw: pb.to_arviz(model, guide, x, y, **kw),
+          "predictive_samples": lambda **kw: pb.predictive_samples(model, guide, x, **kw)}[call]
+    with pytest.raises(TypeError, match=r"num_samples must be an int >= 1, got 2.5 \(float\)"):
+        fn(num_samples=2.5)
+    with pytest.raises(ValueError, match="num_samples must be an int >= 1, got 0"):
+        fn(num_samples=0)
+    with pytest.raises(TypeError, match="batch_size must be an int >= 1, got True"):
+        fn(num_samples=2, batch_size=True)
+    if call != "predictive_samples":
+        with pytest.raises(ValueError, match="did you mean 'sample'"):
+            fn(num_samples=2, method="smaple")
+        with pytest.raises(ValueError, match="did you mean 'glm_probit'"):
+            fn(num_samples=2, method="glm_probt")

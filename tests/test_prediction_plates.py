@@ -47,6 +47,7 @@ def _guide(name, model):
 
 
 @pytest.mark.parametrize("name", ["MeanField", "AutoNormal"])
+@pytest.mark.slow
 def test_subsampled_plate_model_predicts_any_number_of_inputs(name):
     x, y = _data()
     model = _Linear(200)
