@@ -205,3 +205,18 @@ def test_prediction_options_are_checked(laplace_digits, call):
             fn(num_samples=2, method="smaple")
         with pytest.raises(ValueError, match="did you mean 'glm_probit'"):
             fn(num_samples=2, method="glm_probt")
+
+
+def test_mc_glm_draws_survive_a_numerically_indefinite_covariance():
+    """Σ_f of float32 Jacobians can be slightly indefinite (Cholesky fails: seen on a
+    3-epoch hand-written model once the Monte-Carlo GLM became the default); the draws then
+    use the PSD square root of Σ_f: finite, with the right covariance."""
+    from pyro_bnn.curvature.glm import glm_predictive
+
+    cov = torch.tensor([[[1.0, 1.0], [1.0, 1.0]]]) - 1e-4 * torch.eye(2)      # eigenvalues 2, -1e-4
+    f = torch.zeros(1, 2)
+    draws = glm_predictive(f, cov, "gaussian", num_samples=20000,
+                           generator=torch.Generator().manual_seed(0))      # (S, 1, 2) draws of f
+    assert torch.isfinite(draws).all()
+    emp = torch.cov(draws[:, 0].T)
+    torch.testing.assert_close(emp, torch.ones(2, 2), rtol=0, atol=0.05)
