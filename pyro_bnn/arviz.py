@@ -66,7 +66,6 @@ from .curvature import pointwise_log_likelihood, sample_observations
 from .data import check_finite
 from .devices import module_device
 from .guide_density import sample_with_log_density
-from .guides.base import guide_contract
 from .likelihoods import log_likelihood
 from .model import is_bnn
 from .prediction import default_method, predictive_name, resolve_method, whole_batch_plates
