@@ -69,7 +69,7 @@ def map_metrics(model, guide, x, y):
 
 
 def glm_metrics(model, guide, x, y):
-    probs = pb.predict(model, guide, x, method="glm", batch_size=500)
+    probs = pb.predict(model, guide, x, method="glm_probit", batch_size=500)
     return pb.metrics.classification_metrics(probs, y, 15)
 
 
@@ -228,7 +228,7 @@ def task_lastlayer(args, name, split, hidden, epochs, seeds, out):
         for label, g in variants:
             t = time.perf_counter()
             ev = g.optimize_prior_precision(split.train, steps=300, lr=0.1)
-            probs = pb.predict(model, g, split.x_test, method="glm", batch_size=500)
+            probs = pb.predict(model, g, split.x_test, method="glm_probit", batch_size=500)
             r = pb.metrics.classification_metrics(probs, split.y_test, 15)
             r["mean_confidence"] = float(probs[0].max(-1).values.mean())
             row[label] = dict(glm=r, prior_precision=float(g.prior_precision), log_evidence=ev,

@@ -100,7 +100,8 @@ def main(argv=None):
                    loss_last_tenth=round(sum(loss[-tenth:]) / tenth, 1),
                    loss_previous_tenth=round(sum(loss[-2 * tenth:-tenth]) / tenth, 1),
                    diagnosed_converged=result.convergence.converged)
-        row.update({k: round(v, 4) for k, v in pb.evaluate(model, guide, *test, num_samples=100).items()})
+        row.update({k: round(v, 4) if isinstance(v, float) else v
+                    for k, v in pb.evaluate(model, guide, *test, num_samples=100).items()})
         print(json.dumps(row), flush=True)
 
 

@@ -1,6 +1,7 @@
 """Posterior draws shared by the uncertainty tools (pruning, OOD, FGSM, active learning).
 
-Only public guide behaviour is used: joint draws come from
+Draws and evaluations run in eval mode (:func:`pyro_bnn.prediction.evaluation_mode`, through
+``sample_latents`` and ``params_under``).  Only public guide behaviour is used: joint draws come from
 :func:`pyro_bnn.prediction.sample_latents`, so every guide (mean-field, Laplace, hypernet,
 symmetrised, Pyro's autoguides) works.  Draws are kept as a list of ``{site: value}``
 dicts so that several evaluations can reuse the *same* weights (common random numbers):
@@ -15,6 +16,7 @@ import torch
 from pyro.infer.autoguide import AutoNormal
 
 from ._local_params import local_params
+from .arguments import check_int
 from .model import is_bnn
 from .prediction import params_under, sample_latents
 
@@ -23,8 +25,7 @@ __all__ = ["draw_latents", "probs_from_latents", "site_moments"]
 
 def draw_latents(model, guide, x: torch.Tensor, num_samples: int) -> list[dict[str, torch.Tensor]]:
     """``num_samples`` joint posterior draws ``[{site: value}, ...]`` (detached)."""
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    num_samples = check_int("num_samples", num_samples, 1)
     with local_params(model, guide), torch.no_grad():
         return [{k: v.detach() for k, v in sample_latents(model, guide, x[:1]).items()}
                 for _ in range(num_samples)]

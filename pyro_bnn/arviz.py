@@ -60,13 +60,15 @@ from pyro import poutine
 from torch import nn
 
 from ._local_params import local_params
+from ._modes import evaluation_mode
+from .arguments import check_int
 from .curvature import pointwise_log_likelihood, sample_observations
 from .data import check_data, check_finite
 from .devices import module_device
 from .guide_density import sample_with_log_density
-from .guides.base import guide_contract
 from .likelihoods import log_likelihood
 from .model import is_bnn
+from .prediction import default_method, predictive_name, resolve_method, whole_batch_plates
 from .seeding import seeded
 
 __all__ = ["to_arviz", "loo_approximate", "site_dims", "default_method"]
@@ -116,7 +118,7 @@ def _pointwise_trace(model, values, x, y, batch_size, device, want_pp, obs_site)
     for start in range(0, len(x), batch_size):
         xb = x[start:start + batch_size].to(device)
         yb = y[start:start + batch_size].to(device)
-        tr = poutine.trace(poutine.condition(model, data=values)).get_trace(xb, yb)
+        tr = poutine.trace(whole_batch_plates()(poutine.condition(model, data=values))).get_trace(xb, yb)
         if obs_site not in tr.nodes:
             raise ValueError(f"model has no observed site {obs_site!r}; sites: {list(tr.nodes)}")
         node = tr.nodes[obs_site]
@@ -191,9 +193,12 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
         Inputs per forward pass; memory is bounded by one batch per draw.
     method : {"sample", "glm"}, optional
         ``"sample"``: draws of the guide through the network.  ``"glm"`` (Laplace guides):
-        linearised draws, see the module docstring.  Default: the guide's own predictive
+        linearised draws, see the module docstring; the same Monte-Carlo GLM predictive as
+        ``pb.evaluate(method="glm")`` (``"glm_probit"`` has no draws and is refused).
+        Default: the guide's own predictive, as for :func:`pyro_bnn.evaluate`
         (``guide.default_predictive``: ``"glm"`` for :class:`~pyro_bnn.guides.Laplace`,
-        else ``"sample"``).
+        else ``"sample"``).  ``attrs["predictive"]`` names it (``"glm-mc(200)"``).
+        The model and guide run in eval mode (see :mod:`pyro_bnn.prediction`).
     posterior_predictive : bool
         Also sample one replicate ``y`` per draw.
     obs_site : str
@@ -224,18 +229,31 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
         raise TypeError(f"x and y must be torch.Tensors, got {type(x).__name__} and {type(y).__name__}")
     if len(x) != len(y):
         raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
-    if int(num_samples) < 1 or int(batch_size) < 1:
-        raise ValueError(f"num_samples and batch_size must be >= 1, got {num_samples} and {batch_size}")
+    num_samples = check_int("num_samples", num_samples, 1)
+    batch_size = check_int("batch_size", batch_size, 1)
     check_finite(x, "x")
     x, y = check_data(model, x, y, where="pb.to_arviz")
     device = torch.device(device) if device is not None else module_device(model, guide, default=x.device)
-    method = default_method(guide) if method is None else method
+    method = resolve_method(guide, method)
+    if method == "glm_probit":
+        raise ValueError("method='glm_probit' is a closed-form approximation of the link, not draws, "
+                         "so it has no per-draw log-likelihood for ArviZ; use method='glm' (Monte "
+                         "Carlo over the same Gaussian, pb.evaluate's default for a Laplace guide)")
     if method not in ("sample", "glm"):
         raise ValueError(f"method must be 'sample' or 'glm', got {method!r}")
-    if method == "glm":
-        data = _glm_groups(guide, x, y, int(num_samples), var_names, batch_size, device,
-                           posterior_predictive)
-        return _datatree(model, guide, data, y, int(num_samples), "glm")
+    with evaluation_mode(model, guide):
+        if method == "glm":
+            data = _glm_groups(guide, x, y, num_samples, var_names, batch_size, device,
+                               posterior_predictive)
+        else:
+            data = _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, device,
+                                  posterior_predictive, obs_site)
+    return _datatree(model, guide, data, y, num_samples, method)
+
+
+def _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, device,
+                   posterior_predictive, obs_site) -> dict:
+    """Groups of joint guide draws through the network (``method="sample"``)."""
     bnn = is_bnn(model)
 
     draws: dict[str, list[np.ndarray]] = {}
@@ -271,13 +289,7 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     }
     if pp:
         data["posterior_predictive"] = {"obs": chain(pp)}
-    return _datatree(model, guide, data, y, int(num_samples), "sample")
-
-
-def default_method(guide) -> str:
-    """The predictive a guide is evaluated with: ``guide.default_predictive`` (``"glm"`` for
-    the Laplace guide), ``"sample"`` for guides that do not name one."""
-    return str(getattr(guide_contract(guide), "default_predictive", "sample"))
+    return data
 
 
 def _glm_groups(guide, x, y, num_samples, var_names, batch_size, device, want_pp) -> dict:
@@ -325,6 +337,7 @@ def _datatree(model, guide, data: dict, y: torch.Tensor, num_samples: int, metho
         "guide": type(guide).__name__,
         "num_samples": int(num_samples),
         "method": method,
+        "predictive": predictive_name(method, num_samples),
         "log_p": "sample_stats/lp  (log prior + sum of log_likelihood/obs)" if method == "sample" else
                  "sample_stats/lp  (linearised model: Laplace prior with the guide's delta + sum of "
                  "log_likelihood/obs of f_lin)",

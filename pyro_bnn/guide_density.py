@@ -25,12 +25,15 @@ from pyro import poutine
 from pyro.distributions.transforms import biject_to
 from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoDelta, AutoNormal
+from pyro.poutine.util import site_is_subsample
 
 from ._local_params import local_params
+from ._modes import evaluation_mode
 from .guides.base import guide_contract
 from .objectives import call_model
 
-__all__ = ["sample_with_log_density", "guide_log_density", "guide_args"]
+__all__ = ["sample_with_log_density", "guide_log_density", "guide_args", "latent_values",
+           "check_global_latents"]
 
 
 def guide_args(model, x: torch.Tensor, y: torch.Tensor | None = None) -> tuple[tuple, dict]:
@@ -39,10 +42,46 @@ def guide_args(model, x: torch.Tensor, y: torch.Tensor | None = None) -> tuple[t
     return args, kwargs
 
 
-def _latent_values(trace) -> dict[str, torch.Tensor]:
-    return {name: node["value"] for name, node in trace.nodes.items()
-            if node["type"] == "sample" and not node["is_observed"]
-            and not node["infer"].get("is_auxiliary", False)}
+def _is_latent(node) -> bool:
+    return (node["type"] == "sample" and not node["is_observed"] and not site_is_subsample(node)
+            and not node["infer"].get("is_auxiliary", False))
+
+
+def latent_values(trace) -> dict[str, torch.Tensor]:
+    """``{site: value}`` of the latent model sites in a guide trace.
+
+    Left out: observed sites, auxiliary sites and the index sites that subsampling plates
+    record (``pyro.plate("data", N, subsample_size=M)`` samples ``M`` indices as a site named
+    ``"data"``): conditioning a model on the guide's indices would pin its plate to the
+    guide's subsample size.
+    """
+    return {name: node["value"] for name, node in trace.nodes.items() if _is_latent(node)}
+
+
+def check_global_latents(trace) -> None:
+    """Raise ``ValueError`` if a latent site of ``trace`` lies in a subsampled plate.
+
+    Such a site is *local*: the guide holds one value per training point (Pyro broadcasts a
+    site sampled inside ``pyro.plate("data", N, subsample_size=M)`` over the plate, which is
+    also what happens to a ``PyroSample`` attribute first read inside the plate), so it has
+    no value for new inputs and a predictive for them is undefined.
+    """
+    local = {}
+    for name, node in trace.nodes.items():
+        if _is_latent(node):
+            for frame in node["cond_indep_stack"]:
+                if frame.vectorized and frame.full_size not in (None, frame.size):
+                    local[name] = frame
+    if local:
+        name, frame = next(iter(local.items()))
+        raise ValueError(
+            f"latent sites {sorted(local)} are sampled inside the subsampled plate {frame.name!r} "
+            f"(size {frame.full_size}, {frame.size} per batch), so the guide holds one value per "
+            "training point: they are local latent variables with no value for new inputs, and "
+            "prediction needs global ones. If they are meant to be global weights, sample them "
+            "outside the plate: read PyroSample attributes before `with pyro.plate(...)` (e.g. "
+            "`w, b = self.w, self.b` above it; inside the plate Pyro broadcasts them over the data) "
+            "and train again")
 
 
 def sample_with_log_density(model, guide, x: torch.Tensor, y: torch.Tensor | None = None
@@ -68,9 +107,10 @@ def sample_with_log_density(model, guide, x: torch.Tensor, y: torch.Tensor | Non
         summed ``log_prob`` of the draw's own trace (auxiliary sites included).
     """
     args, kwargs = guide_args(model, x, y)
-    with local_params(model, guide):
+    with local_params(model, guide), evaluation_mode(model, guide):
         trace = poutine.trace(poutine.block(guide, hide_types=["param"])).get_trace(*args, **kwargs)
-        values = _latent_values(trace)
+        check_global_latents(trace)
+        values = latent_values(trace)
         log_q = guide_contract(guide).log_density(values)
         if log_q is None:
             log_q = trace.log_prob_sum()
@@ -112,7 +152,7 @@ def guide_log_density(guide, values: dict[str, torch.Tensor], model=None,
         raise TypeError(f"{type(guide).__name__} has no closed-form density here; pass model= and x= "
                         "so it can be replayed, or give the guide a log_density(values) method")
     args, kwargs = guide_args(model, x)
-    with local_params(*(m for m in (model, guide) if m is not None)):
+    with local_params(*(m for m in (model, guide) if m is not None)), evaluation_mode(model, guide):
         trace = poutine.trace(poutine.condition(poutine.block(guide, hide_types=["param"]), data=values)
                               ).get_trace(*args, **kwargs)
     aux = [n for n, s in trace.nodes.items() if s["type"] == "sample" and s["infer"].get("is_auxiliary")]

@@ -209,6 +209,10 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         distributed: bool | _dist.DistributedOptions = False, **unknown) -> FitResult:
     """Train ``model`` and ``guide`` by stochastic variational inference.
 
+    Module modes are left as they were (a new network is in train mode, so BatchNorm
+    running statistics are those of training); ``pb.predict``/``pb.evaluate``/``pb.to_arviz``
+    run in eval mode themselves and restore every flag (:mod:`pyro_bnn.prediction`).
+
     Parameters
     ----------
     model : pyro_bnn.BNN or PyroModule

@@ -363,7 +363,7 @@ def test_glm_log_likelihood_matches_evaluate_glm():
     nll = pb.evaluate(model, guide, xs, ys, method="glm", link_approx="mc", num_samples=S_)["nll"]
     assert float(-ours.mean()) == pytest.approx(nll, abs=0.01)
     # and against the probit approximation only roughly (it is an approximation of this integral)
-    probit = pb.evaluate(model, guide, xs, ys, method="glm")["nll"]
+    probit = pb.evaluate(model, guide, xs, ys, method="glm_probit")["nll"]
     assert float(-ours.mean()) == pytest.approx(probit, rel=0.2)
 
 

@@ -62,16 +62,16 @@ def test_entropy_rises_with_rotation_every_guide(name):
 
 
 def test_curve_with_guide_predictive_method():
-    """``method="glm"`` (Laplace's linearised predictive) goes through ``guide.predict``:
+    """``method="glm_probit"`` (Laplace's linearised predictive, probit link) goes through ``guide.predict``:
     a deterministic (1, N, C) predictive gives MI 0 and equals pb.predict at every level."""
     import pyro_bnn as pb
 
     model, guide = trained("laplace")
     d = digits()
     x, y = d.x_test[:100], d.y_test[:100]
-    curve = rotation_curve(model, guide, x, y, angles=[0, 45], num_samples=4, method="glm")
+    curve = rotation_curve(model, guide, x, y, angles=[0, 45], num_samples=4, method="glm_probit")
     assert curve["mutual_information"] == [0.0, 0.0]
-    probs = pb.predict(model, guide, rotate(x, 45), method="glm").reshape(len(x), -1)
+    probs = pb.predict(model, guide, rotate(x, 45), method="glm_probit").reshape(len(x), -1)
     expected = float(pb.metrics.predictive_entropy(probs.unsqueeze(0)).mean())
     assert curve["entropy"][1] == pytest.approx(expected, rel=1e-5)
     assert curve["accuracy"][0] > 0.5 and curve["entropy"][1] > curve["entropy"][0]

@@ -37,6 +37,13 @@ def _accuracy_method(guide):
     return "glm" if isinstance(guide, pb.guides.Laplace) else "sample"
 
 
+def _accuracy_draws(guide, num_samples):
+    """Draws for the accuracy check: the Laplace GLM (Monte Carlo over function draws, cheap)
+    with 100, since 5 draws of a 3-epoch net's wide Gaussian moved accuracy between 0.27 and
+    0.37 across seeds (100 draws: 0.39, as the probit link)."""
+    return 100 if isinstance(guide, pb.guides.Laplace) else num_samples
+
+
 def _bnn():
     torch.manual_seed(0)
     return pb.BNN(mlp(), likelihood="categorical")
@@ -53,7 +60,7 @@ def test_fit_predict_evaluate(name, digits_small):
     probs = pb.predict(model, guide, xt, num_samples=5, batch_size=33)
     assert probs.shape == (5, len(xt), 10)
     torch.testing.assert_close(probs.sum(-1), torch.ones(5, len(xt)))
-    scores = pb.evaluate(model, guide, xt, yt, num_samples=5, method=_accuracy_method(guide))
+    scores = pb.evaluate(model, guide, xt, yt, num_samples=_accuracy_draws(guide, 5), method=_accuracy_method(guide))
     assert set(scores) >= {"accuracy", "nll", "ece", "brier"}
     assert 0.0 <= scores["ece"] <= 1.0 and scores["nll"] > 0
     # three short epochs already beat chance (10%) by a wide margin
@@ -68,7 +75,7 @@ def test_hand_written_model(name, digits_small):
     pb.fit(model, guide, (x, y), epochs=3, batch_size=64, lr=1e-2, progress=False)
     probs = pb.predict(model, guide, xt, num_samples=4)
     assert probs.shape == (4, len(xt), 10)
-    scores = pb.evaluate(model, guide, xt, yt, num_samples=4, method=_accuracy_method(guide))
+    scores = pb.evaluate(model, guide, xt, yt, num_samples=_accuracy_draws(guide, 4), method=_accuracy_method(guide))
     assert scores["accuracy"] > 0.3
 
 

@@ -121,7 +121,13 @@ def _function_draws(f, cov, num_samples, generator):
     C = f.shape[-1]
     eye = torch.eye(C, dtype=f.dtype, device=f.device)
     size = torch.diagonal(cov, dim1=-2, dim2=-1).amax(-1)[:, None, None]
-    L = torch.linalg.cholesky(cov + 1e-8 * (1 + size) * eye)
+    L, info = torch.linalg.cholesky_ex(cov + 1e-8 * (1 + size) * eye)
+    bad = info != 0
+    if bool(bad.any()):   # float32 Σ_f = J P⁻¹ Jᵀ can be numerically indefinite: PSD square root
+        sym = (0.5 * (cov[bad] + cov[bad].transpose(-1, -2))).double()
+        lam, Q = torch.linalg.eigh(sym)
+        L = L.clone()
+        L[bad] = (Q * lam.clamp_min(0).sqrt().unsqueeze(-2)).to(L.dtype)
     eps = torch.randn(num_samples, *f.shape, dtype=f.dtype, device=f.device, generator=generator)
     return f + torch.einsum("ncd,snd->snc", L, eps)
 

@@ -54,7 +54,7 @@ from ..arviz import default_method
 from ..data import check_data
 from ..datasets import DataSplit
 from ..guides.base import guide_contract, registered_guides
-from ..prediction import PredictiveSamples, predict, predictive_samples
+from ..prediction import PredictiveSamples, predict, predictive_name, predictive_samples
 from ..seeding import seeded
 from ..training import FitResult, fit
 
@@ -311,7 +311,7 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     t0 = time.perf_counter()
     out = run.predictive(split.x_test, num_samples)
     run.metrics["predict_seconds"] = time.perf_counter() - t0
-    run.metrics["predictive"] = predict_method
+    run.metrics["predictive"] = predictive_name(predict_method, num_samples)   # e.g. "glm-mc(100)"
     run.metrics["converged"] = convergence_label(run.fit.convergence)
     run.metrics["configuration"] = describe_configuration(model, guide, epochs=epochs, lr=lr,
                                                           batch_size=batch_size, fit_options=fit_kw)

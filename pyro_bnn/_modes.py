@@ -1,0 +1,53 @@
+"""Train/eval mode of the model and guide during prediction.
+
+Public as :func:`pyro_bnn.prediction.evaluation_mode`; a module of its own so that the
+prediction, density and ArviZ modules can all use it without importing each other.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from torch import nn
+
+__all__ = ["evaluation_mode"]
+
+
+@contextmanager
+def evaluation_mode(*modules):
+    """Run the body with every submodule of ``modules`` in eval mode, then restore each flag.
+
+    Prediction must not depend on which other inputs share a batch, nor change the model:
+    in train mode ``BatchNorm`` normalises with the batch's statistics (so an input's
+    prediction depends on its batch) and updates ``running_mean``/``running_var``/
+    ``num_batches_tracked`` with the data it sees, and ``Dropout`` drops units.  In eval
+    mode neither happens.
+
+    Each submodule's own ``training`` flag is recorded and set back on exit, exceptions
+    included, so a model that had some layers in train mode and others in eval mode is
+    left exactly as it was (``module.train(flag)`` would set the whole subtree alike).
+    Buffers are not touched; eval mode is what keeps them unchanged.
+
+    Parameters
+    ----------
+    *modules : nn.Module or other
+        The model and the guide; anything that is not an ``nn.Module`` (a plain-function
+        guide, ``None``) is ignored.
+
+    Examples
+    --------
+    >>> with evaluation_mode(model, guide):          # doctest: +SKIP
+    ...     probs = model.run_with(values, x)
+    """
+    flags: dict[int, tuple[nn.Module, bool]] = {}
+    for module in modules:
+        if isinstance(module, nn.Module):
+            for sub in module.modules():
+                flags.setdefault(id(sub), (sub, sub.training))
+    try:
+        for sub, _ in flags.values():
+            sub.training = False
+        yield
+    finally:
+        for sub, flag in flags.values():
+            sub.training = flag
