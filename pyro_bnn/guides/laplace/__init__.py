@@ -11,5 +11,6 @@
 
 from .guide import Laplace, LinearizedSamples
 from .objective import LaplaceMAPObjective
+from .prior import PriorMismatchWarning
 
-__all__ = ["Laplace", "LaplaceMAPObjective", "LinearizedSamples"]
+__all__ = ["Laplace", "LaplaceMAPObjective", "LinearizedSamples", "PriorMismatchWarning"]

@@ -44,7 +44,7 @@ from ...model import is_bnn
 from ..base import BNNGuide, init_to_network, register_guide
 from .objective import LaplaceMAPObjective
 from .online import OnlineEvidence, _batches, _num_augmentations, deterministic_curvature
-from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision
+from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision, resolve_prior_structure
 from .state import CurvatureState
 
 __all__ = ["Laplace", "LinearizedSamples"]
@@ -79,11 +79,17 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     structure : {"kron", "diag", "full"}
         Curvature: KFAC per layer, diagonal GGN, or full GGN (small nets).
     prior_precision : float or Tensor, optional
-        Initial δ; default from the model's Normal prior (``1/σ²``), else 1.
-    prior_structure : {"scalar", "layerwise", "sitewise", "diagonal"}
-        One δ, one per layer, one per sample site (weight and bias tensors apart; with
-        ``"kron"`` only for ``kron_bias="separate"``) or one per weight (not with
-        ``"kron"``); see :mod:`pyro_bnn.guides.laplace.prior`.
+        Initial δ; default from the model's Normal prior (``1/σ²`` of each covered site),
+        else 1 (with a :class:`~pyro_bnn.guides.laplace.PriorMismatchWarning`).
+    prior_structure : {"auto", "scalar", "layerwise", "sitewise", "diagonal"}
+        ``"auto"`` (default): the smallest structure that holds the model's Normal prior
+        exactly (one δ if all covered sites share it, else per layer, per site or per
+        weight), so the guide's Gaussian prior *is* the model's prior and a linear-Gaussian
+        model's Laplace is exact.  Or one δ, one per layer, one per sample site (weight and
+        bias tensors apart) or one per weight (not with ``"kron"``); a chosen structure that
+        cannot hold the model's prior warns (``PriorMismatchWarning``).  Evidence tuning
+        (``tune_prior_precision=``, ``optimize_prior_precision``) starts from it; see
+        :mod:`pyro_bnn.guides.laplace.prior`.
     curvature_batch_size : int
         Batch size for curvature and the GLM predictive when given tensors.
     kron_bias : {"joint", "separate"}
@@ -144,7 +150,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     default_predictive = "glm"
 
     def __init__(self, model, structure: str = "kron", *, prior_precision=None,
-                 prior_structure: str = "scalar", init_loc_fn=None,
+                 prior_structure: str = "auto", init_loc_fn=None,
                  curvature_batch_size: int = 256, kron_bias: str = "joint", subset="all",
                  tune_prior_precision: str | None = None, create_plates=None):
         if structure not in STRUCTURES:
@@ -156,10 +162,6 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
                              "'sitewise', got 'diagonal' (use structure='diag' or 'full')")
         if kron_bias not in ("joint", "separate"):
             raise ValueError(f"kron_bias must be 'joint' or 'separate', got {kron_bias!r}")
-        if structure == "kron" and prior_structure == "sitewise" and kron_bias != "separate":
-            raise ValueError("prior_structure='sitewise' with structure='kron' needs kron_bias='separate' "
-                             "(a joint Kronecker block over [W, b] has one prior precision), got "
-                             f"kron_bias={kron_bias!r}")
         if tune_prior_precision not in (None, "marglik"):
             raise ValueError(f"tune_prior_precision must be None or 'marglik', got {tune_prior_precision!r}")
         if isinstance(subset, str):
@@ -175,7 +177,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         super().__init__(InitMessenger(self.init_loc_fn)(model), create_plates=create_plates)
         self._base_model = (model,)      # a tuple: not registered as a submodule
         self.structure = structure
-        self.prior_structure = prior_structure
+        self.prior_structure = prior_structure          # "auto" is resolved at set-up
+        self._requested_prior_structure = prior_structure
         self.curvature_batch_size = int(curvature_batch_size)
         self.kron_bias = kron_bias
         self.subset = subset
@@ -214,20 +217,26 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.fixed_sites = [s for s in self.site_shapes if s not in self.laplace_sites]
         # point estimates are stored unconstrained: value = transform(theta)
         self._point_transforms = _point_estimate_transforms(sites, self.laplace_sites)
-        prior_prec = {}
+        prior_prec, prior_problems = {}, {}
         for name, site in sites.items():
             value = site["value"].detach()
             unconstrained = self._point_transforms[name].inv(value) if name in self._point_transforms else value
             self.theta[_key(name)] = nn.Parameter(unconstrained.detach().clone())
-            prior_prec[name] = _normal_precision(site["fn"], value)
+            prior_prec[name], problem = _normal_precision(site["fn"], value)
+            if problem is not None:
+                prior_problems[name] = problem
         self._fixed_priors = {name: sites[name]["fn"] for name in self.fixed_sites}
         try:
             self.layers = find_layers(self.base_model, {s: self.site_shapes[s] for s in self.laplace_sites})
         except ValueError as exc:
             raise ValueError(f"{exc}. Leave such sites out of subset= (e.g. subset='last_layer' or a list "
                              "of the layer sites): the other sites are point estimates") from exc
+        if self._requested_prior_structure == "auto":
+            self.prior_structure = resolve_prior_structure(self.layers, prior_prec, self.structure)
         self.register_buffer("log_prior_precision",
                              self._initial_log_prior_precision(prior_prec, self._init_prior_precision))
+        self._check_prior_is_represented(prior_prec, prior_problems, self._requested_prior_structure,
+                                         self._init_prior_precision)
         like = next(iter(self.theta.values()))
         self.curvature_state = CurvatureState(self.layers, self.structure, self.kron_bias == "separate",
                                               torch.empty((), dtype=like.dtype, device=like.device))
@@ -581,14 +590,19 @@ def _leading(layer, values):
     return torch.cat(parts, -1)
 
 
-def _normal_precision(fn, value) -> torch.Tensor:
-    """Elementwise 1/σ² of a (possibly Independent/expanded) Normal prior, else ones."""
+def _normal_precision(fn, value) -> tuple[torch.Tensor, str | None]:
+    """Elementwise 1/σ² of a (possibly Independent/expanded) zero-mean Normal prior, and
+    ``None``; else ones and what the Gaussian ``N(0, 1/δ)`` cannot represent."""
     d = fn
     while isinstance(d, (dist.Independent, dist.ExpandedDistribution)) and not isinstance(d, dist.Normal):
         d = d.base_dist
     if isinstance(d, dist.Normal):
-        return (d.scale ** -2).expand(value.shape).to(value.dtype)
-    return torch.ones_like(value)
+        prec = (d.scale ** -2).expand(value.shape).to(value.dtype)
+        if bool((d.loc != 0).any()):
+            return prec, f"a Normal prior with non-zero mean (loc in [{float(d.loc.min()):.4g}, " \
+                         f"{float(d.loc.max()):.4g}])"
+        return prec, None
+    return torch.ones_like(value), f"a {type(d).__name__} prior, not a Normal"
 
 
 def _is_real(support) -> bool:
