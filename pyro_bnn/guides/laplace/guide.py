@@ -13,6 +13,7 @@ Math: METHODS.md §4.
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import ExitStack, contextmanager
 from typing import NamedTuple
 
@@ -47,7 +48,12 @@ from .online import OnlineEvidence, _batches, _num_augmentations, deterministic_
 from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision, resolve_prior_structure
 from .state import CurvatureState
 
-__all__ = ["Laplace", "LinearizedSamples"]
+__all__ = ["Laplace", "LinearizedSamples", "StaleCurvatureWarning"]
+
+
+class StaleCurvatureWarning(UserWarning):
+    """The Laplace guide's curvature is missing or was fitted at another θ (call
+    ``guide.fit_curvature``)."""
 
 
 class LinearizedSamples(NamedTuple):
@@ -113,6 +119,10 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         to the mode of its own prior times the likelihood in its support (no Jacobian, as
         Pyro's ``AutoDelta``), then held fixed; a noise site then gives the curvature its
         observation noise.  Discrete latent sites are rejected.
+    obs_site : str, optional
+        A hand-written model's observed site, read for the curvature and the GLM predictive
+        (default: its one sample site that is not a latent weight, whatever its name; an error
+        asks for ``obs_site=`` when there are several).  Not used for a ``pb.BNN``.
     tune_prior_precision : {None, "marglik"}
         ``"marglik"``: at the end of :func:`pyro_bnn.fit`, after the curvature is fitted,
         maximise the evidence w.r.t. δ (``POSTHOC_STEPS`` = 300 Adam steps, lr 0.1; after
@@ -152,7 +162,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     def __init__(self, model, structure: str = "kron", *, prior_precision=None,
                  prior_structure: str = "auto", init_loc_fn=None,
                  curvature_batch_size: int = 256, kron_bias: str = "joint", subset="all",
-                 tune_prior_precision: str | None = None, create_plates=None):
+                 tune_prior_precision: str | None = None, obs_site: str | None = None,
+                 create_plates=None):
         if structure not in STRUCTURES:
             raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
         if prior_structure not in PRIOR_STRUCTURES:
@@ -183,6 +194,9 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.kron_bias = kron_bias
         self.subset = subset
         self.tune_prior_precision = tune_prior_precision
+        if obs_site is not None and not isinstance(obs_site, str):
+            raise TypeError(f"obs_site must be a site name (str) or None, got {type(obs_site).__name__}")
+        self.obs_site = obs_site
         self._init_prior_precision = prior_precision
         self._posterior_cache = None     # CurvatureFit once the curvature is fitted
         self.register_load_state_dict_post_hook(lambda module, keys: module._invalidate())
@@ -208,6 +222,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         super()._setup_prototype(*args, **kwargs)
         self.theta = nn.ParameterDict()
         self.site_shapes: dict[str, torch.Size] = {}
+        self._drop_unobserved_observations(args)
         sites = dict(self.prototype_trace.iter_stochastic_nodes())
         for name, site in sites.items():
             if any(f.full_size not in (None, f.size) for f in site["cond_indep_stack"]):
@@ -241,6 +256,22 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.curvature_state = CurvatureState(self.layers, self.structure, self.kron_bias == "separate",
                                               torch.empty((), dtype=like.dtype, device=like.device))
 
+    def _drop_unobserved_observations(self, args):
+        """A guide set up without targets (``Predictive(model, guide=guide)(x)``) sees the
+        observed site sampled: the per-datum sites (in a plate of ``len(x)``) are the
+        observation, not latents; ``obs_site=`` names it, else it must be the only one."""
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        per_datum = [name for name, site in self.prototype_trace.iter_stochastic_nodes()
+                     if name == self.obs_site or (x is not None and any(
+                         f.vectorized and f.size == len(x) for f in site["cond_indep_stack"]))]
+        if not per_datum:
+            return
+        if self.obs_site is None and len(per_datum) > 1:
+            raise ValueError(f"expected one observed site in the data plate, got {per_datum}: name the "
+                             "observed one with Laplace(..., obs_site=...) (other per-datum latents are "
+                             "not supported by the Laplace guide)")
+        self.prototype_trace.remove_node(self.obs_site or per_datum[0])
+
     # ------------------------------------------------------- fitted curvature
     @property
     def posterior(self):
@@ -256,11 +287,35 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     @posterior.setter
     def posterior(self, fit):
         self._posterior_cache = fit
+        self._mark_fitted_here()
         if "curvature_state" in self._modules:
             self.curvature_state.store(fit, getattr(self, "_fixed_noise", None))
 
     def _invalidate(self):
         self._posterior_cache = None
+        self._mark_fitted_here()
+
+    def _mark_fitted_here(self):
+        """Remember θ* of the curvature (a loaded or just fitted one), to tell when it is stale."""
+        theta = getattr(self, "theta", None)
+        self._theta_at_curvature = None if theta is None else {k: v.detach().clone() for k, v in theta.items()}
+        self._stale_warned = False
+
+    def curvature_is_stale(self) -> bool:
+        """Whether θ moved (more SVI, other data) since the curvature was fitted at θ*."""
+        snap = getattr(self, "_theta_at_curvature", None)
+        if snap is None or getattr(self, "theta", None) is None:
+            return False
+        return any(not torch.equal(snap[k].to(v.device), v.detach()) for k, v in self.theta.items())
+
+    def _warn_if_stale(self):
+        # once per stale curvature under SVI (grad on); at every prediction call (no grad)
+        if self.curvature_is_stale() and not (self._stale_warned and torch.is_grad_enabled()):
+            self._stale_warned = True
+            warnings.warn("the Laplace guide's θ changed since its curvature was fitted (more SVI steps or "
+                          "other data): its covariance P⁻¹ is stale, from the old θ*. Call "
+                          "guide.fit_curvature((x, y)) again before predicting", StaleCurvatureWarning,
+                          stacklevel=3)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -271,7 +326,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         if self.prototype_trace is None:
             from ...objectives import call_model
             args, kwargs, _ = call_model(self.base_model, x, y, num_data or len(x))
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", StaleCurvatureWarning)   # a set-up call, not a draw
                 pyro.poutine.block(self)(*args, **kwargs)
 
     # ------------------------------------------------------------------ values
@@ -322,31 +378,49 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     # ------------------------------------------------------------- pyro guide
     def forward(self, *args, **kwargs):
         """Delta at θ (MAP phase); after ``fit_curvature`` one joint draw of N(θ*, P⁻¹)."""
-        if self.prototype_trace is None:
+        setting_up = self.prototype_trace is None
+        if setting_up:
             self._setup_prototype(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
         if self.posterior is not None and not self._map_mode:
-            values, log_q = self._joint_draw()
+            self._warn_if_stale()
+            values = self._joint_draw()
         else:
-            values, log_q = self.map_values(), 0.0
+            if not (self._map_mode or setting_up or torch.is_grad_enabled()):
+                # Predictive (no grad) of a guide without curvature: say so, not a silent point mass
+                warnings.warn("the Laplace guide's curvature is not fitted: its draws are a point mass at θ "
+                              "(the MAP). Call guide.fit_curvature((x, y)) after training with SVI "
+                              "(pb.fit does this at its end)", StaleCurvatureWarning, stacklevel=2)
+            values = self.map_values()
         result = {}
-        for i, (name, site) in enumerate(self.prototype_trace.iter_stochastic_nodes()):
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
             with ExitStack() as stack:
                 for frame in site["cond_indep_stack"]:
                     if frame.vectorized:
                         stack.enter_context(plates[frame.name])
-                result[name] = pyro.sample(name, dist.Delta(
-                    values[name], log_density=log_q if i == 0 else 0.0, event_dim=site["fn"].event_dim))
+                result[name] = pyro.sample(name, dist.Delta(values[name], event_dim=site["fn"].event_dim))
         return result
 
     def _joint_draw(self):
-        """θ* + P^{-1/2} ε for all sites, and ``log q`` of the draw."""
-        offsets, log_q = self._draw_offsets(1)
-        theta_star = {k: v.detach() for k, v in self.map_values().items()}
+        """One draw ``θ* + P^{-1/2} ε`` for all sites, through an auxiliary sample site
+        ``_laplace_latent`` that carries the Gaussian ``N(θ*, P⁻¹)`` (so ``poutine.replay`` and
+        trace log densities give ``log q``).  The draw is reparameterised in θ: SVI after
+        ``fit_curvature`` moves θ (and then marks the curvature stale)."""
+        theta_star = self.map_values()
+        posterior = _LaplacePosterior(self, theta_star)
+        flat = pyro.sample("_laplace_latent", posterior, infer={"is_auxiliary": True})
         values = {name: theta_star[name] for name in self.fixed_sites}
-        for layer, off in zip(self.layers, offsets):
-            values.update(layer.unflatten(layer.flatten(theta_star) + off[0], self.site_shapes))
-        return values, log_q[0]
+        values.update(posterior.unpack(flat))
+        return values
+
+    def log_density(self, values: dict) -> torch.Tensor:
+        """``log N(θ | θ*, P⁻¹)`` (0-d) of a joint draw ``{site: tensor}`` over the Laplace
+        sites (the point-estimate sites are held at θ*)."""
+        self._require_posterior()
+        theta_star = {k: v.detach() for k, v in self.map_values().items()}
+        posterior = _LaplacePosterior(self, theta_star)
+        flat = torch.cat([layer.flatten(values).reshape(-1) for layer in self.layers])
+        return posterior.log_prob(flat)
 
     @torch.no_grad()
     def _draw_offsets(self, num: int, generator: torch.Generator | None = None):
@@ -424,11 +498,11 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             device = self._device(x0)
             self._ensure_setup(x0.to(device), None if y0 is None else y0.to(device))
             values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
-            kind, noise = likelihood_kind(model, values, x0[:2].to(device))
+            kind, noise = likelihood_kind(model, values, x0[:2].to(device), self.obs_site)
             self._fixed_noise = None if noise is None else noise.detach()
             loader = _batches(data, batch_size or self.curvature_batch_size)
             self.posterior = accumulate_curvature(
-                self.layers, loader, lambda x: network_output(model, values, x), kind,
+                self.layers, loader, lambda x: network_output(model, values, x, self.obs_site), kind,
                 self.structure, device=device, reduce_fn=reduce_fn,
                 num_augmentations=_num_augmentations(model),
                 split_bias=self.kron_bias == "separate")
@@ -484,6 +558,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         (at the guide's δ, or at ``prior_precision``)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        self._require_posterior()
+        self._warn_if_stale()
         with self._linearization() as (run, device):
             _, deltas = self._block_inputs(prior_precision)
             _, _, scale = self._kind_and_scale()
@@ -500,7 +576,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         with local_params(model, self):
             device = next(iter(self.theta.values())).device
             values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
-            yield (lambda xb: network_output(model, values, xb.to(device))), device
+            yield (lambda xb: network_output(model, values, xb.to(device), self.obs_site)), device
 
     def _num_augmentations(self) -> int:
         return _num_augmentations(self.base_model)
@@ -542,6 +618,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         if int(num_samples) < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         keep = list(self.site_shapes) if sites is None else list(sites)
+        self._require_posterior()
+        self._warn_if_stale()
         theta_star = {k: v.detach() for k, v in self.map_values().items()}
         numel = sum(layer.numel for layer in self.layers)
         chunk = max(1, min(int(num_samples), int(max_values) // max(1, numel)))
@@ -566,6 +644,70 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
                 kept[k].append(values[k])
         return LinearizedSamples({k: torch.cat(v) for k, v in kept.items()}, torch.cat(fs),
                                  torch.cat(log_qs), torch.cat(log_priors).detach())
+
+
+class _LaplacePosterior(dist.TorchDistribution):
+    """``N(θ*, P⁻¹)`` over the flat Laplace weights (layers' ``W̃`` in order), from the guide's
+    blocks: ``log_prob`` is the exact Gaussian density, ``rsample`` is ``θ* + P^{-1/2} ε``."""
+
+    arg_constraints = {}
+    support = constraints.real_vector
+    has_rsample = True
+
+    def __init__(self, guide, theta_star: dict):
+        self.guide, self.layers = guide, guide.layers
+        self.loc = torch.cat([layer.flatten(theta_star).reshape(-1) for layer in self.layers])
+        super().__init__(event_shape=self.loc.shape, validate_args=False)
+
+    def rsample(self, sample_shape=torch.Size()):
+        num = int(math.prod(sample_shape)) if len(sample_shape) else 1
+        offsets, _ = self.guide._draw_offsets(num)
+        flat = torch.cat([o.reshape(num, -1) for o in offsets], -1)
+        return (self.loc + flat).reshape(*sample_shape, -1)
+
+    def unpack(self, flat: torch.Tensor) -> dict:
+        values, start = {}, 0
+        for layer in self.layers:
+            part = flat[start:start + layer.numel].reshape(layer.shape)
+            values.update(layer.unflatten(part, self.guide.site_shapes))
+            start += layer.numel
+        return values
+
+    def log_prob(self, value):
+        guide = self.guide
+        theta, deltas = guide._block_inputs()
+        _, _, scale = guide._kind_and_scale()
+        v = value - self.loc
+        if guide.structure == "full":
+            parts = [v]
+        else:
+            parts = list(v.split([layer.numel for layer in self.layers], -1))
+        total = 0.0
+        for block, d, part in zip(guide.posterior.blocks, deltas, parts):
+            quad = _precision_quadratic(block, part, d, scale)
+            total = total - 0.5 * quad + 0.5 * block.logdet(d, scale) \
+                - 0.5 * part.shape[-1] * math.log(2 * math.pi)
+        return total
+
+
+def _precision_quadratic(block, v: torch.Tensor, delta, scale) -> torch.Tensor:
+    """``vᵀ P v`` with ``P = s H + diag(δ)`` of one block, ``v`` of shape ``(..., numel)``."""
+    from ...curvature import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
+    prior = (delta * v ** 2).sum(-1)
+    if isinstance(block, DenseBlock):
+        return scale * torch.einsum("...i,ij,...j->...", v, block.H, v) + prior
+    if isinstance(block, DiagBlock):
+        return scale * (block.h.reshape(-1) * v ** 2).sum(-1) + prior
+    V = v.reshape(*v.shape[:-1], *block.shape)
+    if isinstance(block, SplitBiasKronBlock):
+        A = block.A.clone()
+        A[:-1, -1] = 0
+        A[-1, :-1] = 0
+    elif isinstance(block, KronBlock):
+        A = block.A
+    else:
+        raise TypeError(f"unknown curvature block {type(block).__name__}")
+    return scale * (V * (block.G @ V @ A)).sum((-2, -1)) + prior
 
 
 def gaussian_log_prior_batched(layers, values: dict, deltas: list) -> torch.Tensor:
