@@ -478,8 +478,9 @@ def test_optimize_prior_precision_errors(digits_small):
         guide.optimize_prior_precision(method="gridsearch", val=x)
     with pytest.raises(ValueError, match="> 0"):
         guide.optimize_prior_precision(method="gridsearch", val=(x, y), grid=[1.0, -1.0])
-    with pytest.raises(ValueError, match="kron_bias='separate'"):
-        pb.guides.Laplace(model, "kron", prior_structure="sitewise")
+    # issue 24: a per-site δ in a joint [W, b] Kronecker block is exact now (no longer refused)
+    assert pb.guides.Laplace(model, "kron", prior_structure="sitewise").fit_curvature((x, y)).prior_structure \
+        == "sitewise"
     with pytest.raises(ValueError, match="tune_prior_precision"):
         pb.guides.Laplace(model, tune_prior_precision="gridsearch")
 

@@ -24,6 +24,7 @@ from pyro.distributions import constraints
 from pyro.distributions.transforms import biject_to
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
+from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from ... import marglik as ml
@@ -186,7 +187,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
         self.init_loc_fn = init_loc_fn or init_to_network(model)
         super().__init__(InitMessenger(self.init_loc_fn)(model), create_plates=create_plates)
-        self._base_model = (model,)      # a tuple: not registered as a submodule
+        self._wrapped = (model,)                      # a tuple: not a submodule
+        self._base_model = (_unwrap_handlers(model),)   # a tuple: not registered as a submodule
         self.structure = structure
         self.prior_structure = prior_structure          # "auto" is resolved at set-up
         self._requested_prior_structure = prior_structure
@@ -224,6 +226,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.site_shapes: dict[str, torch.Size] = {}
         self._drop_unobserved_observations(args)
         sites = dict(self.prototype_trace.iter_stochastic_nodes())
+        self._check_no_hidden_latents(sites, args, kwargs)
         for name, site in sites.items():
             if any(f.full_size not in (None, f.size) for f in site["cond_indep_stack"]):
                 raise ValueError(f"Laplace does not support subsampled latent sites; {name!r} is subsampled")
@@ -244,6 +247,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         try:
             self.layers = find_layers(self.base_model, {s: self.site_shapes[s] for s in self.laplace_sites})
         except ValueError as exc:
+            if not isinstance(self.base_model, nn.Module):
+                raise
             raise ValueError(f"{exc}. Leave such sites out of subset= (e.g. subset='last_layer' or a list "
                              "of the layer sites): the other sites are point estimates") from exc
         if self._requested_prior_structure == "auto":
@@ -256,14 +261,36 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.curvature_state = CurvatureState(self.layers, self.structure, self.kron_bias == "separate",
                                               torch.empty((), dtype=like.dtype, device=like.device))
 
+    def _check_no_hidden_latents(self, sites: dict, args, kwargs):
+        """A handler-wrapped model (``poutine.block`` for an ``AutoGuideList`` part, ``condition``)
+        is run unwrapped for the curvature; a latent the handler hides from this guide (another
+        guide's, e.g. a noise scale) would then be drawn from its prior: refuse, naming why."""
+        if self.base_model is self._wrapped[0]:
+            return
+        with torch.no_grad(), pyro.poutine.block():
+            full = pyro.poutine.trace(self.base_model).get_trace(*args, **kwargs)
+        hidden = [name for name, site in full.iter_stochastic_nodes()
+                  if name not in sites and name != self.obs_site and not site_is_subsample(site)
+                  and not any(f.vectorized and args and isinstance(args[0], torch.Tensor)
+                              and f.size == len(args[0]) for f in site["cond_indep_stack"])]
+        if hidden:
+            raise ValueError(
+                f"the Laplace guide's model is handler-wrapped and hides the latent site(s) {hidden} from it "
+                "(e.g. poutine.block for an AutoGuideList part). Laplace computes its curvature, evidence "
+                "and GLM predictive by running the network with every other latent fixed, which a site "
+                "owned by another guide is not (it would be redrawn from its prior). Use one Laplace guide "
+                "for the whole model instead: sites outside subset= (e.g. a noise scale) are point "
+                "estimates, e.g. Laplace(model, subset=[...layer sites...])")
+
     def _drop_unobserved_observations(self, args):
         """A guide set up without targets (``Predictive(model, guide=guide)(x)``) sees the
         observed site sampled: the per-datum sites (in a plate of ``len(x)``) are the
         observation, not latents; ``obs_site=`` names it, else it must be the only one."""
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         per_datum = [name for name, site in self.prototype_trace.iter_stochastic_nodes()
-                     if name == self.obs_site or (x is not None and any(
-                         f.vectorized and f.size == len(x) for f in site["cond_indep_stack"]))]
+                     if name == self.obs_site or (x is not None and not _is_layer_parameter(self.base_model, name)
+                                                  and any(f.vectorized and f.size == len(x)
+                                                          for f in site["cond_indep_stack"]))]
         if not per_datum:
             return
         if self.obs_site is None and len(per_datum) > 1:
@@ -308,9 +335,9 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             return False
         return any(not torch.equal(snap[k].to(v.device), v.detach()) for k, v in self.theta.items())
 
-    def _warn_if_stale(self):
+    def _warn_if_stale(self, always: bool = False):
         # once per stale curvature under SVI (grad on); at every prediction call (no grad)
-        if self.curvature_is_stale() and not (self._stale_warned and torch.is_grad_enabled()):
+        if self.curvature_is_stale() and (always or not (self._stale_warned and torch.is_grad_enabled())):
             self._stale_warned = True
             warnings.warn("the Laplace guide's θ changed since its curvature was fitted (more SVI steps or "
                           "other data): its covariance P⁻¹ is stale, from the old θ*. Call "
@@ -559,7 +586,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         self._require_posterior()
-        self._warn_if_stale()
+        self._warn_if_stale(always=True)
         with self._linearization() as (run, device):
             _, deltas = self._block_inputs(prior_precision)
             _, _, scale = self._kind_and_scale()
@@ -619,7 +646,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         keep = list(self.site_shapes) if sites is None else list(sites)
         self._require_posterior()
-        self._warn_if_stale()
+        self._warn_if_stale(always=True)
         theta_star = {k: v.detach() for k, v in self.map_values().items()}
         numel = sum(layer.numel for layer in self.layers)
         chunk = max(1, min(int(num_samples), int(max_values) // max(1, numel)))
@@ -730,6 +757,24 @@ def _leading(layer, values):
         v = values[layer.bias]
         parts.append(v.reshape(v.shape[0], layer.out_features, 1))
     return torch.cat(parts, -1)
+
+
+def _is_layer_parameter(model, name: str) -> bool:
+    """Whether site ``name`` is the weight or bias of a module of ``model`` (never an observation)."""
+    from ...curvature.layers import site_module
+    try:
+        module, pname = site_module(model, name)
+    except (AttributeError, KeyError, ValueError):
+        return False
+    return module is not None and pname in ("weight", "bias")
+
+
+def _unwrap_handlers(model):
+    """The model under ``poutine`` handler wrappers (``functools.wraps`` chains: ``__wrapped__``)."""
+    seen = 0
+    while not isinstance(model, nn.Module) and hasattr(model, "__wrapped__") and seen < 32:
+        model, seen = model.__wrapped__, seen + 1
+    return model
 
 
 def _normal_precision(fn, value) -> tuple[torch.Tensor, str | None]:
