@@ -80,6 +80,7 @@ def test_guide_draws_have_posterior_covariance():
 @pytest.mark.parametrize("structure,prior_structure,kron_bias,subset", [
     ("kron", "scalar", "joint", "all"), ("kron", "layerwise", "joint", "all"),
     ("kron", "sitewise", "separate", "all"), ("kron", "sitewise", "separate", "last_layer"),
+    ("kron", "sitewise", "joint", "all"),
     ("kron", "layerwise", "joint", "last_layer"), ("diag", "diagonal", "joint", "all"),
     ("diag", "sitewise", "joint", "all"), ("full", "layerwise", "joint", "all"),
     ("full", "sitewise", "joint", "all")])
