@@ -334,6 +334,9 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, method, num_bins, **k
                                               y.reshape(out.shape[1:]).to(out.dtype).cpu())
         if out.dim() == 2:
             out = out.unsqueeze(0)
+        if kind == "bernoulli":  # success probabilities (S, N, 1) -> two classes, as below
+            p1 = out.reshape(out.shape[0], -1)
+            out, y = torch.stack([1 - p1, p1], -1), y.reshape(-1).long()
         return metrics.classification_metrics(out.cpu(), y.cpu(), num_bins)
     out = predictive_samples(model, guide, x, num_samples, batch_size, **kwargs)
     y = y.to(out.probs.device if out.probs is not None else out.loc.device)

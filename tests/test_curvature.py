@@ -204,8 +204,17 @@ def test_split_bias_block_with_a_weight_and_a_bias_prior_precision():
     bad[0] = 0.5
     with pytest.raises(ValueError, match="weight"):
         block.logdet(bad)
-    with pytest.raises(ValueError, match="scalar prior precision"):
-        KronBlock(A @ A.T, G @ G.T).logdet(delta)
+    # issue 24: the joint block takes the per-column δ exactly (whitened A), with the cross terms
+    joint = KronBlock(A @ A.T, G @ G.T)
+    Pj = joint.to_dense(scale) + torch.diag(delta)
+    torch.testing.assert_close(joint.logdet(delta, scale), torch.logdet(Pj))
+    torch.testing.assert_close(joint.covariance(delta, scale), torch.linalg.inv(Pj))
+    Sj = joint.sample(torch.eye(12), delta, scale)
+    torch.testing.assert_close(Sj.T @ Sj, torch.linalg.inv(Pj))
+    torch.testing.assert_close(joint.functional_variance(a, g, delta, scale),
+                               torch.einsum("cmp,pq,dmq->mcd", J, torch.linalg.inv(Pj), J))
+    with pytest.raises(ValueError, match="varies across rows"):
+        joint.logdet(torch.arange(1.0, 13.0))
 
 
 @pytest.mark.parametrize("structure", ["kron", "diag", "full"])

@@ -80,6 +80,7 @@ def test_guide_draws_have_posterior_covariance():
 @pytest.mark.parametrize("structure,prior_structure,kron_bias,subset", [
     ("kron", "scalar", "joint", "all"), ("kron", "layerwise", "joint", "all"),
     ("kron", "sitewise", "separate", "all"), ("kron", "sitewise", "separate", "last_layer"),
+    ("kron", "sitewise", "joint", "all"),
     ("kron", "layerwise", "joint", "last_layer"), ("diag", "diagonal", "joint", "all"),
     ("diag", "sitewise", "joint", "all"), ("full", "layerwise", "joint", "all"),
     ("full", "sitewise", "joint", "all")])
@@ -478,8 +479,9 @@ def test_optimize_prior_precision_errors(digits_small):
         guide.optimize_prior_precision(method="gridsearch", val=x)
     with pytest.raises(ValueError, match="> 0"):
         guide.optimize_prior_precision(method="gridsearch", val=(x, y), grid=[1.0, -1.0])
-    with pytest.raises(ValueError, match="kron_bias='separate'"):
-        pb.guides.Laplace(model, "kron", prior_structure="sitewise")
+    # issue 24: a per-site δ in a joint [W, b] Kronecker block is exact now (no longer refused)
+    assert pb.guides.Laplace(model, "kron", prior_structure="sitewise").fit_curvature((x, y)).prior_structure \
+        == "sitewise"
     with pytest.raises(ValueError, match="tune_prior_precision"):
         pb.guides.Laplace(model, tune_prior_precision="gridsearch")
 

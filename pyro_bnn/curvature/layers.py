@@ -114,6 +114,12 @@ def find_layers(model: nn.Module, site_shapes: dict[str, torch.Size]) -> list[La
         path = site.rpartition(".")[0]
         ok = (isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.groups == 1
               and module.padding_mode == "zeros")) and pname in ("weight", "bias")
+        if not ok and not isinstance(model, nn.Module):
+            raise ValueError(
+                f"Laplace needs the model's network to find the layer of site {site!r}: the model must "
+                "be (or expose) its nn.Module — a pb.BNN or a PyroModule whose Linear/Conv2d layers hold "
+                f"the weight sites — got a {type(model).__name__} (e.g. a poutine handler-wrapped "
+                "function), whose layers cannot be reached. Pass the PyroModule itself")
         if not ok:
             raise ValueError(
                 "Laplace curvature supports sites that are the weight or bias of nn.Linear / "

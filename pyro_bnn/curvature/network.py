@@ -12,6 +12,7 @@ from __future__ import annotations
 import pyro.distributions as dist
 import torch
 from pyro import poutine
+from pyro.poutine.util import site_is_subsample
 
 from ..guides.meanfield import _run_with_values
 from ..likelihoods import Bernoulli, Categorical, Gaussian
@@ -23,22 +24,36 @@ def _is_bnn(model) -> bool:
     return hasattr(model, "site_names") and hasattr(model, "function") and hasattr(model, "likelihood")
 
 
-def _obs_distribution(model, values, x, obs_site="obs"):
+def _obs_distribution(model, values, x, obs_site=None):
+    """The observation's distribution under ``values``: the site ``obs_site``, or the single
+    sample site of the model that is not a latent in ``values`` (its observed site, whatever
+    its name)."""
     tr = poutine.trace(poutine.condition(model, data=values)).get_trace(x, None)
-    if obs_site not in tr.nodes:
-        raise ValueError(f"model has no observed site {obs_site!r}; sites: {list(tr.nodes)}")
+    samples = [name for name, node in tr.nodes.items()
+               if node["type"] == "sample" and name not in values and not site_is_subsample(node)
+               and not node["infer"].get("is_auxiliary", False)]
+    if obs_site is None:
+        if len(samples) != 1:
+            raise ValueError(f"expected the model to have one observed site (a sample site that is not a "
+                             f"latent weight), got {len(samples)}: {samples}; name it with "
+                             "Laplace(..., obs_site=...)")
+        obs_site = samples[0]
+    if obs_site not in tr.nodes or tr.nodes[obs_site]["type"] != "sample":
+        raise ValueError(f"model has no observed site {obs_site!r}; its sample sites that are not latent "
+                         f"weights: {samples}")
     d = tr.nodes[obs_site]["fn"]
     while isinstance(d, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
         d = d.base_dist
     return d
 
 
-def network_output(model, values: dict, x: torch.Tensor) -> torch.Tensor:
+def network_output(model, values: dict, x: torch.Tensor, obs_site: str | None = None) -> torch.Tensor:
     """Network output ``f`` (logits or regression mean), shape ``(M, C)``, under ``values``
-    (a hand-written model's 1-D Normal/Bernoulli observation of shape ``(M,)`` gives ``(M, 1)``)."""
+    (a hand-written model's 1-D Normal/Bernoulli observation of shape ``(M,)`` gives ``(M, 1)``;
+    its observed site is ``obs_site`` or, by default, its single non-latent sample site)."""
     if _is_bnn(model):
         return _run_with_values(model, values, x)
-    d = _obs_distribution(model, values, x)
+    d = _obs_distribution(model, values, x, obs_site)
     if isinstance(d, dist.Categorical):
         return d.logits
     if isinstance(d, (dist.Bernoulli, dist.Normal)):
@@ -47,7 +62,8 @@ def network_output(model, values: dict, x: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"Laplace supports Categorical, Bernoulli or Normal observations, got {type(d).__name__}")
 
 
-def likelihood_kind(model, values: dict, x: torch.Tensor) -> tuple[str, torch.Tensor | None]:
+def likelihood_kind(model, values: dict, x: torch.Tensor,
+                    obs_site: str | None = None) -> tuple[str, torch.Tensor | None]:
     """``("categorical" | "bernoulli" | "gaussian", σ or None)``; ``σ`` keeps its graph."""
     if _is_bnn(model):
         lik = model.likelihood
@@ -59,7 +75,7 @@ def likelihood_kind(model, values: dict, x: torch.Tensor) -> tuple[str, torch.Te
             return "gaussian", lik.noise
         raise TypeError(f"Laplace supports categorical, bernoulli and gaussian likelihoods, got {lik.name!r}")
     with torch.no_grad():
-        d = _obs_distribution(model, values, x)
+        d = _obs_distribution(model, values, x, obs_site)
     if isinstance(d, dist.Categorical):
         return "categorical", None
     if isinstance(d, dist.Bernoulli):

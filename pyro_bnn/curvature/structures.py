@@ -122,7 +122,10 @@ class KronBlock:
     """``H = G ⊗ A`` for one layer, in eigen form ``(Q_G ⊗ Q_A) diag(λ_G ⊗ λ_A) (Q_G ⊗ Q_A)ᵀ``.
 
     With row-major flattening of ``W̃`` (shape ``(out, in')``), ``(G ⊗ A) vec(W̃) =
-    vec(G W̃ A)``.  ``log det(sH + δI) = Σ_ij log(s λ^G_i λ^A_j + δ)``.
+    vec(G W̃ A)``.  ``log det(sH + δI) = Σ_ij log(s λ^G_i λ^A_j + δ)``.  δ may also be a
+    ``W̃``-order vector that is the same in every output row (one precision per input column,
+    e.g. a weight's and its bias's own δ): then ``A`` is whitened by ``D^{-1/2}`` and
+    eigendecomposed per call, still exact (no weight-bias cross term is dropped).
 
     Parameters
     ----------
@@ -147,14 +150,45 @@ class KronBlock:
         """``s λ^G_i λ^A_j``, shape ``(out, in')``."""
         return scale * torch.outer(self.lG, self.lA)
 
+    def _column_delta(self, delta):
+        """``None`` for a scalar δ; else the ``(in',)`` column precisions ``d`` of a ``W̃``-order
+        vector that is the same in every row (``δ = 1_out ⊗ d``: a weight's and its bias's
+        own δ, or any per-input-column δ)."""
+        d = as_delta(delta, self.numel, self.A)
+        if d.dim() == 0:
+            return None
+        mat = d.reshape(self.shape)
+        col = mat[0]
+        if not bool((mat == col).all()):
+            raise ValueError("a Kronecker-factored block takes a scalar prior precision or one per input "
+                             "column (the same in every output row: e.g. one for the weight and one for "
+                             "the bias); got a per-weight vector that varies across rows (use "
+                             "structure='diag' or 'full' for per-weight prior precisions)")
+        return col
+
+    def _whitened(self, col):
+        """``KronBlock(D^{-1/2} A D^{-1/2}, G)`` for ``D = diag(col)``: with it
+        ``P = s G⊗A + I⊗D = (I⊗D^{1/2}) (s G⊗Ã + I) (I⊗D^{1/2})`` exactly."""
+        r = col.rsqrt()
+        return KronBlock(self.A * r[:, None] * r[None, :], self.G)
+
     def _dinv(self, delta, scale):
-        return 1.0 / (self.eigenvalues(scale) + as_delta(delta, self.numel, self.A, False))
+        return 1.0 / (self.eigenvalues(scale) + as_delta(delta, self.numel, self.A))
 
     def logdet(self, delta, scale=1.0) -> torch.Tensor:
-        return torch.log(self.eigenvalues(scale) + as_delta(delta, self.numel, self.A, False)).sum()
+        col = self._column_delta(delta)
+        if col is not None:
+            return self._whitened(col).logdet(torch.ones((), dtype=col.dtype, device=col.device), scale) \
+                + self.shape[0] * torch.log(col).sum()
+        return torch.log(self.eigenvalues(scale) + as_delta(delta, self.numel, self.A)).sum()
 
     def sample(self, eps: torch.Tensor, delta, scale=1.0) -> torch.Tensor:
         """``(S, numel)`` normal ``eps`` → draws of ``N(0, P⁻¹)``: ``Q_G (ε ⊘ √D) Q_Aᵀ``."""
+        col = self._column_delta(delta)
+        if col is not None:
+            one = torch.ones((), dtype=col.dtype, device=col.device)
+            x = self._whitened(col).sample(eps, one, scale).reshape(-1, *self.shape)
+            return (x * col.rsqrt()).reshape(len(eps), -1)
         e = eps.reshape(-1, *self.shape) * self._dinv(delta, scale).sqrt()
         return (self.QG @ e @ self.QA.T).reshape(len(eps), -1)
 
@@ -162,6 +196,11 @@ class KronBlock:
         return scale * torch.kron(self.G, self.A)
 
     def covariance(self, delta, scale=1.0) -> torch.Tensor:
+        col = self._column_delta(delta)
+        if col is not None:
+            one = torch.ones((), dtype=col.dtype, device=col.device)
+            r = col.rsqrt().repeat(self.shape[0])
+            return self._whitened(col).covariance(one, scale) * r[:, None] * r[None, :]
         Q = torch.kron(self.QG, self.QA)
         return (Q * self._dinv(delta, scale).reshape(-1)) @ Q.T
 
@@ -176,7 +215,8 @@ class KronBlock:
         The eigen parts are constants, so the result is linear in ``dA`` and ``dG`` and its
         gradient through them (e.g. factors rebuilt with ``create_graph=True``) is the
         gradient of ``log det P`` by the product rule.  Eigenvalues are clamped at 0 as
-        in :meth:`logdet`.
+        in :meth:`logdet`.  A per-column δ is handled in the whitened basis (``dA`` is
+        whitened like ``A``).
 
         Parameters
         ----------
@@ -184,7 +224,7 @@ class KronBlock:
             Change of the input factor (same normalisation as ``A``).
         dG : Tensor, shape (out, out)
             Change of the output factor (same normalisation as ``G``).
-        delta : Tensor, 0-d
+        delta : Tensor, 0-d or (numel,) per column
         scale : float or Tensor
 
         Returns
@@ -194,6 +234,11 @@ class KronBlock:
         if dA.shape != self.A.shape or dG.shape != self.G.shape:
             raise ValueError(f"expected factor changes of shapes {tuple(self.A.shape)} and "
                              f"{tuple(self.G.shape)}, got {tuple(dA.shape)} and {tuple(dG.shape)}")
+        col = self._column_delta(delta)
+        if col is not None:
+            r = col.rsqrt()
+            one = torch.ones((), dtype=col.dtype, device=col.device)
+            return self._whitened(col).logdet_derivative(dA * r[:, None] * r[None, :], dG, one, scale)
         w = self._dinv(delta, scale)                                   # (out, in')
         da = (self.QA * (dA @ self.QA)).sum(0)                         # diag(Q_Aᵀ dA Q_A)
         dg = (self.QG * (dG @ self.QG)).sum(0)                         # diag(Q_Gᵀ dG Q_G)
@@ -209,6 +254,10 @@ class KronBlock:
         g : Tensor, shape (C, M, T, out)
             Gradients of each output ``f_c`` w.r.t. the layer outputs.
         """
+        col = self._column_delta(delta)
+        if col is not None:
+            one = torch.ones((), dtype=col.dtype, device=col.device)
+            return self._whitened(col).functional_variance(a * col.rsqrt(), g, one, scale)
         return _factored_variance(a @ self.QA, g @ self.QG, self._dinv(delta, scale))
 
 

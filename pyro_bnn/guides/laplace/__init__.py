@@ -9,7 +9,8 @@
 * :mod:`.state` — the fitted curvature state.
 """
 
-from .guide import Laplace, LinearizedSamples
+from .guide import Laplace, LinearizedSamples, StaleCurvatureWarning
 from .objective import LaplaceMAPObjective
+from .prior import PriorMismatchWarning
 
-__all__ = ["Laplace", "LaplaceMAPObjective", "LinearizedSamples"]
+__all__ = ["Laplace", "LaplaceMAPObjective", "LinearizedSamples", "PriorMismatchWarning", "StaleCurvatureWarning"]

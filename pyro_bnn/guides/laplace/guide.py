@@ -13,6 +13,7 @@ Math: METHODS.md §4.
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import ExitStack, contextmanager
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ from pyro.distributions import constraints
 from pyro.distributions.transforms import biject_to
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
+from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from ... import marglik as ml
@@ -44,10 +46,15 @@ from ...model import is_bnn
 from ..base import BNNGuide, init_to_network, register_guide
 from .objective import LaplaceMAPObjective
 from .online import OnlineEvidence, _batches, _num_augmentations, deterministic_curvature
-from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision
+from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision, resolve_prior_structure
 from .state import CurvatureState
 
-__all__ = ["Laplace", "LinearizedSamples"]
+__all__ = ["Laplace", "LinearizedSamples", "StaleCurvatureWarning"]
+
+
+class StaleCurvatureWarning(UserWarning):
+    """The Laplace guide's curvature is missing or was fitted at another θ (call
+    ``guide.fit_curvature``)."""
 
 
 class LinearizedSamples(NamedTuple):
@@ -79,11 +86,17 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     structure : {"kron", "diag", "full"}
         Curvature: KFAC per layer, diagonal GGN, or full GGN (small nets).
     prior_precision : float or Tensor, optional
-        Initial δ; default from the model's Normal prior (``1/σ²``), else 1.
-    prior_structure : {"scalar", "layerwise", "sitewise", "diagonal"}
-        One δ, one per layer, one per sample site (weight and bias tensors apart; with
-        ``"kron"`` only for ``kron_bias="separate"``) or one per weight (not with
-        ``"kron"``); see :mod:`pyro_bnn.guides.laplace.prior`.
+        Initial δ; default from the model's Normal prior (``1/σ²`` of each covered site),
+        else 1 (with a :class:`~pyro_bnn.guides.laplace.PriorMismatchWarning`).
+    prior_structure : {"auto", "scalar", "layerwise", "sitewise", "diagonal"}
+        ``"auto"`` (default): the smallest structure that holds the model's Normal prior
+        exactly (one δ if all covered sites share it, else per layer, per site or per
+        weight), so the guide's Gaussian prior *is* the model's prior and a linear-Gaussian
+        model's Laplace is exact.  Or one δ, one per layer, one per sample site (weight and
+        bias tensors apart) or one per weight (not with ``"kron"``); a chosen structure that
+        cannot hold the model's prior warns (``PriorMismatchWarning``).  Evidence tuning
+        (``tune_prior_precision=``, ``optimize_prior_precision``) starts from it; see
+        :mod:`pyro_bnn.guides.laplace.prior`.
     curvature_batch_size : int
         Batch size for curvature and the GLM predictive when given tensors.
     kron_bias : {"joint", "separate"}
@@ -107,6 +120,10 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         to the mode of its own prior times the likelihood in its support (no Jacobian, as
         Pyro's ``AutoDelta``), then held fixed; a noise site then gives the curvature its
         observation noise.  Discrete latent sites are rejected.
+    obs_site : str, optional
+        A hand-written model's observed site, read for the curvature and the GLM predictive
+        (default: its one sample site that is not a latent weight, whatever its name; an error
+        asks for ``obs_site=`` when there are several).  Not used for a ``pb.BNN``.
     tune_prior_precision : {None, "marglik"}
         ``"marglik"``: at the end of :func:`pyro_bnn.fit`, after the curvature is fitted,
         maximise the evidence w.r.t. δ (``POSTHOC_STEPS`` = 300 Adam steps, lr 0.1; after
@@ -144,9 +161,10 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     default_predictive = "glm"
 
     def __init__(self, model, structure: str = "kron", *, prior_precision=None,
-                 prior_structure: str = "scalar", init_loc_fn=None,
+                 prior_structure: str = "auto", init_loc_fn=None,
                  curvature_batch_size: int = 256, kron_bias: str = "joint", subset="all",
-                 tune_prior_precision: str | None = None, create_plates=None):
+                 tune_prior_precision: str | None = None, obs_site: str | None = None,
+                 create_plates=None):
         if structure not in STRUCTURES:
             raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
         if prior_structure not in PRIOR_STRUCTURES:
@@ -156,10 +174,6 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
                              "'sitewise', got 'diagonal' (use structure='diag' or 'full')")
         if kron_bias not in ("joint", "separate"):
             raise ValueError(f"kron_bias must be 'joint' or 'separate', got {kron_bias!r}")
-        if structure == "kron" and prior_structure == "sitewise" and kron_bias != "separate":
-            raise ValueError("prior_structure='sitewise' with structure='kron' needs kron_bias='separate' "
-                             "(a joint Kronecker block over [W, b] has one prior precision), got "
-                             f"kron_bias={kron_bias!r}")
         if tune_prior_precision not in (None, "marglik"):
             raise ValueError(f"tune_prior_precision must be None or 'marglik', got {tune_prior_precision!r}")
         if isinstance(subset, str):
@@ -173,13 +187,18 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
         self.init_loc_fn = init_loc_fn or init_to_network(model)
         super().__init__(InitMessenger(self.init_loc_fn)(model), create_plates=create_plates)
-        self._base_model = (model,)      # a tuple: not registered as a submodule
+        self._wrapped = (model,)                      # a tuple: not a submodule
+        self._base_model = (_unwrap_handlers(model),)   # a tuple: not registered as a submodule
         self.structure = structure
-        self.prior_structure = prior_structure
+        self.prior_structure = prior_structure          # "auto" is resolved at set-up
+        self._requested_prior_structure = prior_structure
         self.curvature_batch_size = int(curvature_batch_size)
         self.kron_bias = kron_bias
         self.subset = subset
         self.tune_prior_precision = tune_prior_precision
+        if obs_site is not None and not isinstance(obs_site, str):
+            raise TypeError(f"obs_site must be a site name (str) or None, got {type(obs_site).__name__}")
+        self.obs_site = obs_site
         self._init_prior_precision = prior_precision
         self._posterior_cache = None     # CurvatureFit once the curvature is fitted
         self.register_load_state_dict_post_hook(lambda module, keys: module._invalidate())
@@ -205,7 +224,9 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         super()._setup_prototype(*args, **kwargs)
         self.theta = nn.ParameterDict()
         self.site_shapes: dict[str, torch.Size] = {}
+        self._drop_unobserved_observations(args)
         sites = dict(self.prototype_trace.iter_stochastic_nodes())
+        self._check_no_hidden_latents(sites, args, kwargs)
         for name, site in sites.items():
             if any(f.full_size not in (None, f.size) for f in site["cond_indep_stack"]):
                 raise ValueError(f"Laplace does not support subsampled latent sites; {name!r} is subsampled")
@@ -214,23 +235,69 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.fixed_sites = [s for s in self.site_shapes if s not in self.laplace_sites]
         # point estimates are stored unconstrained: value = transform(theta)
         self._point_transforms = _point_estimate_transforms(sites, self.laplace_sites)
-        prior_prec = {}
+        prior_prec, prior_problems = {}, {}
         for name, site in sites.items():
             value = site["value"].detach()
             unconstrained = self._point_transforms[name].inv(value) if name in self._point_transforms else value
             self.theta[_key(name)] = nn.Parameter(unconstrained.detach().clone())
-            prior_prec[name] = _normal_precision(site["fn"], value)
+            prior_prec[name], problem = _normal_precision(site["fn"], value)
+            if problem is not None:
+                prior_problems[name] = problem
         self._fixed_priors = {name: sites[name]["fn"] for name in self.fixed_sites}
         try:
             self.layers = find_layers(self.base_model, {s: self.site_shapes[s] for s in self.laplace_sites})
         except ValueError as exc:
+            if not isinstance(self.base_model, nn.Module):
+                raise
             raise ValueError(f"{exc}. Leave such sites out of subset= (e.g. subset='last_layer' or a list "
                              "of the layer sites): the other sites are point estimates") from exc
+        if self._requested_prior_structure == "auto":
+            self.prior_structure = resolve_prior_structure(self.layers, prior_prec, self.structure)
         self.register_buffer("log_prior_precision",
                              self._initial_log_prior_precision(prior_prec, self._init_prior_precision))
+        self._check_prior_is_represented(prior_prec, prior_problems, self._requested_prior_structure,
+                                         self._init_prior_precision)
         like = next(iter(self.theta.values()))
         self.curvature_state = CurvatureState(self.layers, self.structure, self.kron_bias == "separate",
                                               torch.empty((), dtype=like.dtype, device=like.device))
+
+    def _check_no_hidden_latents(self, sites: dict, args, kwargs):
+        """A handler-wrapped model (``poutine.block`` for an ``AutoGuideList`` part, ``condition``)
+        is run unwrapped for the curvature; a latent the handler hides from this guide (another
+        guide's, e.g. a noise scale) would then be drawn from its prior: refuse, naming why."""
+        if self.base_model is self._wrapped[0]:
+            return
+        with torch.no_grad(), pyro.poutine.block():
+            full = pyro.poutine.trace(self.base_model).get_trace(*args, **kwargs)
+        hidden = [name for name, site in full.iter_stochastic_nodes()
+                  if name not in sites and name != self.obs_site and not site_is_subsample(site)
+                  and not any(f.vectorized and args and isinstance(args[0], torch.Tensor)
+                              and f.size == len(args[0]) for f in site["cond_indep_stack"])]
+        if hidden:
+            raise ValueError(
+                f"the Laplace guide's model is handler-wrapped and hides the latent site(s) {hidden} from it "
+                "(e.g. poutine.block for an AutoGuideList part). Laplace computes its curvature, evidence "
+                "and GLM predictive by running the network with every other latent fixed, which a site "
+                "owned by another guide is not (it would be redrawn from its prior). Use one Laplace guide "
+                "for the whole model instead: sites outside subset= (e.g. a noise scale) are point "
+                "estimates, e.g. Laplace(model, subset=[...layer sites...])")
+
+    def _drop_unobserved_observations(self, args):
+        """A guide set up without targets (``Predictive(model, guide=guide)(x)``) sees the
+        observed site sampled: the per-datum sites (in a plate of ``len(x)``) are the
+        observation, not latents; ``obs_site=`` names it, else it must be the only one."""
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        per_datum = [name for name, site in self.prototype_trace.iter_stochastic_nodes()
+                     if name == self.obs_site or (x is not None and not _is_layer_parameter(self.base_model, name)
+                                                  and any(f.vectorized and f.size == len(x)
+                                                          for f in site["cond_indep_stack"]))]
+        if not per_datum:
+            return
+        if self.obs_site is None and len(per_datum) > 1:
+            raise ValueError(f"expected one observed site in the data plate, got {per_datum}: name the "
+                             "observed one with Laplace(..., obs_site=...) (other per-datum latents are "
+                             "not supported by the Laplace guide)")
+        self.prototype_trace.remove_node(self.obs_site or per_datum[0])
 
     # ------------------------------------------------------- fitted curvature
     @property
@@ -247,11 +314,35 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     @posterior.setter
     def posterior(self, fit):
         self._posterior_cache = fit
+        self._mark_fitted_here()
         if "curvature_state" in self._modules:
             self.curvature_state.store(fit, getattr(self, "_fixed_noise", None))
 
     def _invalidate(self):
         self._posterior_cache = None
+        self._mark_fitted_here()
+
+    def _mark_fitted_here(self):
+        """Remember θ* of the curvature (a loaded or just fitted one), to tell when it is stale."""
+        theta = getattr(self, "theta", None)
+        self._theta_at_curvature = None if theta is None else {k: v.detach().clone() for k, v in theta.items()}
+        self._stale_warned = False
+
+    def curvature_is_stale(self) -> bool:
+        """Whether θ moved (more SVI, other data) since the curvature was fitted at θ*."""
+        snap = getattr(self, "_theta_at_curvature", None)
+        if snap is None or getattr(self, "theta", None) is None:
+            return False
+        return any(not torch.equal(snap[k].to(v.device), v.detach()) for k, v in self.theta.items())
+
+    def _warn_if_stale(self, always: bool = False):
+        # once per stale curvature under SVI (grad on); at every prediction call (no grad)
+        if self.curvature_is_stale() and (always or not (self._stale_warned and torch.is_grad_enabled())):
+            self._stale_warned = True
+            warnings.warn("the Laplace guide's θ changed since its curvature was fitted (more SVI steps or "
+                          "other data): its covariance P⁻¹ is stale, from the old θ*. Call "
+                          "guide.fit_curvature((x, y)) again before predicting", StaleCurvatureWarning,
+                          stacklevel=3)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -262,7 +353,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         if self.prototype_trace is None:
             from ...objectives import call_model
             args, kwargs, _ = call_model(self.base_model, x, y, num_data or len(x))
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", StaleCurvatureWarning)   # a set-up call, not a draw
                 pyro.poutine.block(self)(*args, **kwargs)
 
     # ------------------------------------------------------------------ values
@@ -313,31 +405,49 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     # ------------------------------------------------------------- pyro guide
     def forward(self, *args, **kwargs):
         """Delta at θ (MAP phase); after ``fit_curvature`` one joint draw of N(θ*, P⁻¹)."""
-        if self.prototype_trace is None:
+        setting_up = self.prototype_trace is None
+        if setting_up:
             self._setup_prototype(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
         if self.posterior is not None and not self._map_mode:
-            values, log_q = self._joint_draw()
+            self._warn_if_stale()
+            values = self._joint_draw()
         else:
-            values, log_q = self.map_values(), 0.0
+            if not (self._map_mode or setting_up or torch.is_grad_enabled()):
+                # Predictive (no grad) of a guide without curvature: say so, not a silent point mass
+                warnings.warn("the Laplace guide's curvature is not fitted: its draws are a point mass at θ "
+                              "(the MAP). Call guide.fit_curvature((x, y)) after training with SVI "
+                              "(pb.fit does this at its end)", StaleCurvatureWarning, stacklevel=2)
+            values = self.map_values()
         result = {}
-        for i, (name, site) in enumerate(self.prototype_trace.iter_stochastic_nodes()):
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
             with ExitStack() as stack:
                 for frame in site["cond_indep_stack"]:
                     if frame.vectorized:
                         stack.enter_context(plates[frame.name])
-                result[name] = pyro.sample(name, dist.Delta(
-                    values[name], log_density=log_q if i == 0 else 0.0, event_dim=site["fn"].event_dim))
+                result[name] = pyro.sample(name, dist.Delta(values[name], event_dim=site["fn"].event_dim))
         return result
 
     def _joint_draw(self):
-        """θ* + P^{-1/2} ε for all sites, and ``log q`` of the draw."""
-        offsets, log_q = self._draw_offsets(1)
-        theta_star = {k: v.detach() for k, v in self.map_values().items()}
+        """One draw ``θ* + P^{-1/2} ε`` for all sites, through an auxiliary sample site
+        ``_laplace_latent`` that carries the Gaussian ``N(θ*, P⁻¹)`` (so ``poutine.replay`` and
+        trace log densities give ``log q``).  The draw is reparameterised in θ: SVI after
+        ``fit_curvature`` moves θ (and then marks the curvature stale)."""
+        theta_star = self.map_values()
+        posterior = _LaplacePosterior(self, theta_star)
+        flat = pyro.sample("_laplace_latent", posterior, infer={"is_auxiliary": True})
         values = {name: theta_star[name] for name in self.fixed_sites}
-        for layer, off in zip(self.layers, offsets):
-            values.update(layer.unflatten(layer.flatten(theta_star) + off[0], self.site_shapes))
-        return values, log_q[0]
+        values.update(posterior.unpack(flat))
+        return values
+
+    def log_density(self, values: dict) -> torch.Tensor:
+        """``log N(θ | θ*, P⁻¹)`` (0-d) of a joint draw ``{site: tensor}`` over the Laplace
+        sites (the point-estimate sites are held at θ*)."""
+        self._require_posterior()
+        theta_star = {k: v.detach() for k, v in self.map_values().items()}
+        posterior = _LaplacePosterior(self, theta_star)
+        flat = torch.cat([layer.flatten(values).reshape(-1) for layer in self.layers])
+        return posterior.log_prob(flat)
 
     @torch.no_grad()
     def _draw_offsets(self, num: int, generator: torch.Generator | None = None):
@@ -416,11 +526,11 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             device = self._device(x0)
             self._ensure_setup(x0.to(device), None if y0 is None else y0.to(device))
             values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
-            kind, noise = likelihood_kind(model, values, x0[:2].to(device))
+            kind, noise = likelihood_kind(model, values, x0[:2].to(device), self.obs_site)
             self._fixed_noise = None if noise is None else noise.detach()
             loader = _batches(data, batch_size or self.curvature_batch_size)
             self.posterior = accumulate_curvature(
-                self.layers, loader, lambda x: network_output(model, values, x), kind,
+                self.layers, loader, lambda x: network_output(model, values, x, self.obs_site), kind,
                 self.structure, device=device, reduce_fn=reduce_fn,
                 num_augmentations=_num_augmentations(model),
                 split_bias=self.kron_bias == "separate")
@@ -476,6 +586,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         (at the guide's δ, or at ``prior_precision``)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        self._require_posterior()
+        self._warn_if_stale(always=True)
         with self._linearization() as (run, device):
             _, deltas = self._block_inputs(prior_precision)
             _, _, scale = self._kind_and_scale()
@@ -492,7 +604,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         with local_params(model, self):
             device = next(iter(self.theta.values())).device
             values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
-            yield (lambda xb: network_output(model, values, xb.to(device))), device
+            yield (lambda xb: network_output(model, values, xb.to(device), self.obs_site)), device
 
     def _num_augmentations(self) -> int:
         return _num_augmentations(self.base_model)
@@ -534,6 +646,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         if int(num_samples) < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         keep = list(self.site_shapes) if sites is None else list(sites)
+        self._require_posterior()
+        self._warn_if_stale(always=True)
         theta_star = {k: v.detach() for k, v in self.map_values().items()}
         numel = sum(layer.numel for layer in self.layers)
         chunk = max(1, min(int(num_samples), int(max_values) // max(1, numel)))
@@ -560,6 +674,70 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
                                  torch.cat(log_qs), torch.cat(log_priors).detach())
 
 
+class _LaplacePosterior(dist.TorchDistribution):
+    """``N(θ*, P⁻¹)`` over the flat Laplace weights (layers' ``W̃`` in order), from the guide's
+    blocks: ``log_prob`` is the exact Gaussian density, ``rsample`` is ``θ* + P^{-1/2} ε``."""
+
+    arg_constraints = {}
+    support = constraints.real_vector
+    has_rsample = True
+
+    def __init__(self, guide, theta_star: dict):
+        self.guide, self.layers = guide, guide.layers
+        self.loc = torch.cat([layer.flatten(theta_star).reshape(-1) for layer in self.layers])
+        super().__init__(event_shape=self.loc.shape, validate_args=False)
+
+    def rsample(self, sample_shape=torch.Size()):
+        num = int(math.prod(sample_shape)) if len(sample_shape) else 1
+        offsets, _ = self.guide._draw_offsets(num)
+        flat = torch.cat([o.reshape(num, -1) for o in offsets], -1)
+        return (self.loc + flat).reshape(*sample_shape, -1)
+
+    def unpack(self, flat: torch.Tensor) -> dict:
+        values, start = {}, 0
+        for layer in self.layers:
+            part = flat[start:start + layer.numel].reshape(layer.shape)
+            values.update(layer.unflatten(part, self.guide.site_shapes))
+            start += layer.numel
+        return values
+
+    def log_prob(self, value):
+        guide = self.guide
+        theta, deltas = guide._block_inputs()
+        _, _, scale = guide._kind_and_scale()
+        v = value - self.loc
+        if guide.structure == "full":
+            parts = [v]
+        else:
+            parts = list(v.split([layer.numel for layer in self.layers], -1))
+        total = 0.0
+        for block, d, part in zip(guide.posterior.blocks, deltas, parts):
+            quad = _precision_quadratic(block, part, d, scale)
+            total = total - 0.5 * quad + 0.5 * block.logdet(d, scale) \
+                - 0.5 * part.shape[-1] * math.log(2 * math.pi)
+        return total
+
+
+def _precision_quadratic(block, v: torch.Tensor, delta, scale) -> torch.Tensor:
+    """``vᵀ P v`` with ``P = s H + diag(δ)`` of one block, ``v`` of shape ``(..., numel)``."""
+    from ...curvature import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
+    prior = (delta * v ** 2).sum(-1)
+    if isinstance(block, DenseBlock):
+        return scale * torch.einsum("...i,ij,...j->...", v, block.H, v) + prior
+    if isinstance(block, DiagBlock):
+        return scale * (block.h.reshape(-1) * v ** 2).sum(-1) + prior
+    V = v.reshape(*v.shape[:-1], *block.shape)
+    if isinstance(block, SplitBiasKronBlock):
+        A = block.A.clone()
+        A[:-1, -1] = 0
+        A[-1, :-1] = 0
+    elif isinstance(block, KronBlock):
+        A = block.A
+    else:
+        raise TypeError(f"unknown curvature block {type(block).__name__}")
+    return scale * (V * (block.G @ V @ A)).sum((-2, -1)) + prior
+
+
 def gaussian_log_prior_batched(layers, values: dict, deltas: list) -> torch.Tensor:
     """``Σ_l log N(W̃_l | 0, δ_l⁻¹)`` for draws ``values[site]`` of shape ``(S, *shape)`` → ``(S,)``."""
     total = 0.0
@@ -582,14 +760,37 @@ def _leading(layer, values):
     return torch.cat(parts, -1)
 
 
-def _normal_precision(fn, value) -> torch.Tensor:
-    """Elementwise 1/σ² of a (possibly Independent/expanded) Normal prior, else ones."""
+def _is_layer_parameter(model, name: str) -> bool:
+    """Whether site ``name`` is the weight or bias of a module of ``model`` (never an observation)."""
+    from ...curvature.layers import site_module
+    try:
+        module, pname = site_module(model, name)
+    except (AttributeError, KeyError, ValueError):
+        return False
+    return module is not None and pname in ("weight", "bias")
+
+
+def _unwrap_handlers(model):
+    """The model under ``poutine`` handler wrappers (``functools.wraps`` chains: ``__wrapped__``)."""
+    seen = 0
+    while not isinstance(model, nn.Module) and hasattr(model, "__wrapped__") and seen < 32:
+        model, seen = model.__wrapped__, seen + 1
+    return model
+
+
+def _normal_precision(fn, value) -> tuple[torch.Tensor, str | None]:
+    """Elementwise 1/σ² of a (possibly Independent/expanded) zero-mean Normal prior, and
+    ``None``; else ones and what the Gaussian ``N(0, 1/δ)`` cannot represent."""
     d = fn
     while isinstance(d, (dist.Independent, dist.ExpandedDistribution)) and not isinstance(d, dist.Normal):
         d = d.base_dist
     if isinstance(d, dist.Normal):
-        return (d.scale ** -2).expand(value.shape).to(value.dtype)
-    return torch.ones_like(value)
+        prec = (d.scale ** -2).expand(value.shape).to(value.dtype)
+        if bool((d.loc != 0).any()):
+            return prec, f"a Normal prior with non-zero mean (loc in [{float(d.loc.min()):.4g}, " \
+                         f"{float(d.loc.max()):.4g}])"
+        return prec, None
+    return torch.ones_like(value), f"a {type(d).__name__} prior, not a Normal"
 
 
 def _is_real(support) -> bool:

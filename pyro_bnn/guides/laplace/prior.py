@@ -1,16 +1,25 @@
 """Prior precision δ of the Laplace guide: its structures and how it is tuned.
 
 Structures (``Laplace(..., prior_structure=)``), all for the Gaussian prior
-``N(0, diag(δ)⁻¹)`` over the sites the Laplace covers:
+``N(0, diag(δ)⁻¹)`` over the sites the Laplace covers.  The Laplace guide *replaces* the
+model's prior by this Gaussian (its MAP objective, its posterior precision and its evidence
+all use δ), so δ starts from the model's own prior: each covered site's Normal ``1/σ²``.
 
+``"auto"`` (default)
+    The smallest structure that holds the model's prior exactly, resolved when the guide is
+    set up: ``"scalar"`` if every covered weight has the same prior precision (e.g.
+    ``pb.priors.IIDNormal``), else ``"layerwise"`` if it is constant per layer, else
+    ``"sitewise"`` if constant per site (Pyro's tutorial regression: weights ``N(0, 1)``,
+    bias ``N(0, 10²)``), else ``"diagonal"`` (``"sitewise"`` with a warning under
+    ``structure="kron"``).
 ``"scalar"``
     One δ.
 ``"layerwise"``
     One δ per Linear/Conv2d layer (weight and bias together).
 ``"sitewise"``
     One δ per sample site, i.e. per parameter tensor: a weight and its bias get their own
-    δ (laplace-torch's "layerwise").  With ``structure="kron"`` this needs
-    ``kron_bias="separate"``: one Kronecker block over ``[W, b]`` has one δ.
+    δ (laplace-torch's "layerwise").  With ``structure="kron"`` and ``kron_bias="joint"`` the
+    ``[W, b]`` block is whitened by the per-column δ, exactly (no cross term dropped).
 ``"diagonal"``
     One δ per weight (``structure="diag"`` or ``"full"``).
 
@@ -24,6 +33,11 @@ Tuning (:meth:`PriorPrecision.optimize_prior_precision`):
     predictive density of the GLM predictive on validation data ``val=(x, y)``, as
     laplace-torch's ``optimize_prior_precision(method="gridsearch")``.  The validation
     points must not be part of the data the MAP and the curvature were fitted to.
+
+A structure chosen by the user that cannot hold the model's prior (one δ for sites with
+different prior precisions; a non-Normal or non-zero-mean prior) raises a
+:class:`PriorMismatchWarning` at set-up that names the sites, unless ``prior_precision=``
+was given (then δ is the user's choice).
 """
 
 from __future__ import annotations
@@ -38,9 +52,40 @@ from ...curvature import batch_covariance, glm_log_predictive, jacobian_factors
 from ...data import check_data
 from ...likelihoods import Gaussian
 
-__all__ = ["PriorPrecision", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS", "POSTHOC_LR"]
+__all__ = ["PriorPrecision", "PriorMismatchWarning", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS",
+           "POSTHOC_LR", "resolve_prior_structure"]
 
-PRIOR_STRUCTURES = ("scalar", "layerwise", "sitewise", "diagonal")
+PRIOR_STRUCTURES = ("auto", "scalar", "layerwise", "sitewise", "diagonal")
+
+
+class PriorMismatchWarning(UserWarning):
+    """The Laplace guide's Gaussian prior ``N(0, diag(δ)⁻¹)`` is not the model's prior."""
+
+
+def _constant(t: torch.Tensor) -> bool:
+    flat = t.reshape(-1)
+    return bool(torch.allclose(flat, flat[0].expand_as(flat), rtol=1e-6, atol=0.0))
+
+
+def resolve_prior_structure(layers, prior_prec: dict, structure: str) -> str:
+    """The smallest δ structure that holds the per-weight prior precisions ``prior_prec``
+    (``{site: tensor}``) exactly: ``"scalar"``, ``"layerwise"``, ``"sitewise"`` or
+    ``"diagonal"`` (``"sitewise"`` for ``structure="kron"``, which has no per-weight δ)."""
+    sites = [s for layer in layers for s in layer.sites]
+    if _constant(torch.cat([prior_prec[s].reshape(-1) for s in sites])):
+        return "scalar"
+    if all(_constant(torch.cat([prior_prec[s].reshape(-1) for s in layer.sites])) for layer in layers):
+        return "layerwise"
+    if all(_constant(prior_prec[s]) for s in sites) or structure == "kron":
+        return "sitewise"
+    return "diagonal"
+
+
+def _describe(t: torch.Tensor) -> str:
+    flat = t.reshape(-1)
+    if _constant(flat):
+        return f"{float(flat[0]):.4g}"
+    return f"{float(flat.min()):.4g}–{float(flat.max()):.4g}"
 
 #: laplace-torch's default grid: 100 values of δ from 1e-4 to 1e4, evenly spaced in log δ.
 DEFAULT_GRID = (-4.0, 4.0, 100)
@@ -70,6 +115,42 @@ class PriorPrecision:
         if self.prior_structure == "sitewise":
             return [(s,) for layer in self.layers for s in layer.sites]
         return None
+
+    def _check_prior_is_represented(self, prior_prec: dict, problems: dict, requested: str,
+                                    given) -> None:
+        """Warn (:class:`PriorMismatchWarning`) when the guide's Gaussian prior is not the
+        model's: a non-Normal / non-zero-mean prior (``problems``: ``{site: text}``), or δ
+        of the ``requested`` structure that cannot equal the model's ``1/σ²`` per weight."""
+        import warnings
+
+        covered = [s for layer in self.layers for s in layer.sites]
+        bad = {s: problems[s] for s in covered if s in problems}
+        if bad:
+            listed = "; ".join(f"{s!r}: {text}" for s, text in bad.items())
+            warnings.warn(
+                f"the Laplace guide replaces the model's prior by a Gaussian N(0, 1/δ), which cannot "
+                f"represent the prior of {listed}; the MAP, the posterior and the evidence are those of "
+                "the Gaussian prior (δ = 1 there unless prior_precision= is given)",
+                PriorMismatchWarning, stacklevel=4)
+        if given is not None or requested == "auto":
+            return
+        deltas = [d.detach() for d in self.layer_prior_precisions()]
+        mismatch = []
+        for layer, d in zip(self.layers, deltas):
+            model = layer.flatten({s: prior_prec[s] for s in layer.sites}).reshape(-1)
+            ours = d.expand(layer.numel) if d.dim() == 0 else d
+            if not torch.allclose(ours.to(model.dtype), model, rtol=1e-5, atol=0.0):
+                mismatch += [s for s in layer.sites if s not in bad]
+        if mismatch:
+            per_site = ", ".join(f"{s!r}: {_describe(prior_prec[s])}" for s in covered)
+            fitting = resolve_prior_structure(self.layers, prior_prec, self.structure)
+            warnings.warn(
+                f"prior_structure={requested!r} cannot represent the model's prior: its Normal "
+                f"precisions 1/σ² are {per_site}; the guide's Gaussian prior uses δ = "
+                f"{_describe(self.prior_precision.detach())} instead (the mean per group), which "
+                "changes the MAP, the posterior and the evidence. Use prior_structure='auto' (the "
+                f"default; {fitting!r} here) or pass prior_precision= to choose δ deliberately",
+                PriorMismatchWarning, stacklevel=4)
 
     def _prior_precision_shape(self) -> tuple[int, ...]:
         return {"scalar": (), "layerwise": (len(self.layers),),
