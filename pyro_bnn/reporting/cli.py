@@ -7,11 +7,16 @@ digits data (1,348 train / 449 test 8×8 images, an MLP 64-100-10) at its conver
 ``reliability.png``, ``entropy.png``, ``forest.png`` and ``datatrees/<guide>.nc``
 (see :mod:`pyro_bnn.reporting.report`).  ``--smoke`` runs the whole pipeline in seconds.
 
-The report folder is replaced whole at the end of a run, or not at all: ``--out`` is checked
-before any training, the files are written into a temporary sibling folder that is renamed
-into place at the end, and Ctrl-C (or an error while writing) leaves the previous report as
-it was.  Exit codes: 0 done, 1 every guide failed or the report could not be written, 2 bad
-arguments or data, 130 interrupted.
+The report folder is replaced whole at the end of a run, or not at all, and only if this
+program wrote it: every option (``--out``, ``--device``, ``--seed``, ...) is checked before any
+training; ``--out`` must be new, empty, or an earlier report (it holds the marker file
+``.pyro-bnn-report`` and no file added since), so a folder of yours is refused, never
+emptied.  The files are written into a temporary sibling folder that is renamed into place at
+the end; an error while writing leaves the previous report as it was.  A run in which every
+guide failed writes its errors to ``<out>.failed/``, and Ctrl-C keeps the guides that finished
+in ``<out>.partial/`` (marked PARTIAL); in both cases the report in ``<out>`` is unchanged.
+Exit codes: 0 done, 1 every guide failed or the report could not be written, 2 bad arguments
+or data, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,9 +33,9 @@ from torch import nn
 from .. import datasets
 from ..guides.base import registered_guides
 from ..model import BNN
-from .comparison import compare
-from .report import markdown_table, write_report
-from .staged_folder import StagedFolder
+from .comparison import MAX_SEED, ComparisonInterrupted, caused_by_interrupt, check_device, compare
+from .report import markdown_table, report_info, write_report
+from .staged_folder import StagedFolder, check_replaceable, read_marker
 
 __all__ = ["main", "build_parser", "GUIDE_DEFAULTS"]
 
@@ -60,18 +66,36 @@ GUIDE_DEFAULTS: dict[str, dict] = {
 DEFAULT_EPOCHS = 40
 
 
-def _int_at_least(low: int):
-    """argparse type: an integer ``>= low`` (a clear one-line error otherwise)."""
+def _int_at_least(low: int, high: int | None = None):
+    """argparse type: an integer ``>= low`` (and ``<= high``; a clear one-line error otherwise)."""
+    expected = f"an integer >= {low}" if high is None else f"an integer >= {low} and <= {high}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
         return value
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = expected
     return parse
+
+
+def _device(text: str) -> str:
+    """argparse type: a torch device that exists on this machine."""
+    try:
+        check_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _folder(text: str) -> str:
+    """argparse type: a folder name (not empty text)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a folder name such as 'pyro-bnn-report', got {text!r}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,10 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="posterior draws for test predictions")
     p.add_argument("--loo-samples", type=_int_at_least(1), default=200,
                    help="draws in each DataTree (ELBO, ELPD-LOO)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default="pyro-bnn-report",
-                   help="report folder (replaced whole at the end of the run)")
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="cpu, cuda, cuda:N or mps (checked before any training)")
+    p.add_argument("--out", type=_folder, default="pyro-bnn-report",
+                   help="report folder: new, empty, or an earlier report of this program (replaced whole "
+                        "at the end of the run); any other folder is refused")
+    p.add_argument("--seed", type=_int_at_least(0, MAX_SEED), default=0)
     p.add_argument("--threads", type=_int_at_least(1), default=1,
                    help="torch CPU threads (default 1: the default networks are so small that more "
                         "threads only add synchronisation; raise it for MNIST or wide networks)")
@@ -159,46 +185,48 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown guide(s) {unknown}; choose from {sorted(registry)}" if unknown
               else f"--guides names no guide; choose from {sorted(registry)}", file=sys.stderr)
         return 2
-    try:  # before any work: an unwritable --out must not cost the whole run
+    try:  # before any work: a wrong --out must not cost the whole run, nor a user's files
         staging = StagedFolder(args.out)
-    except OSError as exc:
-        print(f"error: {exc.strerror or exc} (--out {args.out})", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"error: {getattr(exc, 'strerror', None) or exc} (--out {args.out})", file=sys.stderr)
         return 2
-    had_report = staging.out.exists()
+    previous = (f"the previous one in {args.out} is unchanged" if read_marker(staging.out) is not None
+                else "")
     try:
         try:
-            return _run(args, names, staging, t_start)
+            return _run(args, names, staging, t_start, previous)
         except Exception as exc:
-            # Ctrl-C that lands inside a C extension's import (matplotlib's backend, say) surfaces as
-            # ``ImportError("initialization failed")`` caused by the KeyboardInterrupt: still an interrupt.
-            if _caused_by_interrupt(exc):
+            if caused_by_interrupt(exc):
                 raise KeyboardInterrupt from exc
             raise
     except KeyboardInterrupt:
         if staging.committed:
             state = f"after the report was written to {args.out}"
-        elif had_report:
-            state = f"no report written; the previous one in {args.out} is unchanged"
         else:
-            state = "no report written"
+            state = "no report written" + (f"; {previous}" if previous else "")
         print(f"interrupted: {state}", file=sys.stderr)
         return 130
     finally:
         staging.discard()
 
 
-def _caused_by_interrupt(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised because of a KeyboardInterrupt (anywhere in its cause chain)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
+def _sibling(out: Path, kind: str) -> Path:
+    """``<out>.<kind>`` if it is new or an earlier report, else a new ``<out>.<kind>-<time>``."""
+    candidate = out.with_name(f"{out.name}.{kind}")
+    try:
+        check_replaceable(candidate)
+        return candidate
+    except (OSError, ValueError):
+        pass
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate, n = out.with_name(f"{out.name}.{kind}-{stamp}"), 1
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = out.with_name(f"{out.name}.{kind}-{stamp}-{n}")
+    return candidate
 
 
-def _run(args, names, staging: StagedFolder, t_start: float) -> int:
+def _run(args, names, staging: StagedFolder, t_start: float, previous: str) -> int:
     torch.set_num_threads(args.threads)
     try:
         split = _data(args)
@@ -208,27 +236,77 @@ def _run(args, names, staging: StagedFolder, t_start: float) -> int:
     epochs, lr, fit_kw, predict = _settings(args, names)
     num_samples = 10 if args.smoke else args.num_samples
     loo_samples = 64 if args.smoke else args.loo_samples
-    result = compare(_model_fn(args, split), names, split, epochs=epochs, lr=lr,
-                     batch_size=args.batch_size, num_samples=num_samples, loo_samples=loo_samples,
-                     device=args.device, seed=args.seed, progress=not args.no_progress,
-                     fit_options=fit_kw, predict_method=predict, details=True)
-    print(markdown_table(result.table))  # first: the table survives a failure to write
     settings = {k: v for k, v in vars(args).items()}
     settings.update(epochs=epochs, lr=lr, fit_options=fit_kw, predict_method=predict,
                     num_samples=num_samples, loo_samples=loo_samples,
                     num_train=len(split.x_train), num_test=len(split.x_test))
     try:
+        result = compare(_model_fn(args, split), names, split, epochs=epochs, lr=lr,
+                         batch_size=args.batch_size, num_samples=num_samples, loo_samples=loo_samples,
+                         device=args.device, seed=args.seed, progress=not args.no_progress,
+                         fit_options=fit_kw, predict_method=predict, details=True)
+    except ComparisonInterrupted as exc:
+        return _save_partial(args, names, staging, exc, settings, num_samples, previous)
+    print(markdown_table(result.table))  # first: the table survives a failure to write
+    errors = result.table.get("error")
+    if errors is not None and errors.notna().all():
+        return _save_failed(args, staging, result, settings, num_samples, previous)
+    try:
         written = write_report(result, staging.path, num_samples=num_samples, settings=settings,
                                staged=False)
         wall = time.perf_counter() - t_start
         _add_wall_time(written["metrics_json"], wall)
-        staging.commit()
+        staging.commit(info=report_info(result))
     except OSError as exc:
-        print(f"error: could not write the report to {args.out}: {exc}; the previous one is unchanged",
-              file=sys.stderr)
+        state = "the previous one is unchanged" if previous else "no report written"
+        print(f"error: could not write the report to {args.out}: {exc}; {state}", file=sys.stderr)
         return 1
     print(f"report written to {args.out}/ ({len(written)} files) in {wall:.1f} s")
-    return 1 if result.table.get("error") is not None and result.table["error"].notna().all() else 0
+    return 0
+
+
+def _save_aside(staging: StagedFolder, comparison, kind: str, note: str, settings, num_samples) -> Path:
+    """Write ``comparison`` as a ``kind`` report to ``<out>.<kind>`` (never to ``out``)."""
+    target = _sibling(staging.out, kind)
+    write_report(comparison, staging.path, num_samples=num_samples, settings=settings, staged=False,
+                 status=kind, note=note)
+    return staging.commit(target, status=kind, info=report_info(comparison, note))
+
+
+def _save_failed(args, staging, result, settings, num_samples, previous: str) -> int:
+    """Every guide failed: the errors go to ``<out>.failed``, the report in ``out`` stays."""
+    first = next(iter(result.runs.values())).error.splitlines()[-1]
+    note = f"every guide failed (first error: {first})"
+    try:
+        target = _save_aside(staging, result, "failed", note, settings, num_samples)
+        where = f"the errors are in {target}/"
+    except OSError as exc:
+        where = f"the errors could not be saved ({exc}); they are in the table above"
+    keep = previous or f"{args.out} was not written"
+    print(f"error: {note}; {where}; {keep}", file=sys.stderr)
+    return 1
+
+
+def _save_partial(args, names, staging, exc: ComparisonInterrupted, settings, num_samples,
+                  previous: str) -> int:
+    """Ctrl-C: the guides that finished go to ``<out>.partial``, the report in ``out`` stays."""
+    done = exc.comparison
+    keep = previous or f"{args.out} was not written"
+    if not done.runs:
+        print(f"interrupted: no report written (no guide had finished); {keep}", file=sys.stderr)
+        return 130
+    note = (f"interrupted after guides {', '.join(done.runs)} ({len(done.runs)} of {len(names)} "
+            f"finished; {exc.interrupted} was running)")
+    try:
+        target = _save_aside(staging, done, "partial", note, settings, num_samples)
+    except KeyboardInterrupt:
+        print(f"interrupted again while saving the partial report: nothing saved; {keep}", file=sys.stderr)
+        return 130
+    except OSError as err:
+        print(f"interrupted: the partial report could not be written ({err}); {keep}", file=sys.stderr)
+        return 130
+    print(f"interrupted: partial report ({note}) written to {target}/; {keep}", file=sys.stderr)
+    return 130
 
 
 def _add_wall_time(path, seconds: float) -> None:

@@ -12,9 +12,14 @@
 * ``regression.png`` — predictive bands (regression data instead of the two above);
 * ``datatrees/<guide>.nc`` — each guide's ArviZ ``DataTree`` (``xarray.open_datatree``).
 
+* ``README.md`` — what the folder is: complete, or ``PARTIAL`` / ``FAILED`` and why;
+* ``.pyro-bnn-report`` — the marker (program, version, time, status, the files written).
+
 The folder is written whole or not at all (:class:`StagedFolder`): the files go into a
 temporary sibling folder that replaces ``out`` only at the end, so an interrupted or failed
 run leaves the previous report as it was, and a rerun leaves no file of the previous one.
+Only a folder this program wrote (with its marker, and no file added since) or an empty or
+new folder is ever replaced; any other folder is refused before any work is done.
 """
 
 from __future__ import annotations
@@ -250,8 +255,13 @@ def _jsonable(v):
     return v if v is None or isinstance(v, (str, bool)) else str(v)
 
 
+#: Report statuses: every guide ran; interrupted (only the guides that finished); every guide failed.
+STATUSES = ("complete", "partial", "failed")
+
+
 def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
-                 settings: Mapping | None = None, staged: bool = True) -> dict[str, Path]:
+                 settings: Mapping | None = None, staged: bool = True, status: str = "complete",
+                 note: str | None = None) -> dict[str, Path]:
     """Write the report folder for a :class:`~pyro_bnn.reporting.comparison.Comparison`.
 
     Parameters
@@ -259,7 +269,9 @@ def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
     comparison : Comparison
         ``pb.compare(..., details=True)``.
     out : path
-        Folder.  Its previous contents are replaced as a whole.
+        Folder: new, empty, or an earlier report of this program (with its marker and no file
+        added since), which is replaced as a whole; any other folder is refused
+        (:class:`~pyro_bnn.reporting.staged_folder.NotAReportFolder`) and left as it was.
     num_samples : int
         Posterior draws for the OOD predictive.
     settings : dict, optional
@@ -267,28 +279,72 @@ def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
     staged : bool
         Write into a temporary sibling of ``out`` and swap it into place at the end
         (:class:`StagedFolder`; default).  ``False`` writes into ``out`` directly, for a
-        caller that stages the folder itself.
+        caller that stages the folder itself (and writes the marker at its commit).
+    status : {"complete", "partial", "failed"}
+        What the report is; a ``partial`` or ``failed`` one says so at the top of
+        ``README.md`` and ``table.md`` (with ``note``), in ``metrics.json`` and in the marker.
+    note : str, optional
+        One line on why (e.g. ``"interrupted after guides meanfield"``).
 
     Returns
     -------
     dict[str, Path]
         The artefacts written, by kind.
     """
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     if not staged:
-        return _write_files(comparison, Path(out), num_samples=num_samples, settings=settings)
-    with StagedFolder(out) as folder:
-        written = _write_files(comparison, folder.path, num_samples=num_samples, settings=settings)
+        return _write_files(comparison, Path(out), num_samples=num_samples, settings=settings,
+                            status=status, note=note)
+    folder = StagedFolder(out)
+    try:
+        written = _write_files(comparison, folder.path, num_samples=num_samples, settings=settings,
+                               status=status, note=note)
+        folder.commit(status=status, info=report_info(comparison, note))
+    finally:
+        folder.discard()
     return {k: folder.out / p.relative_to(folder.path) for k, p in written.items()}
 
 
-def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping | None) -> dict[str, Path]:
+def report_info(comparison, note: str | None = None) -> dict:
+    """What the marker records besides the program: the guides that ran, failed, and why."""
+    runs = comparison.runs
+    return {"guides": [k for k, r in runs.items() if r.error is None],
+            "failed_guides": [k for k, r in runs.items() if r.error is not None],
+            **({"note": note} if note else {})}
+
+
+def _headline(status: str, note: str | None) -> str:
+    """The first line of a partial or failed report (empty for a complete one)."""
+    if status == "complete":
+        return ""
+    return f"**{status.upper()}: {note or status}**\n\n"
+
+
+def _readme(comparison, status: str, note: str | None, files) -> str:
+    from .. import __version__
+
+    info = report_info(comparison, note)
+    lines = [f"# pyro-bnn report ({status})", ""]
+    if status != "complete":
+        lines += [_headline(status, note).strip(), ""]
+    lines += [f"Written by pyro-bnn {__version__}.", "",
+              f"- guides with results: {', '.join(info['guides']) or 'none'}"]
+    if info["failed_guides"]:
+        lines.append(f"- failed guides (errors in metrics.json): {', '.join(info['failed_guides'])}")
+    lines += ["- files: " + ", ".join(sorted(files)), ""]
+    return "\n".join(lines)
+
+
+def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping | None,
+                 status: str = "complete", note: str | None = None) -> dict[str, Path]:
     plt = _plt()
     out = Path(out)
     (out / "datatrees").mkdir(parents=True, exist_ok=True)
     table = comparison.table
     ok = {k: r for k, r in comparison.runs.items() if r.error is None and r.model is not None}
     written: dict[str, Path] = {}
-    (out / "table.md").write_text(markdown_table(table))
+    (out / "table.md").write_text(_headline(status, note) + markdown_table(table))
     table.to_csv(out / "table.csv")
     written.update(table_md=out / "table.md", table_csv=out / "table.csv")
     extra: dict = {}
@@ -332,6 +388,8 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
             dt.to_netcdf(path)
             written[f"datatree_{name}"] = path
     payload = {
+        "status": status,
+        **({"note": note} if note else {}),
         "settings": dict(settings or {}),
         "table": {name: row for name, row in table.to_dict(orient="index").items()},
         "history": {k: r.fit.history for k, r in comparison.runs.items() if r.fit is not None},
@@ -344,5 +402,8 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
     }
     (out / "metrics.json").write_text(json.dumps(_jsonable(payload), indent=2))
     written["metrics_json"] = out / "metrics.json"
+    names = [p.relative_to(out).as_posix() for p in written.values()] + ["README.md"]
+    (out / "README.md").write_text(_readme(comparison, status, note, names))
+    written["readme"] = out / "README.md"
     return written
 
