@@ -99,6 +99,42 @@ def test_the_current_folder_is_refused_even_when_empty(tmp_path, monkeypatch, ca
     assert tmp_path.is_dir() and Path.cwd() == tmp_path
 
 
+def test_a_folder_above_the_cwd_is_refused(previous, monkeypatch, capsys):
+    out, before = previous
+    monkeypatch.chdir(out / "datatrees")  # inside an earlier report
+    _no_training(monkeypatch)
+    assert cli.main([*FAST, "--out", ".."]) == 2
+    assert "contains the current folder, which is never removed" in capsys.readouterr().err
+    assert _contents(out) == before
+
+
+def test_out_dot_that_is_an_earlier_report_is_updated_in_place(previous, monkeypatch, capsys):
+    out, before = previous
+    inode = out.stat().st_ino
+    monkeypatch.chdir(out)
+    assert cli.main([*FAST, "--guides", "laplace", "--out", "."]) == 0
+    assert Path.cwd() == out and out.stat().st_ino == inode  # the cwd itself never removed
+    after = _contents(out)
+    assert "datatrees/meanfield.nc" not in after and "datatrees/laplace.nc" in after
+    assert read_marker(out)["guides"] == ["laplace"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["report"]
+
+
+def test_a_report_of_the_earlier_version_without_marker_is_replaced(previous):
+    out, before = previous
+    (out / MARKER).unlink()
+    (out / "README.md").unlink()  # the earlier version wrote neither
+    assert cli.main([*FAST, "--guides", "laplace", "--out", str(out)]) == 0
+    assert read_marker(out)["guides"] == ["laplace"]
+    # ... but not when a file of another name is in it
+    (out / MARKER).unlink()
+    (out / "README.md").unlink()
+    (out / "mine.txt").write_text("mine")
+    kept = _contents(out)
+    assert cli.main([*FAST, "--guides", "laplace", "--out", str(out)]) == 2
+    assert _contents(out) == kept
+
+
 @pytest.mark.parametrize("value", ["", " "])
 def test_empty_out_is_an_error(value, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -35,7 +35,7 @@ from ..guides.base import registered_guides
 from ..model import BNN
 from .comparison import MAX_SEED, ComparisonInterrupted, caused_by_interrupt, check_device, compare
 from .report import markdown_table, report_info, write_report
-from .staged_folder import StagedFolder, check_replaceable, read_marker
+from .staged_folder import StagedFolder, check_replaceable
 
 __all__ = ["main", "build_parser", "GUIDE_DEFAULTS"]
 
@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {getattr(exc, 'strerror', None) or exc} (--out {args.out})", file=sys.stderr)
         return 2
-    previous = (f"the previous one in {args.out} is unchanged" if read_marker(staging.out) is not None
-                else "")
+    # replaceable and not empty: an earlier report (marked, or of the version before the marker)
+    had_report = staging.out.is_dir() and any(staging.out.iterdir())
+    previous = f"the previous one in {args.out} is unchanged" if had_report else ""
     try:
         try:
             return _run(args, names, staging, t_start, previous)

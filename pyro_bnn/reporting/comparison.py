@@ -520,6 +520,16 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     pandas.DataFrame or Comparison
         One row per guide, indexed by name.
 
+    Raises
+    ------
+    TypeError, ValueError
+        Before any training: an option of the wrong type or range (``epochs=2.5``,
+        ``batch_size=True``, ``seed=2**32``, ``device="gpu"``, ``"cuda"`` without a GPU), or a
+        ``{guide: value}`` option naming a guide that is not compared (the message names the
+        closest one: ``epochs={"meanfeild": 10}`` -> did you mean 'meanfield'?).
+    ComparisonInterrupted
+        Ctrl-C (a ``KeyboardInterrupt``); its ``comparison`` holds the guides that finished.
+
     Examples
     --------
     >>> split = pb.datasets.digits()                                           # doctest: +SKIP

@@ -59,9 +59,11 @@ def _refuse(out: Path, what: str, fix: str = "or move those files away") -> NotA
 def check_replaceable(out: str | os.PathLike) -> None:
     """Raise unless ``out`` may be replaced by a new report.
 
-    ``out`` may be missing, an empty folder, or a folder with this program's marker
-    (:data:`MARKER`) that holds only the files the marker lists.  The current folder (or
-    one above it) is never replaced, and a symbolic link is never followed.
+    ``out`` may be missing, an empty folder, a folder with this program's marker
+    (:data:`MARKER`) that holds only the files the marker lists, or a report of an earlier
+    version (no marker; only the report's own file names and its ``metrics.json``).  The
+    current folder may only be an earlier marked report (its entries are then replaced; the
+    folder itself stays); a folder above it is never replaced; a symbolic link is refused.
 
     Raises
     ------
@@ -82,14 +84,16 @@ def check_replaceable(out: str | os.PathLike) -> None:
         return
     if not out.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, f"cannot write the report to {out}: it exists and is not a folder")
-    cwd = Path.cwd()
-    if out == cwd or out in cwd.parents or (cwd.exists() and os.path.samefile(out, cwd)):
-        raise _refuse(out, "it is (or contains) the current folder, which is never replaced",
+    if _contains_cwd(out):
+        raise _refuse(out, "it contains the current folder, which is never removed",
                       "such as a subfolder 'pyro-bnn-report'")
     entries = _entries(out)
-    if not entries:
-        return
     marker = read_marker(out)
+    if _is_cwd(out) and marker is None:  # the current folder: only an earlier report, updated in place
+        raise _refuse(out, f"it is the current folder and not a report written by {PROGRAM} (no {MARKER} "
+                      "marker)", "such as a subfolder 'pyro-bnn-report'")
+    if not entries or (marker is None and _is_legacy_report(out, entries)):
+        return
     if marker is None:
         raise _refuse(out, f"the folder is not empty and was not written by {PROGRAM} (it has no "
                       f"{MARKER} marker; it holds {_sample(entries)})")
@@ -98,6 +102,42 @@ def check_replaceable(out: str | os.PathLike) -> None:
     extra = [e for e in entries if (out / e).is_symlink() or not ((out / e).is_dir() or e in listed)]
     if extra:
         raise _refuse(out, f"it is an earlier report, but holds files it did not write: {_sample(extra)}")
+
+
+def _is_cwd(path: Path) -> bool:
+    cwd = Path.cwd()
+    return path == cwd or (path.exists() and cwd.exists() and os.path.samefile(path, cwd))
+
+
+def _contains_cwd(path: Path) -> bool:
+    """Whether the current folder lies strictly inside ``path``."""
+    cwd = Path.cwd()
+    return path in cwd.parents or (path.exists() and any(
+        p.exists() and os.path.samefile(path, p) for p in cwd.resolve().parents))
+
+
+#: The files a report had before the marker existed (pyro_bnn <= 0.1.0, before issue 23).
+_LEGACY_FILES = {"table.md", "table.csv", "metrics.json", "reliability.png", "entropy.png", "forest.png",
+                 "regression.png"}
+
+
+def _is_legacy_report(out: Path, entries: list[str]) -> bool:
+    """A report of an earlier version (no marker): only its own file names, with its ``metrics.json``."""
+    for e in entries:
+        p = out / e
+        if p.is_symlink():
+            return False
+        if p.is_dir():
+            if e != "datatrees":
+                return False
+        elif e not in _LEGACY_FILES and not (e.startswith("datatrees/") and e.endswith(".nc")
+                                             and e.count("/") == 1):
+            return False
+    try:
+        payload = json.loads((out / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(payload, dict) and {"settings", "table", "history"} <= set(payload)
 
 
 def _sample(names: list[str], most: int = 3) -> str:
@@ -179,6 +219,9 @@ class StagedFolder:
         check_replaceable(target)
         self.write_marker(status=status, info=info)
         aside = target.parent / f".{target.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        if _is_cwd(target):  # an earlier report that is the current folder: swap its entries
+            self._swap_entries(target, aside)
+            return target
         with _sigint_held():
             had_old = target.exists()
             if had_old:
@@ -193,6 +236,29 @@ class StagedFolder:
         if had_old:
             _remove_tree(aside)
         return target
+
+    def _swap_entries(self, target: Path, aside: Path) -> None:
+        """Replace the entries of ``target`` (the current folder, never removed) by the staged ones."""
+        aside.mkdir()
+        moved_old, moved_new = [], []
+        with _sigint_held():
+            try:
+                for name in os.listdir(target):
+                    os.rename(target / name, aside / name)
+                    moved_old.append(name)
+                for name in os.listdir(self.path):
+                    os.rename(self.path / name, target / name)
+                    moved_new.append(name)
+            except BaseException:
+                for name in moved_new:
+                    os.rename(target / name, self.path / name)
+                for name in moved_old:
+                    os.rename(aside / name, target / name)
+                aside.rmdir()
+                raise
+            self.committed = True
+        _remove_tree(aside)
+        self.path.rmdir()
 
     def discard(self) -> None:
         """Delete the staged folder (no-op after :meth:`commit`)."""
