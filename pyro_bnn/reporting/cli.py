@@ -37,7 +37,7 @@ from .comparison import MAX_SEED, ComparisonInterrupted, caused_by_interrupt, ch
 from .report import markdown_table, report_info, write_report
 from .staged_folder import StagedFolder, check_replaceable
 
-__all__ = ["main", "build_parser", "GUIDE_DEFAULTS"]
+__all__ = ["main", "build_parser", "GUIDE_DEFAULTS", "DATASET_DEFAULTS", "guide_defaults", "lenet"]
 
 #: Per-guide settings of the main job: each guide's best-practice settings, under which its fit
 #: converges on the default problem (digits, MLP 64-100-10), chosen by the training objective and
@@ -64,6 +64,32 @@ GUIDE_DEFAULTS: dict[str, dict] = {
     "laplace_all": {"epochs": 300, "lr": 1e-2, "predict": "glm", "fit": {"lr_schedule": "cosine"}},
 }
 DEFAULT_EPOCHS = 40
+
+#: Per-dataset overrides of :data:`GUIDE_DEFAULTS` (merged over them, key by key): settings
+#: for the larger datasets.  Fashion-MNIST (60,000 training images, MLP 784-200-200-10 or the
+#: LeNet-style CNN): epochs sized so the whole MLP job stays under 45 minutes on 2 CPU cores,
+#: extrapolated from one timed epoch per guide on a 6,000-image subset
+#: (``docs/results/compare.md``); a shorter run than on digits, so check ``converged``.
+DATASET_DEFAULTS: dict[str, dict[str, dict]] = {
+    "fashion-mnist": {
+        "meanfield": {"epochs": 10},
+        "symmetrized": {"epochs": 5},
+        "hypernet": {"epochs": 5},
+        "laplace": {"epochs": 10},
+        "laplace_all": {"epochs": 10},
+    },
+}
+
+#: The datasets of 28x28 images, on which ``--arch cnn`` runs.
+IMAGE_DATASETS = ("fashion-mnist", "mnist")
+
+
+def guide_defaults(dataset: str, name: str) -> dict:
+    """The settings of guide ``name`` on ``dataset``: :data:`GUIDE_DEFAULTS` with the
+    dataset's entries of :data:`DATASET_DEFAULTS` over them."""
+    cfg = dict(GUIDE_DEFAULTS.get(name, {}))
+    cfg.update(DATASET_DEFAULTS.get(dataset, {}).get(name, {}))
+    return cfg
 
 
 def _int_at_least(low: int, high: int | None = None):
@@ -101,17 +127,29 @@ def _folder(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pyro-bnn", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", choices=["digits", "mnist", "toy"], default="digits",
-                   help="digits (offline, bundled with scikit-learn), mnist (IDX files in --data-dir; "
-                        "5,000 train / 5,000 test) or toy (Blundell et al.'s 1-D regression)")
+    p.add_argument("--dataset", choices=["digits", "fashion-mnist", "mnist", "toy"], default="digits",
+                   help="digits (offline, bundled with scikit-learn; default), fashion-mnist (60,000 "
+                        "train / 10,000 test, the IDX files of Debian's dataset-fashion-mnist or "
+                        "--data-root), mnist (IDX files in --data-dir; 5,000 train / 5,000 test) or "
+                        "toy (Blundell et al.'s 1-D regression)")
+    p.add_argument("--arch", choices=["mlp", "cnn"], default="mlp",
+                   help="mlp (digits 64-100-10, fashion-mnist 784-200-200-10) or cnn (LeNet-style, "
+                        "28x28 images: fashion-mnist, mnist)")
+    p.add_argument("--data-root", default=None,
+                   help="folder with the Fashion-MNIST IDX files (default: the loader's, "
+                        "$PYRO_BNN_FASHION_MNIST or /usr/share/datasets/fashion-mnist)")
     p.add_argument("--data-dir", default="../shared/data/mnist", help="folder with the MNIST IDX files")
+    p.add_argument("--ood-root", default=None,
+                   help="folder with the MNIST test IDX files, the out-of-distribution set of "
+                        "fashion-mnist (default ../shared/data/mnist if it exists, else no OOD figure)")
     p.add_argument("--guides", default=None,
                    help=f"comma-separated guide names (default: all registered: {','.join(registered_guides())})")
     p.add_argument("--epochs", type=_int_at_least(0), default=None,
                    help="epochs for every guide, 0 for none (default: tuned per guide, see GUIDE_DEFAULTS; "
                         "1 with --smoke)")
     p.add_argument("--batch-size", type=_int_at_least(1), default=64)
-    p.add_argument("--hidden", type=_int_at_least(1), default=100, help="hidden units of the MLP")
+    p.add_argument("--hidden", type=_int_at_least(1), default=None,
+                   help="hidden units of each MLP layer (default: digits/mnist 100, fashion-mnist 200)")
     p.add_argument("--num-samples", type=_int_at_least(1), default=100,
                    help="posterior draws for test predictions")
     p.add_argument("--loo-samples", type=_int_at_least(1), default=200,
@@ -137,25 +175,62 @@ def _data(args):
         split = datasets.DataSplit(x_tr, y_tr, x_te, y_te)
     elif args.dataset == "mnist":
         split = datasets.mnist_split(args.data_dir)
+    elif args.dataset == "fashion-mnist":
+        x_tr, y_tr = datasets.fashion_mnist(args.data_root, split="train", flatten=args.arch == "mlp")
+        x_te, y_te = datasets.fashion_mnist(args.data_root, split="test", flatten=args.arch == "mlp")
+        split = datasets.DataSplit(x_tr, y_tr, x_te, y_te)
     else:
         split = datasets.digits(seed=args.seed)
+    if args.arch == "cnn" and split.x_train.dim() == 2:  # mnist_split: flat 28x28 digits
+        split = datasets.DataSplit(split.x_train.reshape(-1, 1, 28, 28), split.y_train,
+                                   split.x_test.reshape(-1, 1, 28, 28), split.y_test)
     if args.smoke:
         split = datasets.DataSplit(split.x_train[:200], split.y_train[:200], split.x_test[:100],
                                    split.y_test[:100])
     return split
 
 
+def _ood_data(args) -> tuple[dict | None, str | None]:
+    """The OOD sets of the report: ``({name: x}, None)``, ``(None, None)`` for the report's
+    default (transformed test inputs) or ``({}, note)`` when the OOD set is missing."""
+    if args.dataset != "fashion-mnist":
+        return None, None
+    root = args.ood_root
+    if root is None:
+        root = "../shared/data/mnist"
+        if not Path(root).is_dir():
+            return {}, f"no OOD figure: the MNIST test digits were not found in {root} (pass --ood-root)"
+    x, _ = datasets.mnist(root, split="test", flatten=args.arch == "mlp")
+    if args.smoke:
+        x = x[:100]
+    return {"MNIST digits": x}, None
+
+
+def lenet(num_classes: int = 10) -> nn.Sequential:
+    """LeNet-style CNN for ``(N, 1, 28, 28)`` images: conv 1→6 5×5, pool, conv 6→16 5×5, pool,
+    fc 256→120→84→``num_classes`` (ReLU)."""
+    return nn.Sequential(nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(256, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
+                         nn.Linear(84, num_classes))
+
+
 def _model_fn(args, split):
-    d_in = split.x_train.shape[1]
+    d_in = split.x_train[0].numel()
     regression = args.dataset == "toy"
-    hidden = 16 if args.smoke else args.hidden
+    hidden = 16 if args.smoke else (args.hidden or (200 if args.dataset == "fashion-mnist" else 100))
+    layers = 2 if args.dataset == "fashion-mnist" else 1
 
     def model_fn(name: str):
-        options = dict(GUIDE_DEFAULTS.get(name, {}).get("model", {}))
+        options = dict(guide_defaults(args.dataset, name).get("model", {}))
         if regression:
             net = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, 1))
             return BNN(net, likelihood="gaussian", noise=0.05, **options)
-        net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        if args.arch == "cnn":
+            return BNN(lenet(10), likelihood="categorical", **options)
+        sizes = [d_in] + [hidden] * layers
+        body = [m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU())]
+        net = nn.Sequential(*body, nn.Linear(hidden, 10))
         return BNN(net, likelihood="categorical", **options)
 
     return model_fn
@@ -164,7 +239,7 @@ def _model_fn(args, split):
 def _settings(args, names):
     epochs, lr, fit_kw, predict = {}, {}, {}, {}
     for name in names:
-        cfg = GUIDE_DEFAULTS.get(name, {})
+        cfg = guide_defaults(args.dataset, name)
         if args.epochs is not None:  # 0 means 0
             epochs[name] = args.epochs
         else:
@@ -229,8 +304,13 @@ def _sibling(out: Path, kind: str) -> Path:
 
 def _run(args, names, staging: StagedFolder, t_start: float, previous: str) -> int:
     torch.set_num_threads(args.threads)
+    if args.arch == "cnn" and args.dataset not in IMAGE_DATASETS:
+        print(f"error: --arch cnn needs 28x28 images (--dataset {' or '.join(IMAGE_DATASETS)}), "
+              f"got --dataset {args.dataset}", file=sys.stderr)
+        return 2
     try:
         split = _data(args)
+        ood, ood_note = _ood_data(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -254,7 +334,7 @@ def _run(args, names, staging: StagedFolder, t_start: float, previous: str) -> i
         return _save_failed(args, staging, result, settings, num_samples, previous)
     try:
         written = write_report(result, staging.path, num_samples=num_samples, settings=settings,
-                               staged=False)
+                               staged=False, ood=ood, ood_note=ood_note)
         wall = time.perf_counter() - t_start
         _add_wall_time(written["metrics_json"], wall)
         staging.commit(info=report_info(result))

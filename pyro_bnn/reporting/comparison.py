@@ -23,6 +23,10 @@ meaningful.  The table has one row per guide:
   Laplace row with the GLM predictive gives the linearised model's, with the guide's δ in
   the prior and ``log q = 0`` for point-estimate sites such as a last-layer Laplace's body,
   so it is not comparable with other rows);
+* ``bound`` and ``bound_kind``: the bound the guide maximises, on the training data
+  (:func:`training_bound`): ``elbo`` (MeanField, Hypernet, ...), ``symmetrized_elbo``
+  (Symmetrized: its ``L^G``, not its base ``q``'s ELBO) or ``log_evidence`` (Laplace);
+  compare rows of the same ``bound_kind`` only;
 * ``log_evidence``: the guide's own estimate where it has one (Laplace), else NaN;
 * ``elpd_loo`` (``az.loo_approximate_posterior``, the importance-sampling correction for
   draws from an approximate posterior) with its standard error and the share of Pareto
@@ -59,7 +63,7 @@ from ..seeding import seeded
 from ..training import FitResult, fit
 
 __all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "check_device", "check_seed", "count_variational_parameters", "as_split",
-           "convergence_label", "describe_configuration"]
+           "convergence_label", "describe_configuration", "training_bound", "BOUND_KINDS"]
 
 
 @dataclass
@@ -457,7 +461,49 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
         run.metrics.update(_loo_columns(dt))
         dt.attrs["guide_name"] = name
         run.datatree = dt
+    run.metrics.update(training_bound(model, guide, split, elbo=run.metrics.get("elbo", math.nan),
+                                      log_evidence=run.metrics["log_evidence"],
+                                      num_samples=min(max(loo_samples, 1), 32)))
     return run
+
+
+#: What the ``bound`` column holds, by the objective the guide maximises.
+BOUND_KINDS = ("elbo", "symmetrized_elbo", "log_evidence")
+
+
+def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
+                   num_samples: int = 32) -> dict:
+    """The bound each guide maximises, on the whole training set: ``{"bound", "bound_kind"}``.
+
+    * :class:`~pyro_bnn.guides.Symmetrized`: its symmetrised ELBO ``L^G``
+      (:func:`pyro_bnn.symmetrized_elbo`, ``num_samples`` draws; the ``elbo`` column keeps
+      the ELBO of its base ``q``, which it does not maximise);
+    * a guide with a log-evidence estimate (Laplace): that estimate;
+    * every other guide: the ELBO (``elbo``, NaN when ``loo_samples=0`` skipped it).
+
+    Parameters
+    ----------
+    model, guide
+        The trained model and guide.
+    split : DataSplit
+        The data; ``split.train`` is used.
+    elbo, log_evidence : float
+        The row's ``elbo`` and ``log_evidence`` columns.
+    num_samples : int
+        Weight draws for the symmetrised ELBO.
+
+    Returns
+    -------
+    dict
+    """
+    from ..guides.symmetrized import Symmetrized, symmetrized_elbo
+
+    if isinstance(guide, Symmetrized):
+        value = symmetrized_elbo(model, guide, split.train, num_samples=num_samples)
+        return {"bound": float(value), "bound_kind": "symmetrized_elbo"}
+    if not math.isnan(log_evidence):
+        return {"bound": float(log_evidence), "bound_kind": "log_evidence"}
+    return {"bound": float(elbo), "bound_kind": "elbo"}
 
 
 def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping[str, int] = 20,
@@ -582,7 +628,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     return Comparison(table, runs, split) if details else table
 
 
-_ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "elbo", "log_evidence", "elpd_loo",
+_ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "bound", "bound_kind", "elbo", "log_evidence", "elpd_loo",
           "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "train_seconds", "predict_seconds", "num_params",
           "predictive", "configuration"]
 

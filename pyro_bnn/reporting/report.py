@@ -12,6 +12,7 @@
 * ``regression.png`` — predictive bands (regression data instead of the two above);
 * ``datatrees/<guide>.nc`` — each guide's ArviZ ``DataTree`` (``xarray.open_datatree``).
 
+* ``index.html`` — the table and every figure on one page (plain HTML, relative image links);
 * ``README.md`` — what the folder is: complete, or ``PARTIAL`` / ``FAILED`` and why;
 * ``.pyro-bnn-report`` — the marker (program, version, time, status, the files written).
 
@@ -39,7 +40,7 @@ from ..devices import module_device
 from .staged_folder import StagedFolder
 
 __all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
-           "regression_figure", "markdown_table"]
+           "regression_figure", "markdown_table", "index_html"]
 
 
 def _plt():
@@ -141,6 +142,7 @@ def entropy_figure(entropies: Mapping[str, Mapping[str, np.ndarray]], num_classe
     """Histograms of predictive entropy per guide: test data vs each OOD set.
 
     ``entropies[guide][set]`` are per-input entropies (nats); the first set is in-distribution.
+    Each panel's title gives the AUROC of entropy as a detector of each OOD set.
     Returns ``(figure, {guide: {ood_set: AUROC}})``.
     """
     fig, axes = _panels(len(entropies))
@@ -152,7 +154,9 @@ def entropy_figure(entropies: Mapping[str, Mapping[str, np.ndarray]], num_classe
         for k in keys:
             label = k if k == keys[0] else f"{k} (AUROC {aurocs[name][k]:.2f})"
             ax.hist(sets[k], bins=bins, alpha=0.5, density=True, label=label)
-        ax.set(xlabel="predictive entropy H[p̄] (nats)", ylabel="density", title=name)
+        scores = ", ".join(f"{k} {v:.3f}" for k, v in aurocs[name].items())
+        ax.set(xlabel="predictive entropy H[p̄] (nats)", ylabel="density",
+               title=f"{name}\nAUROC: {scores}" if scores else name)
         ax.legend(fontsize=8)
     return _finish(fig, "Predictive entropy: in-distribution vs out-of-distribution"), aurocs
 
@@ -261,7 +265,8 @@ STATUSES = ("complete", "partial", "failed")
 
 def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
                  settings: Mapping | None = None, staged: bool = True, status: str = "complete",
-                 note: str | None = None) -> dict[str, Path]:
+                 note: str | None = None, ood: Mapping[str, torch.Tensor] | None = None,
+                 ood_note: str | None = None) -> dict[str, Path]:
     """Write the report folder for a :class:`~pyro_bnn.reporting.comparison.Comparison`.
 
     Parameters
@@ -285,6 +290,12 @@ def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
         ``README.md`` and ``table.md`` (with ``note``), in ``metrics.json`` and in the marker.
     note : str, optional
         One line on why (e.g. ``"interrupted after guides meanfield"``).
+    ood : dict, optional
+        ``{name: inputs}``: the out-of-distribution sets of ``entropy.png`` (e.g. MNIST digits
+        for a Fashion-MNIST model); ``None`` (default): :func:`ood_inputs` of the test inputs;
+        ``{}``: no OOD figure (say why in ``ood_note``).
+    ood_note : str, optional
+        Shown in ``index.html`` and ``metrics.json`` (e.g. why there is no OOD figure).
 
     Returns
     -------
@@ -295,11 +306,11 @@ def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     if not staged:
         return _write_files(comparison, Path(out), num_samples=num_samples, settings=settings,
-                            status=status, note=note)
+                            status=status, note=note, ood=ood, ood_note=ood_note)
     folder = StagedFolder(out)
     try:
         written = _write_files(comparison, folder.path, num_samples=num_samples, settings=settings,
-                               status=status, note=note)
+                               status=status, note=note, ood=ood, ood_note=ood_note)
         folder.commit(status=status, info=report_info(comparison, note))
     finally:
         folder.discard()
@@ -337,7 +348,8 @@ def _readme(comparison, status: str, note: str | None, files) -> str:
 
 
 def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping | None,
-                 status: str = "complete", note: str | None = None) -> dict[str, Path]:
+                 status: str = "complete", note: str | None = None, ood=None,
+                 ood_note: str | None = None) -> dict[str, Path]:
     plt = _plt()
     out = Path(out)
     (out / "datatrees").mkdir(parents=True, exist_ok=True)
@@ -355,26 +367,29 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
         fig.savefig(out / "reliability.png", dpi=110)
         plt.close(fig)
         written["reliability"] = out / "reliability.png"
-        oods = ood_inputs(split.x_test.cpu())
+        oods = ood_inputs(split.x_test.cpu()) if ood is None else dict(ood)
         entropies = {}
-        for name, run in ok.items():
+        for name, run in ok.items() if oods else ():
             sets = {"test data": metrics.predictive_entropy(run.probs).numpy()}
             for k, xo in oods.items():
                 po = run.predictive(xo.to(module_device(run.model)), num_samples).probs.cpu()
                 sets[k] = metrics.predictive_entropy(po).cpu().numpy()
             entropies[name] = sets
-        fig, aurocs = entropy_figure(entropies, next(iter(ok.values())).probs.shape[-1])
-        fig.savefig(out / "entropy.png", dpi=110)
-        plt.close(fig)
-        written["entropy"] = out / "entropy.png"
-        extra["ood_auroc_entropy"] = aurocs
-        extra["mean_entropy"] = {k: {s: float(np.mean(v)) for s, v in sets.items()}
-                                 for k, sets in entropies.items()}
+        if entropies:
+            fig, aurocs = entropy_figure(entropies, next(iter(ok.values())).probs.shape[-1])
+            fig.savefig(out / "entropy.png", dpi=110)
+            plt.close(fig)
+            written["entropy"] = out / "entropy.png"
+            extra["ood_auroc_entropy"] = aurocs
+            extra["mean_entropy"] = {k: {s: float(np.mean(v)) for s, v in sets.items()}
+                                     for k, sets in entropies.items()}
     elif ok:
         fig = regression_figure(ok, split, num_samples)
         fig.savefig(out / "regression.png", dpi=110)
         plt.close(fig)
         written["regression"] = out / "regression.png"
+    if ood_note:
+        extra["ood_note"] = ood_note
     dts = comparison.datatrees
     if dts:
         fig, names, shown = forest_figure(dts)
@@ -402,8 +417,85 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
     }
     (out / "metrics.json").write_text(json.dumps(_jsonable(payload), indent=2))
     written["metrics_json"] = out / "metrics.json"
+    figures = [p.name for k, p in written.items() if p.suffix == ".png"]
+    (out / "index.html").write_text(index_html(table, figures, status=status, note=note,
+                                               ood_note=ood_note))
+    written["index_html"] = out / "index.html"
     names = [p.relative_to(out).as_posix() for p in written.values()] + ["README.md"]
     (out / "README.md").write_text(_readme(comparison, status, note, names))
     written["readme"] = out / "README.md"
     return written
+
+
+#: Captions of the report's figures in ``index.html``.
+FIGURE_CAPTIONS = {
+    "reliability.png": "Reliability diagrams: accuracy against confidence on the test set.",
+    "entropy.png": "Predictive entropy on in-distribution test inputs against out-of-distribution "
+                   "inputs; AUROC of entropy as an OOD detector in each panel title.",
+    "forest.png": "Posterior of selected weights per guide.",
+    "regression.png": "Posterior predictive bands.",
+}
+
+
+def _html_cell(value, floatfmt: str = ".4g") -> str:
+    import html
+
+    if isinstance(value, (float, np.floating)):
+        return "" if math.isnan(value) else format(float(value), floatfmt)
+    return html.escape("" if value is None else str(value))
+
+
+def index_html(table, figures, *, status: str = "complete", note: str | None = None,
+               ood_note: str | None = None) -> str:
+    """The report's one page: headline, the comparison table and every figure.
+
+    Plain HTML with inline CSS and relative image links (no external resources).
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        The comparison table (one row per guide).
+    figures : list of str
+        File names of the figures, relative to the report folder.
+    status, note, ood_note : str
+        The report's status and notes (shown at the top).
+
+    Returns
+    -------
+    str
+    """
+    import html
+
+    from .. import __version__
+
+    head = [f"<th>{html.escape(str(table.index.name or 'guide'))}</th>"]
+    head += [f"<th>{html.escape(str(c))}</th>" for c in table.columns]
+    rows = []
+    for idx, row in table.iterrows():
+        cells = [f"<th scope='row'>{html.escape(str(idx))}</th>"]
+        cells += [f"<td>{_html_cell(v)}</td>" for v in row.tolist()]
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    notes = []
+    if status != "complete":
+        notes.append(f"<p class='warn'><b>{status.upper()}: {html.escape(note or status)}</b></p>")
+    if ood_note:
+        notes.append(f"<p class='note'>{html.escape(ood_note)}</p>")
+    body = [f"<figure><img src='{html.escape(f)}' alt='{html.escape(f)}'>"
+            f"<figcaption>{html.escape(FIGURE_CAPTIONS.get(f, f))}</figcaption></figure>" for f in figures]
+    style = ("body{font-family:sans-serif;margin:1.5em;max-width:1400px}"
+             "table{border-collapse:collapse;font-size:12px}"
+             "th,td{border:1px solid #bbb;padding:3px 6px;text-align:right;vertical-align:top}"
+             "td:last-child,td:nth-last-child(2){text-align:left;max-width:28em}"
+             "thead th{background:#eee;position:sticky;top:0}"
+             ".scroll{overflow-x:auto}img{max-width:100%;height:auto;border:1px solid #ddd}"
+             "figure{margin:1.5em 0}.warn{color:#a00}.note{color:#555}")
+    return "\n".join([
+        "<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
+        f"<title>pyro-bnn report ({html.escape(status)})</title><style>{style}</style></head><body>",
+        f"<h1>pyro-bnn report ({html.escape(status)})</h1>",
+        f"<p>Written by pyro-bnn {html.escape(str(__version__))}. Compare <code>bound</code> only between "
+        "rows of the same <code>bound_kind</code>.</p>", *notes,
+        "<h2>Comparison</h2>", "<div class='scroll'><table>",
+        f"<thead><tr>{''.join(head)}</tr></thead>", f"<tbody>{''.join(rows)}</tbody>", "</table></div>",
+        "<h2>Figures</h2>", *body, "</body></html>", ""])
 
