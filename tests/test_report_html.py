@@ -105,7 +105,7 @@ def test_entropy_panels_carry_their_auroc_in_the_title():
     fig, aurocs = entropy_figure(ent, 10)
     titles = [ax.get_title() for ax in fig.axes]
     assert aurocs == {"a": {"ood": 1.0}, "b": {"ood": 0.5}}
-    assert titles == ["a\nAUROC: ood 1.000", "b\nAUROC: ood 0.500"]
+    assert titles == ["a\nAUROC ood: 1.000", "b\nAUROC ood: 0.500"]
 
 
 def test_lenet_has_the_stated_layers():

@@ -154,9 +154,8 @@ def entropy_figure(entropies: Mapping[str, Mapping[str, np.ndarray]], num_classe
         for k in keys:
             label = k if k == keys[0] else f"{k} (AUROC {aurocs[name][k]:.2f})"
             ax.hist(sets[k], bins=bins, alpha=0.5, density=True, label=label)
-        scores = ", ".join(f"{k} {v:.3f}" for k, v in aurocs[name].items())
-        ax.set(xlabel="predictive entropy H[p̄] (nats)", ylabel="density",
-               title=f"{name}\nAUROC: {scores}" if scores else name)
+        scores = "".join(f"\nAUROC {k}: {v:.3f}" for k, v in aurocs[name].items())
+        ax.set(xlabel="predictive entropy H[p̄] (nats)", ylabel="density", title=name + scores)
         ax.legend(fontsize=8)
     return _finish(fig, "Predictive entropy: in-distribution vs out-of-distribution"), aurocs
 
@@ -473,7 +472,8 @@ def index_html(table, figures, *, status: str = "complete", note: str | None = N
     rows = []
     for idx, row in table.iterrows():
         cells = [f"<th scope='row'>{html.escape(str(idx))}</th>"]
-        cells += [f"<td>{_html_cell(v)}</td>" for v in row.tolist()]
+        cells += [f"<td{'' if isinstance(v, (int, float, np.number)) else ' class=t'}>{_html_cell(v)}</td>"
+                  for v in row.tolist()]
         rows.append(f"<tr>{''.join(cells)}</tr>")
     notes = []
     if status != "complete":
@@ -485,7 +485,7 @@ def index_html(table, figures, *, status: str = "complete", note: str | None = N
     style = ("body{font-family:sans-serif;margin:1.5em;max-width:1400px}"
              "table{border-collapse:collapse;font-size:12px}"
              "th,td{border:1px solid #bbb;padding:3px 6px;text-align:right;vertical-align:top}"
-             "td:last-child,td:nth-last-child(2){text-align:left;max-width:28em}"
+             "td.t{text-align:left;min-width:9em;max-width:28em}"
              "thead th{background:#eee;position:sticky;top:0}"
              ".scroll{overflow-x:auto}img{max-width:100%;height:auto;border:1px solid #ddd}"
              "figure{margin:1.5em 0}.warn{color:#a00}.note{color:#555}")
