@@ -123,12 +123,14 @@ def test_out_dot_that_is_an_earlier_report_is_updated_in_place(previous, monkeyp
 def test_a_report_of_the_earlier_version_without_marker_is_replaced(previous):
     out, before = previous
     (out / MARKER).unlink()
-    (out / "README.md").unlink()  # the earlier version wrote neither
+    (out / "README.md").unlink()  # the earlier version wrote none of these three
+    (out / "index.html").unlink()
     assert cli.main([*FAST, "--guides", "laplace", "--out", str(out)]) == 0
     assert read_marker(out)["guides"] == ["laplace"]
     # ... but not when a file of another name is in it
     (out / MARKER).unlink()
     (out / "README.md").unlink()
+    (out / "index.html").unlink()
     (out / "mine.txt").write_text("mine")
     kept = _contents(out)
     assert cli.main([*FAST, "--guides", "laplace", "--out", str(out)]) == 2
