@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["reject_unknown_keywords", "check_int", "check_positive", "check_bool", "check_choice"]
+__all__ = ["reject_unknown_keywords", "check_int", "check_positive", "check_bool", "check_choice", "did_you_mean"]
 
 
 def reject_unknown_keywords(function: str, unknown: dict, valid: Iterable[str]) -> None:
@@ -23,12 +23,18 @@ def reject_unknown_keywords(function: str, unknown: dict, valid: Iterable[str]) 
     """
     if not unknown:
         return
-    valid = sorted(valid)
     key = next(iter(unknown))
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keywords: {', '.join(valid)}"
+    hint = did_you_mean(key, valid)
     more = f" (and {len(unknown) - 1} more: {sorted(unknown)[1:]})" if len(unknown) > 1 else ""
     raise TypeError(f"{function}() got an unexpected keyword argument {key!r}{more}{hint}")
+
+
+def did_you_mean(key: str, valid: Iterable[str], *, noun: str = "keywords") -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``valid`` to ``key``, else
+    ``"; valid <noun>: a, b"``."""
+    valid = sorted(valid)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid {noun}: {', '.join(valid)}"
 
 
 def check_int(name: str, value, minimum: int, *, optional: bool = False) -> int | None:

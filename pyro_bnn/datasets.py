@@ -1,4 +1,5 @@
-"""Data sets: digits (offline default), MNIST from IDX files, Blundell's toy regression.
+"""Data sets: digits (offline default), MNIST and Fashion-MNIST from IDX files, Blundell's toy
+regression.
 
 All loaders return a :class:`DataSplit` of tensors; nothing here needs the internet unless
 ``download=True`` is asked of :func:`mnist`.
@@ -17,7 +18,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["DataSplit", "digits", "mnist", "read_idx", "mnist_split", "toy_regression"]
+__all__ = ["DataSplit", "digits", "mnist", "read_idx", "mnist_split", "fashion_mnist",
+           "fashion_mnist_split", "FashionMNISTSplit", "FASHION_MNIST_CLASSES", "toy_regression"]
 
 
 class DataSplit(NamedTuple):
@@ -189,6 +191,194 @@ def mnist_split(root: str | os.PathLike, num_train: int = 5000, num_test: int = 
         raise ValueError(f"asked for {num_train}+{num_test} digits but the file holds {len(x)}")
     return DataSplit(x[:num_train], y[:num_train], x[num_train:num_train + num_test],
                      y[num_train:num_train + num_test])
+
+
+#: Fashion-MNIST's ten classes, in label order (Xiao, Rasul & Vollgraf, 2017).
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                         "Sneaker", "Bag", "Ankle boot")
+
+#: Where Debian's ``dataset-fashion-mnist`` package installs the four IDX files.
+FASHION_MNIST_DEBIAN_ROOT = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_ENV = "PYRO_BNN_FASHION_MNIST"
+_FASHION_MNIST_SIZES = {"train": 60000, "test": 10000}
+
+
+def _did_you_mean(value, choices) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(value), list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _fashion_mnist_root(root) -> Path:
+    """The folder holding the Fashion-MNIST files: ``root``, else ``$PYRO_BNN_FASHION_MNIST``,
+    else the Debian package's folder (asked of ``dpkg -L`` if not in the usual place)."""
+    if root is not None:
+        path = Path(root)
+        if not path.is_dir():
+            raise FileNotFoundError(f"Fashion-MNIST root={str(root)!r} is not a folder; expected the "
+                                    "folder holding train-images-idx3-ubyte[.gz] and the other IDX files")
+        return path
+    env = os.environ.get(FASHION_MNIST_ENV)
+    if env:
+        path = Path(env)
+        if not path.is_dir():
+            raise FileNotFoundError(f"${FASHION_MNIST_ENV}={env!r} is not a folder; expected the "
+                                    "folder holding the Fashion-MNIST IDX files")
+        return path
+    if FASHION_MNIST_DEBIAN_ROOT.is_dir():
+        return FASHION_MNIST_DEBIAN_ROOT
+    found = _dpkg_fashion_mnist_folder()
+    if found is not None:
+        return found
+    raise FileNotFoundError(
+        "Fashion-MNIST not found: no root= given, ${env} is not set and {deb} does not exist. "
+        "Install the Debian package (apt-get install dataset-fashion-mnist), set ${env}, or pass "
+        "root= the folder holding train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
+        "t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz".format(
+            env=FASHION_MNIST_ENV, deb=FASHION_MNIST_DEBIAN_ROOT))
+
+
+def _dpkg_fashion_mnist_folder() -> Path | None:
+    """The folder of ``train-images-idx3-ubyte.gz`` as ``dpkg -L dataset-fashion-mnist`` lists
+    it, or None (no dpkg, package not installed)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("dpkg") is None:
+        return None
+    try:
+        out = subprocess.run(["dpkg", "-L", "dataset-fashion-mnist"], capture_output=True,
+                             text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        if line.strip().endswith("train-images-idx3-ubyte.gz"):
+            return Path(line.strip()).parent
+    return None
+
+
+def fashion_mnist(root: str | os.PathLike | None = None, split: str = "train",
+                  flatten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fashion-MNIST (Xiao et al., 2017) from its IDX files: 60,000 training and 10,000 test
+    28×28 grey-scale images of ten kinds of clothing (:data:`FASHION_MNIST_CLASSES`).
+
+    The same normalisation as :func:`mnist`: pixels ``x = byte / 255`` as float32 in [0, 1]
+    (no mean/std standardisation), labels int64 in 0-9.
+
+    Parameters
+    ----------
+    root : path, optional
+        Folder with ``{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]`` (torchvision's
+        ``FashionMNIST/raw`` and ``raw/`` sub-folders are looked in too).  Default: the
+        environment variable ``PYRO_BNN_FASHION_MNIST``, else where Debian's
+        ``dataset-fashion-mnist`` package installs them (``/usr/share/datasets/fashion-mnist``,
+        or the folder ``dpkg -L dataset-fashion-mnist`` names).
+    split : {"train", "test"}
+        The 60,000 training or the 10,000 test images.
+    flatten : bool
+        ``(N, 784)`` vectors (default) or ``(N, 1, 28, 28)`` images.
+
+    Returns
+    -------
+    x : Tensor
+        float32 ``(N, 784)`` or ``(N, 1, 28, 28)``, values in [0, 1].
+    y : Tensor
+        int64 ``(N,)`` labels 0-9.
+
+    Raises
+    ------
+    FileNotFoundError
+        No folder, or the split's files are not in it (the message names the Debian package
+        and ``root=``).
+    ValueError
+        A wrong ``split``; a damaged, truncated or non-IDX file (see :func:`read_idx`);
+        images that are not 28×28; labels outside 0-9; image and label counts that differ.
+    """
+    if split not in _MNIST_FILES:
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}"
+                         + _did_you_mean(split, _MNIST_FILES))
+    folder = _fashion_mnist_root(root)
+    img_stem, lbl_stem = _MNIST_FILES[split]
+    img, lbl = _find_fashion(folder, img_stem), _find_fashion(folder, lbl_stem)
+    if img is None or lbl is None:
+        missing = ", ".join(s + "[.gz]" for s, f in ((img_stem, img), (lbl_stem, lbl)) if f is None)
+        raise FileNotFoundError(
+            f"Fashion-MNIST {split} file(s) {missing} not found in {folder} (also looked in "
+            "FashionMNIST/raw and raw/); install the Debian package (apt-get install "
+            "dataset-fashion-mnist) or pass root= the folder that holds them")
+    images, labels = read_idx(img, ndim=3), read_idx(lbl, ndim=1)
+    _check_fashion(images, labels, img, lbl, split)
+    x = torch.from_numpy(images.astype(np.float32) / 255.0)
+    y = torch.from_numpy(labels.astype(np.int64))
+    x = x.reshape(len(x), -1) if flatten else x.reshape(len(x), 1, 28, 28)
+    return x, y
+
+
+def _find_fashion(root: Path, stem: str) -> Path | None:
+    for folder in (root, root / "FashionMNIST" / "raw", root / "raw"):
+        for name in (stem + ".gz", stem):
+            if (folder / name).is_file():
+                return folder / name
+    return None
+
+
+def _check_fashion(images, labels, img: Path, lbl: Path, split: str) -> None:
+    if images.shape[1:] != (28, 28):
+        raise ValueError(f"{img}: expected Fashion-MNIST images of 28x28 pixels, got shape "
+                         f"{images.shape}")
+    if len(labels) != len(images):
+        raise ValueError(f"Fashion-MNIST {split} files disagree: {len(images)} images in {img.name} "
+                         f"but {len(labels)} labels in {lbl.name}; expected one label per image")
+    if labels.size and int(labels.max()) > 9:
+        raise ValueError(f"{lbl}: expected class labels 0-9, got labels up to {int(labels.max())}")
+    expected = _FASHION_MNIST_SIZES[split]
+    if FASHION_MNIST_DEBIAN_ROOT in img.parents and len(images) != expected:
+        raise ValueError(f"{img}: the installed Fashion-MNIST {split} set should hold {expected} "
+                         f"images, got {len(images)}; reinstall dataset-fashion-mnist")
+
+
+class FashionMNISTSplit(NamedTuple):
+    """Train / validation / test tensors of :func:`fashion_mnist_split`."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_valid: torch.Tensor
+    y_valid: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    @property
+    def train(self):
+        return self.x_train, self.y_train
+
+    @property
+    def valid(self):
+        return self.x_valid, self.y_valid
+
+    @property
+    def test(self):
+        return self.x_test, self.y_test
+
+
+def fashion_mnist_split(root: str | os.PathLike | None = None, *, num_validation: int = 5000,
+                        seed: int = 0, flatten: bool = True) -> FashionMNISTSplit:
+    """Fashion-MNIST as train / validation / test: a seeded random ``num_validation`` of the
+    60,000 training images held out for validation (default 55,000 / 5,000), the 10,000
+    test images untouched.  Same files and normalisation as :func:`fashion_mnist`.
+
+    ``num_validation=0`` gives all training images and empty validation tensors.
+    """
+    if isinstance(num_validation, bool) or not isinstance(num_validation, int):
+        raise TypeError(f"num_validation must be an int, got {type(num_validation).__name__}")
+    x, y = fashion_mnist(root, "train", flatten=flatten)
+    if not 0 <= num_validation < len(x):
+        raise ValueError(f"num_validation must be in [0, {len(x)}) for {len(x)} training images, "
+                         f"got {num_validation}")
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    va, tr = perm[:num_validation], perm[num_validation:]
+    xt, yt = fashion_mnist(root, "test", flatten=flatten)
+    return FashionMNISTSplit(x[tr], y[tr], x[va], y[va], xt, yt)
 
 
 def toy_regression(num_points: int = 64, seed: int = 0, noise: float = 0.02,

@@ -32,9 +32,12 @@ def _run_cli(*args, **kw):
 
 
 def _previous_report(folder: Path) -> dict[str, bytes]:
-    """A stand-in for an earlier run's report, with a datatree of a guide the next run skips."""
+    """A stand-in for an earlier run's report, with a datatree of a guide the next run skips
+    (marked as this program's, so a rerun may replace it: issue 23)."""
     (folder / "datatrees").mkdir(parents=True)
     files = {"table.md": b"| old |\n", "metrics.json": b"{}", "datatrees/hypernet.nc": b"old"}
+    marker = json.dumps({"program": "pyro-bnn", "files": sorted(files)}).encode()
+    files[".pyro-bnn-report"] = marker
     for name, data in files.items():
         (folder / name).write_bytes(data)
     return files
@@ -184,11 +187,14 @@ def test_staged_folder_commit_and_discard(tmp_path):
     with StagedFolder(out) as staged:
         (staged.path / "new.txt").write_text("new")
         assert staged.path.parent == tmp_path and staged.path.name.startswith(".r.tmp-")
-    assert _contents(out) == {"new.txt": b"new"} and _siblings(out) == []
+    written = _contents(out)
+    assert set(written) == {"new.txt", ".pyro-bnn-report"} and written["new.txt"] == b"new"
+    assert json.loads(written[".pyro-bnn-report"])["files"] == ["new.txt"]
+    assert _siblings(out) == []
     with pytest.raises(RuntimeError), StagedFolder(out) as staged:
         (staged.path / "half.txt").write_text("half")
         raise RuntimeError("boom")
-    assert _contents(out) == {"new.txt": b"new"} and _siblings(out) == []
+    assert _contents(out) == written and _siblings(out) == []
 
 
 def test_staged_folder_cleans_up_after_a_killed_run(tmp_path):

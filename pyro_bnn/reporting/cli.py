@@ -1,17 +1,24 @@
 """``pyro-bnn``: the main job — compare every registered guide and write a report folder.
 
 By default it trains each guide in :func:`pyro_bnn.guides.registered_guides` on the offline
-digits data (1,348 train / 449 test 8×8 images, an MLP 64-100-10) at its converging settings
+digits data (1,348 train / 449 test 8×8 images, an MLP 64-100-10; ``--dataset fashion-mnist``:
+60,000 / 10,000 images, an MLP 784-200-200-10 or, with ``--arch cnn``, a LeNet-style CNN,
+settings in ``DATASET_DEFAULTS``, MNIST test digits as the OOD set) at its converging settings
 (``GUIDE_DEFAULTS``), prints the comparison table (with each fit's ``converged`` status and its
 ``configuration``) and writes ``pyro-bnn-report/``: ``table.md``, ``table.csv``, ``metrics.json``,
-``reliability.png``, ``entropy.png``, ``forest.png`` and ``datatrees/<guide>.nc``
+``reliability.png``, ``entropy.png``, ``forest.png``, ``index.html`` and ``datatrees/<guide>.nc``
 (see :mod:`pyro_bnn.reporting.report`).  ``--smoke`` runs the whole pipeline in seconds.
 
-The report folder is replaced whole at the end of a run, or not at all: ``--out`` is checked
-before any training, the files are written into a temporary sibling folder that is renamed
-into place at the end, and Ctrl-C (or an error while writing) leaves the previous report as
-it was.  Exit codes: 0 done, 1 every guide failed or the report could not be written, 2 bad
-arguments or data, 130 interrupted.
+The report folder is replaced whole at the end of a run, or not at all, and only if this
+program wrote it: every option (``--out``, ``--device``, ``--seed``, ...) is checked before any
+training; ``--out`` must be new, empty, or an earlier report (it holds the marker file
+``.pyro-bnn-report`` and no file added since), so a folder of yours is refused, never
+emptied.  The files are written into a temporary sibling folder that is renamed into place at
+the end; an error while writing leaves the previous report as it was.  A run in which every
+guide failed writes its errors to ``<out>.failed/``, and Ctrl-C keeps the guides that finished
+in ``<out>.partial/`` (marked PARTIAL); in both cases the report in ``<out>`` is unchanged.
+Exit codes: 0 done, 1 every guide failed or the report could not be written, 2 bad arguments
+or data, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,11 +35,11 @@ from torch import nn
 from .. import datasets
 from ..guides.base import registered_guides
 from ..model import BNN
-from .comparison import compare
-from .report import markdown_table, write_report
-from .staged_folder import StagedFolder
+from .comparison import MAX_SEED, ComparisonInterrupted, caused_by_interrupt, check_device, compare
+from .report import markdown_table, report_info, write_report
+from .staged_folder import StagedFolder, check_replaceable
 
-__all__ = ["main", "build_parser", "GUIDE_DEFAULTS"]
+__all__ = ["main", "build_parser", "GUIDE_DEFAULTS", "DATASET_DEFAULTS", "guide_defaults", "lenet"]
 
 #: Per-guide settings of the main job: each guide's best-practice settings, under which its fit
 #: converges on the default problem (digits, MLP 64-100-10), chosen by the training objective and
@@ -59,43 +67,109 @@ GUIDE_DEFAULTS: dict[str, dict] = {
 }
 DEFAULT_EPOCHS = 40
 
+#: Per-dataset overrides of :data:`GUIDE_DEFAULTS` (merged over them, key by key): settings
+#: for the larger datasets.  Fashion-MNIST (60,000 training images, MLP 784-200-200-10 or the
+#: LeNet-style CNN): epochs sized so the whole MLP job stays under 45 minutes on 2 CPU cores,
+#: extrapolated from one timed epoch per guide on a 6,000-image subset
+#: (``docs/results/compare.md``); a shorter run than on digits, so check ``converged``.
+DATASET_DEFAULTS: dict[str, dict[str, dict]] = {
+    "fashion-mnist": {
+        # one epoch of 60,000 (extrapolated x10 from 6,000 images, 1 thread, a shared
+        # 2-core box at nice 10): meanfield ~230 s, symmetrized ~620 s, hypernet ~85 s,
+        # laplace ~45 s, laplace_all ~65 s; these lengths: ~2,900 s of training at those
+        # rates (less on a machine of its own).  Too short to converge: see ``converged``.
+        "meanfield": {"epochs": 4},
+        "symmetrized": {"epochs": 2},
+        "hypernet": {"epochs": 4},
+        "laplace": {"epochs": 4},
+        "laplace_all": {"epochs": 4},
+    },
+}
 
-def _int_at_least(low: int):
-    """argparse type: an integer ``>= low`` (a clear one-line error otherwise)."""
+#: ``--loo-samples`` by dataset (default 200).
+LOO_SAMPLES = {"fashion-mnist": 20}
+
+#: The datasets of 28x28 images, on which ``--arch cnn`` runs.
+IMAGE_DATASETS = ("fashion-mnist", "mnist")
+
+
+def guide_defaults(dataset: str, name: str) -> dict:
+    """The settings of guide ``name`` on ``dataset``: :data:`GUIDE_DEFAULTS` with the
+    dataset's entries of :data:`DATASET_DEFAULTS` over them."""
+    cfg = dict(GUIDE_DEFAULTS.get(name, {}))
+    cfg.update(DATASET_DEFAULTS.get(dataset, {}).get(name, {}))
+    return cfg
+
+
+def _int_at_least(low: int, high: int | None = None):
+    """argparse type: an integer ``>= low`` (and ``<= high``; a clear one-line error otherwise)."""
+    expected = f"an integer >= {low}" if high is None else f"an integer >= {low} and <= {high}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
         return value
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = expected
     return parse
+
+
+def _device(text: str) -> str:
+    """argparse type: a torch device that exists on this machine."""
+    try:
+        check_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _folder(text: str) -> str:
+    """argparse type: a folder name (not empty text)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a folder name such as 'pyro-bnn-report', got {text!r}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pyro-bnn", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", choices=["digits", "mnist", "toy"], default="digits",
-                   help="digits (offline, bundled with scikit-learn), mnist (IDX files in --data-dir; "
-                        "5,000 train / 5,000 test) or toy (Blundell et al.'s 1-D regression)")
+    p.add_argument("--dataset", choices=["digits", "fashion-mnist", "mnist", "toy"], default="digits",
+                   help="digits (offline, bundled with scikit-learn; default), fashion-mnist (60,000 "
+                        "train / 10,000 test, the IDX files of Debian's dataset-fashion-mnist or "
+                        "--data-root), mnist (IDX files in --data-dir; 5,000 train / 5,000 test) or "
+                        "toy (Blundell et al.'s 1-D regression)")
+    p.add_argument("--arch", choices=["mlp", "cnn"], default="mlp",
+                   help="mlp (digits 64-100-10, fashion-mnist 784-200-200-10) or cnn (LeNet-style, "
+                        "28x28 images: fashion-mnist, mnist)")
+    p.add_argument("--data-root", default=None,
+                   help="folder with the Fashion-MNIST IDX files (default: the loader's, "
+                        "$PYRO_BNN_FASHION_MNIST or /usr/share/datasets/fashion-mnist)")
     p.add_argument("--data-dir", default="../shared/data/mnist", help="folder with the MNIST IDX files")
+    p.add_argument("--ood-root", default=None,
+                   help="folder with the MNIST test IDX files, the out-of-distribution set of "
+                        "fashion-mnist (default ../shared/data/mnist if it exists, else no OOD figure)")
     p.add_argument("--guides", default=None,
                    help=f"comma-separated guide names (default: all registered: {','.join(registered_guides())})")
     p.add_argument("--epochs", type=_int_at_least(0), default=None,
                    help="epochs for every guide, 0 for none (default: tuned per guide, see GUIDE_DEFAULTS; "
                         "1 with --smoke)")
     p.add_argument("--batch-size", type=_int_at_least(1), default=64)
-    p.add_argument("--hidden", type=_int_at_least(1), default=100, help="hidden units of the MLP")
+    p.add_argument("--hidden", type=_int_at_least(1), default=None,
+                   help="hidden units of each MLP layer (default: digits/mnist 100, fashion-mnist 200)")
     p.add_argument("--num-samples", type=_int_at_least(1), default=100,
                    help="posterior draws for test predictions")
-    p.add_argument("--loo-samples", type=_int_at_least(1), default=200,
-                   help="draws in each DataTree (ELBO, ELPD-LOO)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default="pyro-bnn-report",
-                   help="report folder (replaced whole at the end of the run)")
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--loo-samples", type=_int_at_least(1), default=None,
+                   help="draws in each DataTree (ELBO, ELPD-LOO; default 200, fashion-mnist 20: "
+                        "each draw is a pass over the 60,000 training images)")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="cpu, cuda, cuda:N or mps (checked before any training)")
+    p.add_argument("--out", type=_folder, default="pyro-bnn-report",
+                   help="report folder: new, empty, or an earlier report of this program (replaced whole "
+                        "at the end of the run); any other folder is refused")
+    p.add_argument("--seed", type=_int_at_least(0, MAX_SEED), default=0)
     p.add_argument("--threads", type=_int_at_least(1), default=1,
                    help="torch CPU threads (default 1: the default networks are so small that more "
                         "threads only add synchronisation; raise it for MNIST or wide networks)")
@@ -111,25 +185,62 @@ def _data(args):
         split = datasets.DataSplit(x_tr, y_tr, x_te, y_te)
     elif args.dataset == "mnist":
         split = datasets.mnist_split(args.data_dir)
+    elif args.dataset == "fashion-mnist":
+        x_tr, y_tr = datasets.fashion_mnist(args.data_root, split="train", flatten=args.arch == "mlp")
+        x_te, y_te = datasets.fashion_mnist(args.data_root, split="test", flatten=args.arch == "mlp")
+        split = datasets.DataSplit(x_tr, y_tr, x_te, y_te)
     else:
         split = datasets.digits(seed=args.seed)
+    if args.arch == "cnn" and split.x_train.dim() == 2:  # mnist_split: flat 28x28 digits
+        split = datasets.DataSplit(split.x_train.reshape(-1, 1, 28, 28), split.y_train,
+                                   split.x_test.reshape(-1, 1, 28, 28), split.y_test)
     if args.smoke:
         split = datasets.DataSplit(split.x_train[:200], split.y_train[:200], split.x_test[:100],
                                    split.y_test[:100])
     return split
 
 
+def _ood_data(args) -> tuple[dict | None, str | None]:
+    """The OOD sets of the report: ``({name: x}, None)``, ``(None, None)`` for the report's
+    default (transformed test inputs) or ``({}, note)`` when the OOD set is missing."""
+    if args.dataset != "fashion-mnist":
+        return None, None
+    root = args.ood_root
+    if root is None:
+        root = "../shared/data/mnist"
+        if not Path(root).is_dir():
+            return {}, f"no OOD figure: the MNIST test digits were not found in {root} (pass --ood-root)"
+    x, _ = datasets.mnist(root, split="test", flatten=args.arch == "mlp")
+    if args.smoke:
+        x = x[:100]
+    return {"MNIST digits": x}, None
+
+
+def lenet(num_classes: int = 10) -> nn.Sequential:
+    """LeNet-style CNN for ``(N, 1, 28, 28)`` images: conv 1→6 5×5, pool, conv 6→16 5×5, pool,
+    fc 256→120→84→``num_classes`` (ReLU)."""
+    return nn.Sequential(nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(256, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
+                         nn.Linear(84, num_classes))
+
+
 def _model_fn(args, split):
-    d_in = split.x_train.shape[1]
+    d_in = split.x_train[0].numel()
     regression = args.dataset == "toy"
-    hidden = 16 if args.smoke else args.hidden
+    hidden = 16 if args.smoke else (args.hidden or (200 if args.dataset == "fashion-mnist" else 100))
+    layers = 2 if args.dataset == "fashion-mnist" else 1
 
     def model_fn(name: str):
-        options = dict(GUIDE_DEFAULTS.get(name, {}).get("model", {}))
+        options = dict(guide_defaults(args.dataset, name).get("model", {}))
         if regression:
             net = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, 1))
             return BNN(net, likelihood="gaussian", noise=0.05, **options)
-        net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        if args.arch == "cnn":
+            return BNN(lenet(10), likelihood="categorical", **options)
+        sizes = [d_in] + [hidden] * layers
+        body = [m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU())]
+        net = nn.Sequential(*body, nn.Linear(hidden, 10))
         return BNN(net, likelihood="categorical", **options)
 
     return model_fn
@@ -138,7 +249,7 @@ def _model_fn(args, split):
 def _settings(args, names):
     epochs, lr, fit_kw, predict = {}, {}, {}, {}
     for name in names:
-        cfg = GUIDE_DEFAULTS.get(name, {})
+        cfg = guide_defaults(args.dataset, name)
         if args.epochs is not None:  # 0 means 0
             epochs[name] = args.epochs
         else:
@@ -159,76 +270,134 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown guide(s) {unknown}; choose from {sorted(registry)}" if unknown
               else f"--guides names no guide; choose from {sorted(registry)}", file=sys.stderr)
         return 2
-    try:  # before any work: an unwritable --out must not cost the whole run
+    try:  # before any work: a wrong --out must not cost the whole run, nor a user's files
         staging = StagedFolder(args.out)
-    except OSError as exc:
-        print(f"error: {exc.strerror or exc} (--out {args.out})", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"error: {getattr(exc, 'strerror', None) or exc} (--out {args.out})", file=sys.stderr)
         return 2
-    had_report = staging.out.exists()
+    # replaceable and not empty: an earlier report (marked, or of the version before the marker)
+    had_report = staging.out.is_dir() and any(staging.out.iterdir())
+    previous = f"the previous one in {args.out} is unchanged" if had_report else ""
     try:
         try:
-            return _run(args, names, staging, t_start)
+            return _run(args, names, staging, t_start, previous)
         except Exception as exc:
-            # Ctrl-C that lands inside a C extension's import (matplotlib's backend, say) surfaces as
-            # ``ImportError("initialization failed")`` caused by the KeyboardInterrupt: still an interrupt.
-            if _caused_by_interrupt(exc):
+            if caused_by_interrupt(exc):
                 raise KeyboardInterrupt from exc
             raise
     except KeyboardInterrupt:
         if staging.committed:
             state = f"after the report was written to {args.out}"
-        elif had_report:
-            state = f"no report written; the previous one in {args.out} is unchanged"
         else:
-            state = "no report written"
+            state = "no report written" + (f"; {previous}" if previous else "")
         print(f"interrupted: {state}", file=sys.stderr)
         return 130
     finally:
         staging.discard()
 
 
-def _caused_by_interrupt(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised because of a KeyboardInterrupt (anywhere in its cause chain)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
+def _sibling(out: Path, kind: str) -> Path:
+    """``<out>.<kind>`` if it is new or an earlier report, else a new ``<out>.<kind>-<time>``."""
+    candidate = out.with_name(f"{out.name}.{kind}")
+    try:
+        check_replaceable(candidate)
+        return candidate
+    except (OSError, ValueError):
+        pass
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate, n = out.with_name(f"{out.name}.{kind}-{stamp}"), 1
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = out.with_name(f"{out.name}.{kind}-{stamp}-{n}")
+    return candidate
 
 
-def _run(args, names, staging: StagedFolder, t_start: float) -> int:
+def _run(args, names, staging: StagedFolder, t_start: float, previous: str) -> int:
     torch.set_num_threads(args.threads)
+    if args.arch == "cnn" and args.dataset not in IMAGE_DATASETS:
+        print(f"error: --arch cnn needs 28x28 images (--dataset {' or '.join(IMAGE_DATASETS)}), "
+              f"got --dataset {args.dataset}", file=sys.stderr)
+        return 2
     try:
         split = _data(args)
+        ood, ood_note = _ood_data(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     epochs, lr, fit_kw, predict = _settings(args, names)
     num_samples = 10 if args.smoke else args.num_samples
-    loo_samples = 64 if args.smoke else args.loo_samples
-    result = compare(_model_fn(args, split), names, split, epochs=epochs, lr=lr,
-                     batch_size=args.batch_size, num_samples=num_samples, loo_samples=loo_samples,
-                     device=args.device, seed=args.seed, progress=not args.no_progress,
-                     fit_options=fit_kw, predict_method=predict, details=True)
-    print(markdown_table(result.table))  # first: the table survives a failure to write
+    loo_samples = 64 if args.smoke else (args.loo_samples or LOO_SAMPLES.get(args.dataset, 200))
     settings = {k: v for k, v in vars(args).items()}
     settings.update(epochs=epochs, lr=lr, fit_options=fit_kw, predict_method=predict,
                     num_samples=num_samples, loo_samples=loo_samples,
                     num_train=len(split.x_train), num_test=len(split.x_test))
     try:
+        result = compare(_model_fn(args, split), names, split, epochs=epochs, lr=lr,
+                         batch_size=args.batch_size, num_samples=num_samples, loo_samples=loo_samples,
+                         device=args.device, seed=args.seed, progress=not args.no_progress,
+                         fit_options=fit_kw, predict_method=predict, details=True)
+    except ComparisonInterrupted as exc:
+        return _save_partial(args, names, staging, exc, settings, num_samples, previous)
+    print(markdown_table(result.table))  # first: the table survives a failure to write
+    errors = result.table.get("error")
+    if errors is not None and errors.notna().all():
+        return _save_failed(args, staging, result, settings, num_samples, previous)
+    try:
         written = write_report(result, staging.path, num_samples=num_samples, settings=settings,
-                               staged=False)
+                               staged=False, ood=ood, ood_note=ood_note)
         wall = time.perf_counter() - t_start
         _add_wall_time(written["metrics_json"], wall)
-        staging.commit()
+        staging.commit(info=report_info(result))
     except OSError as exc:
-        print(f"error: could not write the report to {args.out}: {exc}; the previous one is unchanged",
-              file=sys.stderr)
+        state = "the previous one is unchanged" if previous else "no report written"
+        print(f"error: could not write the report to {args.out}: {exc}; {state}", file=sys.stderr)
         return 1
     print(f"report written to {args.out}/ ({len(written)} files) in {wall:.1f} s")
-    return 1 if result.table.get("error") is not None and result.table["error"].notna().all() else 0
+    return 0
+
+
+def _save_aside(staging: StagedFolder, comparison, kind: str, note: str, settings, num_samples) -> Path:
+    """Write ``comparison`` as a ``kind`` report to ``<out>.<kind>`` (never to ``out``)."""
+    target = _sibling(staging.out, kind)
+    write_report(comparison, staging.path, num_samples=num_samples, settings=settings, staged=False,
+                 status=kind, note=note)
+    return staging.commit(target, status=kind, info=report_info(comparison, note))
+
+
+def _save_failed(args, staging, result, settings, num_samples, previous: str) -> int:
+    """Every guide failed: the errors go to ``<out>.failed``, the report in ``out`` stays."""
+    first = next(iter(result.runs.values())).error.splitlines()[-1]
+    note = f"every guide failed (first error: {first})"
+    try:
+        target = _save_aside(staging, result, "failed", note, settings, num_samples)
+        where = f"the errors are in {target}/"
+    except OSError as exc:
+        where = f"the errors could not be saved ({exc}); they are in the table above"
+    keep = previous or f"{args.out} was not written"
+    print(f"error: {note}; {where}; {keep}", file=sys.stderr)
+    return 1
+
+
+def _save_partial(args, names, staging, exc: ComparisonInterrupted, settings, num_samples,
+                  previous: str) -> int:
+    """Ctrl-C: the guides that finished go to ``<out>.partial``, the report in ``out`` stays."""
+    done = exc.comparison
+    keep = previous or f"{args.out} was not written"
+    if not done.runs:
+        print(f"interrupted: no report written (no guide had finished); {keep}", file=sys.stderr)
+        return 130
+    note = (f"interrupted after guides {', '.join(done.runs)} ({len(done.runs)} of {len(names)} "
+            f"finished; {exc.interrupted} was running)")
+    try:
+        target = _save_aside(staging, done, "partial", note, settings, num_samples)
+    except KeyboardInterrupt:
+        print(f"interrupted again while saving the partial report: nothing saved; {keep}", file=sys.stderr)
+        return 130
+    except OSError as err:
+        print(f"interrupted: the partial report could not be written ({err}); {keep}", file=sys.stderr)
+        return 130
+    print(f"interrupted: partial report ({note}) written to {target}/; {keep}", file=sys.stderr)
+    return 130
 
 
 def _add_wall_time(path, seconds: float) -> None:

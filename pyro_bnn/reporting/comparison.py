@@ -23,6 +23,10 @@ meaningful.  The table has one row per guide:
   Laplace row with the GLM predictive gives the linearised model's, with the guide's δ in
   the prior and ``log q = 0`` for point-estimate sites such as a last-layer Laplace's body,
   so it is not comparable with other rows);
+* ``bound`` and ``bound_kind``: the bound the guide maximises, on the training data
+  (:func:`training_bound`): ``elbo`` (MeanField, Hypernet, ...), ``symmetrized_elbo``
+  (Symmetrized: its ``L^G``, not its base ``q``'s ELBO) or ``log_evidence`` (Laplace);
+  compare rows of the same ``bound_kind`` only;
 * ``log_evidence``: the guide's own estimate where it has one (Laplace), else NaN;
 * ``elpd_loo`` (``az.loo_approximate_posterior``, the importance-sampling correction for
   draws from an approximate posterior) with its standard error and the share of Pareto
@@ -50,6 +54,7 @@ import pandas as pd
 import torch
 
 from .. import metrics
+from ..arguments import check_int, check_positive, did_you_mean
 from ..arviz import default_method
 from ..data import check_data
 from ..datasets import DataSplit
@@ -58,8 +63,8 @@ from ..prediction import PredictiveSamples, predict, predictive_name, predictive
 from ..seeding import seeded
 from ..training import FitResult, fit
 
-__all__ = ["compare", "Comparison", "GuideRun", "count_variational_parameters", "as_split",
-           "convergence_label", "describe_configuration"]
+__all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "check_device", "check_seed", "count_variational_parameters", "as_split",
+           "convergence_label", "describe_configuration", "training_bound", "BOUND_KINDS"]
 
 
 @dataclass
@@ -100,6 +105,79 @@ class Comparison:
     def datatrees(self) -> dict[str, Any]:
         """``{guide: DataTree}`` for the guides that ran (input for ``az.compare``)."""
         return {k: r.datatree for k, r in self.runs.items() if r.datatree is not None}
+
+
+class ComparisonInterrupted(KeyboardInterrupt):
+    """Ctrl-C (``KeyboardInterrupt``) during :func:`compare`, carrying what had finished.
+
+    Attributes
+    ----------
+    comparison : Comparison
+        The guides that finished before the interrupt (possibly none), with their table.
+    interrupted : str
+        The guide that was running.
+    """
+
+    def __init__(self, comparison: Comparison, interrupted: str):
+        super().__init__(f"interrupted during guide {interrupted!r}")
+        self.comparison = comparison
+        self.interrupted = interrupted
+
+
+#: The largest seed numpy (and so ``pyro.set_rng_seed``) accepts.
+MAX_SEED = 2 ** 32 - 1
+
+
+def check_seed(seed, *, optional: bool = False) -> int | None:
+    """``seed`` as an int in ``0 .. 2**32 - 1`` (numpy's and torch's common range)."""
+    seed = check_int("seed", seed, 0, optional=optional)
+    if seed is not None and seed > MAX_SEED:
+        raise ValueError(f"seed must be an int in 0..{MAX_SEED} (2**32 - 1), got {seed}")
+    return seed
+
+
+def check_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` that exists here (a tiny tensor is made on it).
+
+    Raises
+    ------
+    ValueError
+        Not a device name (``"gpu"``), the ``meta`` device, or a device this machine lacks
+        (``"cuda"`` without a GPU, ``"cuda:3"`` with one); the message says which are available.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"expected a torch device such as 'cpu', 'cuda', 'cuda:0' or 'mps', "
+                         f"got {device!r}") from None
+    if dev.type == "meta":
+        raise ValueError("the 'meta' device holds no values; expected e.g. 'cpu' or 'cuda'")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have = "cpu" + (f", cuda:0..cuda:{gpus - 1}" if gpus else " (no CUDA GPU)")
+    if dev.type == "cuda" and not gpus:
+        raise ValueError(f"device {device!r} is not available here (torch.cuda.is_available() is False); "
+                         f"available: {have}")
+    try:
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError, AttributeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"device {device!r} is not available here ({first}); available: {have}") from None
+    return dev
+
+
+def caused_by_interrupt(exc: BaseException | None) -> bool:
+    """Whether ``exc`` was raised because of a KeyboardInterrupt (anywhere in its cause chain).
+
+    Ctrl-C that lands inside a C extension's import (matplotlib's backend, say) surfaces as
+    ``ImportError("initialization failed")`` caused by the KeyboardInterrupt: still an interrupt.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def count_variational_parameters(guide) -> int:
@@ -162,14 +240,61 @@ def _takes_argument(fn) -> bool:
     return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
 
 
-def _optional_float(value) -> float | None:
-    return None if value is None else float(value)
-
-
 def _per_guide(value, name, default):
     if isinstance(value, Mapping):
         return value.get(name, default)
     return default if value is None else value
+
+
+def _check_guide_keys(option: str, value, names) -> None:
+    """A ``{guide: value}`` option names only compared guides (a typo is an error, not ignored)."""
+    if not isinstance(value, Mapping):
+        return
+    for key in value:
+        if key not in names:
+            hint = did_you_mean(str(key), names, noun="guides")
+            raise ValueError(f"compare(): {option} has an entry for {key!r}, which is not one of the "
+                             f"guides compared (expected {option}={{guide: value}}){hint}")
+
+
+def _check_each(option: str, value, names, check) -> None:
+    """Check the value of ``option`` for every guide (one value or ``{guide: value}``)."""
+    _check_guide_keys(option, value, names)
+    values = value.items() if isinstance(value, Mapping) else [(None, value)]
+    for key, v in values:
+        check(option if key is None else f"{option}[{key!r}]", v)
+
+
+def _mapping_or_none(name, value) -> None:
+    if value is not None and not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict of options or None, got {value!r} ({type(value).__name__})")
+
+
+def _str_or_none(name, value) -> None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a method name (str) or None, got {value!r} ({type(value).__name__})")
+
+
+def _check_bool(name, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _check_options(names, *, epochs, lr, batch_size, num_samples, loo_samples, seed, progress,
+                   details, guide_options, fit_options, predict_method) -> None:
+    """Every option of :func:`compare`, before any training: types, ranges and guide names."""
+    _check_each("epochs", epochs, names, lambda n, v: check_int(n, v, 0))
+    _check_each("lr", lr, names, lambda n, v: check_positive(n, v, optional=True))
+    check_int("batch_size", batch_size, 1)
+    check_int("num_samples", num_samples, 1)
+    check_int("loo_samples", loo_samples, 0)
+    check_seed(seed, optional=True)
+    _check_bool("progress", progress)
+    _check_bool("details", details)
+    for option, value in (("guide_options", guide_options), ("fit_options", fit_options)):
+        _mapping_or_none(option, value)
+        _check_each(option, value or {}, names, _mapping_or_none)
+    _check_each("predict_method", predict_method, names, _str_or_none)
 
 
 def _loo_columns(dt) -> dict:
@@ -338,7 +463,49 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
         run.metrics.update(_loo_columns(dt))
         dt.attrs["guide_name"] = name
         run.datatree = dt
+    run.metrics.update(training_bound(model, guide, split, elbo=run.metrics.get("elbo", math.nan),
+                                      log_evidence=run.metrics["log_evidence"],
+                                      num_samples=min(max(loo_samples, 1), 32)))
     return run
+
+
+#: What the ``bound`` column holds, by the objective the guide maximises.
+BOUND_KINDS = ("elbo", "symmetrized_elbo", "log_evidence")
+
+
+def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
+                   num_samples: int = 32) -> dict:
+    """The bound each guide maximises, on the whole training set: ``{"bound", "bound_kind"}``.
+
+    * :class:`~pyro_bnn.guides.Symmetrized`: its symmetrised ELBO ``L^G``
+      (:func:`pyro_bnn.symmetrized_elbo`, ``num_samples`` draws; the ``elbo`` column keeps
+      the ELBO of its base ``q``, which it does not maximise);
+    * a guide with a log-evidence estimate (Laplace): that estimate;
+    * every other guide: the ELBO (``elbo``, NaN when ``loo_samples=0`` skipped it).
+
+    Parameters
+    ----------
+    model, guide
+        The trained model and guide.
+    split : DataSplit
+        The data; ``split.train`` is used.
+    elbo, log_evidence : float
+        The row's ``elbo`` and ``log_evidence`` columns.
+    num_samples : int
+        Weight draws for the symmetrised ELBO.
+
+    Returns
+    -------
+    dict
+    """
+    from ..guides.symmetrized import Symmetrized, symmetrized_elbo
+
+    if isinstance(guide, Symmetrized):
+        value = symmetrized_elbo(model, guide, split.train, num_samples=num_samples)
+        return {"bound": float(value), "bound_kind": "symmetrized_elbo"}
+    if not math.isnan(log_evidence):
+        return {"bound": float(log_evidence), "bound_kind": "log_evidence"}
+    return {"bound": float(elbo), "bound_kind": "elbo"}
 
 
 def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping[str, int] = 20,
@@ -401,6 +568,16 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     pandas.DataFrame or Comparison
         One row per guide, indexed by name.
 
+    Raises
+    ------
+    TypeError, ValueError
+        Before any training: an option of the wrong type or range (``epochs=2.5``,
+        ``batch_size=True``, ``seed=2**32``, ``device="gpu"``, ``"cuda"`` without a GPU), or a
+        ``{guide: value}`` option naming a guide that is not compared (the message names the
+        closest one: ``epochs={"meanfeild": 10}`` -> did you mean 'meanfield'?).
+    ComparisonInterrupted
+        Ctrl-C (a ``KeyboardInterrupt``); its ``comparison`` holds the guides that finished.
+
     Examples
     --------
     >>> split = pb.datasets.digits()                                           # doctest: +SKIP
@@ -414,38 +591,54 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         raise ValueError("data is required: a DataSplit or ((x_train, y_train), (x_test, y_test))")
     split = as_split(data)
     factories = _resolve_guides(guides)
+    _check_options(list(factories), epochs=epochs, lr=lr, batch_size=batch_size, num_samples=num_samples,
+                   loo_samples=loo_samples, seed=seed, progress=progress, details=details,
+                   guide_options=guide_options, fit_options=fit_options, predict_method=predict_method)
+    if device is not None:
+        device = check_device(device)
     runs: dict[str, GuideRun] = {}
     for i, (name, guide_fn) in enumerate(factories.items(), 1):
         if progress:
             print(f"[{i}/{len(factories)}] {name}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         try:
             with seeded(seed):   # every guide from the same seed; the caller's streams untouched
                 runs[name] = _run_one(
-                    name, guide_fn, model_fn, split, epochs=int(_per_guide(epochs, name, 20)),
-                    batch_size=batch_size, lr=_optional_float(_per_guide(lr, name, None)),
+                    name, guide_fn, model_fn, split, epochs=_per_guide(epochs, name, 20),
+                    batch_size=batch_size, lr=_per_guide(lr, name, None),
                     num_samples=num_samples,
                     loo_samples=loo_samples, device=device, seed=seed, progress=progress,
                     guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
                     fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
                     predict_method=_per_guide(predict_method, name, None))
+        except KeyboardInterrupt:
+            raise ComparisonInterrupted(Comparison(_table(runs), runs, split), name) from None
         except Exception as exc:
+            if caused_by_interrupt(exc):
+                raise ComparisonInterrupted(Comparison(_table(runs), runs, split), name) from exc
             if errors == "raise":
                 raise
             warnings.warn(f"guide {name!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning,
                           stacklevel=2)
             runs[name] = GuideRun(name, error="".join(traceback.format_exception_only(exc)).strip(),
                                   metrics={"converged": "no: failed"})
+        if progress:
+            state = "failed" if runs[name].error is not None else "done"
+            print(f"[{i}/{len(factories)}] {name} {state} ({time.perf_counter() - t0:.1f} s)",
+                  file=sys.stderr, flush=True)
     table = _table(runs)
     return Comparison(table, runs, split) if details else table
 
 
-_ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "elbo", "log_evidence", "elpd_loo",
+_ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "bound", "bound_kind", "elbo", "log_evidence", "elpd_loo",
           "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "train_seconds", "predict_seconds", "num_params",
           "predictive", "configuration"]
 
 
 def _table(runs: Mapping[str, GuideRun]) -> pd.DataFrame:
     rows = {name: {**r.metrics, "error": r.error} for name, r in runs.items()}
+    if not rows:
+        return pd.DataFrame(index=pd.Index([], name="guide"))
     df = pd.DataFrame.from_dict(rows, orient="index")
     cols = [c for c in _ORDER if c in df.columns] + [c for c in df.columns if c not in _ORDER]
     df = df[cols]

@@ -12,9 +12,15 @@
 * ``regression.png`` — predictive bands (regression data instead of the two above);
 * ``datatrees/<guide>.nc`` — each guide's ArviZ ``DataTree`` (``xarray.open_datatree``).
 
+* ``index.html`` — the table and every figure on one page (plain HTML, relative image links);
+* ``README.md`` — what the folder is: complete, or ``PARTIAL`` / ``FAILED`` and why;
+* ``.pyro-bnn-report`` — the marker (program, version, time, status, the files written).
+
 The folder is written whole or not at all (:class:`StagedFolder`): the files go into a
 temporary sibling folder that replaces ``out`` only at the end, so an interrupted or failed
 run leaves the previous report as it was, and a rerun leaves no file of the previous one.
+Only a folder this program wrote (with its marker, and no file added since) or an empty or
+new folder is ever replaced; any other folder is refused before any work is done.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ..devices import module_device
 from .staged_folder import StagedFolder
 
 __all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
-           "regression_figure", "markdown_table"]
+           "regression_figure", "markdown_table", "index_html"]
 
 
 def _plt():
@@ -136,6 +142,7 @@ def entropy_figure(entropies: Mapping[str, Mapping[str, np.ndarray]], num_classe
     """Histograms of predictive entropy per guide: test data vs each OOD set.
 
     ``entropies[guide][set]`` are per-input entropies (nats); the first set is in-distribution.
+    Each panel's title gives the AUROC of entropy as a detector of each OOD set.
     Returns ``(figure, {guide: {ood_set: AUROC}})``.
     """
     fig, axes = _panels(len(entropies))
@@ -147,7 +154,8 @@ def entropy_figure(entropies: Mapping[str, Mapping[str, np.ndarray]], num_classe
         for k in keys:
             label = k if k == keys[0] else f"{k} (AUROC {aurocs[name][k]:.2f})"
             ax.hist(sets[k], bins=bins, alpha=0.5, density=True, label=label)
-        ax.set(xlabel="predictive entropy H[p̄] (nats)", ylabel="density", title=name)
+        scores = "".join(f"\nAUROC {k}: {v:.3f}" for k, v in aurocs[name].items())
+        ax.set(xlabel="predictive entropy H[p̄] (nats)", ylabel="density", title=name + scores)
         ax.legend(fontsize=8)
     return _finish(fig, "Predictive entropy: in-distribution vs out-of-distribution"), aurocs
 
@@ -250,8 +258,14 @@ def _jsonable(v):
     return v if v is None or isinstance(v, (str, bool)) else str(v)
 
 
+#: Report statuses: every guide ran; interrupted (only the guides that finished); every guide failed.
+STATUSES = ("complete", "partial", "failed")
+
+
 def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
-                 settings: Mapping | None = None, staged: bool = True) -> dict[str, Path]:
+                 settings: Mapping | None = None, staged: bool = True, status: str = "complete",
+                 note: str | None = None, ood: Mapping[str, torch.Tensor] | None = None,
+                 ood_note: str | None = None) -> dict[str, Path]:
     """Write the report folder for a :class:`~pyro_bnn.reporting.comparison.Comparison`.
 
     Parameters
@@ -259,7 +273,9 @@ def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
     comparison : Comparison
         ``pb.compare(..., details=True)``.
     out : path
-        Folder.  Its previous contents are replaced as a whole.
+        Folder: new, empty, or an earlier report of this program (with its marker and no file
+        added since), which is replaced as a whole; any other folder is refused
+        (:class:`~pyro_bnn.reporting.staged_folder.NotAReportFolder`) and left as it was.
     num_samples : int
         Posterior draws for the OOD predictive.
     settings : dict, optional
@@ -267,28 +283,79 @@ def write_report(comparison, out: str | os.PathLike, *, num_samples: int = 100,
     staged : bool
         Write into a temporary sibling of ``out`` and swap it into place at the end
         (:class:`StagedFolder`; default).  ``False`` writes into ``out`` directly, for a
-        caller that stages the folder itself.
+        caller that stages the folder itself (and writes the marker at its commit).
+    status : {"complete", "partial", "failed"}
+        What the report is; a ``partial`` or ``failed`` one says so at the top of
+        ``README.md`` and ``table.md`` (with ``note``), in ``metrics.json`` and in the marker.
+    note : str, optional
+        One line on why (e.g. ``"interrupted after guides meanfield"``).
+    ood : dict, optional
+        ``{name: inputs}``: the out-of-distribution sets of ``entropy.png`` (e.g. MNIST digits
+        for a Fashion-MNIST model); ``None`` (default): :func:`ood_inputs` of the test inputs;
+        ``{}``: no OOD figure (say why in ``ood_note``).
+    ood_note : str, optional
+        Shown in ``index.html`` and ``metrics.json`` (e.g. why there is no OOD figure).
 
     Returns
     -------
     dict[str, Path]
         The artefacts written, by kind.
     """
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     if not staged:
-        return _write_files(comparison, Path(out), num_samples=num_samples, settings=settings)
-    with StagedFolder(out) as folder:
-        written = _write_files(comparison, folder.path, num_samples=num_samples, settings=settings)
+        return _write_files(comparison, Path(out), num_samples=num_samples, settings=settings,
+                            status=status, note=note, ood=ood, ood_note=ood_note)
+    folder = StagedFolder(out)
+    try:
+        written = _write_files(comparison, folder.path, num_samples=num_samples, settings=settings,
+                               status=status, note=note, ood=ood, ood_note=ood_note)
+        folder.commit(status=status, info=report_info(comparison, note))
+    finally:
+        folder.discard()
     return {k: folder.out / p.relative_to(folder.path) for k, p in written.items()}
 
 
-def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping | None) -> dict[str, Path]:
+def report_info(comparison, note: str | None = None) -> dict:
+    """What the marker records besides the program: the guides that ran, failed, and why."""
+    runs = comparison.runs
+    return {"guides": [k for k, r in runs.items() if r.error is None],
+            "failed_guides": [k for k, r in runs.items() if r.error is not None],
+            **({"note": note} if note else {})}
+
+
+def _headline(status: str, note: str | None) -> str:
+    """The first line of a partial or failed report (empty for a complete one)."""
+    if status == "complete":
+        return ""
+    return f"**{status.upper()}: {note or status}**\n\n"
+
+
+def _readme(comparison, status: str, note: str | None, files) -> str:
+    from .. import __version__
+
+    info = report_info(comparison, note)
+    lines = [f"# pyro-bnn report ({status})", ""]
+    if status != "complete":
+        lines += [_headline(status, note).strip(), ""]
+    lines += [f"Written by pyro-bnn {__version__}.", "",
+              f"- guides with results: {', '.join(info['guides']) or 'none'}"]
+    if info["failed_guides"]:
+        lines.append(f"- failed guides (errors in metrics.json): {', '.join(info['failed_guides'])}")
+    lines += ["- files: " + ", ".join(sorted(files)), ""]
+    return "\n".join(lines)
+
+
+def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping | None,
+                 status: str = "complete", note: str | None = None, ood=None,
+                 ood_note: str | None = None) -> dict[str, Path]:
     plt = _plt()
     out = Path(out)
     (out / "datatrees").mkdir(parents=True, exist_ok=True)
     table = comparison.table
     ok = {k: r for k, r in comparison.runs.items() if r.error is None and r.model is not None}
     written: dict[str, Path] = {}
-    (out / "table.md").write_text(markdown_table(table))
+    (out / "table.md").write_text(_headline(status, note) + markdown_table(table))
     table.to_csv(out / "table.csv")
     written.update(table_md=out / "table.md", table_csv=out / "table.csv")
     extra: dict = {}
@@ -299,26 +366,29 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
         fig.savefig(out / "reliability.png", dpi=110)
         plt.close(fig)
         written["reliability"] = out / "reliability.png"
-        oods = ood_inputs(split.x_test.cpu())
+        oods = ood_inputs(split.x_test.cpu()) if ood is None else dict(ood)
         entropies = {}
-        for name, run in ok.items():
+        for name, run in ok.items() if oods else ():
             sets = {"test data": metrics.predictive_entropy(run.probs).numpy()}
             for k, xo in oods.items():
                 po = run.predictive(xo.to(module_device(run.model)), num_samples).probs.cpu()
                 sets[k] = metrics.predictive_entropy(po).cpu().numpy()
             entropies[name] = sets
-        fig, aurocs = entropy_figure(entropies, next(iter(ok.values())).probs.shape[-1])
-        fig.savefig(out / "entropy.png", dpi=110)
-        plt.close(fig)
-        written["entropy"] = out / "entropy.png"
-        extra["ood_auroc_entropy"] = aurocs
-        extra["mean_entropy"] = {k: {s: float(np.mean(v)) for s, v in sets.items()}
-                                 for k, sets in entropies.items()}
+        if entropies:
+            fig, aurocs = entropy_figure(entropies, next(iter(ok.values())).probs.shape[-1])
+            fig.savefig(out / "entropy.png", dpi=110)
+            plt.close(fig)
+            written["entropy"] = out / "entropy.png"
+            extra["ood_auroc_entropy"] = aurocs
+            extra["mean_entropy"] = {k: {s: float(np.mean(v)) for s, v in sets.items()}
+                                     for k, sets in entropies.items()}
     elif ok:
         fig = regression_figure(ok, split, num_samples)
         fig.savefig(out / "regression.png", dpi=110)
         plt.close(fig)
         written["regression"] = out / "regression.png"
+    if ood_note:
+        extra["ood_note"] = ood_note
     dts = comparison.datatrees
     if dts:
         fig, names, shown = forest_figure(dts)
@@ -332,6 +402,8 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
             dt.to_netcdf(path)
             written[f"datatree_{name}"] = path
     payload = {
+        "status": status,
+        **({"note": note} if note else {}),
         "settings": dict(settings or {}),
         "table": {name: row for name, row in table.to_dict(orient="index").items()},
         "history": {k: r.fit.history for k, r in comparison.runs.items() if r.fit is not None},
@@ -344,5 +416,86 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
     }
     (out / "metrics.json").write_text(json.dumps(_jsonable(payload), indent=2))
     written["metrics_json"] = out / "metrics.json"
+    figures = [p.name for k, p in written.items() if p.suffix == ".png"]
+    (out / "index.html").write_text(index_html(table, figures, status=status, note=note,
+                                               ood_note=ood_note))
+    written["index_html"] = out / "index.html"
+    names = [p.relative_to(out).as_posix() for p in written.values()] + ["README.md"]
+    (out / "README.md").write_text(_readme(comparison, status, note, names))
+    written["readme"] = out / "README.md"
     return written
+
+
+#: Captions of the report's figures in ``index.html``.
+FIGURE_CAPTIONS = {
+    "reliability.png": "Reliability diagrams: accuracy against confidence on the test set.",
+    "entropy.png": "Predictive entropy on in-distribution test inputs against out-of-distribution "
+                   "inputs; AUROC of entropy as an OOD detector in each panel title.",
+    "forest.png": "Posterior of selected weights per guide.",
+    "regression.png": "Posterior predictive bands.",
+}
+
+
+def _html_cell(value, floatfmt: str = ".4g") -> str:
+    import html
+
+    if isinstance(value, (float, np.floating)):
+        return "" if math.isnan(value) else format(float(value), floatfmt)
+    return html.escape("" if value is None else str(value))
+
+
+def index_html(table, figures, *, status: str = "complete", note: str | None = None,
+               ood_note: str | None = None) -> str:
+    """The report's one page: headline, the comparison table and every figure.
+
+    Plain HTML with inline CSS and relative image links (no external resources).
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        The comparison table (one row per guide).
+    figures : list of str
+        File names of the figures, relative to the report folder.
+    status, note, ood_note : str
+        The report's status and notes (shown at the top).
+
+    Returns
+    -------
+    str
+    """
+    import html
+
+    from .. import __version__
+
+    head = [f"<th>{html.escape(str(table.index.name or 'guide'))}</th>"]
+    head += [f"<th>{html.escape(str(c))}</th>" for c in table.columns]
+    rows = []
+    for idx, row in table.iterrows():
+        cells = [f"<th scope='row'>{html.escape(str(idx))}</th>"]
+        cells += [f"<td{'' if isinstance(v, (int, float, np.number)) else ' class=t'}>{_html_cell(v)}</td>"
+                  for v in row.tolist()]
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    notes = []
+    if status != "complete":
+        notes.append(f"<p class='warn'><b>{status.upper()}: {html.escape(note or status)}</b></p>")
+    if ood_note:
+        notes.append(f"<p class='note'>{html.escape(ood_note)}</p>")
+    body = [f"<figure><img src='{html.escape(f)}' alt='{html.escape(f)}'>"
+            f"<figcaption>{html.escape(FIGURE_CAPTIONS.get(f, f))}</figcaption></figure>" for f in figures]
+    style = ("body{font-family:sans-serif;margin:1.5em;max-width:1400px}"
+             "table{border-collapse:collapse;font-size:12px}"
+             "th,td{border:1px solid #bbb;padding:3px 6px;text-align:right;vertical-align:top}"
+             "td.t{text-align:left;min-width:9em;max-width:28em}"
+             "thead th{background:#eee;position:sticky;top:0}"
+             ".scroll{overflow-x:auto}img{max-width:100%;height:auto;border:1px solid #ddd}"
+             "figure{margin:1.5em 0}.warn{color:#a00}.note{color:#555}")
+    return "\n".join([
+        "<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
+        f"<title>pyro-bnn report ({html.escape(status)})</title><style>{style}</style></head><body>",
+        f"<h1>pyro-bnn report ({html.escape(status)})</h1>",
+        f"<p>Written by pyro-bnn {html.escape(str(__version__))}. Compare <code>bound</code> only between "
+        "rows of the same <code>bound_kind</code>.</p>", *notes,
+        "<h2>Comparison</h2>", "<div class='scroll'><table>",
+        f"<thead><tr>{''.join(head)}</tr></thead>", f"<tbody>{''.join(rows)}</tbody>", "</table></div>",
+        "<h2>Figures</h2>", *body, "</body></html>", ""])
 

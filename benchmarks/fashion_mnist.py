@@ -1,0 +1,377 @@
+"""Fashion-MNIST at full scale (issue 26): every guide on the 60,000 training images.
+
+Trains each row on the Fashion-MNIST training images and scores it on the 10,000 test
+images: accuracy, NLL, ECE (15 bins), Brier, OOD AUROC of Fashion-MNIST test vs MNIST test
+digits by predictive entropy and by mutual information, the ELBO (or log evidence), the
+convergence diagnosis (``pb.fit``'s ``FitResult.convergence``; for the plain PyTorch nets the
+same :func:`pyro_bnn.convergence.diagnose` on their per-epoch loss), seconds per epoch and
+its ratio to the MAP row's, and the growth of the process's peak RSS during the row.
+
+Rows (``--rows``, comma separated):
+
+* ``map`` — a plain PyTorch net (same architecture), Adam lr 1e-3, cosine schedule, batch
+  64, cross-entropy + L2 with Adam ``weight_decay = 1/N`` (exactly the MAP of an N(0, 1)
+  prior on every weight, since the loss is the *mean* cross-entropy); ``--map-wd 0`` for none;
+* ``ensemble`` — 5 such nets (seeds seed..seed+4), predictive the average;
+* ``meanfield`` — ``pb.guides.MeanField`` with ``pb.fit`` defaults (lr, batch 64, cosine);
+  the user sets epochs only (``--prior-scale``, ``--lr``, ``--kl-weight``, ``--init-scale``
+  change the defaults for the investigation);
+* ``laplace_ll`` — a MAP net trained by ``pb.fit`` with ``pb.guides.Laplace`` (N(0,1) prior)
+  on 55,000 images, then last-layer KFAC Laplace with δ by the evidence and δ by a grid on
+  the 5,000 validation images; GLM predictive (probit);
+* ``laplace_marglik`` — all-layer KFAC Laplace with online marginal likelihood, layer-wise δ
+  (``pb.fit(..., marglik={...})``);
+* ``hypernet``, ``symmetrized`` — the registry's guides under ``pb.fit`` defaults;
+* ``autonormal`` — Pyro's ``AutoNormal`` under plain ``SVI`` (``Trace_ELBO``, Adam 1e-3).
+
+Architectures (``--arch``): ``mlp`` 784-200-200-10 ReLU; ``cnn`` LeNet-5 style: conv 1→6 5×5,
+max-pool 2, conv 6→16 5×5, max-pool 2, fc 256→120→84→10, ReLU.
+
+``--subset N`` trains on the first N images of a seeded permutation of the training set
+(for the quick controlled experiments); scoring is always on the full 10,000 test images.
+
+Example::
+
+    nice -n 10 .venv/bin/python benchmarks/fashion_mnist.py --rows map --epochs 30 --out map30.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import resource
+import sys
+import time
+import warnings
+
+import pyro
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.analysis.ood import evaluate_probs
+from pyro_bnn.convergence import diagnose
+from pyro_bnn.guides.base import registered_guides
+from pyro_bnn.seeding import seeded
+
+ROWS = ("map", "ensemble", "meanfield", "laplace_ll", "laplace_marglik", "hypernet", "symmetrized",
+        "autonormal")
+
+
+def make_net(arch: str) -> nn.Module:
+    """The benchmark network (``mlp`` takes ``(N, 784)``, ``cnn`` ``(N, 1, 28, 28)``)."""
+    if arch == "mlp":
+        return nn.Sequential(nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(),
+                             nn.Linear(200, 10))
+    return nn.Sequential(nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(256, 120), nn.ReLU(), nn.Linear(120, 84),
+                         nn.ReLU(), nn.Linear(84, 10))
+
+
+def load(args):
+    """Train (all or ``--subset``), train-minus-validation, validation, test, and MNIST OOD."""
+    flatten = args.arch == "mlp"
+    split = pb.datasets.fashion_mnist_split(args.data_root, num_validation=5000, seed=0, flatten=flatten)
+    x_all, y_all = pb.datasets.fashion_mnist(args.data_root, "train", flatten=flatten)
+    if args.subset:  # the first N of the (already shuffled) 55,000: validation stays held out
+        x_all, y_all = split.x_train[:args.subset], split.y_train[:args.subset]
+        split = split._replace(x_train=x_all, y_train=y_all)
+    x_ood, _ = pb.datasets.mnist(args.mnist_root, "test", flatten=flatten)
+    return dict(train=(x_all, y_all), train55=split.train, valid=split.valid, test=split.test, ood=x_ood)
+
+
+def score(probs_in: torch.Tensor, probs_out: torch.Tensor, y: torch.Tensor) -> dict:
+    """Test metrics of ``(S, N, C)`` probabilities and the OOD AUROCs (entropy, MI)."""
+    if probs_in.dim() == 2:
+        probs_in, probs_out = probs_in.unsqueeze(0), probs_out.unsqueeze(0)
+    row = pb.metrics.classification_metrics(probs_in, y, 15)
+    labels = torch.cat([torch.zeros(probs_in.shape[1]), torch.ones(probs_out.shape[1])])
+    ood = evaluate_probs(torch.cat([probs_in, probs_out], 1), labels)
+    row["ood_auroc_entropy"] = ood["entropy"]["auroc"]
+    row["ood_auroc_mi"] = ood["mutual_information"]["auroc"] if probs_in.shape[0] > 1 else None
+    return row
+
+
+def convergence_of(diag) -> dict:
+    m = diag.measures
+    return dict(converged=diag.converged, reasons=[r[:300] for r in diag.reasons],
+                objective_gain=m.get("objective_gain"), objective_gain_se=m.get("objective_gain_se"),
+                window=m.get("window"))
+
+
+# ----------------------------------------------------------------------------- plain PyTorch MAP
+def train_map_net(arch, x, y, *, epochs, seed, weight_decay, lr=1e-3, batch_size=64):
+    """Adam + cosine schedule, mean cross-entropy; returns net, per-epoch losses and seconds."""
+    torch.manual_seed(seed)
+    net = make_net(arch)
+    opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
+    steps = epochs * math.ceil(len(x) / batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))
+    g = torch.Generator().manual_seed(seed)
+    losses, seconds = [], []
+    for _ in range(epochs):
+        t0, total = time.perf_counter(), 0.0
+        perm = torch.randperm(len(x), generator=g)
+        for i in range(0, len(x), batch_size):
+            idx = perm[i:i + batch_size]
+            loss = F.cross_entropy(net(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += loss.item() * len(idx)
+        # the MAP objective per data point: mean NLL + ||w||^2 wd / 2
+        reg = 0.5 * weight_decay * sum(float((p ** 2).sum()) for p in net.parameters())
+        losses.append(total / len(x) + reg)
+        seconds.append(time.perf_counter() - t0)
+    return net, losses, seconds
+
+
+def softmax_of(net, x, batch=2000):
+    with torch.no_grad():
+        return torch.cat([torch.softmax(net(x[i:i + batch]), -1) for i in range(0, len(x), batch)])
+
+
+def row_map(args, data, *, members=1):
+    x, y = data["train"]
+    wd = 1.0 / len(x) if args.map_wd is None else args.map_wd
+    nets, diags, secs, losses = [], [], [], []
+    for k in range(members):
+        net, loss, sec = train_map_net(args.arch, x, y, epochs=args.epochs, seed=args.seed + k,
+                                       weight_decay=wd)
+        nets.append(net)
+        losses.append(loss)
+        secs += sec
+        diags.append(convergence_of(diagnose([-v * len(x) for v in loss], lr_decayed=True)))
+    p_in = torch.stack([softmax_of(n, data["test"][0]) for n in nets])
+    p_out = torch.stack([softmax_of(n, data["ood"]) for n in nets])
+    row = score(p_in, p_out, data["test"][1])
+    train_acc = [float((softmax_of(n, x).argmax(-1) == y).float().mean()) for n in nets]
+    row.update(weight_decay=wd, members=members, train_accuracy=sum(train_acc) / members,
+               final_loss_per_point=[round(l[-1], 5) for l in losses],
+               loss_curve=[round(v, 5) for v in losses[0]], seconds_per_epoch=sum(secs) / len(secs) * members,
+               convergence=diags if members > 1 else diags[0])
+    return row
+
+
+# ----------------------------------------------------------------------------- pb.fit rows
+def bnn(args, prior_scale=1.0):
+    torch.manual_seed(args.seed)
+    return pb.BNN(make_net(args.arch), "categorical", prior=pb.priors.IIDNormal(prior_scale))
+
+
+def fit_row(args, model, guide, data_xy, *, num_samples, method="sample", **fit_kw):
+    x, y = data_xy
+    n = len(x)
+    num_data = round(n / args.kl_weight) if args.kl_weight != 1.0 else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = pb.fit(model, guide, (x, y), epochs=args.epochs, seed=args.seed, progress=False,
+                     num_data=num_data, **fit_kw)
+    return res
+
+
+def predict_pair(args, model, guide, data, *, num_samples, method="sample", **kw):
+    with seeded(0):
+        p_in = pb.predict(model, guide, data["test"][0], num_samples=num_samples, method=method,
+                          batch_size=2000, **kw)
+        p_out = pb.predict(model, guide, data["ood"], num_samples=num_samples, method=method,
+                           batch_size=2000, **kw)
+    return p_in, p_out
+
+
+def full_elbo(model, guide, x, y, draws=5, chunk=10000):
+    """Full-data ELBO of a MeanField guide: ``Σ_c (B_c/N) · loss_c`` over chunks of x (each
+    ``loss_c = −(N/B_c) log p(y_c|w) + KL`` at its own draw), which is an unbiased estimate of
+    ``−(log p(y|w) summed over all N − KL)``; mean of ``draws`` such estimates."""
+    from pyro_bnn._local_params import local_params
+    from pyro_bnn.guides.meanfield import meanfield_loss
+
+    n = len(x)
+    with torch.no_grad(), local_params(model, guide):
+        vals = [-sum(float(meanfield_loss(model, guide, x[i:i + chunk], y[i:i + chunk], n))
+                     * len(x[i:i + chunk]) / n for i in range(0, n, chunk)) for _ in range(draws)]
+    return sum(vals) / len(vals)
+
+
+def fit_summary(res) -> dict:
+    h = res.history
+    loss = h["loss"]
+    tenth = max(len(loss) // 10, 1)
+    return dict(final_loss=loss[-1], loss_last_tenth=sum(loss[-tenth:]) / tenth,
+                loss_previous_tenth=sum(loss[-2 * tenth:-tenth]) / tenth if len(loss) >= 2 * tenth else None,
+                loss_curve=[round(v, 1) for v in loss],
+                seconds_per_epoch=sum(h["epoch_seconds"]) / len(h["epoch_seconds"]),
+                convergence=convergence_of(res.convergence))
+
+
+def row_meanfield(args, data):
+    model = bnn(args, args.prior_scale)
+    opts = {} if args.init_scale is None else {"init_scale": args.init_scale}
+    guide = pb.guides.MeanField(model, **opts)
+    fit_kw = {} if args.lr is None else {"lr": args.lr}
+    res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples, **fit_kw)
+    row = fit_summary(res)
+    row["elbo_full_data"] = full_elbo(model, guide, *data["train"])
+    row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
+    x, y = data["train"]
+    p = pb.predict(model, guide, x[:10000], num_samples=16, batch_size=2000)
+    row["train_accuracy_first10k"] = pb.metrics.accuracy(p.mean(0), y[:10000])
+    with seeded(0):
+        pv = pb.predict(model, guide, data["valid"][0], num_samples=args.num_samples, batch_size=2000)
+    row["valid"] = pb.metrics.classification_metrics(pv, data["valid"][1], 15)
+    row["valid_held_out"] = bool(args.subset)
+    sig = [guide.loc_and_scale(s)[1] for s in model.site_names]
+    row["mean_sigma_by_site"] = {s: float(v.mean()) for s, v in zip(model.site_names, sig)}
+    row.update(prior_scale=args.prior_scale, kl_weight=args.kl_weight, lr=args.lr or guide.default_lr,
+               init_scale=args.init_scale)
+    return row
+
+
+def row_registry(args, data, name):
+    model = bnn(args)
+    guide = registered_guides()[name](model)
+    res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples)
+    row = fit_summary(res)
+    row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
+    return row
+
+
+def row_laplace_ll(args, data):
+    model = bnn(args)
+    guide = pb.guides.Laplace(model, "kron", prior_precision=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = pb.fit(model, guide, data["train55"], epochs=args.epochs, seed=args.seed, progress=False,
+                     batch_size=64, lr=1e-3)
+    row = fit_summary(res)
+    theta = guide.median()
+    p_in = softmax_of(lambda z: model.run_with(theta, z), data["test"][0]).unsqueeze(0)
+    p_out = softmax_of(lambda z: model.run_with(theta, z), data["ood"]).unsqueeze(0)
+    row["map_55k"] = score(p_in, p_out, data["test"][1])
+    for how in ("evidence", "validation"):
+        ll = pb.guides.Laplace(model, "kron", prior_precision=1.0, subset="last_layer",
+                               init_loc_fn=lambda site: theta[site["name"]])
+        t0 = time.perf_counter()
+        ll.fit_curvature(data["train55"])
+        if how == "evidence":
+            ev = ll.optimize_prior_precision(data["train55"], steps=300, lr=0.1)
+        else:
+            ev = ll.optimize_prior_precision(method="gridsearch", val=data["valid"])
+        r = score(*predict_pair(args, model, ll, data, num_samples=1, method="glm"), data["test"][1])
+        r.update(prior_precision=float(ll.prior_precision), log_evidence=_float(ev),
+                 posthoc_seconds=time.perf_counter() - t0)
+        row[f"delta_by_{how}"] = r
+    return row
+
+
+def _float(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def row_autonormal(args, data):
+    from pyro.infer import SVI, Trace_ELBO
+    from pyro.infer.autoguide import AutoNormal
+
+    x, y = data["train"]
+    model = bnn(args)
+    guide = AutoNormal(model, init_scale=0.01)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(args.seed)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    losses, secs = [], []
+    for _ in range(args.epochs):
+        t0, total = time.perf_counter(), 0.0
+        perm = torch.randperm(len(x))
+        for i in range(0, len(x), 64):
+            idx = perm[i:i + 64]
+            total += svi.step(x[idx], y[idx], len(x)) * len(idx) / len(x)
+        losses.append(total)
+        secs.append(time.perf_counter() - t0)
+    row = dict(loss_curve=[round(v, 1) for v in losses], seconds_per_epoch=sum(secs) / len(secs),
+               convergence=convergence_of(diagnose([-v for v in losses], lr_decayed=False)))
+    row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
+    return row
+
+
+def run_row(args, data, name):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    if name in ("map", "ensemble"):
+        row = row_map(args, data, members=1 if name == "map" else 5)
+    elif name == "meanfield":
+        row = row_meanfield(args, data)
+    elif name == "laplace_ll":
+        row = row_laplace_ll(args, data)
+    elif name == "autonormal":
+        row = row_autonormal(args, data)
+    elif name == "laplace_marglik":
+        row = row_laplace_marglik(args, data)
+    else:
+        row = row_registry(args, data, name)
+    row.update(row=name, arch=args.arch, epochs=args.epochs, seed=args.seed, subset=args.subset or None,
+               num_train=len(data["train"][0]), seconds=time.perf_counter() - t0,
+               peak_rss_growth_mb=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+    return row
+
+
+def row_laplace_marglik(args, data):
+    model = bnn(args)
+    guide = pb.guides.Laplace(model, "kron", prior_precision=1.0, prior_structure="layerwise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = pb.fit(model, guide, data["train"], epochs=args.epochs, seed=args.seed, progress=False,
+                     batch_size=64, lr=1e-3, marglik={"frequency": 5, "burnin": 5, "steps": 100})
+    row = fit_summary(res)
+    row.update(score(*predict_pair(args, model, guide, data, num_samples=1, method="glm"), data["test"][1]))
+    row["prior_precision"] = [float(d) for d in guide.layer_prior_precisions()]
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("--rows", default="map", help=f"comma separated, from {', '.join(ROWS)}")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--check-length", action="store_true", help="also run each row at 2x epochs")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--subset", type=int, default=0, help="train on this many images (0: all)")
+    parser.add_argument("--data-root", default=None, help="Fashion-MNIST folder (default: Debian's)")
+    parser.add_argument("--mnist-root", default="/work/shared/data/mnist", help="MNIST IDX folder (OOD set)")
+    parser.add_argument("--num-samples", type=int, default=100, help="posterior draws for predictions")
+    parser.add_argument("--map-wd", type=float, default=None, help="MAP weight decay (default 1/N)")
+    parser.add_argument("--prior-scale", type=float, default=1.0, help="MeanField IIDNormal prior scale")
+    parser.add_argument("--lr", type=float, default=None, help="MeanField lr (default: the guide's)")
+    parser.add_argument("--init-scale", type=float, default=None, help="MeanField init_scale")
+    parser.add_argument("--kl-weight", type=float, default=1.0,
+                        help="MeanField KL weight β (num_data = N/β: the likelihood is upweighted)")
+    parser.add_argument("--out", default=None, help="append one JSON line per row to this file")
+    args = parser.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        parser.error(f"unknown rows {bad}; expected some of {', '.join(ROWS)}")
+    torch.set_num_threads(args.threads)
+    data = load(args)
+    lengths = [args.epochs, 2 * args.epochs] if args.check_length else [args.epochs]
+    for name in rows:
+        for epochs in lengths:
+            run_args = copy.copy(args)
+            run_args.epochs = epochs
+            row = run_row(run_args, data, name)
+            line = json.dumps(row, default=float)
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as fh:
+                    fh.write(line + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
