@@ -19,6 +19,7 @@ from pyro import poutine
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ._local_params import local_params
+from ._modes import evaluation_mode
 from .likelihoods import Likelihood
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
@@ -185,7 +186,8 @@ class BatchCheck:
         xs = x[:2] if self.device is None else x[:2].to(self.device)
         devices = [xs.device] if xs.device.type == "cuda" else []
         rng = torch.random.fork_rng(devices=devices) if isolate_rng else contextlib.nullcontext()
-        with rng, torch.no_grad(), poutine.block(), local_params(self.model):
+        # eval mode: the probe must not update BatchNorm's running statistics (nor drop units)
+        with rng, torch.no_grad(), poutine.block(), local_params(self.model), evaluation_mode(self.model):
             self._output_shape = tuple(function(xs).shape[1:])
 
     def set_output_shape(self, f: torch.Tensor) -> None:

@@ -157,7 +157,7 @@ def test_float32_inputs_to_predict_evaluate_and_the_model_of_a_float64_model():
     guide = pb.guides.MeanField(model)
     x, y = _data("categorical")
     _fit_and_check(model, guide, (x, y), epochs=1)
-    hint = r"x has dtype torch.float32 but the model's weights are torch.float64.*x.to\(torch.float64\)"
+    hint = r"x( in pb\.\w+)? has dtype torch.float32 but the model's weights are torch.float64.*x.to\(torch.float64\)"
     with pytest.raises(TypeError, match=hint):
         pb.predict(model, guide, x.float(), num_samples=2)
     with pytest.raises(TypeError, match=hint):
