@@ -65,6 +65,11 @@ class LinearizedSamples(NamedTuple):
     log_prior: torch.Tensor
 
 
+def _invalidate_after_load(module, keys) -> None:
+    """``load_state_dict`` post-hook: the cached curvature no longer matches the state."""
+    module._invalidate()
+
+
 def _key(site: str) -> str:
     return site.replace(".", "__")
 
@@ -182,7 +187,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.tune_prior_precision = tune_prior_precision
         self._init_prior_precision = prior_precision
         self._posterior_cache = None     # CurvatureFit once the curvature is fitted
-        self.register_load_state_dict_post_hook(lambda module, keys: module._invalidate())
+        self.register_load_state_dict_post_hook(_invalidate_after_load)  # a module-level function: picklable
         self._map_mode = False
         self.online: OnlineEvidence | None = None   # during a fit with marglik=
 
