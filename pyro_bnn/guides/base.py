@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
-from pyro.infer.autoguide.initialization import init_to_median
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
 from .._local_params import local_params, prepare_local_params
@@ -135,6 +135,17 @@ class BNNGuide:
         while isinstance(model, functools.partial) and model.args:
             model = model.args[-1]
         return model if isinstance(model, torch.nn.Module) else None
+
+    def given_model(self):
+        """The model as the user passed it: a module, a function, or a model wrapped in Pyro
+        handlers (``pyro.condition(model, ...)``, ``poutine.scale(model, 0.1)``), without the
+        autoguide's own ``InitMessenger``.  Fast paths that bypass Pyro's handlers apply only
+        when this is the model itself (a wrapped model's handlers must run)."""
+        model = getattr(self, "model", None)
+        while (isinstance(model, functools.partial) and len(model.args) == 2
+               and isinstance(model.args[0], InitMessenger)):
+            model = model.args[-1]
+        return model
 
     def synced_modules(self) -> list[torch.nn.Module]:
         """Modules whose parameters follow the guide's into Pyro's store: its model."""

@@ -125,7 +125,7 @@ class MeanField(BNNGuide, AutoNormal):
         if setting != "auto":
             return bool(setting)
         return self.auto_local_reparameterization and supports_local_reparameterization(
-            self.approximated_model())
+            self.given_model())  # not through handlers around the model: they must run
 
     def on_epoch_start(self, ctx) -> None:
         """Set the KL weight for the coming epoch (KL annealing)."""
@@ -264,7 +264,8 @@ class MeanFieldELBO(GuideObjective):
     def __call__(self, model, guide, x, y, num_data=None):
         if not is_bnn(model):
             if guide.local_reparameterization:
-                raise ValueError("local_reparameterization needs a pyro_bnn.BNN model")
+                raise ValueError("local_reparameterization=True needs a pyro_bnn.BNN model called directly (Pyro "
+                                 f"handlers around it must run, so they get weight noise), got {model!r}")
             return self._fallback(model, guide, x, y, num_data)
         if guide.prototype_trace is None:
             guide._setup_prototype(x, y, num_data=num_data)

@@ -26,7 +26,7 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from torch import nn
 
 from ... import marglik as ml
-from ..._local_params import local_params
+from ..._local_params import local_params, unwrap_model
 from ...curvature import (
     STRUCTURES,
     accumulate_curvature,
@@ -227,7 +227,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             prior_prec[name] = _normal_precision(site["fn"], value)
         self._fixed_priors = {name: sites[name]["fn"] for name in self.fixed_sites}
         try:
-            self.layers = find_layers(self.base_model, {s: self.site_shapes[s] for s in self.laplace_sites})
+            self.layers = find_layers(unwrap_model(self.base_model),  # the module under any handlers
+                                      {s: self.site_shapes[s] for s in self.laplace_sites})
         except ValueError as exc:
             raise ValueError(f"{exc}. Leave such sites out of subset= (e.g. subset='last_layer' or a list "
                              "of the layer sites): the other sites are point estimates") from exc
