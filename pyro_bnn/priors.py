@@ -276,6 +276,42 @@ class ScaleMixture(Prior):
 PriorSpec = Prior | Mapping[str, Prior] | Callable[[str, torch.Tensor], Prior]
 
 
+class IIDDistribution(Prior):
+    """Any scalar torch/Pyro distribution as an i.i.d. prior on every weight (TyXe's habit:
+    ``pb.BNN(net, prior=dist.Normal(0., 1.))``).  A scalar ``Normal`` becomes
+    :class:`IIDNormal` (closed-form KL) in :func:`resolve_prior`; other distributions keep
+    their tensors where they were created (build them on the model's device)."""
+
+    def __init__(self, distribution: torch.distributions.Distribution):
+        super().__init__()
+        if distribution.batch_shape != torch.Size() or distribution.event_shape != torch.Size():
+            raise ValueError("a distribution used as a prior must be scalar (one i.i.d. factor per weight), got "
+                             f"batch_shape {tuple(distribution.batch_shape)}, event_shape "
+                             f"{tuple(distribution.event_shape)}")
+        self.distribution = distribution
+
+    def forward(self, shape, fan_in=None):
+        d = self.distribution
+        if not isinstance(d, dist.torch_distribution.TorchDistributionMixin):  # a torch distribution: Pyro's methods
+            d = _as_pyro(d)
+        return self._to_event(d, shape)
+
+    def extra_repr(self) -> str:
+        return repr(self.distribution)
+
+
+def _as_pyro(d: torch.distributions.Distribution) -> dist.TorchDistribution:
+    """A torch distribution with Pyro's ``expand``/``to_event`` (through ``ExpandedDistribution``)."""
+    return dist.torch_distribution.ExpandedDistribution(d, d.batch_shape)
+
+
+def prior_from_distribution(d: torch.distributions.Distribution) -> Prior:
+    """:class:`IIDNormal` for a scalar ``Normal``, else :class:`IIDDistribution`."""
+    if type(d) in (torch.distributions.Normal, dist.Normal) and d.batch_shape == torch.Size():
+        return IIDNormal(scale=float(d.scale), loc=float(d.loc))
+    return IIDDistribution(d)
+
+
 def resolve_prior(spec: PriorSpec, name: str, param: torch.Tensor) -> Prior:
     """Pick the :class:`Prior` for parameter ``name`` from any of the three accepted forms.
 
@@ -286,6 +322,8 @@ def resolve_prior(spec: PriorSpec, name: str, param: torch.Tensor) -> Prior:
     TypeError
         The spec (or what the callable returned) is not a :class:`Prior`.
     """
+    if isinstance(spec, torch.distributions.Distribution):  # before `callable`: Pyro's are callable
+        spec = prior_from_distribution(spec)
     if isinstance(spec, Prior):
         prior = spec
     elif isinstance(spec, Mapping):
@@ -302,9 +340,11 @@ def resolve_prior(spec: PriorSpec, name: str, param: torch.Tensor) -> Prior:
         prior = spec(name, param)
     else:
         raise TypeError(
-            "prior must be a pyro_bnn.priors.Prior, a dict of them keyed by parameter path, "
+            "prior must be a pyro_bnn.priors.Prior or a scalar torch/Pyro distribution, a dict of them keyed by parameter path, "
             f"or a callable (name, param) -> Prior; got {type(spec).__name__}"
         )
+    if isinstance(prior, torch.distributions.Distribution):
+        prior = prior_from_distribution(prior)
     if not isinstance(prior, Prior):
         raise TypeError(
             f"prior for {name!r} must be a pyro_bnn.priors.Prior, got {type(prior).__name__}"

@@ -28,7 +28,7 @@ import torch
 from pyro import poutine
 
 from . import distributed as _dist
-from ._local_params import local_params
+from ._local_params import global_param_tensors, local_params
 from .arguments import check_bool, check_int, check_positive, reject_unknown_keywords
 from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
@@ -487,6 +487,7 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     """Optimiser, schedule, loss module, divergence guard and convergence monitor (after the
     guide's ``on_fit_start``, which may freeze parameters)."""
     run.params = _parameters(run.model, run.guide)
+    run.params += _global_params(run)  # the model's pyro.param values (pyro_bnn._local_params)
     run.optimizer = optimizer(run.params) if optimizer is not None else default_optimizer(
         run.params, lr, run.contract.learning_rate_factors())
     run.ctx.optimizer = run.optimizer
@@ -497,6 +498,19 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     run.guard = DivergenceGuard(run.model, run.guide, run.optimizer, run.scheduler, run.params,
                                 clip_norm=clip_norm, checkpoint=run.checkpoint)
     run.monitor = ConvergenceMonitor(run.optimizer, run.contract.scale_parameters())
+
+
+def _global_params(run: _Run) -> list:
+    """The global ``pyro.param`` tensors of model and guide not among ``run.params``."""
+    args, kwargs, _ = call_model(run.model, *run.example, run.ctx.num_data)
+    known = {id(p) for p in run.params}
+    extra = [t for t in global_param_tensors(run.model, run.guide, args, kwargs) if id(t) not in known]
+    if extra and run.checkpoint is not None:
+        raise NotImplementedError(
+            "fit(checkpoint=...) saves model and guide state_dicts, which do not hold the model's global "
+            f"pyro.param values ({len(extra)} tensors); a resumed fit would lose them. Train without "
+            "checkpoint=, or make them module parameters (PyroParam attributes)")
+    return extra
 
 
 def _train_epoch(run: _Run, epoch: int) -> tuple[float, dict, int, float]:

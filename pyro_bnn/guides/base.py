@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
-from pyro.infer.autoguide.initialization import init_to_median
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
 from .._local_params import local_params, prepare_local_params
@@ -77,6 +77,35 @@ class BNNGuide:
             expose_unconstrained(*modules)
         return super().__call__(*args, **kwargs)
 
+    # ------------------------------------------------- copying and pickling
+    def __getstate__(self) -> dict:
+        """The state ``copy.deepcopy`` and ``pickle``/``torch.save`` copy, taken without
+        changing the guide.
+
+        Pyro's ``AutoGuide.__getstate__`` sets the guide's own model reference and parent
+        (``master``) to ``None`` before pickling, which leaves the *original* guide without
+        its model (its next call fails) and the copy without one.  Here the original is left
+        as it is, and the copy keeps a reference to the model: ``copy.deepcopy(guide)`` gives
+        a guide with its own copy of the model (``copy.deepcopy((model, guide))`` pairs the
+        copied guide with the copied model), ``torch.save(guide)`` writes the model with it.
+        Only what cannot be copied is left out: the ``unconstrained`` weak references Pyro
+        attaches to parameters (restored on the next call), the weak reference to a
+        parent ``AutoGuideList`` (a copy has none) and the last input/output that Pyro's
+        flow transforms cache (tensors of the last step's graph, which ``deepcopy`` refuses;
+        a cache miss recomputes them).
+        """
+        for param in self.parameters(recurse=True):
+            param.__dict__.pop("unconstrained", None)
+        for module in self.modules():
+            _clear_transform_cache(module)
+        state = dict(self.__dict__)
+        if "master" in state:
+            state["master"] = None
+        context = state.get("_pyro_context")
+        if context is not None and context.active:
+            raise RuntimeError(f"cannot copy or pickle the {type(self).__name__} guide while it runs")
+        return state
+
     def set_up(self, *args, **kwargs) -> None:
         """Create the guide's parameters from one call's arguments, if not done yet.
 
@@ -106,6 +135,17 @@ class BNNGuide:
         while isinstance(model, functools.partial) and model.args:
             model = model.args[-1]
         return model if isinstance(model, torch.nn.Module) else None
+
+    def given_model(self):
+        """The model as the user passed it: a module, a function, or a model wrapped in Pyro
+        handlers (``pyro.condition(model, ...)``, ``poutine.scale(model, 0.1)``), without the
+        autoguide's own ``InitMessenger``.  Fast paths that bypass Pyro's handlers apply only
+        when this is the model itself (a wrapped model's handlers must run)."""
+        model = getattr(self, "model", None)
+        while (isinstance(model, functools.partial) and len(model.args) == 2
+               and isinstance(model.args[0], InitMessenger)):
+            model = model.args[-1]
+        return model
 
     def synced_modules(self) -> list[torch.nn.Module]:
         """Modules whose parameters follow the guide's into Pyro's store: its model."""
@@ -209,6 +249,18 @@ class _ObservedDuringSetUp(Messenger):
             if msg["value"] is None:
                 msg["value"] = msg["fn"].sample()
             msg["is_observed"] = True
+
+
+def _clear_transform_cache(module) -> None:
+    """Empty the caches of a Pyro/torch ``Transform`` module (``cache_size=1``): the last
+    ``(x, y)`` pair and the derived ``_cached_*`` tensors (AffineAutoregressive's log scale)."""
+    if not isinstance(module, torch.distributions.Transform):
+        return
+    if getattr(module, "_cache_size", 0) == 1:
+        module._cached_x_y = None, None
+    for name, value in list(vars(module).items()):
+        if name.startswith("_cached") and name != "_cached_x_y" and isinstance(value, torch.Tensor):
+            setattr(module, name, None)
 
 
 def _not_set_up_message(guide) -> str | None:

@@ -17,6 +17,7 @@ straight into the ``PyroModule`` sample cache); it computes the same ELBO as
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import ExitStack
 
 import pyro
@@ -125,7 +126,7 @@ class MeanField(BNNGuide, AutoNormal):
         if setting != "auto":
             return bool(setting)
         return self.auto_local_reparameterization and supports_local_reparameterization(
-            self.approximated_model())
+            self.given_model())  # not through handlers around the model: they must run
 
     def on_epoch_start(self, ctx) -> None:
         """Set the KL weight for the coming epoch (KL annealing)."""
@@ -204,6 +205,8 @@ class MeanField(BNNGuide, AutoNormal):
         the closed-form KL.  Constrained sites go through ``AutoNormal``'s transform."""
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
+        if self.local_reparameterization_setting is True and torch.is_grad_enabled():
+            self._warn_weight_noise_training()
         if not all(_is_real(site["fn"].support)
                    for _, site in self.prototype_trace.iter_stochastic_nodes()):
             return super().forward(*args, **kwargs)
@@ -223,6 +226,20 @@ class MeanField(BNNGuide, AutoNormal):
 
     def make_objective(self, num_particles: int = 1):
         return MeanFieldELBO(num_particles)
+
+    def _warn_weight_noise_training(self) -> None:
+        """Warn once: a Pyro ELBO trains through :meth:`forward`, which samples weights, so
+        ``local_reparameterization=True`` does not apply to it (it does in
+        :meth:`make_objective`'s :class:`MeanFieldELBO`, which ``pb.fit`` uses)."""
+        if self.__dict__.get("_warned_weight_noise"):
+            return
+        self.__dict__["_warned_weight_noise"] = True
+        warnings.warn(
+            f"{type(self).__name__}(local_reparameterization=True) is trained here through the guide's "
+            "forward, which samples weights (a Pyro ELBO such as Trace_ELBO traces the guide), so local "
+            "reparameterisation does not apply. Use the guide's own objective: "
+            "SVI(model, guide, optim, loss=guide.make_objective()) and svi.step(x, y, num_data=N), "
+            "or pb.fit", UserWarning, stacklevel=3)
 
 
 #: means of layers with a larger fan-in learn at a reduced rate (``loc_lr_scaling="fan_in"``):
@@ -264,7 +281,8 @@ class MeanFieldELBO(GuideObjective):
     def __call__(self, model, guide, x, y, num_data=None):
         if not is_bnn(model):
             if guide.local_reparameterization:
-                raise ValueError("local_reparameterization needs a pyro_bnn.BNN model")
+                raise ValueError("local_reparameterization=True needs a pyro_bnn.BNN model called directly (Pyro "
+                                 f"handlers around it must run, so they get weight noise), got {model!r}")
             return self._fallback(model, guide, x, y, num_data)
         if guide.prototype_trace is None:
             guide._setup_prototype(x, y, num_data=num_data)

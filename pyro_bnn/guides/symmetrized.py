@@ -42,7 +42,7 @@ import torch
 from pyro import poutine
 from torch.distributions import kl_divergence
 
-from .._local_params import local_params
+from .._local_params import local_params, unwrap_model
 from ..data import as_tensors
 from ..likelihoods import log_likelihood
 from ..model import is_bnn
@@ -138,10 +138,16 @@ class Symmetrized(MeanField):
                  estimator: str = "local", **meanfield_kwargs):
         self.estimator = _check_estimator(estimator)
         self.num_permutations = _check_k(num_permutations, self.estimator, 0)
+        network = unwrap_model(model)
+        if not isinstance(network, torch.nn.Module):
+            raise TypeError("Symmetrized finds the permutable hidden units in the network's module structure, "
+                            "so it needs a pyro_bnn.BNN or a PyroModule model (possibly wrapped in Pyro "
+                            f"handlers such as pyro.condition), got {type(network).__name__} {network!r}; "
+                            "use MeanField for other models")
         super().__init__(model, **meanfield_kwargs)
         self.declared_permutations = None if permutations is None else list(permutations)
         self._symmetry: list[dict[str, int]] | None = None
-        self._original_model = (model,)  # a tuple: not registered as a submodule
+        self._original_model = (network,)  # the module under any handlers; a tuple: no submodule
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)

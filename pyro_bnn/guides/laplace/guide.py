@@ -28,7 +28,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from ... import marglik as ml
-from ..._local_params import local_params
+from ..._local_params import local_params, unwrap_model
 from ...curvature import (
     STRUCTURES,
     accumulate_curvature,
@@ -70,6 +70,11 @@ class LinearizedSamples(NamedTuple):
     f: torch.Tensor
     log_q: torch.Tensor
     log_prior: torch.Tensor
+
+
+def _invalidate_after_load(module, keys) -> None:
+    """``load_state_dict`` post-hook: the cached curvature no longer matches the state."""
+    module._invalidate()
 
 
 def _key(site: str) -> str:
@@ -201,7 +206,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.obs_site = obs_site
         self._init_prior_precision = prior_precision
         self._posterior_cache = None     # CurvatureFit once the curvature is fitted
-        self.register_load_state_dict_post_hook(lambda module, keys: module._invalidate())
+        self.register_load_state_dict_post_hook(_invalidate_after_load)  # a module-level function: picklable
         self._map_mode = False
         self.online: OnlineEvidence | None = None   # during a fit with marglik=
 
@@ -245,7 +250,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
                 prior_problems[name] = problem
         self._fixed_priors = {name: sites[name]["fn"] for name in self.fixed_sites}
         try:
-            self.layers = find_layers(self.base_model, {s: self.site_shapes[s] for s in self.laplace_sites})
+            self.layers = find_layers(unwrap_model(self.base_model),  # the module under any handlers
+                                      {s: self.site_shapes[s] for s in self.laplace_sites})
         except ValueError as exc:
             if not isinstance(self.base_model, nn.Module):
                 raise
