@@ -53,7 +53,7 @@ def main(argv=None) -> None:
         print(f"processes={pbd.get_world_size()} epochs={args.epochs} "
               f"global_batch={args.batch_size} final_loss={result.final_loss:.4f} "
               f"seconds={result.seconds:.1f}")
-        print("test " + " ".join(f"{k}={v:.4f}" for k, v in scores.items()))
+        print("test " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in scores.items()))
     if pbd.is_distributed():
         torch.distributed.destroy_process_group()
 

@@ -156,7 +156,9 @@ def global_param_tensors(model, guide, args: tuple, kwargs: dict) -> list[torch.
     caller's random streams.
     """
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+    # validation off: a broken initial state (say, infinite scales) is for fit's own state
+    # check to name, not for a distribution's argument check inside this look-up
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), pyro.validation_enabled(False):
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
     out, seen = [], set()

@@ -325,11 +325,22 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                              objective=objective, resume=resume, progress=progress)
 
 
+def _cuda_devices(model) -> list:
+    """The CUDA devices of ``model``'s parameters and buffers (for ``torch.random.fork_rng``)."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+
 def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, optimizer, lr_schedule,
                   num_particles, shuffle, seed, clip_norm, marglik, objective, resume, progress) -> FitResult:
     """The fit after :func:`_prepare`: optimisation set-up, resume, the epochs, the diagnosis."""
     model, guide = run.model, run.guide
-    run.fingerprint = fit_fingerprint(model, guide, data)  # before a resume loads anything
+    # before a resume loads anything; the random streams are kept as they were: describing
+    # a PyroModule layer reads its PyroSample attributes, which draws from the prior
+    with torch.random.fork_rng(devices=_cuda_devices(model)), poutine.block():
+        run.fingerprint = fit_fingerprint(model, guide, data)
     run.settings = dict(epochs=epochs, batch_size=batch_size, lr=lr, num_particles=num_particles,
                         shuffle=bool(shuffle), seed=seed, clip_norm=clip_norm, num_data=run.ctx.num_data,
                         marglik=marglik, model=type(model).__name__, guide=type(guide).__name__,
