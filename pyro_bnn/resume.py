@@ -234,7 +234,10 @@ def _is_scalar(value) -> bool:
 def _tensor_hash(t: torch.Tensor) -> str:
     flat = t.detach().reshape(-1)
     if flat.numel() > _HASHED_ELEMENTS:
-        index = torch.linspace(0, flat.numel() - 1, _HASHED_ELEMENTS, device=flat.device).long()
+        # integer arithmetic: a float32 linspace rounds the last index past the end for tensors
+        # of more than ~16M elements (47,040,000 for Fashion-MNIST's training images)
+        steps = torch.arange(_HASHED_ELEMENTS, device=flat.device, dtype=torch.int64)
+        index = steps * (flat.numel() - 1) // (_HASHED_ELEMENTS - 1)
         flat = flat[index]
     flat = flat.cpu().contiguous()
     return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()

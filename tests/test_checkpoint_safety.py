@@ -465,3 +465,14 @@ def test_a_fit_checkpoint_without_its_digest_is_not_resumed(tmp_path, data):
     model, guide = _build()
     with pytest.raises(ValueError, match=r"not a complete pyro_bnn fit checkpoint: missing 'checksum'"):
         pb.fit(model, guide, data, checkpoint=path, resume=True, **_FIT)
+
+
+def test_the_data_hash_of_a_large_tensor_stays_in_range():
+    """More elements than float32 counts exactly (Fashion-MNIST: 60,000 x 784 = 47,040,000):
+    the evenly spaced indices must end at the last element, not one past it."""
+    from pyro_bnn.resume import _tensor_hash
+
+    big = torch.zeros(60_000 * 784, dtype=torch.uint8)
+    first = _tensor_hash(big)
+    big[-1] = 1                                   # the last element is among the hashed ones
+    assert _tensor_hash(big) != first

@@ -76,8 +76,10 @@ DATASET_DEFAULTS: dict[str, dict[str, dict]] = {
     "fashion-mnist": {
         # one epoch of 60,000 (extrapolated x10 from 6,000 images, 1 thread, a shared
         # 2-core box at nice 10): meanfield ~230 s, symmetrized ~620 s, hypernet ~85 s,
-        # laplace ~45 s, laplace_all ~65 s; these lengths: ~2,900 s of training at those
-        # rates (less on a machine of its own).  Too short to converge: see ``converged``.
+        # laplace ~45 s, laplace_all ~65 s.  Those timings were inflated ~25x by a loaded
+        # machine: on a quiet one (2 threads, 60,000 images, batch 128) a MeanField epoch takes
+        # 8.3-9.3 s and an all-layer Laplace MAP epoch 4.2-4.4 s.  These lengths are far too
+        # short to converge (see ``converged``) and are still to be sized by convergence runs.
         "meanfield": {"epochs": 4},
         "symmetrized": {"epochs": 2},
         "hypernet": {"epochs": 4},
