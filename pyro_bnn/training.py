@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import numbers
 import os
 import time
 import warnings
@@ -36,9 +35,10 @@ from .data import dataset_size, make_loader, split_batch, validate_data
 from .devices import flush_denormals, module_device
 from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .guides.base import guide_contract
+from .lr_schedule import make_lr_scheduler, probe_lr_schedule
+from .marglik import check_marglik_options
 from .objectives import call_model
 from .param_store import publish_after_fit, sync_param_store
-from .marglik import check_marglik_options
 from .resume import StateOf, checkpoint_entries, fit_fingerprint, resume_fit
 
 __all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide",
@@ -394,7 +394,7 @@ def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedul
     for name, value in (("shuffle", shuffle), ("progress", progress), ("resume", resume),
                         ("overwrite", overwrite)):
         check_bool(name, value)
-    _probe_lr_schedule(lr_schedule)
+    probe_lr_schedule(lr_schedule)
     for name, value in (("optimizer", optimizer), ("objective", objective)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be a callable or None, got {type(value).__name__}")
@@ -425,28 +425,6 @@ def _refuse_overwrite(checkpoint, resume: bool, overwrite: bool) -> None:
     raise FileExistsError(f"checkpoint {os.fspath(checkpoint)!r} already exists; this fit would replace "
                           "it. Pass resume=True to continue the fit it holds, overwrite=True to start "
                           "afresh and replace it, or another checkpoint path")
-
-
-def _probe_lr_schedule(lr_schedule) -> None:
-    """Check a callable schedule at 64 fractions of the fit before anything is set up."""
-    factor = lr_factor_function(lr_schedule)
-    if callable(lr_schedule):
-        for k in range(64):
-            _checked_factor(factor, k / 64)
-
-
-def _checked_factor(factor, fraction: float) -> float:
-    """``factor(fraction)`` as a float, which must be finite and >= 0."""
-    value = factor(fraction)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"lr_schedule must return a number, got {value!r} ({type(value).__name__}) at "
-                        f"fraction {fraction:.4g} of the fit")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"lr_schedule returned {value!r} at fraction {fraction:.4g} of the fit; a "
-                         "learning-rate factor must be a finite number >= 0 (a negative one trains uphill)")
-    return float(value)
 
 
 def _prepare(model, guide, data, *, batch_size, device, shuffle, seed, num_data, objective, num_particles,
@@ -626,25 +604,6 @@ def _verify_final_state(run: _Run) -> None:
 #: the keyword arguments of fit, for the "did you mean" of an unknown one
 _FIT_KEYWORDS = tuple(name for name, p in inspect.signature(fit).parameters.items()
                       if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
-def lr_factor_function(lr_schedule):
-    """``factor(fraction_done) -> float`` for an ``lr_schedule`` argument of :func:`fit`."""
-    if callable(lr_schedule):
-        return lr_schedule
-    if lr_schedule == "constant":
-        return lambda frac: 1.0
-    if lr_schedule == "cosine":
-        return lambda frac: 0.5 * (1.0 + math.cos(math.pi * frac))
-    raise ValueError(f"lr_schedule must be 'constant', 'cosine' or a callable, got {lr_schedule!r}")
-
-
-def make_lr_scheduler(optimizer, lr_schedule, total_steps: int):
-    """A per-step ``LambdaLR`` applying :func:`lr_factor_function` over ``total_steps`` steps."""
-    factor = lr_factor_function(lr_schedule)
-    total = max(int(total_steps), 1)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: _checked_factor(factor, min(step, total - 1) / total))
 
 
 def _num_batches(loader) -> int:

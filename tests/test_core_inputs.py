@@ -157,7 +157,7 @@ def test_pretrained_weights_are_the_initial_means():
 
 
 def test_lr_schedule_cosine_decays_to_zero_and_rejects_unknown():
-    from pyro_bnn.training import make_lr_scheduler
+    from pyro_bnn.lr_schedule import make_lr_scheduler
 
     p = torch.nn.Parameter(torch.zeros(()))
     opt = torch.optim.SGD([p], lr=0.5)

@@ -32,8 +32,8 @@ from ..arguments import check_int, check_positive
 from ..data import BatchCheck, CheckedBatches, TensorBatches, as_tensors, check_data, split_batch
 from ..divergence import DivergenceGuard
 from ..likelihoods import log_likelihood
+from ..lr_schedule import lr_factor_function, make_lr_scheduler
 from ..seeding import seeded
-from ..training import lr_factor_function, make_lr_scheduler
 from .evidence import invariant_layers
 from .guide_step import guide_eta_optimizer, guide_eta_step, learnable_augmentation
 from .step import eta_grad, evidence_step

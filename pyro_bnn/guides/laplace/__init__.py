@@ -6,11 +6,14 @@
 * :mod:`.prior` — δ structures (scalar, per layer, per site) and their optimisation by the
   evidence or a validation grid search;
 * :mod:`.online` — the online-evidence schedule inside :func:`pyro_bnn.fit` (``marglik=``);
+* :mod:`.posterior` — the posterior's draws and its Pyro distribution;
+* :mod:`.sites` — which sites it covers and their priors;
 * :mod:`.state` — the fitted curvature state.
 """
 
-from .guide import Laplace, LinearizedSamples, StaleCurvatureWarning
+from .guide import Laplace, StaleCurvatureWarning
 from .objective import LaplaceMAPObjective
+from .posterior import LinearizedSamples
 from .prior import PriorMismatchWarning
 
 __all__ = ["Laplace", "LaplaceMAPObjective", "LinearizedSamples", "PriorMismatchWarning", "StaleCurvatureWarning"]

@@ -15,13 +15,10 @@ from __future__ import annotations
 import math
 import warnings
 from contextlib import ExitStack, contextmanager
-from typing import NamedTuple
 
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.distributions import constraints
-from pyro.distributions.transforms import biject_to
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.poutine.util import site_is_subsample
@@ -46,7 +43,17 @@ from ...model import is_bnn
 from ..base import BNNGuide, init_to_network, register_guide
 from .objective import LaplaceMAPObjective
 from .online import OnlineEvidence, _batches, _num_augmentations, deterministic_curvature
+from .posterior import LaplacePosterior, LinearizedSamples
 from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision, resolve_prior_structure
+from .sites import (
+    concat_deltas,
+    gaussian_log_prior_batched,
+    is_layer_parameter,
+    normal_precision,
+    point_estimate_transforms,
+    select_sites,
+    unwrap_handlers,
+)
 from .state import CurvatureState
 
 __all__ = ["Laplace", "LinearizedSamples", "StaleCurvatureWarning"]
@@ -55,21 +62,6 @@ __all__ = ["Laplace", "LinearizedSamples", "StaleCurvatureWarning"]
 class StaleCurvatureWarning(UserWarning):
     """The Laplace guide's curvature is missing or was fitted at another θ (call
     ``guide.fit_curvature``)."""
-
-
-class LinearizedSamples(NamedTuple):
-    """Joint draws ``θ_s ~ N(θ*, P⁻¹)`` and the linearised network at given inputs.
-
-    ``values``: ``{site: (S, *shape)}`` (point-estimate sites repeat θ*); ``f``: ``(S, N, C)``
-    ``f_lin(x_n; θ_s) = f(x_n; θ*) + J_n (θ_s − θ*)``; ``log_q``: ``(S,)`` ``log N(θ_s | θ*, P⁻¹)``
-    over the Laplace sites; ``log_prior``: ``(S,)`` the Gaussian prior with the guide's δ at
-    the Laplace sites plus the fixed model prior of the point-estimate sites.
-    """
-
-    values: dict
-    f: torch.Tensor
-    log_q: torch.Tensor
-    log_prior: torch.Tensor
 
 
 def _invalidate_after_load(module, keys) -> None:
@@ -193,7 +185,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.init_loc_fn = init_loc_fn or init_to_network(model)
         super().__init__(InitMessenger(self.init_loc_fn)(model), create_plates=create_plates)
         self._wrapped = (model,)                      # a tuple: not a submodule
-        self._base_model = (_unwrap_handlers(model),)   # a tuple: not registered as a submodule
+        self._base_model = (unwrap_handlers(model),)   # a tuple: not registered as a submodule
         self.structure = structure
         self.prior_structure = prior_structure          # "auto" is resolved at set-up
         self._requested_prior_structure = prior_structure
@@ -236,16 +228,16 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             if any(f.full_size not in (None, f.size) for f in site["cond_indep_stack"]):
                 raise ValueError(f"Laplace does not support subsampled latent sites; {name!r} is subsampled")
             self.site_shapes[name] = site["value"].shape
-        self.laplace_sites = _select_sites(self.subset, list(self.site_shapes))
+        self.laplace_sites = select_sites(self.subset, list(self.site_shapes))
         self.fixed_sites = [s for s in self.site_shapes if s not in self.laplace_sites]
         # point estimates are stored unconstrained: value = transform(theta)
-        self._point_transforms = _point_estimate_transforms(sites, self.laplace_sites)
+        self._point_transforms = point_estimate_transforms(sites, self.laplace_sites)
         prior_prec, prior_problems = {}, {}
         for name, site in sites.items():
             value = site["value"].detach()
             unconstrained = self._point_transforms[name].inv(value) if name in self._point_transforms else value
             self.theta[_key(name)] = nn.Parameter(unconstrained.detach().clone())
-            prior_prec[name], problem = _normal_precision(site["fn"], value)
+            prior_prec[name], problem = normal_precision(site["fn"], value)
             if problem is not None:
                 prior_problems[name] = problem
         self._fixed_priors = {name: sites[name]["fn"] for name in self.fixed_sites}
@@ -294,7 +286,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         observation, not latents; ``obs_site=`` names it, else it must be the only one."""
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         per_datum = [name for name, site in self.prototype_trace.iter_stochastic_nodes()
-                     if name == self.obs_site or (x is not None and not _is_layer_parameter(self.base_model, name)
+                     if name == self.obs_site or (x is not None and not is_layer_parameter(self.base_model, name)
                                                   and any(f.vectorized and f.size == len(x)
                                                           for f in site["cond_indep_stack"]))]
         if not per_datum:
@@ -391,7 +383,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         deltas = self.layer_prior_precisions(prior_precision)
         theta = [layer.flatten(self.map_values()).reshape(-1).detach() for layer in self.layers]
         if self.structure == "full":
-            return [torch.cat(theta)], [_concat_deltas(self.layers, deltas)]
+            return [torch.cat(theta)], [concat_deltas(self.layers, deltas)]
         return theta, deltas
 
     def _kind_and_scale(self, noise=None):
@@ -440,7 +432,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         trace log densities give ``log q``).  The draw is reparameterised in θ: SVI after
         ``fit_curvature`` moves θ (and then marks the curvature stale)."""
         theta_star = self.map_values()
-        posterior = _LaplacePosterior(self, theta_star)
+        posterior = LaplacePosterior(self, theta_star)
         flat = pyro.sample("_laplace_latent", posterior, infer={"is_auxiliary": True})
         values = {name: theta_star[name] for name in self.fixed_sites}
         values.update(posterior.unpack(flat))
@@ -451,7 +443,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         sites (the point-estimate sites are held at θ*)."""
         self._require_posterior()
         theta_star = {k: v.detach() for k, v in self.map_values().items()}
-        posterior = _LaplacePosterior(self, theta_star)
+        posterior = LaplacePosterior(self, theta_star)
         flat = torch.cat([layer.flatten(values).reshape(-1) for layer in self.layers])
         return posterior.log_prob(flat)
 
@@ -678,173 +670,6 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
                 kept[k].append(values[k])
         return LinearizedSamples({k: torch.cat(v) for k, v in kept.items()}, torch.cat(fs),
                                  torch.cat(log_qs), torch.cat(log_priors).detach())
-
-
-class _LaplacePosterior(dist.TorchDistribution):
-    """``N(θ*, P⁻¹)`` over the flat Laplace weights (layers' ``W̃`` in order), from the guide's
-    blocks: ``log_prob`` is the exact Gaussian density, ``rsample`` is ``θ* + P^{-1/2} ε``."""
-
-    arg_constraints = {}
-    support = constraints.real_vector
-    has_rsample = True
-
-    def __init__(self, guide, theta_star: dict):
-        self.guide, self.layers = guide, guide.layers
-        self.loc = torch.cat([layer.flatten(theta_star).reshape(-1) for layer in self.layers])
-        super().__init__(event_shape=self.loc.shape, validate_args=False)
-
-    def rsample(self, sample_shape=torch.Size()):
-        num = int(math.prod(sample_shape)) if len(sample_shape) else 1
-        offsets, _ = self.guide._draw_offsets(num)
-        flat = torch.cat([o.reshape(num, -1) for o in offsets], -1)
-        return (self.loc + flat).reshape(*sample_shape, -1)
-
-    def unpack(self, flat: torch.Tensor) -> dict:
-        values, start = {}, 0
-        for layer in self.layers:
-            part = flat[start:start + layer.numel].reshape(layer.shape)
-            values.update(layer.unflatten(part, self.guide.site_shapes))
-            start += layer.numel
-        return values
-
-    def log_prob(self, value):
-        guide = self.guide
-        theta, deltas = guide._block_inputs()
-        _, _, scale = guide._kind_and_scale()
-        v = value - self.loc
-        if guide.structure == "full":
-            parts = [v]
-        else:
-            parts = list(v.split([layer.numel for layer in self.layers], -1))
-        total = 0.0
-        for block, d, part in zip(guide.posterior.blocks, deltas, parts):
-            quad = _precision_quadratic(block, part, d, scale)
-            total = total - 0.5 * quad + 0.5 * block.logdet(d, scale) \
-                - 0.5 * part.shape[-1] * math.log(2 * math.pi)
-        return total
-
-
-def _precision_quadratic(block, v: torch.Tensor, delta, scale) -> torch.Tensor:
-    """``vᵀ P v`` with ``P = s H + diag(δ)`` of one block, ``v`` of shape ``(..., numel)``."""
-    from ...curvature import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
-    prior = (delta * v ** 2).sum(-1)
-    if isinstance(block, DenseBlock):
-        return scale * torch.einsum("...i,ij,...j->...", v, block.H, v) + prior
-    if isinstance(block, DiagBlock):
-        return scale * (block.h.reshape(-1) * v ** 2).sum(-1) + prior
-    V = v.reshape(*v.shape[:-1], *block.shape)
-    if isinstance(block, SplitBiasKronBlock):
-        A = block.A.clone()
-        A[:-1, -1] = 0
-        A[-1, :-1] = 0
-    elif isinstance(block, KronBlock):
-        A = block.A
-    else:
-        raise TypeError(f"unknown curvature block {type(block).__name__}")
-    return scale * (V * (block.G @ V @ A)).sum((-2, -1)) + prior
-
-
-def gaussian_log_prior_batched(layers, values: dict, deltas: list) -> torch.Tensor:
-    """``Σ_l log N(W̃_l | 0, δ_l⁻¹)`` for draws ``values[site]`` of shape ``(S, *shape)`` → ``(S,)``."""
-    total = 0.0
-    for layer, d in zip(layers, deltas):
-        w = _leading(layer, values).flatten(1)
-        log_det = layer.numel * torch.log(d) if d.dim() == 0 else torch.log(d).sum()
-        total = total + 0.5 * (log_det - (d * w ** 2).sum(-1) - layer.numel * math.log(2 * math.pi))
-    return total
-
-
-def _leading(layer, values):
-    """``W̃`` of draws with a leading sample dim: ``(S, out, in')``."""
-    parts = []
-    if layer.weight is not None:
-        v = values[layer.weight]
-        parts.append(v.reshape(v.shape[0], layer.out_features, -1))
-    if layer.bias is not None:
-        v = values[layer.bias]
-        parts.append(v.reshape(v.shape[0], layer.out_features, 1))
-    return torch.cat(parts, -1)
-
-
-def _is_layer_parameter(model, name: str) -> bool:
-    """Whether site ``name`` is the weight or bias of a module of ``model`` (never an observation)."""
-    from ...curvature.layers import site_module
-    try:
-        module, pname = site_module(model, name)
-    except (AttributeError, KeyError, ValueError):
-        return False
-    return module is not None and pname in ("weight", "bias")
-
-
-def _unwrap_handlers(model):
-    """The model under ``poutine`` handler wrappers (``functools.wraps`` chains: ``__wrapped__``)."""
-    seen = 0
-    while not isinstance(model, nn.Module) and hasattr(model, "__wrapped__") and seen < 32:
-        model, seen = model.__wrapped__, seen + 1
-    return model
-
-
-def _normal_precision(fn, value) -> tuple[torch.Tensor, str | None]:
-    """Elementwise 1/σ² of a (possibly Independent/expanded) zero-mean Normal prior, and
-    ``None``; else ones and what the Gaussian ``N(0, 1/δ)`` cannot represent."""
-    d = fn
-    while isinstance(d, (dist.Independent, dist.ExpandedDistribution)) and not isinstance(d, dist.Normal):
-        d = d.base_dist
-    if isinstance(d, dist.Normal):
-        prec = (d.scale ** -2).expand(value.shape).to(value.dtype)
-        if bool((d.loc != 0).any()):
-            return prec, f"a Normal prior with non-zero mean (loc in [{float(d.loc.min()):.4g}, " \
-                         f"{float(d.loc.max()):.4g}])"
-        return prec, None
-    return torch.ones_like(value), f"a {type(d).__name__} prior, not a Normal"
-
-
-def _is_real(support) -> bool:
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    return support is constraints.real
-
-
-def _point_estimate_transforms(sites: dict, laplace_sites: list[str]) -> dict:
-    """``{site: transform}`` for the constrained point-estimate sites (``biject_to`` of
-    their support); raises for a constrained site that the Laplace is asked to cover and
-    for discrete sites."""
-    transforms = {}
-    for name, site in sites.items():
-        support = site["fn"].support
-        if _is_real(support):
-            continue
-        if support.is_discrete:
-            raise ValueError(f"Laplace needs continuous latent sites; site {name!r} is discrete (support "
-                             f"{support}): marginalise or enumerate it in the model")
-        if name in laplace_sites:
-            raise ValueError(
-                f"Laplace puts a Gaussian N(θ*, P⁻¹) on the sites it covers, which must be real-valued; "
-                f"site {name!r} has support {support}. Leave it out of subset= (e.g. subset='last_layer' "
-                "or a list of the layer sites): it is then a point estimate, the MAP of its own prior "
-                "in its support; or use a guide that transforms constrained sites through their "
-                "support (pb.guides.MeanField, pyro.infer.autoguide.AutoNormal)")
-        transforms[name] = biject_to(support)
-    return transforms
-
-
-def _select_sites(subset, names: list[str]) -> list[str]:
-    """The sites the Laplace covers, in site order (``subset`` as in :class:`Laplace`)."""
-    if subset == "all":
-        return list(names)
-    if subset == "last_layer":
-        path = names[-1].rpartition(".")[0]
-        return [s for s in names if s.rpartition(".")[0] == path]
-    unknown = sorted(set(subset) - set(names))
-    if unknown:
-        raise ValueError(f"subset names sites the model lacks: {unknown}; it has {names}")
-    return [s for s in names if s in set(subset)]
-
-
-def _concat_deltas(layers, deltas):
-    if all(d.dim() == 0 for d in deltas) and all(d is deltas[0] for d in deltas):
-        return deltas[0]
-    return torch.cat([d.expand(layer.numel) if d.dim() == 0 else d for layer, d in zip(layers, deltas)])
 
 
 def _laplace_last_layer(model, **options):

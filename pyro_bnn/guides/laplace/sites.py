@@ -1,0 +1,119 @@
+"""Which sites a Laplace guide covers and how: layer parameters, Normal prior precisions,
+point-estimate transforms for the other sites, the batched Gaussian log prior."""
+
+from __future__ import annotations
+
+import math
+
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+from pyro.distributions.transforms import biject_to
+from torch import nn
+
+__all__ = ["gaussian_log_prior_batched", "is_layer_parameter", "unwrap_handlers", "normal_precision", "point_estimate_transforms", "select_sites", "concat_deltas"]
+
+
+
+
+def gaussian_log_prior_batched(layers, values: dict, deltas: list) -> torch.Tensor:
+    """``Σ_l log N(W̃_l | 0, δ_l⁻¹)`` for draws ``values[site]`` of shape ``(S, *shape)`` → ``(S,)``."""
+    total = 0.0
+    for layer, d in zip(layers, deltas):
+        w = _leading(layer, values).flatten(1)
+        log_det = layer.numel * torch.log(d) if d.dim() == 0 else torch.log(d).sum()
+        total = total + 0.5 * (log_det - (d * w ** 2).sum(-1) - layer.numel * math.log(2 * math.pi))
+    return total
+
+
+def _leading(layer, values):
+    """``W̃`` of draws with a leading sample dim: ``(S, out, in')``."""
+    parts = []
+    if layer.weight is not None:
+        v = values[layer.weight]
+        parts.append(v.reshape(v.shape[0], layer.out_features, -1))
+    if layer.bias is not None:
+        v = values[layer.bias]
+        parts.append(v.reshape(v.shape[0], layer.out_features, 1))
+    return torch.cat(parts, -1)
+
+
+def is_layer_parameter(model, name: str) -> bool:
+    """Whether site ``name`` is the weight or bias of a module of ``model`` (never an observation)."""
+    from ...curvature.layers import site_module
+    try:
+        module, pname = site_module(model, name)
+    except (AttributeError, KeyError, ValueError):
+        return False
+    return module is not None and pname in ("weight", "bias")
+
+
+def unwrap_handlers(model):
+    """The model under ``poutine`` handler wrappers (``functools.wraps`` chains: ``__wrapped__``)."""
+    seen = 0
+    while not isinstance(model, nn.Module) and hasattr(model, "__wrapped__") and seen < 32:
+        model, seen = model.__wrapped__, seen + 1
+    return model
+
+
+def normal_precision(fn, value) -> tuple[torch.Tensor, str | None]:
+    """Elementwise 1/σ² of a (possibly Independent/expanded) zero-mean Normal prior, and
+    ``None``; else ones and what the Gaussian ``N(0, 1/δ)`` cannot represent."""
+    d = fn
+    while isinstance(d, (dist.Independent, dist.ExpandedDistribution)) and not isinstance(d, dist.Normal):
+        d = d.base_dist
+    if isinstance(d, dist.Normal):
+        prec = (d.scale ** -2).expand(value.shape).to(value.dtype)
+        if bool((d.loc != 0).any()):
+            return prec, f"a Normal prior with non-zero mean (loc in [{float(d.loc.min()):.4g}, " \
+                         f"{float(d.loc.max()):.4g}])"
+        return prec, None
+    return torch.ones_like(value), f"a {type(d).__name__} prior, not a Normal"
+
+
+def _is_real(support) -> bool:
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    return support is constraints.real
+
+
+def point_estimate_transforms(sites: dict, laplace_sites: list[str]) -> dict:
+    """``{site: transform}`` for the constrained point-estimate sites (``biject_to`` of
+    their support); raises for a constrained site that the Laplace is asked to cover and
+    for discrete sites."""
+    transforms = {}
+    for name, site in sites.items():
+        support = site["fn"].support
+        if _is_real(support):
+            continue
+        if support.is_discrete:
+            raise ValueError(f"Laplace needs continuous latent sites; site {name!r} is discrete (support "
+                             f"{support}): marginalise or enumerate it in the model")
+        if name in laplace_sites:
+            raise ValueError(
+                f"Laplace puts a Gaussian N(θ*, P⁻¹) on the sites it covers, which must be real-valued; "
+                f"site {name!r} has support {support}. Leave it out of subset= (e.g. subset='last_layer' "
+                "or a list of the layer sites): it is then a point estimate, the MAP of its own prior "
+                "in its support; or use a guide that transforms constrained sites through their "
+                "support (pb.guides.MeanField, pyro.infer.autoguide.AutoNormal)")
+        transforms[name] = biject_to(support)
+    return transforms
+
+
+def select_sites(subset, names: list[str]) -> list[str]:
+    """The sites the Laplace covers, in site order (``subset`` as in :class:`Laplace`)."""
+    if subset == "all":
+        return list(names)
+    if subset == "last_layer":
+        path = names[-1].rpartition(".")[0]
+        return [s for s in names if s.rpartition(".")[0] == path]
+    unknown = sorted(set(subset) - set(names))
+    if unknown:
+        raise ValueError(f"subset names sites the model lacks: {unknown}; it has {names}")
+    return [s for s in names if s in set(subset)]
+
+
+def concat_deltas(layers, deltas):
+    if all(d.dim() == 0 for d in deltas) and all(d is deltas[0] for d in deltas):
+        return deltas[0]
+    return torch.cat([d.expand(layer.numel) if d.dim() == 0 else d for layer, d in zip(layers, deltas)])
