@@ -113,7 +113,8 @@ class _LossModule(torch.nn.Module):
 def setup_guide(model, guide, x, y=None, num_data=None) -> None:
     """Run ``guide`` once (no side effects) so that lazily created parameters exist."""
     args, kwargs, _ = call_model(model, x, y, num_data if num_data is not None else len(x))
-    with local_params(model, guide), torch.no_grad():
+    with local_params(model, guide), torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="the Laplace guide's curvature is not fitted")  # a set-up run
         poutine.block(guide)(*args, **kwargs)
 
 
@@ -493,7 +494,9 @@ def _global_params(run: _Run) -> list:
     """The global ``pyro.param`` tensors of model and guide not among ``run.params``."""
     args, kwargs, _ = call_model(run.model, *run.example, run.ctx.num_data)
     known = {id(p) for p in run.params}
-    extra = [t for t in global_param_tensors(run.model, run.guide, args, kwargs) if id(t) not in known]
+    with warnings.catch_warnings():   # a look-up run, not a prediction: no "point mass" warning
+        warnings.filterwarnings("ignore", message="the Laplace guide's curvature is not fitted")
+        extra = [t for t in global_param_tensors(run.model, run.guide, args, kwargs) if id(t) not in known]
     if extra and run.checkpoint is not None:
         raise NotImplementedError(
             "fit(checkpoint=...) saves model and guide state_dicts, which do not hold the model's global "

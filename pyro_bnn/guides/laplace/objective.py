@@ -66,15 +66,22 @@ class LaplaceMAPObjective(GuideObjective):
             scaled = scale_observations(factor)(model) if factor != 1.0 else model
             tr = poutine.trace(poutine.condition(scaled, data=values)).get_trace(*args, **kwargs)
             tr.compute_log_prob()
-            # condition() marks the latent sites it fixes as observed too: count data sites only
+            # condition() marks the latent sites it fixes as observed too (ours, and those of a
+            # pyro.condition around the model): count data sites only
+            held = getattr(guide, "_conditioned_values", {})
             loglik = sum(site["log_prob_sum"] for name, site in tr.nodes.items()
-                         if site["type"] == "sample" and site["is_observed"] and name not in values)
+                         if site["type"] == "sample" and site["is_observed"] and name not in values
+                         and name not in held)
         deltas = [d.detach() for d in guide.layer_prior_precisions()]
         # the Gaussian prior's normaliser does not depend on θ; with ~0.9 nats per weight it can
         # be most of the loss (440k of a 478k-weight MLP's), which would hide the data term's
         # progress from fit's convergence diagnosis: reported apart as ``loss_constant``
-        normalizer = gaussian_log_normalizer(guide.layers, deltas)
-        log_prior = normalizer - _gaussian_quadratic(guide.layers, values, deltas) + guide.fixed_log_prior(values)
+        # under poutine.scale(model, s) the log joint is s·(log p(y|θ) + log p(θ)): the trace's
+        # log-likelihood carries s, the guide's Gaussian prior is scaled here
+        prior_scale = getattr(guide, "_prior_scale", 1.0)
+        normalizer = prior_scale * gaussian_log_normalizer(guide.layers, deltas)
+        log_prior = normalizer + prior_scale * (guide.fixed_log_prior(values)
+                                                - _gaussian_quadratic(guide.layers, values, deltas))
         loss = -(loglik + log_prior)
         return loss, {"log_lik": loglik.detach(), "log_prior": log_prior.detach(),
                       "loss_constant": -normalizer.detach()}

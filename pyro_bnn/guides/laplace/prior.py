@@ -214,7 +214,7 @@ class PriorPrecision:
     # ---------------------------------------------------------------- tuning
     def optimize_prior_precision(self, data=None, steps: int = 100, lr: float = 0.1,
                                  learn_noise: bool | None = None, *, method: str = "marglik",
-                                 val=None, grid=None, link_approx: str = "probit",
+                                 val=None, grid=None, link_approx: str = "mc",
                                  num_samples: int = 100, batch_size: int | None = None) -> float:
         """Tune δ by the evidence (``method="marglik"``) or on validation data (``"gridsearch"``).
 
@@ -235,11 +235,14 @@ class PriorPrecision:
         grid : sequence of float or Tensor, optional
             ``"gridsearch"``: candidate δ (each a scalar given to every entry of δ, or a
             tensor of δ's shape); default 100 values from 1e-4 to 1e4 (log-spaced).
-        link_approx : {"probit", "mc"}
-            ``"gridsearch"``: the GLM predictive scored (use the one you predict with).
+        link_approx : {"mc", "probit"}
+            ``"gridsearch"``: the GLM predictive scored; default ``"mc"``, the Monte-Carlo
+            GLM predictive that ``pb.evaluate``, ``pb.predict`` and ``guide.predict`` use by
+            default (``"probit"``: the ``method="glm_probit"`` predictive).
         num_samples : int
             ``"gridsearch"`` with ``link_approx="mc"``: function draws per point (common
-            random numbers across candidates).
+            random numbers across candidates; the same draws as ``guide.predict`` under
+            ``torch.manual_seed(0)`` when the inputs fit in one batch).
         batch_size : int, optional
             Inputs per Jacobian pass (default ``curvature_batch_size``).
 
@@ -292,7 +295,7 @@ class PriorPrecision:
 
     @torch.no_grad()
     def validation_nll(self, x: torch.Tensor, y: torch.Tensor, prior_precisions=None, *,
-                       link_approx: str = "probit", num_samples: int = 100,
+                       link_approx: str = "mc", num_samples: int = 100,
                        batch_size: int | None = None, seed: int = 0) -> torch.Tensor:
         """Mean negative log predictive density of the GLM predictive on ``(x, y)``, per δ.
 
