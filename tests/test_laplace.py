@@ -450,7 +450,7 @@ def test_gridsearch_classification_agrees_with_evaluate(digits_small):
     guide = pb.guides.Laplace(model, "kron", subset="last_layer")
     pb.fit(model, guide, (x_tr, y_tr), epochs=30, lr=1e-2, progress=False, seed=0)
     grid = [0.01, 0.1, 1.0, 10.0, 100.0, 1e3, 1e4]
-    guide.optimize_prior_precision(method="gridsearch", val=(x_val, y_val), grid=grid)
+    guide.optimize_prior_precision(method="gridsearch", val=(x_val, y_val), grid=grid, link_approx="probit")
     chosen = float(guide.prior_precision)
     evaluated = []
     for d in grid:

@@ -336,10 +336,10 @@ def test_laplace_in_an_autoguidelist_trains_under_svi_and_predicts(noise_guide):
     model, guides, laplace = _autoguidelist(AutoDelta if noise_guide == "AutoDelta" else AutoNormal)
     svi = SVI(model, guides, pyro.optim.Adam({"lr": 5e-2}), Trace_ELBO())
     pyro.set_rng_seed(0)
-    for _ in range(600):
+    for _ in range(150):
         svi.step(x, y)
     sigma = guides[1].median()["sigma"]
-    assert 0.6 < float(sigma) < 1.6, sigma                        # trained from its init
+    assert 0.5 < float(sigma) < 3.0, sigma         # trained (not converged: any σ serves the check)
     laplace.fit_curvature((x, y))
     X = torch.cat([x, torch.ones(len(x), 1)], 1)
     _, cov, _ = _conjugate_dense(X, y, torch.tensor([1.0, 1.0, 1.0, 100.0]), float(sigma))
@@ -351,12 +351,14 @@ def test_laplace_in_an_autoguidelist_trains_under_svi_and_predicts(noise_guide):
     ref.fit_curvature((x, y))
     assert float(laplace.log_evidence()) == pytest.approx(float(ref.log_evidence()), rel=1e-12)
     pyro.set_rng_seed(1)
-    out = Predictive(model, guide=guides, num_samples=2000, return_sites=["linear.weight", "linear.bias", "sigma", "obs"])(x)
-    assert out["obs"].shape == (2000, len(x))
-    draws = torch.cat([out["linear.weight"].reshape(2000, -1), out["linear.bias"].reshape(2000, -1)], -1)
-    torch.testing.assert_close(draws.var(0), cov.diagonal(), rtol=0.15, atol=0.0)
+    num = 500
+    out = Predictive(model, guide=guides, num_samples=num, return_sites=["linear.weight", "linear.bias", "sigma",
+                                                                         "obs"])(x)
+    assert out["obs"].shape == (num, len(x))
+    draws = torch.cat([out["linear.weight"].reshape(num, -1), out["linear.bias"].reshape(num, -1)], -1)
+    torch.testing.assert_close(draws.var(0), cov.diagonal(), rtol=0.25, atol=0.0)   # 4 sd of a variance
     if noise_guide == "AutoDelta":
-        assert torch.equal(out["sigma"].reshape(-1), sigma.expand(2000))
+        assert torch.equal(out["sigma"].reshape(-1), sigma.expand(num))
     else:
         assert float(out["sigma"].std()) > 0.01                 # drawn from its AutoNormal
 
@@ -395,3 +397,102 @@ def test_handler_wrapped_models():
 
     with pytest.raises(ValueError, match=r"must be \(or expose\) its nn.Module.*got a function"):
         pb.guides.Laplace(fn).fit_curvature((x, y))
+
+
+def _classifier(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(90, 2, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()           # 3 classes, overlapping
+    x = x + 0.4 * torch.randn(90, 2, generator=g)
+    torch.manual_seed(seed)
+    model = pb.BNN(nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 3)), "categorical").double()
+    return model, x, y
+
+
+def test_one_predictive_by_default_evaluate_guide_predict_and_grid_search():
+    """pb.evaluate's default, guide.predict's default and the validation grid search score the
+    same predictive, the Monte-Carlo GLM (was: guide.predict and the grid search used probit):
+    on a fixed seed the same function draws, so the same numbers; probit by name
+    (method="glm_probit", link_approx="probit") gives the other, distinguishable, one."""
+    model, x, y = _classifier()
+    guide = pb.guides.Laplace(model, "kron")
+    pb.fit(model, guide, (x, y), epochs=100, lr=5e-2, progress=False, seed=0)
+    S, delta = 100, guide.prior_precision.detach().clone()
+    torch.manual_seed(0)
+    probs = guide.predict(model, x)                                   # its defaults
+    assert probs.shape == (S, len(x), 3)
+    nll = -float(probs.mean(0)[torch.arange(len(x)), y].log().mean())
+    torch.manual_seed(0)
+    assert torch.equal(pb.predict(model, guide, x, num_samples=S), probs)
+    torch.manual_seed(0)
+    scores = pb.evaluate(model, guide, x, y, num_samples=S)
+    assert scores["predictive"] == "glm-mc(100)"
+    assert scores["nll"] == pytest.approx(nll, rel=1e-10)
+    grid = guide.optimize_prior_precision(method="gridsearch", val=(x, y), grid=[delta])   # seed 0 draws
+    assert grid == pytest.approx(nll, rel=1e-10)
+    assert torch.equal(guide.prior_precision, delta)
+    probit = pb.evaluate(model, guide, x, y, method="glm_probit")
+    assert abs(probit["nll"] - nll) > 1e-3, (probit["nll"], nll)     # the test tells the two apart
+    torch.testing.assert_close(guide.predict(model, x, method="glm_probit"),
+                               pb.predict(model, guide, x, method="glm_probit"), rtol=0, atol=0)
+    assert guide.optimize_prior_precision(method="gridsearch", val=(x, y), grid=[delta], link_approx="probit") \
+        == pytest.approx(probit["nll"], rel=1e-10)
+    with pytest.raises(ValueError, match="glm_probit.*probit link"):
+        guide.predict(model, x, method="glm_probit", link_approx="mc")
+    with pytest.raises(ValueError, match="'glm', 'glm_probit' or 'sample'"):
+        guide.predict(model, x, method="probit")
+
+
+def _batchnorm_cnn():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 6 * 6, 4),
+                        nn.Dropout(0.3), nn.Linear(4, 3))
+    model = pb.BNN(net, "categorical").double()
+    bn = net[1]
+    with torch.no_grad():                       # running statistics unlike a batch's
+        bn.running_mean.copy_(torch.tensor([0.5, -0.3, 0.2]))
+        bn.running_var.copy_(torch.tensor([2.0, 0.5, 1.5]))
+        bn.num_batches_tracked.fill_(7)
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randn(60, 1, 8, 8, generator=g), torch.randint(0, 3, (60,), generator=g)
+
+
+def _buffers(model):
+    return {k: v.clone() for k, v in model.named_buffers()}
+
+
+def test_fit_curvature_runs_in_eval_mode_and_leaves_mode_and_buffers():
+    """A BatchNorm + Dropout CNN left in train mode: fit_curvature and the GLM predictive of
+    guide.predict run in eval mode (was train mode: batch statistics, dropped units and the
+    running statistics updated by the curvature pass): the buffers stay bit-identical, every
+    module's flag as it was, the curvature equals the one of the model put in eval mode by the
+    user, and an input's GLM prediction does not depend on its batch."""
+    model, x, y = _batchnorm_cnn()
+    model.train()
+    flags = {name: m.training for name, m in model.named_modules()}
+    before = _buffers(model)
+    guide = pb.guides.Laplace(model, "kron").fit_curvature((x, y), batch_size=20)
+    assert all(torch.equal(before[k], v) for k, v in model.named_buffers())
+    assert {name: m.training for name, m in model.named_modules()} == flags
+    evidence = guide.log_evidence()
+    f, cov = guide.functional_covariance(x)
+    model.eval()
+    ref = pb.guides.Laplace(model, "kron", init_loc_fn=lambda site: guide.median()[site["name"]])
+    ref.fit_curvature((x, y), batch_size=20)
+    model.train()
+    torch.testing.assert_close(evidence, ref.log_evidence(), rtol=1e-12, atol=0)
+    f_ref, cov_ref = ref.functional_covariance(x)
+    torch.testing.assert_close((f, cov), (f_ref, cov_ref), rtol=1e-12, atol=1e-14)
+    alone = guide.predict(model, x[:5], method="glm_probit")
+    inside = guide.predict(model, x, method="glm_probit")[:, :5]
+    torch.testing.assert_close(alone, inside, rtol=0, atol=1e-12)
+    assert all(torch.equal(before[k], v) for k, v in model.named_buffers())
+    assert {name: m.training for name, m in model.named_modules()} == flags
+    # control: in train mode this network's output does depend on the mode (BatchNorm, Dropout)
+    with torch.no_grad():
+        theta = guide.median()
+        train_out = model.run_with(theta, x)
+        model.eval()
+        eval_out = model.run_with(theta, x)
+        model.train()
+    assert float((train_out - eval_out).abs().max()) > 1e-2

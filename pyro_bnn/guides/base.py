@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 from pyro.infer import Trace_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
@@ -282,6 +282,29 @@ class _PyroGuideContract(BNNGuide):
 
     def predict(self, model, x, method="sample", num_samples=64, batch_size=1024, **kwargs):
         raise ValueError(f"{type(self.guide).__name__} supports only method='sample', got {method!r}")
+
+    def _parts(self) -> list[BNNGuide]:
+        """The pyro_bnn guides among an ``AutoGuideList``'s parts: their fit hooks run too (a
+        Laplace part fits its curvature at the end of ``pb.fit``)."""
+        if not isinstance(self.guide, AutoGuideList):
+            return []
+        return [part for part in self.guide if isinstance(part, BNNGuide)]
+
+    def on_fit_start(self, ctx) -> None:
+        for part in self._parts():
+            part.on_fit_start(ctx)
+
+    def on_epoch_start(self, ctx) -> None:
+        for part in self._parts():
+            part.on_epoch_start(ctx)
+
+    def on_epoch_end(self, ctx) -> None:
+        for part in self._parts():
+            part.on_epoch_end(ctx)
+
+    def on_fit_end(self, ctx) -> None:
+        for part in self._parts():
+            part.on_fit_end(ctx)
 
     def scale_parameters(self) -> list[torch.Tensor]:
         if isinstance(self.guide, AutoNormal) and self.guide.prototype_trace is not None:

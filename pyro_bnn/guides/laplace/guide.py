@@ -21,7 +21,6 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
-from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from ... import marglik as ml
@@ -42,6 +41,7 @@ from ...data import checked_source, split_batch
 from ...likelihoods import Gaussian
 from ...model import is_bnn
 from ..base import BNNGuide, init_to_network, register_guide
+from .handlers import held_values, read_handlers
 from .objective import LaplaceMAPObjective, gaussian_log_normalizer
 from .online import OnlineEvidence, _batches, _num_augmentations, deterministic_curvature
 from .posterior import LaplacePosterior, LinearizedSamples
@@ -202,9 +202,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.register_load_state_dict_post_hook(_invalidate_after_load)  # a module-level function: picklable
         self._map_mode = False
         self.online: OnlineEvidence | None = None   # during a fit with marglik=
-        # what the handlers around the model do (read at set-up, _read_handlers)
-        self._conditioned_values: dict[str, torch.Tensor] = {}
-        self._hidden_sites: list[str] = []
+        # what the handlers around the model do (handlers.read_handlers, at set-up)
+        self._conditioned_values, self._hidden_sites = {}, []
         self._prior_scale = self._likelihood_scale = 1.0
 
     def extra_repr(self) -> str:
@@ -228,7 +227,9 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         self.site_shapes: dict[str, torch.Size] = {}
         self._drop_unobserved_observations(args)
         sites = dict(self.prototype_trace.iter_stochastic_nodes())
-        self._read_handlers(sites, args, kwargs)
+        # what pyro.condition / poutine.block / poutine.scale around the model do (handlers.py)
+        (self._conditioned_values, self._hidden_sites, self._prior_scale,
+         self._likelihood_scale) = read_handlers(self, sites, args, kwargs)
         for name, site in sites.items():
             if any(f.full_size not in (None, f.size) for f in site["cond_indep_stack"]):
                 raise ValueError(f"Laplace does not support subsampled latent sites; {name!r} is subsampled")
@@ -263,112 +264,6 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         like = next(iter(self.theta.values()))
         self.curvature_state = CurvatureState(self.layers, self.structure, self.kron_bias == "separate",
                                               torch.empty((), dtype=like.dtype, device=like.device))
-
-    def _read_handlers(self, sites: dict, args, kwargs):
-        """What Pyro handlers around the model (``pyro.condition``, ``poutine.block``,
-        ``poutine.scale``) do to the sites the curvature, the evidence and the GLM predictive
-        run the unwrapped network with.
-
-        * A latent of the network that the model is conditioned on is held at that value
-          (``_conditioned_values``).
-        * A latent the handler hides from this guide (``poutine.block``) is held at the median
-          of the guide that owns it in an ``AutoGuideList`` (``_hidden_sites``, read by
-          :meth:`_held_values`); without such a guide the model draws it from its prior on every
-          run, which a Laplace approximation cannot hold: a ``ValueError`` names it.
-        * A scale ``s`` (``poutine.scale``) of the log density: ``_prior_scale`` (of the latent
-          sites, one for all of them) and ``_likelihood_scale`` (of the observation, without the
-          subsampling factor of its plates) scale the prior precision, the curvature, the
-          log-likelihood and the prior's normaliser (the Laplace of ``p(y, θ)^s``).
-        """
-        given = self._wrapped[0]
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-
-        def per_datum(site):
-            return x is not None and any(f.vectorized and f.size == len(x) for f in site["cond_indep_stack"])
-
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        # sample sites hidden from outer handlers (a guide trace); param sites still reach the
-        # global-param bridge of local_params
-        hide = pyro.poutine.block(hide_types=["sample", "observe"])
-        with torch.no_grad(), hide, torch.random.fork_rng(devices=devices):
-            wrapped = pyro.poutine.trace(given).get_trace(*args, **kwargs)
-            base = wrapped if self.base_model is given else \
-                pyro.poutine.trace(self.base_model).get_trace(*args, **kwargs)
-        conditioned, hidden = {}, []
-        for name, site in base.nodes.items():
-            if (site["type"] != "sample" or site["is_observed"] or site_is_subsample(site) or name in sites
-                    or name == self.obs_site or per_datum(site)):
-                continue
-            node = wrapped.nodes.get(name)
-            if node is None or node["type"] != "sample":
-                hidden.append(name)
-            elif node["is_observed"]:
-                conditioned[name] = node["value"].detach()
-        self._conditioned_values, self._hidden_sites = conditioned, hidden
-        if hidden and self.master is None:
-            raise ValueError(
-                f"the Laplace guide's model is handler-wrapped and hides the latent site(s) {hidden} from it "
-                "(poutine.block), and no other guide owns them: the model then draws them from their prior "
-                "on every run. Laplace computes its curvature, evidence and GLM predictive with every "
-                "other latent held fixed, so they would be redrawn from its prior there. Either let another "
-                "guide own them in an AutoGuideList (e.g. AutoDelta(poutine.block(model, expose=[...])); "
-                "Laplace then holds them at that guide's median), give them a value with pyro.condition, "
-                "or do not hide them: sites outside subset= are point estimates of the Laplace guide")
-        self._prior_scale, self._likelihood_scale = self._handler_scales(wrapped, sites, per_datum)
-
-    def _handler_scales(self, wrapped, sites: dict, per_datum) -> tuple[float, float]:
-        """``(prior scale, likelihood scale)`` of a trace of the model as given (1, 1 unless
-        ``poutine.scale`` or a scale inside the model applies); one value for all latents."""
-        def scalar(value, name):
-            value = torch.as_tensor(value)
-            if value.numel() != 1:
-                raise ValueError(f"Laplace supports a scalar log-density scale (poutine.scale(model, s)); "
-                                 f"site {name!r} has a scale of shape {tuple(value.shape)}")
-            return float(value)
-
-        latent = {name: scalar(wrapped.nodes[name]["scale"], name) for name in sites if name in wrapped.nodes}
-        if len(set(latent.values())) > 1:
-            raise ValueError(f"Laplace needs one log-density scale for all its latent sites (poutine.scale "
-                             f"around the whole model), got {latent}")
-        prior = next(iter(latent.values()), 1.0)
-        names = [self.obs_site] if self.obs_site in wrapped.nodes else \
-            [name for name, node in wrapped.nodes.items()
-             if node["type"] == "sample" and not site_is_subsample(node) and name not in sites
-             and name not in self._conditioned_values and (node["is_observed"] or per_datum(node))]
-        if len(names) != 1:     # the observation hidden or not single: the curvature names the problem
-            return prior, prior
-        node = wrapped.nodes[names[0]]
-        subsampling = 1.0
-        for frame in node["cond_indep_stack"]:
-            if frame.vectorized and frame.full_size is not None and frame.size:
-                subsampling *= frame.full_size / frame.size
-        return prior, scalar(node["scale"], names[0]) / subsampling
-
-    def _held_values(self) -> dict[str, torch.Tensor]:
-        """The latents outside this guide that the network runs with: the values the model is
-        conditioned on, and the medians of the other guides of an ``AutoGuideList`` for the
-        sites a ``poutine.block`` hides from this one.  Call outside ``local_params``."""
-        held = dict(self._conditioned_values)
-        if self._hidden_sites:
-            master = self.master() if self.master is not None else None
-            medians = {}
-            for part in (master if master is not None else []):
-                if part is self:
-                    continue
-                try:
-                    medians.update(part.median())
-                except (AttributeError, NotImplementedError, TypeError):
-                    continue        # not set up yet, or a guide without a median
-            missing = [name for name in self._hidden_sites if name not in medians]
-            if missing:
-                raise ValueError(
-                    f"the Laplace guide holds the site(s) {missing}, hidden from it by poutine.block, at "
-                    "the median of the AutoGuideList guide that owns them, but no other guide of its "
-                    "AutoGuideList gives a median for them (is the list set up, e.g. by one SVI step, and "
-                    "does a part such as AutoDelta/AutoNormal(poutine.block(model, expose=[...])) own them?)")
-            held.update({name: medians[name] for name in self._hidden_sites})
-        like = next(iter(self.theta.values()))
-        return {k: torch.as_tensor(v).detach().to(like.device) for k, v in held.items()}
 
     def _drop_unobserved_observations(self, args):
         """A guide set up without targets (``Predictive(model, guide=guide)(x)``) sees the
@@ -616,11 +511,10 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         first = next(iter(_batches(data, batch_size or self.curvature_batch_size)))
         x0, y0 = split_batch(first)
         device = self._device(x0)
-        with local_params(model, self):
+        with local_params(model, self), evaluation_mode(unwrap_model(model), self):
             self._ensure_setup(x0.to(device), None if y0 is None else y0.to(device))
-        held = self._held_values()     # outside local_params: another guide's median
-        # eval mode: BatchNorm normalises with its running statistics (and leaves them as they
-        # were), Dropout is off: the curvature of the network that predicts
+        held = held_values(self)     # outside local_params: another guide's median
+        # eval mode: BatchNorm uses (and keeps) its running statistics, Dropout is off
         with local_params(model, self), evaluation_mode(unwrap_model(model), self):
             values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
             values.update(held)
@@ -677,11 +571,10 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
 
         Prefer the GLM: weight-space samples of a Laplace posterior over all layers run
         the *nonlinear* network far from θ* in directions the data barely constrain, and
-        the sampled predictive underfits (Immer et al. 2021).  Measured here: an MNIST
-        784-200-10 net (5k digits, δ = 1 from its N(0, 1) prior) gave 28 % test accuracy
-        with sampled weights and 95 % with the GLM predictive (``docs/results/uncertainty.md``,
-        corruption curves).  Monte Carlo rather than probit by default: on digits the probit
-        link gave NLL 0.166 / ECE 0.119 against 0.109 / 0.072 (``docs/results/predictives.md``).
+        the sampled predictive underfits (Immer et al. 2021): an MNIST 784-200-10 net gave 28 %
+        test accuracy with sampled weights, 95 % with the GLM (``docs/results/uncertainty.md``).
+        Monte Carlo, not probit, by default: digits NLL 0.109 / ECE 0.072 against probit's
+        0.166 / 0.119 (``docs/results/predictives.md``).
         """
         if method == "sample":
             from ...prediction import predict as mc_predict
@@ -716,7 +609,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         (for the Jacobian factors), valid inside the context."""
         self._require_posterior()
         model = self.base_model
-        held = self._held_values()     # outside local_params: another guide's median
+        held = held_values(self)     # outside local_params: another guide's median
         with local_params(model, self), evaluation_mode(unwrap_model(model), self):
             device = next(iter(self.theta.values())).device
             values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
