@@ -337,7 +337,7 @@ def task_targets(args, mnist, out):
             if tuning == "marglik":
                 value = g.optimize_prior_precision(steps=args.steps, lr=0.1)
             else:
-                value = g.optimize_prior_precision(method="gridsearch", val=val)
+                value = g.optimize_prior_precision(method="gridsearch", val=val, link_approx="probit")
             r = glm_metrics(model, g, train.x_test, train.y_test)
             delta = [round(float(v), 4) for v in g.prior_precision.reshape(-1)]
             row[name] = dict(metrics=r, prior_precision=delta, value=value, log_evidence=float(g.log_evidence()),

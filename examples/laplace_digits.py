@@ -64,7 +64,7 @@ def main(argv=None):
             value = guide.optimize_prior_precision(steps=300)
             print(f"δ by the evidence: {guide.prior_precision.tolist()} (log evidence {value:.1f})")
         else:
-            value = guide.optimize_prior_precision(method="gridsearch", val=val)
+            value = guide.optimize_prior_precision(method="gridsearch", val=val, link_approx="probit")
             print(f"δ by validation grid search: {guide.prior_precision.tolist()} (validation NLL {value:.4f})")
 
     with torch.no_grad():
