@@ -276,7 +276,7 @@ def test_a_conditioned_latent_is_held_at_its_value(held):
         assert guide.likelihood_kind() == ("gaussian", pytest.approx(0.7))
 
 
-@pytest.mark.parametrize("s", [0.5, 3.0])
+@pytest.mark.parametrize("s", [0.5, pytest.param(3.0, marks=pytest.mark.slow)])
 def test_scaled_model_evidence_is_the_closed_form(s):
     """poutine.scale(model, s) scales the whole log joint (Pyro's semantics): the Laplace of
     p(y, θ)^s, exact for the linear-Gaussian model: mode = the posterior mean (pb.fit's MAP),
@@ -325,7 +325,7 @@ def _autoguidelist(make_noise_guide):
     return model, guides, laplace
 
 
-@pytest.mark.parametrize("noise_guide", ["AutoDelta", "AutoNormal"])
+@pytest.mark.parametrize("noise_guide", ["AutoDelta", pytest.param("AutoNormal", marks=pytest.mark.slow)])
 def test_laplace_in_an_autoguidelist_trains_under_svi_and_predicts(noise_guide):
     """Laplace on the weights beside AutoDelta / AutoNormal on the noise: trains under plain SVI
     (was: a ValueError), fit_curvature holds sigma at the other guide's median, so the Laplace
