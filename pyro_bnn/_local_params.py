@@ -109,6 +109,27 @@ def _current_bridge() -> GlobalParamBridge | None:
 
 
 @contextmanager
+def _unconstrained_references_kept(store):
+    """Put back the ``unconstrained`` weak references of the global store's parameters.
+
+    ``ParamStoreDict.get_state`` removes them from every parameter (to make them
+    picklable), and both the bridge's copy of the store and Pyro's own module-local
+    ``_Context`` call it.  For an unconstrained parameter that reference sits on the very
+    tensor an earlier ``param`` statement of the same step returned, and ``SVI`` reads
+    ``value.unconstrained()`` of every statement it recorded: a step in which an
+    ``AutoDelta`` ran before a pyro_bnn guide in an ``AutoGuideList`` failed with
+    "'Parameter' object has no attribute 'unconstrained'".
+    """
+    kept = [(p, p.__dict__["unconstrained"]) for _, p in store.named_parameters()
+            if "unconstrained" in p.__dict__]
+    try:
+        yield
+    finally:
+        for param, reference in kept:
+            param.__dict__.setdefault("unconstrained", reference)
+
+
+@contextmanager
 def local_params(*modules):
     """Enable ``module_local_params`` for the block, preparing ``modules`` for it.
 
@@ -120,8 +141,8 @@ def local_params(*modules):
     """
     prepare_local_params(*modules)
     outer = _current_bridge()
-    state = outer.state if outer is not None else _BridgeState()
-    with ExitStack() as stack:
+    with _unconstrained_references_kept(pyro.get_param_store()), ExitStack() as stack:
+        state = outer.state if outer is not None else _BridgeState()
         stack.enter_context(pyro.settings.context(module_local_params=True))
         stack.enter_context(GlobalParamBridge(state))
         for module in modules:

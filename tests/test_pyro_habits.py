@@ -408,3 +408,30 @@ def test_another_scalar_distribution_is_an_iid_prior_and_trains():
 def test_a_non_scalar_distribution_prior_is_refused():
     with pytest.raises(ValueError, match="must be scalar"):
         pb.BNN(nn.Linear(2, 2), prior=dist.Normal(torch.zeros(2), 1.0))
+
+
+@pytest.mark.parametrize("make", [pb.guides.MeanField, lambda m: pb.guides.Laplace(m, "full")],
+                         ids=["MeanField", "Laplace"])
+def test_autodelta_before_a_pyro_bnn_guide_in_an_autoguidelist_trains_under_svi(make, regression):
+    """Pyro's AutoDelta first in an AutoGuideList, a pyro_bnn guide after it, plain SVI.
+
+    Was: the first ``svi.step`` failed with "'Parameter' object has no attribute
+    'unconstrained'" (the pyro_bnn guide's module-local set-up stripped the weak reference
+    from the AutoDelta's unconstrained ``jitter``).  Now it trains to the least-squares fit.
+    """
+    x, y = regression
+    pyro.clear_param_store()
+    model = LatentNoise()
+    guides = AutoGuideList(model)
+    guides.append(AutoDelta(poutine.block(model, expose=["sigma", "jitter"])))
+    guides.append(make(poutine.block(model, hide=["sigma", "jitter"])))
+    svi = SVI(model, guides, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    pyro.set_rng_seed(0)
+    for _ in range(400):
+        svi.step(x, y)
+    X = torch.cat([x, torch.ones(len(x), 1)], 1)
+    least_squares = torch.linalg.lstsq(X, y[:, None]).solution.squeeze(-1)
+    median = guides.median(x, y)
+    fitted = torch.cat([median["linear.weight"].reshape(-1), median["linear.bias"].reshape(-1)])
+    torch.testing.assert_close(fitted, least_squares, atol=0.1, rtol=0.0)
+    assert 0.25 < float(median["sigma"]) < 0.6          # the data's noise is 0.4
