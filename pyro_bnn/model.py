@@ -15,7 +15,7 @@ from torch import nn
 
 from .arguments import check_bool
 from .likelihoods import Likelihood, make_likelihood
-from .priors import Prior, PriorSpec, check_prior_keys, default_prior, resolve_prior
+from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
@@ -121,9 +121,7 @@ class BNN(PyroModule):
     prior : Prior, dict or callable, optional
         One prior for all random parameters, a dict keyed by parameter path
         (``"net.0.weight"``, with ``"*"`` as default) or a callable
-        ``(name, param) -> Prior``.  Default :func:`pyro_bnn.priors.default_prior`:
-        ``FanInNormal(4.0)``, ``N(0, 16 / fan_in)`` per layer (until issue 26:
-        ``IIDNormal(1.0)``; pass ``prior=pb.priors.IIDNormal(1.0)`` for the old model).
+        ``(name, param) -> Prior``.  Default ``IIDNormal(1.0)``.
     noise : float or "learned", optional
         Gaussian likelihood given by name only: fixed observation std (a positive finite
         Python/NumPy number or one-element tensor), or ``"learned"``.
@@ -195,7 +193,7 @@ class BNN(PyroModule):
             net, prior, stochastic = weight_norm_setup(net, prior, stochastic, weight_norm_precision)
         elif weight_norm_precision is not None:
             raise ValueError("weight_norm_precision= needs weight_norm=True")
-        prior = default_prior() if prior is None else prior
+        prior = IIDNormal(1.0) if prior is None else prior
         select = _make_selector(stochastic, net)
 
         chosen = []

@@ -40,8 +40,6 @@ __all__ = [
     "Prior",
     "IIDNormal",
     "FanInNormal",
-    "DEFAULT_PRIOR_GAIN",
-    "default_prior",
     "ScaleMixture",
     "ScaleMixtureNormal",
     "PriorSpec",
@@ -178,11 +176,7 @@ class FanInNormal(Prior):
 
     With ``gain = sqrt(2)`` this is He initialisation read as a prior; with ``gain = 1``
     it is the LeCun/Radford scaling that keeps the prior function variance independent of
-    width.  A bias gets its layer's fan-in (:func:`pyro_bnn.model.fan_in_of`), so weight and
-    bias of a layer share one scale.
-
-    ``FanInNormal(DEFAULT_PRIOR_GAIN)`` is the default prior of :class:`~pyro_bnn.BNN`
-    (:func:`default_prior`).
+    width.
 
     Parameters
     ----------
@@ -208,37 +202,6 @@ class FanInNormal(Prior):
 
     def extra_repr(self) -> str:
         return f"gain={self.gain.item():g}"
-
-
-#: gain of the default prior ``FanInNormal(DEFAULT_PRIOR_GAIN)`` (see :func:`default_prior`)
-DEFAULT_PRIOR_GAIN = 4.0
-
-
-def default_prior() -> Prior:
-    """The prior of a :class:`~pyro_bnn.BNN` built without ``prior=``:
-    ``FanInNormal(DEFAULT_PRIOR_GAIN)``, i.e. ``N(0, 16 / fan_in)`` on every weight and bias
-    of a layer with fan-in ``fan_in`` (784-input layer: σ = 0.143; 200 inputs: 0.283;
-    64 inputs: 0.5).
-
-    Why a function of width (issue 26): with one scale for all layers, an ``N(0, 1)`` prior
-    gives each unit of a 784-input layer a prior pre-activation variance of
-    ``784 · E[x²]`` (≈ 160 on Fashion-MNIST pixels), a function prior so broad that a
-    mean-field posterior stays at it — on 10,000 Fashion-MNIST images (MLP
-    784-200-200-10, 30 epochs of MeanField's defaults) the posterior σ of 98 % of the
-    weights sat at the prior's 1.0, the net under-fitted (training accuracy 0.72 against
-    the MAP's 0.95) and its ELBO was −11,733.  A fan-in prior keeps the prior function
-    variance of every layer independent of its width.  Its gain was chosen by the
-    training ELBO (never a test metric) on those 10,000 images: gain 1: −11,325; 2: −9,134;
-    4: −9,009 (scalar N(0, 0.3²): −9,313, N(0, 0.1²): −9,426); see
-    ``docs/results/fmnist_meanfield.md``, which also has the 60,000-image figures and the
-    digits check.
-
-    Returns
-    -------
-    FanInNormal
-        A new prior object (each call builds its own buffers).
-    """
-    return FanInNormal(DEFAULT_PRIOR_GAIN)
 
 
 class ScaleMixtureNormal(dist.TorchDistribution):

@@ -261,7 +261,7 @@ def _resume_variant(variant, data):
 
 
 @pytest.mark.parametrize("variant, message", [
-    ("prior", r"prior FanInNormal\(gain=4\) on net.0.weight there, "  # the default prior (issue 26)
+    ("prior", r"prior IIDNormal\(loc=0.0, scale=1.0\) on net.0.weight there, "
               r"IIDNormal\(loc=0.0, scale=0.1\) now"),
     ("activation", r"architecture: \(1\): PyroReLU\(\) there, \(1\): PyroTanh\(\) now"),
     ("scale_parameterization", r"guide option scale_parameterization 'exp' there, 'softplus' now"),
