@@ -14,7 +14,8 @@ Rows (``--rows``, comma separated):
   prior on every weight, since the loss is the *mean* cross-entropy); ``--map-wd 0`` for none;
 * ``ensemble`` — 5 such nets (seeds seed..seed+4), predictive the average;
 * ``meanfield`` — ``pb.guides.MeanField`` with ``pb.fit`` defaults (lr, batch 64, cosine);
-  the user sets epochs only (``--prior-scale``, ``--lr``, ``--kl-weight``, ``--init-scale``
+  the user sets epochs only (``--prior-scale``, ``--prior-gain``, ``--lr``, ``--kl-weight``,
+  ``--init-scale``, ``--loc-lr-scaling``
   change the defaults for the investigation);
 * ``laplace_ll`` — a MAP net trained by ``pb.fit`` with ``pb.guides.Laplace`` (N(0,1) prior)
   on 55,000 images, then last-layer KFAC Laplace with δ by the evidence and δ by a grid on
@@ -208,9 +209,22 @@ def fit_summary(res) -> dict:
                 convergence=convergence_of(res.convergence))
 
 
+def meanfield_prior(args):
+    """The MeanField row's prior: ``--prior-gain`` → ``FanInNormal(gain)``, ``--prior-scale`` →
+    ``IIDNormal(scale)``, neither → ``None`` (the library's default prior)."""
+    if args.prior_gain is not None and args.prior_scale is not None:
+        raise ValueError("give --prior-scale or --prior-gain, not both")
+    if args.prior_gain is not None:
+        return pb.priors.FanInNormal(args.prior_gain)
+    return None if args.prior_scale is None else pb.priors.IIDNormal(args.prior_scale)
+
+
 def row_meanfield(args, data):
-    model = bnn(args, args.prior_scale)
+    torch.manual_seed(args.seed)
+    model = pb.BNN(make_net(args.arch), "categorical", prior=meanfield_prior(args))
     opts = {} if args.init_scale is None else {"init_scale": args.init_scale}
+    if args.loc_lr_scaling is not None:
+        opts["loc_lr_scaling"] = None if args.loc_lr_scaling == "none" else args.loc_lr_scaling
     guide = pb.guides.MeanField(model, **opts)
     fit_kw = {} if args.lr is None else {"lr": args.lr}
     res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples, **fit_kw)
@@ -226,8 +240,11 @@ def row_meanfield(args, data):
     row["valid_held_out"] = bool(args.subset)
     sig = [guide.loc_and_scale(s)[1] for s in model.site_names]
     row["mean_sigma_by_site"] = {s: float(v.mean()) for s, v in zip(model.site_names, sig)}
-    row.update(prior_scale=args.prior_scale, kl_weight=args.kl_weight, lr=args.lr or guide.default_lr,
-               init_scale=args.init_scale)
+    row["prior_scale_by_site"] = {s: float(model.site_normal_prior(s)[1]) if model.site_normal_prior(s) else None
+                                  for s in model.site_names}
+    row.update(prior=repr(model.priors[model.site_names[0].replace(".", "__")]), prior_scale=args.prior_scale,
+               prior_gain=args.prior_gain, kl_weight=args.kl_weight, lr=args.lr or guide.default_lr,
+               init_scale=args.init_scale, loc_lr_scaling=guide.loc_lr_scaling)
     return row
 
 
@@ -347,7 +364,11 @@ def main(argv=None):
     parser.add_argument("--mnist-root", default="/work/shared/data/mnist", help="MNIST IDX folder (OOD set)")
     parser.add_argument("--num-samples", type=int, default=100, help="posterior draws for predictions")
     parser.add_argument("--map-wd", type=float, default=None, help="MAP weight decay (default 1/N)")
-    parser.add_argument("--prior-scale", type=float, default=1.0, help="MeanField IIDNormal prior scale")
+    parser.add_argument("--prior-scale", type=float, default=None,
+                        help="MeanField IIDNormal prior scale (default: the library's default prior)")
+    parser.add_argument("--prior-gain", type=float, default=None, help="MeanField FanInNormal(gain) prior")
+    parser.add_argument("--loc-lr-scaling", choices=["fan_in", "none"], default=None,
+                        help="MeanField loc_lr_scaling (default: the guide's)")
     parser.add_argument("--lr", type=float, default=None, help="MeanField lr (default: the guide's)")
     parser.add_argument("--init-scale", type=float, default=None, help="MeanField init_scale")
     parser.add_argument("--kl-weight", type=float, default=1.0,

@@ -255,7 +255,9 @@ def test_subset_map_objective_keeps_the_prior_of_point_estimates(digits_small):
 
 def test_online_marglik_keeps_best_state(digits_small):
     x, y, *_ = digits_small
-    model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
+    # an N(0, 1) model: one δ (the default fan-in prior resolves to layer-wise δ)
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical",
+                   prior=pb.priors.IIDNormal(1.0))
     guide = pb.guides.Laplace(model, "kron", prior_precision=1.0)
     res = pb.fit(model, guide, (x, y), epochs=4, lr=1e-2, progress=False, seed=0,
                  marglik=dict(every=1, burnin=1, steps=20, lr=0.1))
@@ -539,7 +541,8 @@ def test_sitewise_prior_in_the_map_objective_and_online(digits_small):
     online marglik learns the weight's and the bias's δ apart (last layer, split-bias KFAC)."""
     x, y, *_ = digits_small
     torch.manual_seed(0)
-    model = pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 10)), "categorical")
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 10)), "categorical",
+                   prior=pb.priors.IIDNormal(1.0))  # the N(0, 1) of the fixed sites below
     guide = pb.guides.Laplace(model, "kron", subset="last_layer", prior_structure="sitewise",
                               kron_bias="separate", prior_precision=torch.tensor([0.5, 4.0]))
     _, extras = LaplaceMAPObjective()(model, guide, x, y)
