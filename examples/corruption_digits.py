@@ -131,10 +131,10 @@ def main(argv=None):
               f"{training['elbo_prev10pct']:.1f}), converged={fit.convergence.converged} "
               f"{fit.convergence.reasons}", flush=True)
         for label, method in evaluations(name).items():
-            rot[label] = pb.corruption.rotation_curve(model, guide, d.x_test, d.y_test, angles=angles,
+            rot[label] = pb.analysis.corruption.rotation_curve(model, guide, d.x_test, d.y_test, angles=angles,
                                                       num_samples=args.num_samples, seed=args.seed,
                                                       method=method)
-            noise[label] = pb.corruption.noise_curve(model, guide, d.x_test, d.y_test, stds=stds,
+            noise[label] = pb.analysis.corruption.noise_curve(model, guide, d.x_test, d.y_test, stds=stds,
                                                      num_samples=args.num_samples, seed=args.seed,
                                                      method=method)
             ent = dict(zip(angles, rot[label]["entropy"]))

@@ -144,7 +144,7 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, num_samples:
 
     Examples
     --------
-    >>> res = pb.ood.evaluate(model, guide, x_test_0to4, x_test_5to9)   # doctest: +SKIP
+    >>> res = pb.analysis.ood.evaluate(model, guide, x_test_0to4, x_test_5to9)   # doctest: +SKIP
     >>> res["mutual_information"]["auroc"]                               # doctest: +SKIP
     """
     in_x, out_x = to_model_device(model, guide, in_x, out_x)

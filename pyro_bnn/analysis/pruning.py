@@ -65,7 +65,7 @@ from .. import metrics
 from .._draws import draw_latents, probs_from_latents, site_moments
 from ..arguments import check_choice, check_int
 from ..model import is_bnn, site_module
-from .tool_support import renamed_keyword, seeded, to_model_device
+from .tool_support import seeded, to_model_device
 
 __all__ = ["scores", "prune_", "unprune_", "PruningHandle", "pruning_curve", "export_pruned",
            "posterior_mean"]
@@ -163,7 +163,7 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
 
     Examples
     --------
-    >>> s = pb.pruning.scores(guide, "snr", model=model)         # doctest: +SKIP
+    >>> s = pb.analysis.pruning.scores(guide, "snr", model=model)         # doctest: +SKIP
     """
     _check_kind(kind)
     num_samples = check_int("num_samples", num_samples, 1)
@@ -384,8 +384,7 @@ PRUNING_METHODS = ("sample", "mean")
 @torch.no_grad()
 def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0, 0.5, 0.9, 0.95),
                   kind: str = "snr", num_samples: int = 32, method: str = "sample",
-                  sites=None, seed: int | None = 0, batch_size: int = 1024,
-                  predictive: str | None = None) -> dict[str, list]:
+                  sites=None, seed: int | None = 0, batch_size: int = 1024) -> dict[str, list]:
     """Test accuracy and NLL as a growing fraction of weights is pruned.
 
     Parameters
@@ -406,8 +405,6 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
     seed : int or None
         Seeds the draws (scores of sample-based guides and the predictive) without
         touching the caller's random streams; ``None`` uses and advances them.
-    predictive : str, optional
-        Deprecated name of ``method``.
 
     Returns
     -------
@@ -415,7 +412,6 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
         ``fraction``, ``accuracy``, ``nll``, ``num_pruned`` lists (one entry per fraction)
         and ``kind``.
     """
-    method = renamed_keyword("method", method, "predictive", predictive, "pruning_curve", "sample")
     if method not in PRUNING_METHODS:
         raise ValueError(f"pruning_curve: method must be one of {PRUNING_METHODS} (a guide's own "
                          f"predictive does not apply the pruning masks), got {method!r}")

@@ -404,11 +404,6 @@ def _fusable_sites(model, guide, sites) -> dict:
     return out
 
 
-def _run_with_values(model, values: dict, x):
-    """Deprecated alias of ``model.run_with(values, x)`` (:class:`pyro_bnn.BNN.run_with`)."""
-    return model.run_with(values, x)
-
-
 def supports_local_reparameterization(model) -> bool:
     """Whether local reparameterisation computes ``model``'s ELBO exactly: a BNN whose random
     sites are all weights and biases of Linear or zero-padded Conv layers, with no input

@@ -12,9 +12,6 @@ are chosen by the Laplace marginal likelihood (Immer, van der Ouderaa et al. 202
   with a Laplace guide, reusing the guide's curvature.
 * :mod:`~pyro_bnn.invariance.learning` — ``learn_invariance(model, data, method=...)``:
   LILA, Augerino and no-invariance in one loop.
-* :mod:`~pyro_bnn.invariance.kfac` — deprecated names of the first API
-  (``invariant_kfac_factors``, ``LayerFactors``, ``eigen_factors``, ``batch_surrogate``,
-  ``log_evidence``), kept as thin wrappers.
 * :mod:`~pyro_bnn.invariance.datasets` — rotated/translated/scaled digits and MNIST.
 """
 
@@ -30,13 +27,11 @@ from .augmentation import (
 )
 from .datasets import transform_images, transformed_digits, transformed_mnist
 from .evidence import eta_surrogate, invariant_curvature
-from .kfac import LayerFactors, batch_surrogate, eigen_factors, invariant_kfac_factors, log_evidence
 from .learning import METHODS, InvarianceResult, learn_invariance, map_predict
 from .step import evidence_step
 
 __all__ = ["AffineAugmentation", "Affine1dAugmentation", "GENERATORS", "GENERATORS_1D",
            "affine_generators", "affine_matrices", "apply_affine", "infer_image_shape",
            "learn_invariance", "evidence_step", "map_predict", "InvarianceResult", "METHODS",
-           "invariant_kfac_factors", "LayerFactors", "batch_surrogate", "eigen_factors",
-           "log_evidence", "transform_images", "transformed_digits", "transformed_mnist",
+           "transform_images", "transformed_digits", "transformed_mnist",
            "invariant_curvature", "eta_surrogate"]

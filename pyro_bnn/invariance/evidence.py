@@ -34,14 +34,6 @@ import torch
 from .. import marglik as ml
 from ..curvature import CurvatureFit, Layer, accumulate_curvature, batch_kfac_factors, find_layers
 from ..curvature.network import likelihood_kind, log_likelihood_terms
-from .kfac import (  # noqa: F401  (deprecated names of the first API, importable from here as before)
-    KronEigen,
-    accumulate_factors,
-    batch_surrogate,
-    eigen_factors,
-    log_det_posterior,
-    log_evidence,
-)
 
 __all__ = ["invariant_layers", "num_augmentations", "likelihood_scale", "seeded_draws",
            "batch_seeds", "invariant_curvature", "eta_surrogate", "log_evidence_at"]

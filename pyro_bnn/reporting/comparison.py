@@ -478,7 +478,7 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
     """The bound each guide maximises, on the whole training set: ``{"bound", "bound_kind"}``.
 
     * :class:`~pyro_bnn.guides.Symmetrized`: its symmetrised ELBO ``L^G``
-      (:func:`pyro_bnn.symmetrized_elbo`, ``num_samples`` draws; the ``elbo`` column keeps
+      (:func:`pyro_bnn.guides.symmetrized.symmetrized_elbo`, ``num_samples`` draws; the ``elbo`` column keeps
       the ELBO of its base ``q``, which it does not maximise);
     * a guide with a log-evidence estimate (Laplace): that estimate;
     * every other guide: the ELBO (``elbo``, NaN when ``loo_samples=0`` skipped it).

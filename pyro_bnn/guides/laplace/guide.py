@@ -219,6 +219,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
+        self._set_up_by_this_call = True      # read (once) by forward: a set-up call, not a draw
         self.theta = nn.ParameterDict()
         self.site_shapes: dict[str, torch.Size] = {}
         self._drop_unobserved_observations(args)
@@ -406,6 +407,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         setting_up = self.prototype_trace is None
         if setting_up:
             self._setup_prototype(*args, **kwargs)
+        # set up here or by BNNGuide.__call__ just before: a set-up call, not a draw
+        setting_up = self.__dict__.pop("_set_up_by_this_call", False) or setting_up
         plates = self._create_plates(*args, **kwargs)
         if self.posterior is not None and not self._map_mode:
             self._warn_if_stale()
