@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn._local_params import local_params
-from pyro_bnn.training import setup_guide
+from pyro_bnn.contract.local_params import local_params
+from pyro_bnn.training.loop import setup_guide
 
 DEFAULT_WIDTH = {"mnist": 30, "digits": 100, "regression": 6}
 DEFAULT_BATCH = {"mnist": 100, "digits": 64, "regression": 16}

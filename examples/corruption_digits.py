@@ -36,8 +36,8 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.analysis.uncertainty_plots import plot_corruption_curves
+from pyro_bnn.contract.guide import guide_contract
 from pyro_bnn.guides import init_to_network, registered_guides
-from pyro_bnn.guides.base import guide_contract
 
 PYRO = {"AutoNormal": lambda m: AutoNormal(m, init_loc_fn=init_to_network(m), init_scale=0.01),
         "AutoDelta": lambda m: AutoDelta(m, init_loc_fn=init_to_network(m))}

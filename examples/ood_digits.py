@@ -29,8 +29,8 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.analysis.uncertainty_plots import plot_ood_scores
+from pyro_bnn.contract.guide import guide_contract
 from pyro_bnn.guides import init_to_network, registered_guides
-from pyro_bnn.guides.base import guide_contract
 
 PRIORS = {"normal": lambda: pb.priors.IIDNormal(1.0), "fanin": lambda: pb.priors.FanInNormal()}
 

@@ -1,25 +1,27 @@
-"""pyro_bnn: Bayesian neural networks in Pyro — swap guides, compare, analyse in ArviZ."""
+"""pyro_bnn: Bayesian neural networks in Pyro — swap guides, compare, analyse in ArviZ.
 
-from . import (
-    analysis,
-    datasets,
-    guides,
-    invariance,
-    likelihoods,
-    metrics,
-    priors,
-    reporting,
-)
-from .arviz import to_arviz
-from .convergence import ConvergenceWarning
-from .length_check import LengthCheck, check_convergence
-from .model import BNN
-from .prediction import evaluate, predict, predictive_samples
+The package is layered, lowest first (``docs/DEVELOPING.md``; ``tests/test_layering.py``
+checks it): ``model`` → ``contract`` → ``data`` → ``curvature`` → ``training`` →
+``invariance`` → ``posterior`` → ``guides`` → ``analysis`` → ``reporting``; a module imports
+only from its own layer and those below.
+"""
+
+from . import analysis, guides, invariance, reporting
+from ._version import __version__
+from .data import datasets
+from .model import BNN, likelihoods, priors
+from .posterior import evaluate, metrics, predict, predictive_samples, to_arviz
 from .reporting import compare
-from .training import FitResult, fit, load_checkpoint, save_checkpoint
+from .training import (
+    ConvergenceWarning,
+    FitResult,
+    LengthCheck,
+    check_convergence,
+    fit,
+    load_checkpoint,
+    save_checkpoint,
+)
 
-__version__ = "0.1.0"
-
-__all__ = ["BNN", "fit", "FitResult", "ConvergenceWarning", "check_convergence", "LengthCheck", "predict",
+__all__ = ["__version__", "BNN", "fit", "FitResult", "ConvergenceWarning", "check_convergence", "LengthCheck", "predict",
            "predictive_samples", "evaluate", "save_checkpoint", "load_checkpoint", "priors", "guides",
            "likelihoods", "metrics", "datasets", "to_arviz", "compare", "analysis", "reporting", "invariance"]

@@ -24,7 +24,7 @@ from pyro_bnn.invariance.evidence import (
     num_augmentations,
     seeded_draws,
 )
-from pyro_bnn.likelihoods import log_likelihood
+from pyro_bnn.model.likelihoods import log_likelihood
 
 ROT_ONLY = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
 SOME = [0.15, 0.1, 0.9, 0.1, 0.12, 0.08]
@@ -423,9 +423,9 @@ def test_online_eta_step_reuses_the_guide_curvature(monkeypatch):
     """In fit(..., marglik=) the η step makes no full-data factor pass of its own (it reuses
     the guide's curvature), and its step equals one from a fresh pass over the same draws
     (the replay is exact); a curvature from other draws gives another step."""
-    from pyro_bnn.data import TensorBatches
+    from pyro_bnn.data.batches import TensorBatches
     from pyro_bnn.invariance import guide_step
-    from pyro_bnn.training import FitContext
+    from pyro_bnn.training.loop import FitContext
 
     def no_second_pass(*args, **kwargs):
         raise AssertionError("the online η step recomputed the full-data factors")

@@ -26,7 +26,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.guides import registered_guides
 
-pytestmark = pytest.mark.filterwarnings("ignore::pyro_bnn.convergence.ConvergenceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::pyro_bnn.training.convergence.ConvergenceWarning")
 
 CONTROL = "AutoNormal (control)"
 GUIDES = {CONTROL: lambda m: AutoNormal(m, init_scale=0.01), **registered_guides()}

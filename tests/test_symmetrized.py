@@ -40,7 +40,7 @@ def test_discovers_mlp_hidden_layers_and_leaves_output_alone():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 5, generator=gen, dtype=torch.float64)
     values = _random_values(shapes, gen)
-    with pb._local_params.local_params(model):
+    with pb.contract.local_params.local_params(model):
         assert sym.check_symmetries(_bnn_function(model, x), values, groups, generator=gen) == [True, True]
         # the output layer is *not* a symmetry: permuting its rows changes f
         bad = [{"net.5.weight": 0, "net.5.bias": 0}]
@@ -58,7 +58,7 @@ def test_discovers_conv_channels_not_across_flatten():
                       {"net.6.weight": 0, "net.6.bias": 0, "net.8.weight": 1}]
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 1, 8, 8, generator=gen, dtype=torch.float64)
-    with pb._local_params.local_params(model):
+    with pb.contract.local_params.local_params(model):
         flags = sym.check_symmetries(_bnn_function(model, x), _random_values(shapes, gen), groups,
                                      generator=gen)
     assert flags == [True, True]
@@ -290,7 +290,7 @@ def test_objective_invariant_under_permuting_mu_sigma():
     # π_j ↦ g π_j g⁻¹, as index maps: compose(g⁻¹, compose(π_j, g))
     perms_g = [sym.compose_permutations(gi.expand_as(p), sym.compose_permutations(p, gg.expand_as(p)))
                for p, gg, gi in zip(perms, g, g_inv)]
-    with pb._local_params.local_params(model):
+    with pb.contract.local_params.local_params(model):
         nll, gap = symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=20)
         move = lambda v: sym.apply_permutation(v, groups, g)  # noqa: E731
         nll_g, gap_g = symmetrized_terms(model, move(locs), move(scales), x, y, move(noise), groups,
@@ -311,7 +311,7 @@ def test_one_permutation_is_exactly_meanfield():
     mf = pb.guides.MeanField(model, local_reparameterization=False)   # weight noise, as Symmetrized
     sy = pb.guides.Symmetrized(model, num_permutations=1, estimator="uniform")
     x, y = data.x_train[:50], data.y_train[:50]
-    with pb._local_params.local_params(model, mf, sy):
+    with pb.contract.local_params.local_params(model, mf, sy):
         for guide in (mf, sy):
             pb.training.setup_guide(model, guide, x, y, 1000)
         torch.manual_seed(7)
@@ -622,7 +622,7 @@ def test_training_fast_path_matches_the_generic_local_bound():
     model = pb.BNN(nn.Sequential(nn.Linear(64, 6), nn.ReLU(), nn.Linear(6, 10)))
     guide = pb.guides.Symmetrized(model, init_scale=0.3)
     x, y = data.x_train[:40], data.y_train[:40]
-    with pb._local_params.local_params(model, guide):
+    with pb.contract.local_params.local_params(model, guide):
         pb.training.setup_guide(model, guide, x, y, 500)
         with torch.no_grad():
             for name in guide.site_names():
@@ -685,7 +685,7 @@ def test_exact_estimator_is_the_enumerated_gap_and_refuses_large_groups():
     model = pb.BNN(nn.Sequential(nn.Linear(1, 3), nn.ReLU(), nn.Linear(3, 1)), "gaussian", noise=0.5)
     guide = pb.guides.Symmetrized(model, estimator="exact", init_scale=0.5)
     x, y = torch.randn(8, 1), torch.randn(8, 1)
-    with pb._local_params.local_params(model, guide):
+    with pb.contract.local_params.local_params(model, guide):
         pb.training.setup_guide(model, guide, x, y, 8)
         torch.manual_seed(3)
         loss, extras = guide.make_objective()(model, guide, x, y, num_data=8)

@@ -6,15 +6,15 @@ the positive class.  Detection quality is summarised threshold-free by AUROC and
 
 Scores: ``max_prob`` (``1 − max_c p̄_c``), ``entropy`` (``H[p̄]``), ``mutual_information``
 (BALD), ``variation_ratio``, ``std`` (std over samples of the predicted class's
-probability); see :mod:`pyro_bnn.metrics`.
+probability); see :mod:`pyro_bnn.posterior.metrics`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import metrics
-from ..prediction import predict
+from ..posterior import metrics
+from ..posterior.prediction import predict
 from .tool_support import seeded, to_model_device
 
 __all__ = ["auroc", "aupr", "uncertainty_scores", "evaluate", "evaluate_probs", "SCORES"]

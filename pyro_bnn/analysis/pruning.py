@@ -39,7 +39,7 @@ repo) and documented as such.
 
 Guides without a per-weight σ
 -----------------------------
-Scores use :func:`pyro_bnn._draws.site_moments`: exact ``(μ, σ)`` from
+Scores use :func:`pyro_bnn.posterior.draws.site_moments`: exact ``(μ, σ)`` from
 ``guide.loc_and_scale`` (MeanField, symmetrised) or ``AutoNormal`` quantiles; otherwise
 the marginal mean and std of ``num_samples`` joint guide draws (hypernetwork, Laplace,
 low-rank: the std then includes the correlations' marginal effect).  Point-estimate
@@ -61,10 +61,10 @@ import torch
 from pyro.nn import PyroModule
 from torch import nn
 
-from .. import metrics
-from .._draws import draw_latents, probs_from_latents, site_moments
 from ..arguments import check_choice, check_int
-from ..model import is_bnn, site_module
+from ..model.bnn import is_bnn, site_module
+from ..posterior import metrics
+from ..posterior.draws import draw_latents, probs_from_latents, site_moments
 from .tool_support import seeded, to_model_device
 
 __all__ = ["scores", "prune_", "unprune_", "PruningHandle", "pruning_curve", "export_pruned",

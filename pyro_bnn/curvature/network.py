@@ -14,8 +14,8 @@ import torch
 from pyro import poutine
 from pyro.poutine.util import site_is_subsample
 
-from ..likelihoods import Bernoulli, Categorical, Gaussian
-from ..model import is_bnn
+from ..model.bnn import is_bnn
+from ..model.likelihoods import Bernoulli, Categorical, Gaussian
 
 __all__ = ["network_output", "likelihood_kind", "hessian_columns", "log_likelihood_terms"]
 

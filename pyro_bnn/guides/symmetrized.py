@@ -42,11 +42,12 @@ import torch
 from pyro import poutine
 from torch.distributions import kl_divergence
 
-from .._local_params import local_params, unwrap_model
-from ..data import as_tensors
-from ..likelihoods import log_likelihood
-from ..model import is_bnn
-from .base import register_guide
+from ..contract.guide import register_guide
+from ..contract.local_params import local_params, unwrap_model
+from ..contract.objective import GuideObjective
+from ..data.batches import as_tensors
+from ..model.bnn import is_bnn
+from ..model.likelihoods import log_likelihood
 from .meanfield import (
     MeanField,
     MeanFieldELBO,
@@ -54,7 +55,6 @@ from .meanfield import (
     meanfield_loss,
     standard_normal_like,
 )
-from .objective import GuideObjective
 from .symmetrized_entropy import local_entropy_gap, log_density_ratios, uniform_entropy_gap
 from .symmetry import (
     enumerate_group,
@@ -233,7 +233,7 @@ class SymmetrizedELBO(GuideObjective):
 
     Notes
     -----
-    It is also a Pyro ``ELBO`` (:class:`~pyro_bnn.guides.objective.GuideObjective`):
+    It is also a Pyro ``ELBO`` (:class:`~pyro_bnn.contract.objective.GuideObjective`):
     ``SVI(model, guide, optim, loss=guide.make_objective())`` optimises the symmetrised
     objective (Pyro's ``Trace_ELBO`` would optimise the plain ELBO).
     """

@@ -34,9 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import metrics
+from .._version import __version__
 from ..analysis.ood import auroc
-from ..devices import module_device
+from ..posterior import metrics
+from ..training.devices import module_device
 from .staged_folder import StagedFolder
 
 __all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
@@ -332,8 +333,6 @@ def _headline(status: str, note: str | None) -> str:
 
 
 def _readme(comparison, status: str, note: str | None, files) -> str:
-    from .. import __version__
-
     info = report_info(comparison, note)
     lines = [f"# pyro-bnn report ({status})", ""]
     if status != "complete":
@@ -464,8 +463,6 @@ def index_html(table, figures, *, status: str = "complete", note: str | None = N
     str
     """
     import html
-
-    from .. import __version__
 
     head = [f"<th>{html.escape(str(table.index.name or 'guide'))}</th>"]
     head += [f"<th>{html.escape(str(c))}</th>" for c in table.columns]
