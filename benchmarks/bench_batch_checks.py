@@ -5,7 +5,7 @@ file, batch 128, ``pb.fit`` + ``MeanField``), fed by a ``DataLoader`` (a batch s
 ``TensorDataset``, so one indexing per batch and no per-example collation that would hide
 the check's cost).  Side by side in one process, interleaved blocks of ``--block`` epochs:
 
-* (a) the batches pass ``pyro_bnn.data.BatchCheck`` for the model as they are read (what
+* (a) the batches pass ``pyro_bnn.data.batches.BatchCheck`` for the model as they are read (what
   ``pb.fit`` does with a loader: finite float inputs of the model's dtype, lengths, labels
   in range for the likelihood);
 * (b) the same loader and wrapper with a check that does nothing;
@@ -30,8 +30,8 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 import pyro_bnn as pb
-from pyro_bnn.data import BatchCheck, CheckedBatches
-from pyro_bnn.training import default_optimizer
+from pyro_bnn.data.batches import BatchCheck, CheckedBatches
+from pyro_bnn.training.loop import default_optimizer
 
 
 def mlp(d_in, hidden):

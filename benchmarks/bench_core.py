@@ -29,8 +29,8 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 import pyro_bnn as pb
-from pyro_bnn.data import TensorBatches
-from pyro_bnn.training import default_optimizer
+from pyro_bnn.data.batches import TensorBatches
+from pyro_bnn.training.loop import default_optimizer
 
 
 def main(argv=None):

@@ -1,7 +1,7 @@
 """Why ``pb.fit`` flushes denormal floats on the CPU: one Adam step of a 784-400 layer whose
 weights sit in the denormal range (weights of always-blank MNIST pixels that only the prior
 pulls on decay there in long fits), against the same step with normal-range weights, with and
-without ``pyro_bnn.devices.flush_denormals``.  Interleaved repeats in one process, medians.
+without ``pyro_bnn.training.devices.flush_denormals``.  Interleaved repeats in one process, medians.
 
     python benchmarks/bench_denormal.py --threads 1
 """
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pyro_bnn.devices import flush_denormals
+from pyro_bnn.training.devices import flush_denormals
 
 
 def step_seconds(scale: float, flush: bool, steps: int) -> float:

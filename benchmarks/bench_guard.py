@@ -25,10 +25,10 @@ from _common import map_epoch, sync  # benchmarks/_common.py (on sys.path when r
 from bench_core import mlp
 
 import pyro_bnn as pb
-from pyro_bnn import training
-from pyro_bnn.data import TensorBatches
-from pyro_bnn.divergence import DivergenceGuard
-from pyro_bnn.training import default_optimizer
+from pyro_bnn.data.batches import TensorBatches
+from pyro_bnn.training import loop as training
+from pyro_bnn.training.divergence import DivergenceGuard
+from pyro_bnn.training.loop import default_optimizer
 
 
 @contextlib.contextmanager
@@ -54,7 +54,7 @@ def guard_checks_off(everything: bool):
 def gradient_norm_timing(x, y, args, repeats: int = 300) -> tuple[float, float]:
     """Median CPU milliseconds of the guard's gradient reduction (``torch._foreach_norm`` over
     one step's real MeanField gradients) and of that step's forward + backward."""
-    from pyro_bnn._local_params import local_params
+    from pyro_bnn.contract.local_params import local_params
 
     model = pb.BNN(mlp(args.hidden), likelihood="categorical")
     guide = pb.guides.MeanField(model, init_scale=0.1)

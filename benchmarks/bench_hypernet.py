@@ -42,10 +42,10 @@ from _common import map_epoch, sync  # benchmarks/_common.py (on sys.path when r
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn._local_params import local_params
-from pyro_bnn.data import TensorBatches
-from pyro_bnn.length_check import estimate_objective
-from pyro_bnn.training import setup_guide
+from pyro_bnn.contract.local_params import local_params
+from pyro_bnn.data.batches import TensorBatches
+from pyro_bnn.training.length_check import estimate_objective
+from pyro_bnn.training.loop import setup_guide
 
 
 def mlp(sizes):

@@ -121,10 +121,10 @@ def compare_learn_step(baseline, samples, n, hidden, batch_size, repeats):
 def compare_guide_step(baseline, samples, n, hidden, batch_size, repeats):
     """Median seconds of the Laplace guide's LILA evidence step (curvature pass + η step):
     current (η step reuses the guide's factors) vs baseline (η step recomputes them)."""
-    from pyro_bnn.data import TensorBatches
+    from pyro_bnn.data.batches import TensorBatches
     from pyro_bnn.guides.laplace.online import EVIDENCE_SEED
     from pyro_bnn.invariance import guide_step
-    from pyro_bnn.training import FitContext
+    from pyro_bnn.training.loop import FitContext
 
     x, y = _data(n)
     inv = _model(samples, hidden)

@@ -51,7 +51,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.curvature import KronBlock
-from pyro_bnn.marglik import log_evidence
+from pyro_bnn.curvature.marglik import log_evidence
 
 
 def mlp(d_in, hidden, d_out):

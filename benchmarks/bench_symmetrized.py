@@ -9,7 +9,7 @@ shared machine the CPU time is the steadier of the two.
 Converged fits (``--skip-timing`` for these only): MeanField vs Symmetrized (local
 estimator by default) trained to convergence (``init_scale`` 0.1, Adam lr 5e-2 with a cosine
 schedule, 300 epochs), several seeds.  Per fit: full-data ELBO and symmetrised ELBO ``L^G``
-(both evaluated for every guide with ``pb.symmetrized_elbo``, local estimator, the same ω
+(both evaluated for every guide with ``pb.guides.symmetrized.symmetrized_elbo``, local estimator, the same ω
 draws), test accuracy / NLL / ECE, and convergence evidence: the epoch-mean ELBO over the
 last 10% of epochs against the 10% before, the movement of the scale parameters ρ over the
 last 10% of epochs relative to their whole movement, and the largest |Δρ| relative to the
@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn._local_params import local_params
-from pyro_bnn.training import setup_guide
+from pyro_bnn.contract.local_params import local_params
+from pyro_bnn.training.loop import setup_guide
 
 DEFAULT_WIDTH = {"mnist": 30, "digits": 100, "regression": 6}
 DEFAULT_BATCH = {"mnist": 100, "digits": 64, "regression": 16}
@@ -155,7 +155,7 @@ def converged_run(split, kind, K, seed, args, start=None, epochs=None, lr=None) 
     n10 = max(1, len(history) // 10)
     metrics = pb.evaluate(model, guide, split.x_test, split.y_test, num_samples=args.test_samples)
     pyro.set_rng_seed(100 + seed)                    # the same ω draws for every guide
-    terms = pb.symmetrized_elbo(model, guide, split.train, num_permutations=args.eval_permutations,
+    terms = pb.guides.symmetrized.symmetrized_elbo(model, guide, split.train, num_permutations=args.eval_permutations,
                                 num_samples=args.eval_samples, estimator=args.eval_estimator,
                                 return_terms=True)
     n = len(split.x_train)

@@ -1,7 +1,7 @@
 """The convergence diagnosis of pb.fit on fits known to be converged or not (training data only).
 
 MeanField on the offline digits (MLP 64-100-10, IIDNormal(1.0), batch 64, seed per row),
-trained with the settings of each row; prints the statistics :mod:`pyro_bnn.convergence`
+trained with the settings of each row; prints the statistics :mod:`pyro_bnn.training.convergence`
 measures (trend of the epoch objective over the last window and its standard error, share
 of scales moved at the optimiser's maximum rate) and its verdict, next to the final training
 ELBO (mean of the last 5 % of epochs) — the reference being the 1,000-epoch cosine row.

@@ -4,7 +4,7 @@ Trains each row on the Fashion-MNIST training images and scores it on the 10,000
 images: accuracy, NLL, ECE (15 bins), Brier, OOD AUROC of Fashion-MNIST test vs MNIST test
 digits by predictive entropy and by mutual information, the ELBO (or log evidence), the
 convergence diagnosis (``pb.fit``'s ``FitResult.convergence``; for the plain PyTorch nets the
-same :func:`pyro_bnn.convergence.diagnose` on their per-epoch loss), seconds per epoch and
+same :func:`pyro_bnn.training.convergence.diagnose` on their per-epoch loss), seconds per epoch and
 its ratio to the MAP row's, and the growth of the process's peak RSS during the row.
 
 Rows (``--rows``, comma separated):
@@ -56,9 +56,9 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.analysis.ood import evaluate_probs
-from pyro_bnn.convergence import diagnose
-from pyro_bnn.guides.base import registered_guides
-from pyro_bnn.seeding import seeded
+from pyro_bnn.contract.guide import registered_guides
+from pyro_bnn.training.convergence import diagnose
+from pyro_bnn.training.seeding import seeded
 
 ROWS = ("map", "ensemble", "meanfield", "laplace_ll", "laplace_marglik", "hypernet", "symmetrized",
         "autonormal")
@@ -190,7 +190,7 @@ def full_elbo(model, guide, x, y, draws=5, chunk=10000):
     """Full-data ELBO of a MeanField guide: ``Σ_c (B_c/N) · loss_c`` over chunks of x (each
     ``loss_c = −(N/B_c) log p(y_c|w) + KL`` at its own draw), which is an unbiased estimate of
     ``−(log p(y|w) summed over all N − KL)``; mean of ``draws`` such estimates."""
-    from pyro_bnn._local_params import local_params
+    from pyro_bnn.contract.local_params import local_params
     from pyro_bnn.guides.meanfield import meanfield_loss
 
     n = len(x)

@@ -1,8 +1,11 @@
 """Probit vs Monte-Carlo GLM on digits: registry 'laplace' (last-layer KFAC, δ by evidence), MAP 300 epochs."""
-import torch, numpy as np
+import numpy as np
+import torch
 from torch import nn
+
 import pyro_bnn as pb
-from pyro_bnn.guides.base import registered_guides
+from pyro_bnn.contract.guide import registered_guides
+
 d = pb.datasets.digits()
 torch.manual_seed(0)
 model = pb.BNN(nn.Sequential(nn.Linear(64, 100), nn.ReLU(), nn.Linear(100, 10)))

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.guides.base import registered_guides
+from pyro_bnn.contract.guide import registered_guides
 from pyro_bnn.reporting.cli import GUIDE_DEFAULTS
 
 

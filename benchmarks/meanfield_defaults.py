@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn._local_params import local_params
+from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.guides.meanfield import meanfield_loss
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))

@@ -21,7 +21,7 @@ from _common import mnist_mlp as mlp  # benchmarks/_common.py (on sys.path when 
 from torch.profiler import ProfilerActivity, profile
 
 import pyro_bnn as pb
-from pyro_bnn.data import TensorBatches
+from pyro_bnn.data.batches import TensorBatches
 
 
 def summarise(prof, steps: int, label: str, top: int) -> None:

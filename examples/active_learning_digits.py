@@ -72,7 +72,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", pb.ConvergenceWarning)   # counted below instead
-                r = pb.active.run(model_fn, factory, d.train, d.test, acquisition=acq, initial=args.initial,
+                r = pb.analysis.active.run(model_fn, factory, d.train, d.test, acquisition=acq, initial=args.initial,
                                   per_round=args.per_round, rounds=args.rounds, warm_start=args.warm_start,
                                   epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=seed,
                                   batch=args.batch, beta=args.beta, lr_schedule=args.lr_schedule)

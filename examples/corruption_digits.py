@@ -36,8 +36,8 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.analysis.uncertainty_plots import plot_corruption_curves
+from pyro_bnn.contract.guide import guide_contract
 from pyro_bnn.guides import init_to_network, registered_guides
-from pyro_bnn.guides.base import guide_contract
 
 PYRO = {"AutoNormal": lambda m: AutoNormal(m, init_loc_fn=init_to_network(m), init_scale=0.01),
         "AutoDelta": lambda m: AutoDelta(m, init_loc_fn=init_to_network(m))}
@@ -131,10 +131,10 @@ def main(argv=None):
               f"{training['elbo_prev10pct']:.1f}), converged={fit.convergence.converged} "
               f"{fit.convergence.reasons}", flush=True)
         for label, method in evaluations(name).items():
-            rot[label] = pb.corruption.rotation_curve(model, guide, d.x_test, d.y_test, angles=angles,
+            rot[label] = pb.analysis.corruption.rotation_curve(model, guide, d.x_test, d.y_test, angles=angles,
                                                       num_samples=args.num_samples, seed=args.seed,
                                                       method=method)
-            noise[label] = pb.corruption.noise_curve(model, guide, d.x_test, d.y_test, stds=stds,
+            noise[label] = pb.analysis.corruption.noise_curve(model, guide, d.x_test, d.y_test, stds=stds,
                                                      num_samples=args.num_samples, seed=args.seed,
                                                      method=method)
             ent = dict(zip(angles, rot[label]["entropy"]))

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn import distributed as pbd
+from pyro_bnn.training import distributed as pbd
 
 
 def main(argv=None) -> None:

@@ -29,8 +29,8 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.analysis.uncertainty_plots import plot_ood_scores
+from pyro_bnn.contract.guide import guide_contract
 from pyro_bnn.guides import init_to_network, registered_guides
-from pyro_bnn.guides.base import guide_contract
 
 PRIORS = {"normal": lambda: pb.priors.IIDNormal(1.0), "fanin": lambda: pb.priors.FanInNormal()}
 
@@ -85,11 +85,11 @@ def run_seed(args, seed, d, ood_sets):
                        "converged": fit.convergence.converged, "convergence_reasons": fit.convergence.reasons,
                        "scale_limited_share": fit.convergence.measures.get("scale_limited_share")}
         for ood_name, xo in ood_sets.items():
-            res = pb.ood.evaluate(model, guide, x_in, xo, num_samples=args.num_samples, seed=seed, **kw)
+            res = pb.analysis.ood.evaluate(model, guide, x_in, xo, num_samples=args.num_samples, seed=seed, **kw)
             table[name][ood_name] = {s: {k: round(v, 4) for k, v in r.items()} for s, r in res.items()}
             if ood_name == "digits 5-9":
                 results[name] = res
-        line = " ".join(f"{s}={table[name]['digits 5-9'][s]['auroc']:.3f}" for s in pb.ood.SCORES)
+        line = " ".join(f"{s}={table[name]['digits 5-9'][s]['auroc']:.3f}" for s in pb.analysis.ood.SCORES)
         print(f"seed {seed} {name:12s} acc(0-4)={acc:.3f} train {secs:.0f}s ELBO(end) "
               f"{table[name]['elbo_last10pct']:.1f} converged={fit.convergence.converged}  AUROC(5-9): {line}",
               flush=True)
@@ -130,7 +130,7 @@ def main(argv=None):
     x_in, x_out = d.x_test[d.y_test < 5], d.x_test[d.y_test >= 5]
     ood_sets = {"digits 5-9": x_out,
                 "uniform noise": torch.rand(len(x_in), 64, generator=torch.Generator().manual_seed(0)),
-                "rotated 90": pb.corruption.rotate(x_in, 90)}
+                "rotated 90": pb.analysis.corruption.rotate(x_in, 90)}
     per_seed, comparison = {}, {}
     for seed in seeds:
         results, table = run_seed(args, seed, d, ood_sets)

@@ -5,7 +5,7 @@ Model: ``f(x) = ReLU(w1 x) + ReLU(w2 x)`` (no biases, output weights fixed at 1)
 state it).  The posterior has two modes, ``(α, −α)`` and ``(−α, α)``: the group is
 ``G = S_2`` acting on the hidden weights, declared because the fixed output weights hide it
 from discovery.  Both guides are scored on the symmetrised ELBO ``L^G`` computed *exactly in
-G* (``pb.symmetrized_elbo(..., exact=True)``), normalised by N, and on test MSE.
+G* (``pb.guides.symmetrized.symmetrized_elbo(..., exact=True)``), normalised by N, and on test MSE.
 
 Paper setting (default): N = 100, batch 10, lr 5e-3, 10 epochs, K = 2, 10 seeds, the
 paper's uniform estimator.  Converged σ: ``--converged`` (lr 5e-2 with a cosine schedule, 300
@@ -79,7 +79,7 @@ def run_one(kind: str, alpha: float, seed: int, args) -> dict:
     drift = (statistics.fmean(history[-n10:]) - statistics.fmean(history[-2 * n10:-n10])) / len(x) \
         if len(history) >= 2 * n10 else float("nan")
     pyro.set_rng_seed(1234 + seed)  # same ω draws for both guides' evaluations
-    terms = pb.symmetrized_elbo(model, guide, (x, y), permutations=SYMMETRY, exact=True,
+    terms = pb.guides.symmetrized.symmetrized_elbo(model, guide, (x, y), permutations=SYMMETRY, exact=True,
                                 num_samples=args.eval_samples, return_terms=True)
     x_test, y_test = make_data(alpha, 1000, 500 + seed)
     mean = pb.predict(model, guide, x_test, num_samples=100).mean(0)

@@ -1,32 +1,27 @@
-"""pyro_bnn: Bayesian neural networks in Pyro — swap guides, compare, analyse in ArviZ."""
+"""pyro_bnn: Bayesian neural networks in Pyro — swap guides, compare, analyse in ArviZ.
 
-from . import (
-    _moved,
-    analysis,
-    datasets,
-    guides,
-    invariance,
-    likelihoods,
-    metrics,
-    priors,
-    reporting,
-)
-from .analysis import active, adversarial, corruption, ood, pruning
-from .arviz import to_arviz
-from .convergence import ConvergenceWarning
-from .guides import symmetry
-from .guides.symmetrized import symmetrized_elbo
-from .length_check import LengthCheck, check_convergence
-from .model import BNN
-from .prediction import evaluate, predict, predictive_samples
+The package is layered, lowest first (``docs/DEVELOPING.md``; ``tests/test_layering.py``
+checks it): ``model`` → ``contract`` → ``data`` → ``curvature`` → ``training`` →
+``invariance`` → ``posterior`` → ``guides`` → ``analysis`` → ``reporting``; a module imports
+only from its own layer and those below.
+"""
+
+from . import analysis, guides, invariance, reporting
+from ._version import __version__
+from .data import datasets
+from .model import BNN, likelihoods, priors
+from .posterior import evaluate, metrics, predict, predictive_samples, to_arviz
 from .reporting import compare
-from .training import FitResult, fit, load_checkpoint, save_checkpoint
+from .training import (
+    ConvergenceWarning,
+    FitResult,
+    LengthCheck,
+    check_convergence,
+    fit,
+    load_checkpoint,
+    save_checkpoint,
+)
 
-_moved.install()
-
-__version__ = "0.1.0"
-
-__all__ = ["BNN", "fit", "FitResult", "ConvergenceWarning", "check_convergence", "LengthCheck", "predict", "predictive_samples", "evaluate",
-           "save_checkpoint", "load_checkpoint", "priors", "guides", "likelihoods",
-           "metrics", "datasets"] + ["symmetry", "symmetrized_elbo"] + ["to_arviz", "compare"] + [
-    "analysis", "reporting", "pruning", "ood", "adversarial", "active", "corruption"] + ["invariance"]
+__all__ = ["__version__", "BNN", "fit", "FitResult", "ConvergenceWarning", "check_convergence", "LengthCheck", "predict",
+           "predictive_samples", "evaluate", "save_checkpoint", "load_checkpoint", "priors", "guides",
+           "likelihoods", "metrics", "datasets", "to_arviz", "compare", "analysis", "reporting", "invariance"]

@@ -7,7 +7,7 @@ import torch
 from uncertainty_helpers import GUIDE_NAMES, MODEL_OPTIONS, all_guides, digits, mlp
 
 import pyro_bnn as pb
-from pyro_bnn import active
+from pyro_bnn.analysis import active
 
 
 def test_balanced_initial_counts():

@@ -26,8 +26,8 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.checkpoint import CheckpointInUseError, CheckpointLock, content_digest, write_atomic
-from pyro_bnn.resume import fit_fingerprint
+from pyro_bnn.training.checkpoint import CheckpointInUseError, CheckpointLock, content_digest, write_atomic
+from pyro_bnn.training.resume import fit_fingerprint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -216,7 +216,7 @@ def test_two_processes_saving_to_one_path_never_crash(tmp_path):
     for proc in procs:
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err.decode()[-2000:]
-    state = pb.checkpoint.read_checkpoint(path)  # digest verified
+    state = pb.training.checkpoint.read_checkpoint(path)  # digest verified
     assert state["step"] in ("a39", "b39")
     assert sorted(os.listdir(tmp_path)) == ["c.pt"]
 
@@ -358,7 +358,7 @@ def test_no_flipped_bit_gives_another_content(tmp_path, data):
         flipped[at] ^= 0x04
         bad.write_bytes(bytes(flipped))
         try:
-            state = pb.checkpoint.read_checkpoint(bad)
+            state = pb.training.checkpoint.read_checkpoint(bad)
         except ValueError as exc:
             assert str(bad) in str(exc)
             failed += 1
@@ -443,7 +443,7 @@ def test_numpy_bools_and_ints_are_accepted(data):
     result = pb.fit(model, guide, data, **dict(_FIT, shuffle=np.bool_(False), epochs=np.int64(1),
                                                  batch_size=np.int32(32)))
     assert len(result.history["loss"]) == 1
-    assert pb.marglik.check_marglik_options({"every": np.int64(2)})["every"] == 2
+    assert pb.curvature.marglik.check_marglik_options({"every": np.int64(2)})["every"] == 2
 
 
 def test_a_flipped_bit_in_the_digests_name_is_detected(tmp_path, data):
@@ -470,7 +470,7 @@ def test_a_fit_checkpoint_without_its_digest_is_not_resumed(tmp_path, data):
 def test_the_data_hash_of_a_large_tensor_stays_in_range():
     """More elements than float32 counts exactly (Fashion-MNIST: 60,000 x 784 = 47,040,000):
     the evenly spaced indices must end at the last element, not one past it."""
-    from pyro_bnn.resume import _tensor_hash
+    from pyro_bnn.training.resume import _tensor_hash
 
     big = torch.zeros(60_000 * 784, dtype=torch.uint8)
     first = _tensor_hash(big)

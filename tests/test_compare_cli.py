@@ -14,11 +14,11 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.convergence import diagnose
 from pyro_bnn.guides import registered_guides
 from pyro_bnn.reporting import cli
 from pyro_bnn.reporting.comparison import convergence_label
 from pyro_bnn.reporting.report import markdown_table, ood_inputs
+from pyro_bnn.training.convergence import diagnose
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.convergence import (
+from pyro_bnn.training.convergence import (
     MIN_WINDOW,
     ConvergenceDiagnosis,
     ConvergenceMonitor,

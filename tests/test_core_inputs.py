@@ -8,7 +8,7 @@ from helpers import mlp
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.training import setup_guide
+from pyro_bnn.training.loop import setup_guide
 
 
 def _model():
@@ -145,7 +145,7 @@ def test_pretrained_weights_are_the_initial_means():
     model = pb.BNN(net)
     guide = pb.guides.MeanField(model, init_scale=1e-3)
     setup_guide(model, guide, torch.randn(2, 8), torch.randint(0, 3, (2,)))
-    from pyro_bnn._local_params import local_params
+    from pyro_bnn.contract.local_params import local_params
 
     with local_params(model, guide):
         for name, p in net.named_parameters():
@@ -157,7 +157,7 @@ def test_pretrained_weights_are_the_initial_means():
 
 
 def test_lr_schedule_cosine_decays_to_zero_and_rejects_unknown():
-    from pyro_bnn.lr_schedule import make_lr_scheduler
+    from pyro_bnn.training.lr_schedule import make_lr_scheduler
 
     p = torch.nn.Parameter(torch.zeros(()))
     opt = torch.optim.SGD([p], lr=0.5)

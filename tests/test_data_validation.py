@@ -1,7 +1,7 @@
 """Bad training data gets one clear error, from tensors and from loaders alike (issue 15).
 
 Tensors are checked once before training; batches of a ``Dataset``/``DataLoader`` are checked
-as they are read (``pyro_bnn.data.BatchCheck``).  Priors reject invalid hyperparameters and
+as they are read (``pyro_bnn.data.batches.BatchCheck``).  Priors reject invalid hyperparameters and
 prior-dict keys that match no site; the MNIST reader rejects damaged or inconsistent files.
 """
 
@@ -17,8 +17,8 @@ from helpers import mlp
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import pyro_bnn as pb
-from pyro_bnn.data import BatchCheck, CheckedBatches, check_inputs, make_loader, validate_data
-from pyro_bnn.likelihoods import log_likelihood
+from pyro_bnn.data.batches import BatchCheck, CheckedBatches, check_inputs, make_loader, validate_data
+from pyro_bnn.model.likelihoods import log_likelihood
 
 
 def _model(likelihood="categorical", d_out=3, **kw):

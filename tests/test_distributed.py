@@ -1,7 +1,7 @@
 """Data-parallel training (``fit(distributed=True)``) against one process.
 
 The two-process checks spawn 2 CPU processes with the Gloo backend on 127.0.0.1 (a free
-port) through :func:`pyro_bnn.distributed.launch_local`, which kills them on failure or
+port) through :func:`pyro_bnn.training.distributed.launch_local`, which kills them on failure or
 timeout.  Both ranks share the seed, so they draw the same weight sample each step; each
 rank scales its half of the global batch by ``N / (M/2)`` and DDP averages the gradients,
 which gives exactly the single-process gradient of the global batch ``M``.  We compare
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn import distributed as pbd
+from pyro_bnn.training import distributed as pbd
 
 N, GLOBAL_BATCH, EPOCHS, SEED = 96, 16, 5, 123
 FLOAT32_KINDS = ("hypernet", "autonormal")
@@ -81,7 +81,7 @@ KINDS = ("meanfield", "symmetrized", "laplace", "hypernet", "autonormal")
 def _curvature_evidence(structure, loader):
     """Laplace-GGN log evidence at the network's initial weights, curvature from ``loader``."""
     from pyro_bnn.curvature import accumulate_curvature, find_layers, network_output
-    from pyro_bnn.marglik import log_evidence, log_likelihood_from_stats
+    from pyro_bnn.curvature.marglik import log_evidence, log_likelihood_from_stats
 
     torch.manual_seed(1)
     net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -174,8 +174,8 @@ def _lila_reference():
 
 def _worker(rank, out_dir):
     calls = []
-    real_save = pb.training.save_checkpoint
-    pb.training.save_checkpoint = lambda *a, **k: (calls.append(1), real_save(*a, **k))
+    real_save = pb.training.loop.save_checkpoint
+    pb.training.loop.save_checkpoint = lambda *a, **k: (calls.append(1), real_save(*a, **k))
     fits = {"meanfield": _fit("meanfield", distributed=True,
                               checkpoint=os.path.join(out_dir, "ckpt.pt"))}
     fits.update({k: _fit(k, distributed=True) for k in KINDS[1:]})
@@ -266,7 +266,7 @@ def test_curvature_summed_across_ranks_gives_single_process_evidence(two_ranks, 
 def test_a_rank_without_its_gpu_is_a_clear_error():
     """Process ``local_rank`` trains on ``cuda:local_rank``; with fewer visible GPUs than
     processes per node that is named (not CUDA's 'invalid device ordinal')."""
-    from pyro_bnn.distributed.group import _resolve_device
+    from pyro_bnn.training.distributed.group import _resolve_device
 
     n = torch.cuda.device_count()
     with pytest.raises(ValueError, match=f"local rank {n}.*{n} CUDA device"):
@@ -379,7 +379,7 @@ def test_invariance_learning_across_ranks_equals_one_process(two_ranks):
 
 def test_laplace_accepts_learning_an_augmentation_across_ranks():
     from pyro_bnn.invariance import AffineAugmentation
-    from pyro_bnn.training import FitContext
+    from pyro_bnn.training.loop import FitContext
 
     aug = AffineAugmentation(num_samples=2, image_shape=(1, 4, 4))
     model = pb.BNN(nn.Linear(16, 3), "categorical", augmentation=aug)
@@ -412,7 +412,7 @@ def test_example_script_runs_in_one_process(capsys, monkeypatch):
 
 
 def test_unused_parameter_probe_restores_the_rng():
-    from pyro_bnn.distributed.group import _has_unused_parameters
+    from pyro_bnn.training.distributed.group import _has_unused_parameters
 
     class Loss(nn.Module):
         def __init__(self):

@@ -2,7 +2,7 @@
 
 ``pb.evaluate``, ``pb.predict``, ``pb.to_arviz``, ``pb.compare``'s test split, the Laplace
 curvature / evidence / grid search / GLM predictive and ``learn_invariance`` check their
-data with :func:`pyro_bnn.data.check_data`, the check ``pb.fit`` runs: bad labels and
+data with :func:`pyro_bnn.data.batches.check_data`, the check ``pb.fit`` runs: bad labels and
 targets get a ``TypeError``/``ValueError`` naming the entry point, what was expected and
 what was received, instead of a crash inside torch or a silently wrong number.
 """

@@ -14,7 +14,7 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.prediction import evaluation_mode, sample_latents
+from pyro_bnn.posterior.prediction import evaluation_mode, sample_latents
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.convergence import ConvergenceWarning
+from pyro_bnn.training.convergence import ConvergenceWarning
 
 F64 = torch.float64
 

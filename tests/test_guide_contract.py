@@ -12,7 +12,7 @@ from pyro.infer.autoguide import AutoDelta, AutoLowRankMultivariateNormal, AutoN
 
 import pyro_bnn as pb
 from pyro_bnn.guides import init_to_network, registered_guides
-from pyro_bnn.training import setup_guide
+from pyro_bnn.training.loop import setup_guide
 
 PYRO_GUIDES = {
     "AutoNormal": lambda m: AutoNormal(m, init_loc_fn=init_to_network(m), init_scale=0.01),
@@ -149,15 +149,15 @@ def test_cuda(name, digits_small):
     assert abs(accuracy["cuda"] - accuracy["cpu"]) <= 0.08, accuracy
 
 
-def test_moved_modules_keep_their_old_import_paths():
-    """Modules that moved into subpackages stay importable under their old names, as the same
-    module objects (user code written against the old layout keeps working)."""
+def test_old_module_paths_are_gone():
+    """Nothing was released: modules that moved have one path, the new one (no import hook),
+    and guide internals are not top-level names."""
     import importlib
 
-    from pyro_bnn._moved import MOVED
-
-    for old, new in MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    from pyro_bnn.symmetry import find_symmetries  # noqa: F401  (a public function, old path)
-    assert pb.symmetry is importlib.import_module("pyro_bnn.guides.symmetry")
-    assert callable(pb.compare)          # importing the old module path does not hide the function
+    for old in ("pyro_bnn.symmetry", "pyro_bnn.flows", "pyro_bnn.pruning", "pyro_bnn.compare",
+                "pyro_bnn.guides.laplace_prior", "pyro_bnn.invariance.kfac"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    for name in ("symmetry", "symmetrized_elbo", "pruning", "ood", "adversarial", "active", "corruption"):
+        assert not hasattr(pb, name), name
+    assert callable(pb.compare) and callable(pb.analysis.pruning.pruning_curve)

@@ -14,13 +14,13 @@ from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn._local_params import local_params
+from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.guides.hypernet import HypernetELBO, clipped_log_likelihood, log_weights
 from pyro_bnn.guides.hypernet_flows import HypernetFlow
 from pyro_bnn.guides.made import MADE
 from pyro_bnn.guides.meanfield import MeanFieldELBO
-from pyro_bnn.training import setup_guide
-from pyro_bnn.weight_norm import WeightNormConv2d, WeightNormLinear, to_weight_norm
+from pyro_bnn.model.weight_norm import WeightNormConv2d, WeightNormLinear, to_weight_norm
+from pyro_bnn.training.loop import setup_guide
 
 
 def _flow_fn(flow):
@@ -281,7 +281,7 @@ def test_handwritten_weight_norm_pyromodule():
     assert res.history["loss"][-1] < res.history["loss"][0]
     draws = pb.predict(model, guide, x, num_samples=4)
     assert draws.shape == (4, 32)
-    assert set(pb.prediction.sample_latents(model, guide, x)) == {"fc1.weight_g", "fc2.weight_g"}
+    assert set(pb.posterior.prediction.sample_latents(model, guide, x)) == {"fc1.weight_g", "fc2.weight_g"}
 
 
 def test_full_false_rejects_sites_that_are_not_weight_norm_scales(digits_small):
@@ -351,7 +351,7 @@ def test_guide_samples_have_the_flow_density(kind):
         assert torch.allclose(tr.nodes[aux[0]]["log_prob"], log_q[0], atol=1e-4)
         # statistical: q is normalised where its samples fall, E_{p0}[q/p0] = 1, and the
         # importance-weighted mean under a wide Gaussian p0 equals the guide samples' mean
-        draws = torch.stack([pb.prediction.sample_latents(model, guide, x)["net.0.weight_g"]
+        draws = torch.stack([pb.posterior.prediction.sample_latents(model, guide, x)["net.0.weight_g"]
                              for _ in range(400)])
         with torch.no_grad():
             zs, _ = guide.flow.rsample_with_log_prob(2000)

@@ -12,24 +12,19 @@ from pyro_bnn.curvature import batch_kfac_factors
 from pyro_bnn.invariance import (
     Affine1dAugmentation,
     AffineAugmentation,
-    batch_surrogate,
-    eigen_factors,
     evidence_step,
     invariant_curvature,
-    invariant_kfac_factors,
     learn_invariance,
-    log_evidence,
     map_predict,
     transformed_digits,
 )
 from pyro_bnn.invariance.evidence import (
-    accumulate_factors,
     invariant_layers,
     likelihood_scale,
     num_augmentations,
     seeded_draws,
 )
-from pyro_bnn.likelihoods import log_likelihood
+from pyro_bnn.model.likelihoods import log_likelihood
 
 ROT_ONLY = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
 SOME = [0.15, 0.1, 0.9, 0.1, 0.12, 0.08]
@@ -300,37 +295,6 @@ def test_evidence_step_value_and_eta_gradient_match_dense_reference():
             assert abs((up - down) / (2 * eps) - grad_ref[k]) < 1e-5 * (1 + abs(grad_ref[k]))
 
 
-def test_deprecated_names_still_work_and_agree():
-    """The first API's names (exported from pyro_bnn.invariance) warn and give the old
-    conventions' results: factor sums, per-datum-free total evidence, the η surrogate."""
-    aug = AffineAugmentation(num_samples=3, init_extent=SOME).double()
-    model, values = _mlp_model(aug)
-    x, y = torch.rand(10, 64, dtype=torch.float64), torch.randint(0, 3, (10,))
-    with pytest.warns(DeprecationWarning, match="invariant_kfac_factors"):
-        with seeded_draws(1, "cpu"):
-            facs, f = invariant_kfac_factors(model, values, x)
-    with seeded_draws(1, "cpu"):
-        sums, f_new = _kfac(model, values, x)
-    assert torch.equal(f, f_new) and all(torch.equal(a.A, s["A"]) and torch.equal(a.G, s["G"])
-                                         for a, s in zip(facs, sums))
-    delta = torch.tensor([0.5, 2.0], dtype=torch.float64)
-    with pytest.warns(DeprecationWarning):
-        facs = accumulate_factors(model, values, [(x, y)], seeds=[1])
-        eig = eigen_factors(facs, len(x))
-        with seeded_draws(1, "cpu"):
-            f = model.run_with(values, x)
-        ll = log_likelihood(model.likelihood, f, y).sum()
-        old = log_evidence(ll, values, facs, eig, delta)
-    ref = _dense_evidence(model, values, [(x, y)], [1], delta)
-    assert torch.allclose(old, ref, rtol=1e-10)
-    aug.eta.requires_grad_(True)
-    with pytest.warns(DeprecationWarning), seeded_draws(1, "cpu"):
-        sur, _ = batch_surrogate(model, values, x, y, facs, eig, delta)
-    grad, = torch.autograd.grad(sur, aug.eta)
-    grad_ref, = torch.autograd.grad(_dense_evidence(model, values, [(x, y)], [1], delta), aug.eta)
-    assert torch.allclose(grad, grad_ref, rtol=1e-7, atol=1e-9)
-
-
 # ------------------------------------------------------------------ learning loop
 def test_learn_invariance_three_methods_smoke():
     d = transformed_digits("rotate", math.pi)
@@ -396,8 +360,8 @@ def test_invariant_kfac_and_learning_on_cuda():
     model = pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 3)), "categorical",
                    augmentation=aug).cuda()
     values = {k: v.cuda() for k, v in model.initial_values().items()}
-    facs, f = invariant_kfac_factors(model, values, torch.rand(5, 64, device="cuda"))
-    assert f.is_cuda and facs[0].A.is_cuda
+    sums, f = _kfac(model, values, torch.rand(5, 64, device="cuda"))
+    assert f.is_cuda and sums[0]["A"].is_cuda
     x, y = torch.rand(40, 64, device="cuda"), torch.randint(0, 3, (40,), device="cuda")
     res = learn_invariance(model, (x, y), epochs=2, burnin=1, batch_size=20)
     assert math.isfinite(res.history["log_evidence"][-1])
@@ -459,9 +423,9 @@ def test_online_eta_step_reuses_the_guide_curvature(monkeypatch):
     """In fit(..., marglik=) the η step makes no full-data factor pass of its own (it reuses
     the guide's curvature), and its step equals one from a fresh pass over the same draws
     (the replay is exact); a curvature from other draws gives another step."""
-    from pyro_bnn.data import TensorBatches
+    from pyro_bnn.data.batches import TensorBatches
     from pyro_bnn.invariance import guide_step
-    from pyro_bnn.training import FitContext
+    from pyro_bnn.training.loop import FitContext
 
     def no_second_pass(*args, **kwargs):
         raise AssertionError("the online η step recomputed the full-data factors")

@@ -66,7 +66,7 @@ def test_map_objective_is_stationary_at_exact_map():
 def test_guide_draws_have_posterior_covariance():
     model, guide, x, y, xt, P, sigma = _blr("kron")
     torch.manual_seed(0)
-    draws = torch.stack([torch.cat([v.reshape(-1) for v in pb.prediction.sample_latents(model, guide, x[:2]).values()])
+    draws = torch.stack([torch.cat([v.reshape(-1) for v in pb.posterior.prediction.sample_latents(model, guide, x[:2]).values()])
                          for _ in range(2000)])
     emp = torch.cov(draws.T)
     exact = torch.linalg.inv(P)

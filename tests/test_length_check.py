@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.length_check import estimate_objective
+from pyro_bnn.training.length_check import estimate_objective
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_estimate_objective_weights_minibatches_into_one_unbiased_estimate(regre
     assert abs(full - batched) < 4 * (full_se ** 2 + batched_se ** 2) ** 0.5
     # the reference: the guide's own objective on the whole data, averaged
     objective = pb.guides.guide_contract(guide).make_objective(1)
-    from pyro_bnn._local_params import local_params
+    from pyro_bnn.contract.local_params import local_params
     with torch.no_grad(), local_params(model, guide):
         ref = -sum(float(objective(model, guide, *regression, num_data=100)) for _ in range(2000)) / 2000
     assert abs(full - ref) < 4 * full_se + 0.05
@@ -59,7 +59,7 @@ def test_estimate_objective_leaves_out_the_laplace_prior_normaliser():
     batched, _ = estimate_objective(model, guide, (x, y), draws=2, eval_batch_size=33)
     assert se == 0.0
     assert batched == pytest.approx(full, rel=1e-5)
-    from pyro_bnn._local_params import local_params
+    from pyro_bnn.contract.local_params import local_params
     with torch.no_grad(), local_params(model, guide):
         loss, extras = pb.guides.guide_contract(guide).make_objective(1)(model, guide, x, y, num_data=200)
     assert float(extras["loss_constant"]) > 0.5 * float(loss)  # most of the loss: it must be left out

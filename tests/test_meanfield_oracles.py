@@ -12,10 +12,10 @@ from pyro.infer.autoguide import AutoDelta
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn._local_params import local_params
+from pyro_bnn.contract.local_params import local_params
+from pyro_bnn.contract.pyro_objective import PyroObjective
 from pyro_bnn.guides.meanfield import meanfield_loss
-from pyro_bnn.objectives import PyroObjective
-from pyro_bnn.training import setup_guide
+from pyro_bnn.training.loop import setup_guide
 
 NOISE, PRIOR_SCALE = 0.5, 1.0
 
@@ -187,7 +187,7 @@ def test_fit_publishes_to_pyro_store_without_sharing_between_guides():
 def test_kl_annealing_weights_the_kl_term():
     """loss(w) = data term + w·KL exactly; w = epoch/K during the first K epochs of a fit."""
     from pyro_bnn.guides.meanfield import closed_form_kl
-    from pyro_bnn.training import FitContext
+    from pyro_bnn.training.loop import FitContext
 
     torch.manual_seed(0)
     model = pb.BNN(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)))

@@ -91,7 +91,7 @@ def test_evaluate_every_guide_noise_ood(name):
     d = digits()
     x_in = d.x_test[:150]
     x_out = torch.rand(150, 64, generator=torch.Generator().manual_seed(0))
-    res = pb.ood.evaluate(model, guide, x_in, x_out, num_samples=16)
+    res = pb.analysis.ood.evaluate(model, guide, x_in, x_out, num_samples=16)
     assert set(res) == set(SCORES)
     for score in res.values():
         assert 0.0 <= score["auroc"] <= 1.0 and 0.0 <= score["aupr"] <= 1.0

@@ -17,7 +17,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.analysis import pruning
-from pyro_bnn.convergence import ConvergenceWarning
+from pyro_bnn.training.convergence import ConvergenceWarning
 
 
 def _net(out=3):
@@ -49,7 +49,7 @@ def test_likelihood_name_typo_names_the_closest(name, close):
 
 @pytest.mark.parametrize("value", [nn.CrossEntropyLoss(), None, 3])
 def test_likelihood_of_another_type(value):
-    with pytest.raises(TypeError, match=r"likelihood must be one of .* or a pyro_bnn.likelihoods.Likelihood, got"):
+    with pytest.raises(TypeError, match=r"likelihood must be one of .* or a pyro_bnn.model.likelihoods.Likelihood, got"):
         pb.BNN(_net(), value)
 
 
@@ -128,8 +128,8 @@ def test_prior_hyperparameters_refused(make, error, pattern):
 
 
 @pytest.mark.parametrize("prior, pattern", [
-    ("normal", r"prior must be a pyro_bnn.priors.Prior.*a dict of them .*got str"),
-    ({"*": 1.0}, r"prior for 'net.0.weight' must be a pyro_bnn.priors.Prior, got float"),
+    ("normal", r"prior must be a pyro_bnn.model.priors.Prior.*a dict of them .*got str"),
+    ({"*": 1.0}, r"prior for 'net.0.weight' must be a pyro_bnn.model.priors.Prior, got float"),
 ])
 def test_prior_of_another_type(prior, pattern):
     with pytest.raises(TypeError, match=pattern):

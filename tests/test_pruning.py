@@ -10,9 +10,9 @@ from pyro.nn import PyroModule
 from uncertainty_helpers import GUIDE_NAMES, digits, mlp, trained
 
 import pyro_bnn as pb
-from pyro_bnn import pruning
-from pyro_bnn._draws import site_moments
+from pyro_bnn.analysis import pruning
 from pyro_bnn.guides import init_to_network
+from pyro_bnn.posterior.draws import site_moments
 
 
 def _predict(model, guide, x, seed=3):
@@ -111,7 +111,7 @@ def test_export_pruned_is_plain_and_matches_masked_mean(name):
     assert not any(m._forward_pre_hooks for m in net.modules())
     mean = pruning.posterior_mean(model, guide, num_samples=64, seed=0)
     masked = {s: mean[s] * handle.masks[s] for s in mean}
-    with torch.no_grad(), pb._local_params.local_params(model):
+    with torch.no_grad(), pb.contract.local_params.local_params(model):
         expected = model.run_with(masked, x)
         torch.testing.assert_close(net(x), expected)
     params = dict(net.named_parameters())

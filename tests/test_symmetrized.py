@@ -15,7 +15,8 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.guides import symmetry as sym
 from pyro_bnn.guides.meanfield import meanfield_loss
-from pyro_bnn.guides.symmetrized import entropy_gap, log_density_ratios, symmetrized_terms
+from pyro_bnn.guides.symmetrized import log_density_ratios, symmetrized_terms
+from pyro_bnn.guides.symmetrized_entropy import uniform_entropy_gap
 
 
 def _random_values(shapes, gen, dtype=torch.float64):
@@ -39,7 +40,7 @@ def test_discovers_mlp_hidden_layers_and_leaves_output_alone():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 5, generator=gen, dtype=torch.float64)
     values = _random_values(shapes, gen)
-    with pb._local_params.local_params(model):
+    with pb.contract.local_params.local_params(model):
         assert sym.check_symmetries(_bnn_function(model, x), values, groups, generator=gen) == [True, True]
         # the output layer is *not* a symmetry: permuting its rows changes f
         bad = [{"net.5.weight": 0, "net.5.bias": 0}]
@@ -57,7 +58,7 @@ def test_discovers_conv_channels_not_across_flatten():
                       {"net.6.weight": 0, "net.6.bias": 0, "net.8.weight": 1}]
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 1, 8, 8, generator=gen, dtype=torch.float64)
-    with pb._local_params.local_params(model):
+    with pb.contract.local_params.local_params(model):
         flags = sym.check_symmetries(_bnn_function(model, x), _random_values(shapes, gen), groups,
                                      generator=gen)
     assert flags == [True, True]
@@ -105,10 +106,10 @@ def test_discovery_in_handwritten_pyromodule_and_function_invariance():
 
     values = {k: torch.randn(s) for k, s in guide.site_shapes().items()}
     assert sym.check_symmetries(function, values, groups) == [True]
-    terms = pb.symmetrized_elbo(model, guide, (x, y), num_permutations=4, num_samples=4,
+    terms = pb.guides.symmetrized.symmetrized_elbo(model, guide, (x, y), num_permutations=4, num_samples=4,
                                 estimator="uniform", return_terms=True)
     assert math.isfinite(terms["symmetrized_elbo"]) and terms["entropy_gap"] <= math.log(4) + 1e-6
-    local = pb.symmetrized_elbo(model, guide, (x, y), num_permutations=4, num_samples=4,
+    local = pb.guides.symmetrized.symmetrized_elbo(model, guide, (x, y), num_permutations=4, num_samples=4,
                                 return_terms=True)
     assert math.isfinite(local["symmetrized_elbo"]) and local["log_group_order"] == pytest.approx(math.log(6))
 
@@ -210,7 +211,7 @@ def test_entropy_bound_against_brute_force_mixture_entropy():
     means = {1: 0.0}
     for K in (2, 4, 16):
         perms = torch.rand(n, K - 1, 3, generator=gen).argsort(-1)
-        vals = _per_sample(entropy_gap, locs, scales, groups)(values, perms)
+        vals = _per_sample(uniform_entropy_gap, locs, scales, groups)(values, perms)
         assert bool((vals <= math.log(K) + 1e-9).all())
         diff = exact - vals                     # paired: H(q_G) − Ĥ_K ≥ 0 in expectation
         assert diff.mean().item() > -3 * diff.std().item() / math.sqrt(n)
@@ -245,7 +246,7 @@ def test_k2_bound_has_closed_form_for_two_units():
     ratios = torch.vmap(lambda v: log_density_ratios(v, locs, scales, groups, all_g))(values)
     gaps_exact = math.log(2) - torch.logsumexp(ratios, -1)
     perms = torch.rand(n, 1, 2, generator=gen).argsort(-1)
-    gaps2 = _per_sample(entropy_gap, locs, scales, groups)(values, perms)
+    gaps2 = _per_sample(uniform_entropy_gap, locs, scales, groups)(values, perms)
     se = gaps_exact.std().item() / math.sqrt(n)
     assert gaps_exact.mean().item() == pytest.approx(h_qg - h_q, abs=4 * se + 1e-4)
     se2 = gaps2.std().item() / math.sqrt(n)
@@ -256,9 +257,9 @@ def test_symmetrized_elbo_agrees_with_exact_enumeration():
     model, guide, locs, scales = _small_net_guide()
     x, y = torch.randn(30, 1), torch.randn(30, 1)
     pyro.set_rng_seed(0)
-    exact = pb.symmetrized_elbo(model, guide, (x, y), exact=True, num_samples=200, return_terms=True)
+    exact = pb.guides.symmetrized.symmetrized_elbo(model, guide, (x, y), exact=True, num_samples=200, return_terms=True)
     pyro.set_rng_seed(0)   # same ω draws (their own stream), different permutations
-    approx = pb.symmetrized_elbo(model, guide, (x, y), num_permutations=500, num_samples=200,
+    approx = pb.guides.symmetrized.symmetrized_elbo(model, guide, (x, y), num_permutations=500, num_samples=200,
                                  return_terms=True)
     assert exact["log_group_order"] == pytest.approx(math.log(6))
     assert 0.05 < exact["entropy_gap"] < math.log(6) - 0.05
@@ -289,7 +290,7 @@ def test_objective_invariant_under_permuting_mu_sigma():
     # π_j ↦ g π_j g⁻¹, as index maps: compose(g⁻¹, compose(π_j, g))
     perms_g = [sym.compose_permutations(gi.expand_as(p), sym.compose_permutations(p, gg.expand_as(p)))
                for p, gg, gi in zip(perms, g, g_inv)]
-    with pb._local_params.local_params(model):
+    with pb.contract.local_params.local_params(model):
         nll, gap = symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=20)
         move = lambda v: sym.apply_permutation(v, groups, g)  # noqa: E731
         nll_g, gap_g = symmetrized_terms(model, move(locs), move(scales), x, y, move(noise), groups,
@@ -310,7 +311,7 @@ def test_one_permutation_is_exactly_meanfield():
     mf = pb.guides.MeanField(model, local_reparameterization=False)   # weight noise, as Symmetrized
     sy = pb.guides.Symmetrized(model, num_permutations=1, estimator="uniform")
     x, y = data.x_train[:50], data.y_train[:50]
-    with pb._local_params.local_params(model, mf, sy):
+    with pb.contract.local_params.local_params(model, mf, sy):
         for guide in (mf, sy):
             pb.training.setup_guide(model, guide, x, y, 1000)
         torch.manual_seed(7)
@@ -367,7 +368,7 @@ def test_symmetrized_fit_on_cuda():
     guide = pb.guides.Symmetrized(model, num_permutations=4)
     res = pb.fit(model, guide, data.train, epochs=1, batch_size=128, device="cuda", progress=False)
     assert math.isfinite(res.history["symmetrized_elbo"][-1])
-    terms = pb.symmetrized_elbo(model, guide, data.train, num_permutations=8, num_samples=2,
+    terms = pb.guides.symmetrized.symmetrized_elbo(model, guide, data.train, num_permutations=8, num_samples=2,
                                 return_terms=True)
     assert math.isfinite(terms["symmetrized_elbo"])
 
@@ -621,7 +622,7 @@ def test_training_fast_path_matches_the_generic_local_bound():
     model = pb.BNN(nn.Sequential(nn.Linear(64, 6), nn.ReLU(), nn.Linear(6, 10)))
     guide = pb.guides.Symmetrized(model, init_scale=0.3)
     x, y = data.x_train[:40], data.y_train[:40]
-    with pb._local_params.local_params(model, guide):
+    with pb.contract.local_params.local_params(model, guide):
         pb.training.setup_guide(model, guide, x, y, 500)
         with torch.no_grad():
             for name in guide.site_names():
@@ -685,7 +686,7 @@ def test_exact_estimator_is_the_enumerated_gap_and_refuses_large_groups():
     model = pb.BNN(nn.Sequential(nn.Linear(1, 3), nn.ReLU(), nn.Linear(3, 1)), "gaussian", noise=0.5)
     guide = pb.guides.Symmetrized(model, estimator="exact", init_scale=0.5)
     x, y = torch.randn(8, 1), torch.randn(8, 1)
-    with pb._local_params.local_params(model, guide):
+    with pb.contract.local_params.local_params(model, guide):
         pb.training.setup_guide(model, guide, x, y, 8)
         torch.manual_seed(3)
         loss, extras = guide.make_objective()(model, guide, x, y, num_data=8)

@@ -1,5 +1,5 @@
 """The uncertainty tools' shared rules: seeding leaves the caller's random streams alone,
-one ``method=`` keyword (``predictive=`` deprecated), inputs follow the model's device."""
+one ``method=`` keyword, inputs follow the model's device."""
 
 import random
 
@@ -11,7 +11,8 @@ from uncertainty_helpers import digits, mlp, trained
 
 import pyro_bnn as pb
 from pyro_bnn.analysis import active, adversarial, corruption, ood, pruning
-from pyro_bnn.analysis.tool_support import model_device, renamed_keyword, seeded, to_model_device
+from pyro_bnn.analysis.tool_support import seeded, to_model_device
+from pyro_bnn.training.devices import module_device
 
 
 def _streams():
@@ -112,30 +113,22 @@ def test_tools_with_seed_leave_the_callers_streams_unchanged(tool):
     assert _same(first, second), f"{tool}(seed=5) is not reproducible"
 
 
-def test_pruning_curve_method_keyword_and_deprecated_predictive():
+def test_pruning_curve_method_keyword():
     model, guide = trained("meanfield")
     d = digits()
     x, y = d.x_test[:80], d.y_test[:80]
-    new = pruning.pruning_curve(model, guide, x, y, [0.0, 0.9], method="mean")
-    with pytest.warns(DeprecationWarning, match="predictive= is deprecated, use method='mean'"):
-        old = pruning.pruning_curve(model, guide, x, y, [0.0, 0.9], predictive="mean")
-    assert old == new
-    with pytest.raises(ValueError, match="pass only method="), pytest.warns(DeprecationWarning):
-        pruning.pruning_curve(model, guide, x, y, [0.0], method="mean", predictive="sample")
+    curve = pruning.pruning_curve(model, guide, x, y, [0.0, 0.9], method="mean")
+    assert curve["fraction"] == [0.0, 0.9] and len(curve["accuracy"]) == 2
+    with pytest.raises(TypeError, match="predictive"):              # the old name is gone
+        pruning.pruning_curve(model, guide, x, y, [0.0], predictive="mean")
     with pytest.raises(ValueError, match="does not apply the pruning masks"):
         pruning.pruning_curve(model, guide, x, y, [0.0], method="glm")
 
 
-def test_renamed_keyword():
-    assert renamed_keyword("method", "sample", "predictive", None, "f", "sample") == "sample"
-    with pytest.warns(DeprecationWarning, match="f: predictive= is deprecated"):
-        assert renamed_keyword("method", "sample", "predictive", "mean", "f", "sample") == "mean"
-
-
 def test_model_device_and_moves():
     model, guide = trained("meanfield")
-    assert model_device(model, guide) == torch.device("cpu")
-    assert model_device(object()) == torch.device("cpu")                 # no parameters: the default
+    assert module_device(model, guide) == torch.device("cpu")
+    assert module_device(object()) == torch.device("cpu")                # no parameters: the default
     x = torch.zeros(2, 64)
     assert to_model_device(model, guide, x) is x                        # already there: no copy
     a, b = to_model_device(model, guide, x, None)

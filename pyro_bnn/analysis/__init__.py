@@ -2,10 +2,10 @@
 detection, adversarial robustness, active learning, corruption sweeps, and their plots.
 
 Each tool takes ``(model, guide, ...)`` for any guide, moves inputs to the model's device,
-and seeds its own random streams without touching the caller's (``seed=``).  The modules are
-also reachable at the top level as ``pb.pruning``, ``pb.ood``, ``pb.adversarial``,
-``pb.active`` and ``pb.corruption``; ``uncertainty_plots`` (matplotlib) is imported on first
-use.
+and seeds its own random streams without touching the caller's (``seed=``):
+``pb.analysis.pruning``, ``pb.analysis.ood``, ``pb.analysis.adversarial``,
+``pb.analysis.active`` and ``pb.analysis.corruption``; ``uncertainty_plots`` (matplotlib) is
+imported on first use.
 """
 
 from __future__ import annotations

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import metrics
-from ..prediction import evaluate as _evaluate
-from ..prediction import predict
-from ..training import fit
+from ..posterior import metrics
+from ..posterior.prediction import evaluate as _evaluate
+from ..posterior.prediction import predict
+from ..training.loop import fit
 from .tool_support import seeded, to_model_device
 
 __all__ = ["run", "ActiveResult", "acquisition_scores", "balanced_initial", "ACQUISITIONS"]

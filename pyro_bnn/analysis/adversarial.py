@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import metrics
-from .._draws import draw_latents, probs_from_latents
+from ..posterior import metrics
+from ..posterior.draws import draw_latents, probs_from_latents
 from .tool_support import seeded, to_model_device
 
 __all__ = ["fgsm", "fgsm_from_latents", "fgsm_curve"]

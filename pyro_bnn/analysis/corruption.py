@@ -19,9 +19,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import metrics
-from .._draws import draw_latents, probs_from_latents
-from ..prediction import predict
+from ..posterior import metrics
+from ..posterior.draws import draw_latents, probs_from_latents
+from ..posterior.prediction import predict
 from .tool_support import seeded, to_model_device
 
 __all__ = ["rotate", "gaussian_noise", "corruption_curve", "rotation_curve", "noise_curve"]

@@ -39,7 +39,7 @@ repo) and documented as such.
 
 Guides without a per-weight σ
 -----------------------------
-Scores use :func:`pyro_bnn._draws.site_moments`: exact ``(μ, σ)`` from
+Scores use :func:`pyro_bnn.posterior.draws.site_moments`: exact ``(μ, σ)`` from
 ``guide.loc_and_scale`` (MeanField, symmetrised) or ``AutoNormal`` quantiles; otherwise
 the marginal mean and std of ``num_samples`` joint guide draws (hypernetwork, Laplace,
 low-rank: the std then includes the correlations' marginal effect).  Point-estimate
@@ -61,11 +61,11 @@ import torch
 from pyro.nn import PyroModule
 from torch import nn
 
-from .. import metrics
-from .._draws import draw_latents, probs_from_latents, site_moments
 from ..arguments import check_choice, check_int
-from ..model import is_bnn, site_module
-from .tool_support import renamed_keyword, seeded, to_model_device
+from ..model.bnn import is_bnn, site_module
+from ..posterior import metrics
+from ..posterior.draws import draw_latents, probs_from_latents, site_moments
+from .tool_support import seeded, to_model_device
 
 __all__ = ["scores", "prune_", "unprune_", "PruningHandle", "pruning_curve", "export_pruned",
            "posterior_mean"]
@@ -163,7 +163,7 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
 
     Examples
     --------
-    >>> s = pb.pruning.scores(guide, "snr", model=model)         # doctest: +SKIP
+    >>> s = pb.analysis.pruning.scores(guide, "snr", model=model)         # doctest: +SKIP
     """
     _check_kind(kind)
     num_samples = check_int("num_samples", num_samples, 1)
@@ -384,8 +384,7 @@ PRUNING_METHODS = ("sample", "mean")
 @torch.no_grad()
 def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0, 0.5, 0.9, 0.95),
                   kind: str = "snr", num_samples: int = 32, method: str = "sample",
-                  sites=None, seed: int | None = 0, batch_size: int = 1024,
-                  predictive: str | None = None) -> dict[str, list]:
+                  sites=None, seed: int | None = 0, batch_size: int = 1024) -> dict[str, list]:
     """Test accuracy and NLL as a growing fraction of weights is pruned.
 
     Parameters
@@ -406,8 +405,6 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
     seed : int or None
         Seeds the draws (scores of sample-based guides and the predictive) without
         touching the caller's random streams; ``None`` uses and advances them.
-    predictive : str, optional
-        Deprecated name of ``method``.
 
     Returns
     -------
@@ -415,7 +412,6 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
         ``fraction``, ``accuracy``, ``nll``, ``num_pruned`` lists (one entry per fraction)
         and ``kind``.
     """
-    method = renamed_keyword("method", method, "predictive", predictive, "pruning_curve", "sample")
     if method not in PRUNING_METHODS:
         raise ValueError(f"pruning_curve: method must be one of {PRUNING_METHODS} (a guide's own "
                          f"predictive does not apply the pruning masks), got {method!r}")

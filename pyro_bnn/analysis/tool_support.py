@@ -8,49 +8,24 @@
 * **Device** — inputs are moved to the model's device (:func:`to_model_device`); tensors a
   tool returns live there too, as those of :func:`pyro_bnn.predict` do.
 * **Predictive** — one keyword, ``method=``, selects the predictive (``"sample"``, a guide's
-  own such as Laplace's ``"glm"``, or a tool's own such as pruning's ``"mean"``);
-  :func:`renamed_keyword` turns an old name (``predictive=``) into a ``DeprecationWarning``.
+  own such as Laplace's ``"glm"``, or a tool's own such as pruning's ``"mean"``).
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from ..devices import module_device
-from ..seeding import seeded
+from ..training.devices import module_device
+from ..training.seeding import seeded
 
-__all__ = ["seeded", "model_device", "to_model_device", "renamed_keyword"]
-
-_UNSET = object()
-
-
-def model_device(model, guide=None, default: torch.device | str = "cpu") -> torch.device:
-    """The device of the model's (else the guide's) first parameter or buffer, else ``default``."""
-    return module_device(model, guide, default=default)
+__all__ = ["seeded", "to_model_device"]
 
 
 def to_model_device(model, guide, *tensors: torch.Tensor | None):
-    """``tensors`` moved to :func:`model_device` (``None`` stays ``None``); a tuple, or the one
-    tensor if only one is given."""
-    device = model_device(model, guide)
+    """``tensors`` moved to the device of the model's (else the guide's) first parameter or
+    buffer (:func:`pyro_bnn.training.devices.module_device`; ``None`` stays ``None``); a tuple, or the
+    one tensor if only one is given."""
+    device = module_device(model, guide)
     moved = tuple(t if t is None else t.to(device) for t in tensors)
     return moved[0] if len(moved) == 1 else moved
 
-
-def renamed_keyword(new_name: str, new_value, old_name: str, old_value, where: str, default):
-    """The value of a keyword renamed from ``old_name`` to ``new_name``.
-
-    ``old_value`` is the old keyword's argument (``_UNSET``/``None`` if not passed), ``new_value``
-    the new one's (``default`` if not passed).  Passing the old name warns with a
-    ``DeprecationWarning``; passing both with different values is an error.
-    """
-    if old_value is None or old_value is _UNSET:
-        return new_value
-    warnings.warn(f"{where}: {old_name}= is deprecated, use {new_name}={old_value!r}",
-                  DeprecationWarning, stacklevel=3)
-    if new_value != default and new_value != old_value:
-        raise ValueError(f"{where}: got {new_name}={new_value!r} and the deprecated "
-                         f"{old_name}={old_value!r}; pass only {new_name}=")
-    return old_value

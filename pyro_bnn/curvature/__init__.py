@@ -7,7 +7,10 @@
 * :mod:`~.kfac`, :mod:`~.ggn` — per-batch KFAC factors, diagonal and full GGN;
 * :mod:`~.fit` — accumulation over a loader (with an optional ``reduce_fn`` all-reduce);
 * :mod:`~.glm` — streamed linearised predictive (``Σ_f``, ``J Δθ``, log predictive densities);
-* :mod:`~.network` — how a model is run with given weights, likelihood Hessian factors.
+* :mod:`~.network` — how a model is run with given weights, likelihood Hessian factors;
+* :mod:`~.marglik` — the Laplace-GGN log evidence and its hyperparameter optimisation.
+
+May import: :mod:`pyro_bnn.model`, :mod:`pyro_bnn.data`, :mod:`pyro_bnn.arguments`.
 """
 
 from .fit import STRUCTURES, CurvatureFit, accumulate_curvature

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..data import BatchCheck, as_targets, split_batch
-from ..likelihoods import make_likelihood
+from ..data.batches import BatchCheck, as_targets, split_batch
+from ..model.likelihoods import make_likelihood
 from .ggn import diag_blocks, diag_ggn_sums, full_block, full_ggn_sum
 from .kfac import kfac_blocks, kfac_sums_from_factors
 from .layers import Layer, capture_factors
@@ -86,7 +86,7 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
     Raises
     ------
     TypeError, ValueError
-        A batch the likelihood cannot take (:class:`~pyro_bnn.data.BatchCheck`, the check
+        A batch the likelihood cannot take (:class:`~pyro_bnn.data.batches.BatchCheck`, the check
         of ``pb.fit``): NaN/inf inputs or targets, as many targets as inputs, categorical
         labels that are not integers in ``[0, C)`` (PyTorch's ignore_index −100, which
         ``F.cross_entropy`` would silently drop from the log-likelihood, is refused),

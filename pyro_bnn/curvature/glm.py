@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data import as_targets, check_targets
+from ..data.batches import as_targets, check_targets
 from .ggn import per_example_gradients
 from .layers import Layer, capture_factors
 from .network import identity_columns
@@ -179,7 +179,7 @@ def pointwise_log_likelihood(kind: str, f: torch.Tensor, y: torch.Tensor,
 
 def checked_targets(kind: str, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     """``y`` checked against the likelihood ``kind`` and the output ``f`` (``(..., N, C)``):
-    :func:`pyro_bnn.data.check_targets`, the check of ``pb.fit`` (integer labels in
+    :func:`pyro_bnn.data.batches.check_targets`, the check of ``pb.fit`` (integer labels in
     ``[0, C)``, 0/1, finite values of the output's width).  Returns int64 labels
     (categorical), or ``(N, 1)`` for ``(N,)`` targets of a one-output network."""
     if not isinstance(y, torch.Tensor):

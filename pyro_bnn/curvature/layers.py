@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import site_module
+from ..model.bnn import site_module
 
 __all__ = ["Layer", "find_layers", "capture_factors"]
 

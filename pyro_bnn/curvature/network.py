@@ -1,7 +1,7 @@
 """The one place that knows how to run a model with given weights and read its likelihood.
 
 * :class:`pyro_bnn.BNN`: the weights go into the ``PyroModule`` sample cache
-  (:func:`pyro_bnn.guides.meanfield._run_with_values`) and ``f = model.function(x)``.
+  (:meth:`pyro_bnn.BNN.run_with`) and ``f = model.function(x)``.
 * A hand-written ``PyroModule`` model: it is traced conditioned on the weights and ``f``
   is read from the observed site's distribution (``logits`` of a Categorical/Bernoulli,
   ``loc`` of a Normal, whose fixed ``scale`` becomes the noise).
@@ -14,14 +14,10 @@ import torch
 from pyro import poutine
 from pyro.poutine.util import site_is_subsample
 
-from ..guides.meanfield import _run_with_values
-from ..likelihoods import Bernoulli, Categorical, Gaussian
+from ..model.bnn import is_bnn
+from ..model.likelihoods import Bernoulli, Categorical, Gaussian
 
 __all__ = ["network_output", "likelihood_kind", "hessian_columns", "log_likelihood_terms"]
-
-
-def _is_bnn(model) -> bool:
-    return hasattr(model, "site_names") and hasattr(model, "function") and hasattr(model, "likelihood")
 
 
 def _obs_distribution(model, values, x, obs_site=None):
@@ -51,8 +47,8 @@ def network_output(model, values: dict, x: torch.Tensor, obs_site: str | None = 
     """Network output ``f`` (logits or regression mean), shape ``(M, C)``, under ``values``
     (a hand-written model's 1-D Normal/Bernoulli observation of shape ``(M,)`` gives ``(M, 1)``;
     its observed site is ``obs_site`` or, by default, its single non-latent sample site)."""
-    if _is_bnn(model):
-        return _run_with_values(model, values, x)
+    if is_bnn(model):
+        return model.run_with(values, x)
     d = _obs_distribution(model, values, x, obs_site)
     if isinstance(d, dist.Categorical):
         return d.logits
@@ -65,7 +61,7 @@ def network_output(model, values: dict, x: torch.Tensor, obs_site: str | None = 
 def likelihood_kind(model, values: dict, x: torch.Tensor,
                     obs_site: str | None = None) -> tuple[str, torch.Tensor | None]:
     """``("categorical" | "bernoulli" | "gaussian", σ or None)``; ``σ`` keeps its graph."""
-    if _is_bnn(model):
+    if is_bnn(model):
         lik = model.likelihood
         if isinstance(lik, Categorical):
             return "categorical", None

@@ -1,9 +1,16 @@
 """Guides (variational families and the Laplace approximation) — swap them on one model.
 
-See :mod:`pyro_bnn.guides.base` for the small contract a new guide implements.
+See :mod:`pyro_bnn.contract.guide` for the small contract a new guide implements.
 """
 
-from .base import GUIDE_REGISTRY, BNNGuide, guide_contract, init_to_network, register_guide, registered_guides
+from ..contract.guide import (
+           GUIDE_REGISTRY,
+           BNNGuide,
+           guide_contract,
+           init_to_network,
+           register_guide,
+           registered_guides,
+)
 from .hypernet import Hypernet, HypernetELBO
 from .laplace import Laplace
 from .meanfield import MeanField, MeanFieldELBO

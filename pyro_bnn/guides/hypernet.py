@@ -34,14 +34,14 @@ from pyro.infer import RenyiELBO, Trace_ELBO
 from pyro.infer.autoguide import AutoContinuous
 
 from ..arguments import check_bool, check_choice, check_int, check_positive
-from ..likelihoods import Categorical, log_likelihood
-from ..model import is_bnn, site_module
-from ..objectives import PyroObjective
-from ..weight_norm import is_weight_norm_layer
-from .base import BNNGuide, init_to_network, register_guide
+from ..contract.guide import BNNGuide, init_to_network, register_guide
+from ..contract.objective import GuideObjective
+from ..contract.pyro_objective import PyroObjective
+from ..model.bnn import is_bnn, site_module
+from ..model.likelihoods import Categorical, log_likelihood
+from ..model.weight_norm import is_weight_norm_layer
 from .hypernet_flows import FLOW_TYPES, HypernetFlow
 from .meanfield import MeanField
-from .objective import GuideObjective
 
 __all__ = ["Hypernet", "HypernetELBO", "clipped_log_likelihood"]
 
@@ -227,7 +227,7 @@ class Hypernet(BNNGuide, AutoContinuous):
                 "Hypernet(full=False) puts the flow over the weight-norm scales g only, but "
                 f"{len(other)} of the model's {len(names)} latent sites are not weight-norm "
                 f"scales ('weight_g' of a WeightNormLinear/WeightNormConv2d layer): {shown}. "
-                "Use pb.BNN(net, weight_norm=True), weight-norm layers from pyro_bnn.weight_norm "
+                "Use pb.BNN(net, weight_norm=True), weight-norm layers from pyro_bnn.model.weight_norm "
                 "in a hand-written model, or full=True for a flow over every latent site "
                 "(small networks only).")
 
@@ -357,7 +357,7 @@ class HypernetELBO(GuideObjective):
     Pyro's ``Trace_ELBO`` / ``RenyiELBO``.  Returns ``(loss, {"nll", "kl"})``, both per
     particle averages (``kl`` is the Monte Carlo ``log q − log p``).
 
-    It is also a Pyro ``ELBO`` (:class:`~pyro_bnn.guides.objective.GuideObjective`):
+    It is also a Pyro ``ELBO`` (:class:`~pyro_bnn.contract.objective.GuideObjective`):
     ``SVI(model, guide, optim, loss=guide.make_objective())`` optimises this same loss
     (the Rényi bound and ``prob_clip`` included), which Pyro's ``Trace_ELBO`` does not.
     """

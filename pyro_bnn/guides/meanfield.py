@@ -29,12 +29,12 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 from torch.distributions import kl_divergence
 
-from ..likelihoods import log_likelihood
-from ..model import BAYESIAN_LAYERS, is_bnn, site_module
-from ..objectives import PyroObjective
+from ..contract.guide import BNNGuide, init_to_network, register_guide
+from ..contract.objective import GuideObjective
+from ..contract.pyro_objective import PyroObjective
+from ..model.bnn import BAYESIAN_LAYERS, is_bnn, site_module
+from ..model.likelihoods import log_likelihood
 from ._fused_gaussian import can_fuse, sample_and_kl
-from .base import BNNGuide, init_to_network, register_guide
-from .objective import GuideObjective
 
 __all__ = ["MeanField", "MeanFieldELBO"]
 
@@ -52,7 +52,7 @@ class MeanField(BNNGuide, AutoNormal):
         regression with a learned noise scale 0.01 reached the best ELBO; 0.1 ended the
         regression in the optimum that explains the data as noise, 1e-3 converged slower.
     init_loc_fn : callable, optional
-        Pyro init strategy; default :class:`~pyro_bnn.guides.base.init_to_network`.
+        Pyro init strategy; default :class:`~pyro_bnn.contract.guide.init_to_network`.
     local_reparameterization : {"auto", True, False}
         Sample Linear/Conv pre-activations ``N(x μ, x² σ²)`` instead of weights during
         training (Kingma et al. 2015): the same ELBO with lower-variance gradients.
@@ -189,7 +189,7 @@ class MeanField(BNNGuide, AutoNormal):
         guide is set up, e.g. after one ``guide(x, y)``)."""
         if self.prototype_trace is None:
             raise RuntimeError("optim_args needs the guide set up first: call guide(x, y) once (or "
-                               "pyro_bnn.training.setup_guide) so the sites, and their fan-ins, are known")
+                               "pyro_bnn.training.loop.setup_guide) so the sites, and their fan-ins, are known")
         factors = self.loc_lr_factors() if self.loc_lr_scaling is not None else {}
 
         def args(param_name: str) -> dict:
@@ -270,7 +270,7 @@ class MeanFieldELBO(GuideObjective):
     It is what :func:`pyro_bnn.fit` optimises for a :class:`MeanField` guide, and a Pyro
     ``ELBO``: ``SVI(model, guide, optim, loss=MeanFieldELBO())`` with
     ``svi.step(x, y, num_data=N)`` optimises the same loss (see
-    :class:`~pyro_bnn.guides.objective.GuideObjective`).  Under plain ``SVI`` KL annealing
+    :class:`~pyro_bnn.contract.objective.GuideObjective`).  Under plain ``SVI`` KL annealing
     is the caller's: set ``guide.kl_weight`` before each epoch.
     """
 
@@ -402,11 +402,6 @@ def _fusable_sites(model, guide, sites) -> dict:
         if can_fuse(loc, *params):
             out[name] = (loc, rho, *params)
     return out
-
-
-def _run_with_values(model, values: dict, x):
-    """Deprecated alias of ``model.run_with(values, x)`` (:class:`pyro_bnn.BNN.run_with`)."""
-    return model.run_with(values, x)
 
 
 def supports_local_reparameterization(model) -> bool:

@@ -42,11 +42,12 @@ import torch
 from pyro import poutine
 from torch.distributions import kl_divergence
 
-from .._local_params import local_params, unwrap_model
-from ..data import as_tensors
-from ..likelihoods import log_likelihood
-from ..model import is_bnn
-from .base import register_guide
+from ..contract.guide import register_guide
+from ..contract.local_params import local_params, unwrap_model
+from ..contract.objective import GuideObjective
+from ..data.batches import as_tensors
+from ..model.bnn import is_bnn
+from ..model.likelihoods import log_likelihood
 from .meanfield import (
     MeanField,
     MeanFieldELBO,
@@ -54,7 +55,6 @@ from .meanfield import (
     meanfield_loss,
     standard_normal_like,
 )
-from .objective import GuideObjective
 from .symmetrized_entropy import local_entropy_gap, log_density_ratios, uniform_entropy_gap
 from .symmetry import (
     enumerate_group,
@@ -66,7 +66,7 @@ from .symmetry import (
 )
 
 __all__ = ["Symmetrized", "SymmetrizedELBO", "symmetrized_elbo", "symmetrized_terms",
-           "log_density_ratios", "entropy_gap", "ESTIMATORS"]
+           "log_density_ratios", "ESTIMATORS"]
 
 #: The entropy-gap estimators and their default K (training; :func:`symmetrized_elbo`);
 #: ``"exact"`` sums over all of G (small groups only: a reference, K is not used).
@@ -74,10 +74,6 @@ ESTIMATORS = {"local": (1, 100), "uniform": (10, 500), "exact": (1, 1)}
 
 #: Largest group ``"exact"`` enumerates.
 MAX_EXACT_GROUP = 100_000
-
-#: The paper's uniform-proposal estimator, under its historical name.
-entropy_gap = uniform_entropy_gap
-
 
 def _check_estimator(estimator) -> str:
     if estimator not in ESTIMATORS:
@@ -213,7 +209,7 @@ def symmetrized_terms(model, locs, scales, x, y, noise, groups, perms, num_data=
     nll = 0.0 - log_likelihood(model.likelihood, f, y).sum() * scale_factor
     if perms is None or not groups:
         return nll, torch.zeros((), device=nll.device, dtype=nll.dtype)
-    return nll, entropy_gap(values, locs, scales, groups, perms)
+    return nll, uniform_entropy_gap(values, locs, scales, groups, perms)
 
 
 class SymmetrizedELBO(GuideObjective):
@@ -237,7 +233,7 @@ class SymmetrizedELBO(GuideObjective):
 
     Notes
     -----
-    It is also a Pyro ``ELBO`` (:class:`~pyro_bnn.guides.objective.GuideObjective`):
+    It is also a Pyro ``ELBO`` (:class:`~pyro_bnn.contract.objective.GuideObjective`):
     ``SVI(model, guide, optim, loss=guide.make_objective())`` optimises the symmetrised
     objective (Pyro's ``Trace_ELBO`` would optimise the plain ELBO).
     """
@@ -421,7 +417,7 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
                                                     num_permutations)[0]))
             else:
                 perms = sample_permutations(sizes, num_permutations - 1, device=device)
-                gaps.append(float(entropy_gap(_f64(values), locs64, scales64, groups, perms)))
+                gaps.append(float(uniform_entropy_gap(_f64(values), locs64, scales64, groups, perms)))
     ell = sum(lls) / num_samples
     kl_total = kl + sum(kls) / num_samples
     gap = sum(gaps) / num_samples

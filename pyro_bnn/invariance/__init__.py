@@ -6,16 +6,16 @@ are chosen by the Laplace marginal likelihood (Immer, van der Ouderaa et al. 202
   network over ``S`` transformed copies.
 * :mod:`~pyro_bnn.invariance.evidence` — Laplace-KFAC evidence of the invariant model
   and its batched η-gradient, on :mod:`pyro_bnn.curvature` (KFAC with
-  ``num_augmentations``) and :func:`pyro_bnn.marglik.log_evidence` (a total over the data).
+  ``num_augmentations``) and :func:`pyro_bnn.curvature.marglik.log_evidence` (a total over the data).
 * :mod:`~pyro_bnn.invariance.step` — ``evidence_step``: one δ/η hyperparameter step.
 * :mod:`~pyro_bnn.invariance.guide_step` — η learning inside ``pb.fit(..., marglik=)``
   with a Laplace guide, reusing the guide's curvature.
 * :mod:`~pyro_bnn.invariance.learning` — ``learn_invariance(model, data, method=...)``:
   LILA, Augerino and no-invariance in one loop.
-* :mod:`~pyro_bnn.invariance.kfac` — deprecated names of the first API
-  (``invariant_kfac_factors``, ``LayerFactors``, ``eigen_factors``, ``batch_surrogate``,
-  ``log_evidence``), kept as thin wrappers.
 * :mod:`~pyro_bnn.invariance.datasets` — rotated/translated/scaled digits and MNIST.
+
+May import: :mod:`pyro_bnn.model`, :mod:`pyro_bnn.contract`, :mod:`pyro_bnn.data`,
+:mod:`pyro_bnn.curvature`, :mod:`pyro_bnn.training`, :mod:`pyro_bnn.arguments`.
 """
 
 from .augmentation import (
@@ -30,13 +30,11 @@ from .augmentation import (
 )
 from .datasets import transform_images, transformed_digits, transformed_mnist
 from .evidence import eta_surrogate, invariant_curvature
-from .kfac import LayerFactors, batch_surrogate, eigen_factors, invariant_kfac_factors, log_evidence
 from .learning import METHODS, InvarianceResult, learn_invariance, map_predict
 from .step import evidence_step
 
 __all__ = ["AffineAugmentation", "Affine1dAugmentation", "GENERATORS", "GENERATORS_1D",
            "affine_generators", "affine_matrices", "apply_affine", "infer_image_shape",
            "learn_invariance", "evidence_step", "map_predict", "InvarianceResult", "METHODS",
-           "invariant_kfac_factors", "LayerFactors", "batch_surrogate", "eigen_factors",
-           "log_evidence", "transform_images", "transformed_digits", "transformed_mnist",
+           "transform_images", "transformed_digits", "transformed_mnist",
            "invariant_curvature", "eta_surrogate"]

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from .. import datasets as _datasets
+from ..data import datasets as _datasets
 from .augmentation import GENERATORS, affine_generators, affine_matrices, apply_affine
 
 __all__ = ["transform_images", "transformed_digits", "transformed_mnist", "TRANSFORMS"]
@@ -75,7 +75,7 @@ def transformed_digits(kind: str = "rotate", extent: float = math.pi, seed: int 
     """scikit-learn's 8×8 digits with one fixed random transform per example.
 
     ``transformed_digits("rotate", math.pi)`` is fully rotated digits (uniform ±180°);
-    ``kind="none"`` gives the plain digits.  Split as :func:`pyro_bnn.datasets.digits`.
+    ``kind="none"`` gives the plain digits.  Split as :func:`pyro_bnn.data.datasets.digits`.
     ``size > 8`` first upsamples the images bilinearly to ``size × size`` (less
     interpolation blur when they are rotated again by a model's augmentation).
     """
@@ -95,7 +95,7 @@ def transformed_digits(kind: str = "rotate", extent: float = math.pi, seed: int 
 def transformed_mnist(root: str | os.PathLike, kind: str = "rotate", extent: float = math.pi,
                       num_train: int = 5000, num_test: int = 5000, seed: int = 0,
                       flatten: bool = True) -> _datasets.DataSplit:
-    """The MNIST ``num_train``/``num_test`` split (:func:`pyro_bnn.datasets.mnist_split`) with one
+    """The MNIST ``num_train``/``num_test`` split (:func:`pyro_bnn.data.datasets.mnist_split`) with one
     fixed random transform per example (``"rotate"`` with ``extent=π``: rotated MNIST)."""
     d = _datasets.mnist_split(root, num_train, num_test, flatten=flatten)
     return _datasets.DataSplit(transform_images(d.x_train, kind, extent, seed=seed + 1),

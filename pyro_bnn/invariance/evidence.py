@@ -1,6 +1,6 @@
 """Laplace-KFAC evidence of an invariant model and its η-gradient by minibatches.
 
-Built on :mod:`pyro_bnn.curvature` and :func:`pyro_bnn.marglik.log_evidence`, with their
+Built on :mod:`pyro_bnn.curvature` and :func:`pyro_bnn.curvature.marglik.log_evidence`, with their
 conventions: per layer ``l`` the posterior precision is the
 :class:`~pyro_bnn.curvature.structures.KronBlock` ``P_l = s·G_l ⊗ A_l + δ_l I`` (``A_l`` the
 summed input factor, ``G_l`` the output factor divided by ``N·T_l``), ``s = 1/σ²`` for a
@@ -31,17 +31,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import marglik as ml
 from ..curvature import CurvatureFit, Layer, accumulate_curvature, batch_kfac_factors, find_layers
+from ..curvature import marglik as ml
 from ..curvature.network import likelihood_kind, log_likelihood_terms
-from .kfac import (  # noqa: F401  (deprecated names of the first API, importable from here as before)
-    KronEigen,
-    accumulate_factors,
-    batch_surrogate,
-    eigen_factors,
-    log_det_posterior,
-    log_evidence,
-)
 
 __all__ = ["invariant_layers", "num_augmentations", "likelihood_scale", "seeded_draws",
            "batch_seeds", "invariant_curvature", "eta_surrogate", "log_evidence_at"]
@@ -190,7 +182,7 @@ def eta_surrogate(model, values: dict, x: torch.Tensor, y: torch.Tensor, layers:
 def log_evidence_at(curvature: CurvatureFit, layers: list[Layer], values: dict,
                     prior_precision: Sequence[torch.Tensor], noise: torch.Tensor | None = None,
                     ) -> torch.Tensor:
-    """:func:`pyro_bnn.marglik.log_evidence` of a KFAC curvature fit (total, differentiable in δ).
+    """:func:`pyro_bnn.curvature.marglik.log_evidence` of a KFAC curvature fit (total, differentiable in δ).
 
     ``noise``: the Gaussian σ (``None`` otherwise); ``s = 1/σ²``.
     """

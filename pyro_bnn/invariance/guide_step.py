@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from ..curvature import KronBlock, SplitBiasKronBlock
-from ..data import TensorBatches, split_batch
-from ..model import is_bnn
+from ..data.batches import TensorBatches, split_batch
+from ..model.bnn import is_bnn
+from ..training.distributed import unsharded_batches
 from .augmentation import _Augmentation
 from .evidence import batch_seeds, invariant_curvature, likelihood_scale, log_evidence_at
 from .step import eta_grad, eta_gradient_pass
@@ -86,7 +87,6 @@ def _whole_data_batches(ctx, batch_size: int, device):
     if isinstance(ctx.loader, TensorBatches):
         loader = TensorBatches(ctx.loader.x, ctx.loader.y, batch_size, shuffle=False)
     else:
-        from ..distributed import unsharded_batches
         loader = unsharded_batches(ctx.loader, batch_size)
     rank, world = (0, 1) if dstate is None else (dstate.rank, dstate.world_size)
     batches = [split_batch(b) for b in loader]
@@ -160,7 +160,7 @@ def guide_eta_step(guide, model, batches, optimizer, seed: int = 0, distributed=
 
     Makes its own full-data KFAC pass (joint weight-bias factors) over ``batches``:
     unshuffled ``(x, y)`` minibatches of the *whole* training data, batch ``i`` drawn with
-    seed ``seed + i``.  ``distributed``: a :class:`pyro_bnn.distributed.DistributedState`
+    seed ``seed + i``.  ``distributed``: a :class:`pyro_bnn.training.distributed.DistributedState`
     to split the batches across ranks and all-reduce the sums; ``None``: one process.
     Returns the log evidence (a total over the data, the guide's Laplace layers) before
     the step.

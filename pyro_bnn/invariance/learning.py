@@ -29,11 +29,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..arguments import check_int, check_positive
-from ..data import BatchCheck, CheckedBatches, TensorBatches, as_tensors, check_data, split_batch
-from ..divergence import DivergenceGuard
-from ..likelihoods import log_likelihood
-from ..lr_schedule import lr_factor_function, make_lr_scheduler
-from ..seeding import seeded
+from ..data.batches import BatchCheck, CheckedBatches, TensorBatches, as_tensors, check_data, split_batch
+from ..model.likelihoods import log_likelihood
+from ..training.divergence import DivergenceGuard
+from ..training.lr_schedule import lr_factor_function, make_lr_scheduler
+from ..training.seeding import seeded
 from .evidence import invariant_layers
 from .guide_step import guide_eta_optimizer, guide_eta_step, learnable_augmentation
 from .step import eta_grad, evidence_step
@@ -75,7 +75,7 @@ WHERE = "learn_invariance"
 
 class _Source:
     """The training data of :func:`learn_invariance`, checked as ``pb.fit`` checks its data
-    (:func:`pyro_bnn.data.check_data`): tensors in full up front, a ``DataLoader`` (or a
+    (:func:`pyro_bnn.data.batches.check_data`): tensors in full up front, a ``DataLoader`` (or a
     ``Dataset``, batched here) batch by batch as it is read."""
 
     def __init__(self, model, data, batch_size, eval_batch_size, device, generator):
@@ -146,7 +146,7 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
         Usually with ``augmentation=AffineAugmentation(...)``; its Linear/Conv2d weights
         are the parameters (start: the network's weights).
     data : (x, y) tensors, TensorDataset, Dataset or DataLoader
-        Checked as ``pb.fit`` checks its data (:func:`pyro_bnn.data.check_data`): finite
+        Checked as ``pb.fit`` checks its data (:func:`pyro_bnn.data.batches.check_data`): finite
         inputs of the model's dtype, as many targets as inputs, valid for the likelihood.
         A ``DataLoader`` is used as it is (its batches are checked as they are read, and
         read again for each evidence step); tensors are batched here (``batch_size``).

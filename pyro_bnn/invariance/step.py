@@ -4,7 +4,7 @@
 batch): a full-data KFAC pass without a graph (:func:`~.evidence.invariant_curvature`),
 then — to move ``η`` — a second pass that replays each batch's augmentation draws and
 backpropagates :func:`~.evidence.eta_surrogate`.  Between the two, ``log δ`` takes Adam
-steps on the closed-form evidence (:func:`pyro_bnn.marglik.log_evidence`, no data pass).
+steps on the closed-form evidence (:func:`pyro_bnn.curvature.marglik.log_evidence`, no data pass).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def evidence_step(model, values: dict, batches, log_delta: torch.Tensor, *,
         Data-parallel evidence step (``fit(distributed=True)``): ``batches`` are the whole
         data's batches (same on every rank) and this rank takes batches ``i ≡ rank (mod
         world_size)``, with the same seeds as one process; ``reduce_fn`` (e.g.
-        :func:`pyro_bnn.distributed.all_reduce_sums`) sums the Kronecker factors, ``N``,
+        :func:`pyro_bnn.training.distributed.all_reduce_sums`) sums the Kronecker factors, ``N``,
         the log-likelihood and the ``η`` gradient over ranks, so every rank takes the
         single-process step (up to summation order).
 

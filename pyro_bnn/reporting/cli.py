@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import datasets
-from ..guides.base import registered_guides
-from ..model import BNN
+from ..contract.guide import registered_guides
+from ..data import datasets
+from ..model.bnn import BNN
 from .comparison import MAX_SEED, ComparisonInterrupted, caused_by_interrupt, check_device, compare
 from .report import markdown_table, report_info, write_report
 from .staged_folder import StagedFolder, check_replaceable

@@ -9,7 +9,7 @@ meaningful.  The table has one row per guide:
   linearised GLM): ``accuracy, nll, ece, brier`` (classification) or ``rmse, nll,
   coverage_95`` (regression);
 * ``converged``: the convergence diagnosis of the row's :func:`pyro_bnn.fit`
-  (``FitResult.convergence``, :mod:`pyro_bnn.convergence`): ``"yes"``, or ``"no: "`` and the
+  (``FitResult.convergence``, :mod:`pyro_bnn.training.convergence`): ``"yes"``, or ``"no: "`` and the
   short reasons (``still improving``, ``got worse``, ``σ limited by the lr``, ``constant lr,
   not confirmed flat``, ``cannot judge (E epochs)``); a failed guide reads ``"no: failed"``.
   The diagnosis is a necessary condition only: a cosine fit that is too short can pass
@@ -53,15 +53,16 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .. import metrics
 from ..arguments import check_int, check_positive, did_you_mean
-from ..arviz import default_method
-from ..data import check_data
-from ..datasets import DataSplit
-from ..guides.base import guide_contract, registered_guides
-from ..prediction import PredictiveSamples, predict, predictive_name, predictive_samples
-from ..seeding import seeded
-from ..training import FitResult, fit
+from ..contract.guide import guide_contract, registered_guides
+from ..data.batches import check_data
+from ..data.datasets import DataSplit
+from ..guides.symmetrized import Symmetrized, symmetrized_elbo
+from ..posterior import metrics
+from ..posterior.arviz import default_method, loo_approximate, to_arviz
+from ..posterior.prediction import PredictiveSamples, predict, predictive_name, predictive_samples
+from ..training.loop import FitResult, fit
+from ..training.seeding import seeded
 
 __all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "check_device", "check_seed", "count_variational_parameters", "as_split",
            "convergence_label", "describe_configuration", "training_bound", "BOUND_KINDS"]
@@ -300,8 +301,6 @@ def _check_options(names, *, epochs, lr, batch_size, num_samples, loo_samples, s
 def _loo_columns(dt) -> dict:
     import arviz_stats
 
-    from ..arviz import loo_approximate
-
     out = {"elpd_loo": math.nan, "elpd_loo_se": math.nan, "pareto_k_bad": math.nan,
            "elpd_loo_psis": math.nan}
     notes = []
@@ -333,13 +332,13 @@ def _log_evidence(guide) -> float:
         return math.nan
 
 
-#: short labels of :class:`~pyro_bnn.convergence.ConvergenceDiagnosis` reasons, by their start
+#: short labels of :class:`~pyro_bnn.training.convergence.ConvergenceDiagnosis` reasons, by their start
 def convergence_label(diagnosis) -> str:
     """The ``converged`` column: ``"yes"`` or ``"no: <short reasons>"``.
 
     Parameters
     ----------
-    diagnosis : pyro_bnn.convergence.ConvergenceDiagnosis or None
+    diagnosis : pyro_bnn.training.convergence.ConvergenceDiagnosis or None
         ``FitResult.convergence``; ``None`` (no diagnosis was made) reads ``"no: not diagnosed"``.
 
     Returns
@@ -421,8 +420,6 @@ def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSample
 
 def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_samples, loo_samples,
              device, seed, progress, guide_kw, fit_kw, predict_method) -> GuideRun:
-    from ..arviz import to_arviz
-
     run = GuideRun(name)
     model = model_fn(name) if _takes_argument(model_fn) else model_fn()
     if device is not None:
@@ -478,7 +475,7 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
     """The bound each guide maximises, on the whole training set: ``{"bound", "bound_kind"}``.
 
     * :class:`~pyro_bnn.guides.Symmetrized`: its symmetrised ELBO ``L^G``
-      (:func:`pyro_bnn.symmetrized_elbo`, ``num_samples`` draws; the ``elbo`` column keeps
+      (:func:`pyro_bnn.guides.symmetrized.symmetrized_elbo`, ``num_samples`` draws; the ``elbo`` column keeps
       the ELBO of its base ``q``, which it does not maximise);
     * a guide with a log-evidence estimate (Laplace): that estimate;
     * every other guide: the ELBO (``elbo``, NaN when ``loo_samples=0`` skipped it).
@@ -498,8 +495,6 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
     -------
     dict
     """
-    from ..guides.symmetrized import Symmetrized, symmetrized_elbo
-
     if isinstance(guide, Symmetrized):
         value = symmetrized_elbo(model, guide, split.train, num_samples=num_samples)
         return {"bound": float(value), "bound_kind": "symmetrized_elbo"}

@@ -34,9 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import metrics
+from .._version import __version__
 from ..analysis.ood import auroc
-from ..devices import module_device
+from ..posterior import metrics
+from ..training.devices import module_device
 from .staged_folder import StagedFolder
 
 __all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
@@ -116,13 +117,13 @@ def reliability_figure(probs: Mapping[str, torch.Tensor], y: torch.Tensor, num_b
         conf, acc, count = conf.cpu(), acc.cpu(), count.cpu()
         ece = metrics.expected_calibration_error(mean, y.to(mean.device), num_bins)
         filled = count > 0
-        ax.bar(centers[filled], acc[filled], width=width, edgecolor="black", color="tab:blue",
+        ax.bar(centers[filled].numpy(), acc[filled].numpy(), width=width, edgecolor="black", color="tab:blue",
                alpha=0.8, label="accuracy in bin")
         lo = torch.minimum(conf, acc)
-        ax.bar(centers[filled], (conf - acc).abs()[filled], bottom=lo[filled], width=width,
+        ax.bar(centers[filled].numpy(), (conf - acc).abs()[filled].numpy(), bottom=lo[filled].numpy(), width=width,
                fill=False, edgecolor="tab:red", hatch="//", label="gap to mean confidence")
         share = count / count.sum()
-        ax.bar(centers[filled], share[filled] * 0.25, width=0.35 * width, color="0.3",
+        ax.bar(centers[filled].numpy(), (share[filled] * 0.25).numpy(), width=0.35 * width, color="0.3",
                zorder=3, label="share of examples (×0.25)")
         ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
         ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (max predictive probability)",
@@ -236,9 +237,9 @@ def regression_figure(runs: Mapping[str, object], split, num_samples: int = 100)
         mean = loc.mean(0)
         sd = (loc.var(0, unbiased=False) + (scale ** 2).mean(0)).sqrt()
         g = grid[:, 0]
-        ax.fill_between(g, mean - 2 * sd, mean + 2 * sd, alpha=0.3, label="±2 sd")
-        ax.plot(g, mean, label="predictive mean")
-        ax.scatter(x_tr[:, 0], y_tr[:, 0], s=8, c="k", label="training data")
+        ax.fill_between(g.numpy(), (mean - 2 * sd).numpy(), (mean + 2 * sd).numpy(), alpha=0.3, label="±2 sd")
+        ax.plot(g.numpy(), mean.numpy(), label="predictive mean")
+        ax.scatter(x_tr[:, 0].numpy(), y_tr[:, 0].numpy(), s=8, c="k", label="training data")
         ax.set(xlabel="x", ylabel="y", title=name)
         ax.legend(fontsize=8)
     return _finish(fig, "Posterior predictive (uncertainty should grow away from the data)")
@@ -332,8 +333,6 @@ def _headline(status: str, note: str | None) -> str:
 
 
 def _readme(comparison, status: str, note: str | None, files) -> str:
-    from .. import __version__
-
     info = report_info(comparison, note)
     lines = [f"# pyro-bnn report ({status})", ""]
     if status != "complete":
@@ -464,8 +463,6 @@ def index_html(table, figures, *, status: str = "complete", note: str | None = N
     str
     """
     import html
-
-    from .. import __version__
 
     head = [f"<th>{html.escape(str(table.index.name or 'guide'))}</th>"]
     head += [f"<th>{html.escape(str(c))}</th>" for c in table.columns]

@@ -16,6 +16,8 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from .._version import __version__
+
 __all__ = ["StagedFolder", "NotAReportFolder", "MARKER", "read_marker", "check_replaceable"]
 
 #: The marker file in every folder this program writes: JSON with ``program``, ``version``,
@@ -191,8 +193,6 @@ class StagedFolder:
 
     def write_marker(self, *, status: str = "complete", info: Mapping | None = None) -> Path:
         """Write the marker into the staged folder, listing every file in it."""
-        from .. import __version__
-
         files = sorted(e for e in _entries(self.path) if (self.path / e).is_file())
         payload = {"program": PROGRAM, "version": __version__, "status": status,
                    "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

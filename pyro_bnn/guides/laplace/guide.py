@@ -6,7 +6,7 @@ log joint ``−(N/M) Σ log p(y|f(x; θ)) − log N(θ | 0, δ⁻¹)``; at the e
 ``fit_curvature``) the curvature is computed at ``θ*`` and from then on the guide samples
 all sites jointly from ``N(θ*, P⁻¹)``.  The prior precision δ (scalar, per layer or per
 weight) is the guide's hyperparameter, initialised from the model's Normal prior (1/σ²)
-and learned by the Laplace evidence (:mod:`pyro_bnn.marglik`), post hoc or online.
+and learned by the Laplace evidence (:mod:`pyro_bnn.curvature.marglik`), post hoc or online.
 Math: METHODS.md §4.
 """
 
@@ -23,9 +23,10 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from torch import nn
 
-from ... import marglik as ml
-from ..._local_params import local_params, unwrap_model
-from ..._modes import evaluation_mode
+from ...contract.guide import BNNGuide, init_to_network, register_guide
+from ...contract.local_params import local_params, unwrap_model
+from ...contract.modes import evaluation_mode
+from ...contract.pyro_objective import call_model
 from ...curvature import (
     STRUCTURES,
     accumulate_curvature,
@@ -37,10 +38,11 @@ from ...curvature import (
     linearized_offsets,
     network_output,
 )
-from ...data import checked_source, split_batch
-from ...likelihoods import Gaussian
-from ...model import is_bnn
-from ..base import BNNGuide, init_to_network, register_guide
+from ...curvature import marglik as ml
+from ...data.batches import checked_source, split_batch
+from ...model.bnn import is_bnn
+from ...model.likelihoods import Gaussian
+from ...posterior.prediction import predict as mc_predict
 from .handlers import held_values, read_handlers
 from .objective import LaplaceMAPObjective, gaussian_log_normalizer
 from .online import OnlineEvidence, _batches, _num_augmentations, deterministic_curvature
@@ -155,6 +157,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     """
 
     supports_marglik = True
+    linearized = True
     #: the predictive ``pb.compare`` and ``pb.to_arviz`` use by default (linearised, GLM)
     default_predictive = "glm"
 
@@ -223,6 +226,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
+        self._set_up_by_this_call = True      # read (once) by forward: a set-up call, not a draw
         self.theta = nn.ParameterDict()
         self.site_shapes: dict[str, torch.Size] = {}
         self._drop_unobserved_observations(args)
@@ -334,7 +338,6 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
 
     def _ensure_setup(self, x, y=None, num_data=None):
         if self.prototype_trace is None:
-            from ...objectives import call_model
             args, kwargs, _ = call_model(self.base_model, x, y, num_data or len(x))
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore", StaleCurvatureWarning)   # a set-up call, not a draw
@@ -396,6 +399,8 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         setting_up = self.prototype_trace is None
         if setting_up:
             self._setup_prototype(*args, **kwargs)
+        # set up here or by BNNGuide.__call__ just before: a set-up call, not a draw
+        setting_up = self.__dict__.pop("_set_up_by_this_call", False) or setting_up
         plates = self._create_plates(*args, **kwargs)
         if self.posterior is not None and not self._map_mode:
             self._warn_if_stale()
@@ -540,7 +545,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         """Laplace-GGN log marginal likelihood (0-d tensor, differentiable in δ and σ).
 
         ``log p(D) ≈ log p(D|θ*) − ½[log det P − log det P₀ + θ*ᵀP₀θ*]`` (see
-        :func:`pyro_bnn.marglik.log_evidence`), at the guide's δ and σ unless given.
+        :func:`pyro_bnn.curvature.marglik.log_evidence`), at the guide's δ and σ unless given.
         """
         self._require_posterior()
         theta, deltas = self._block_inputs(prior_precision)
@@ -577,7 +582,6 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         0.166 / 0.119 (``docs/results/predictives.md``).
         """
         if method == "sample":
-            from ...prediction import predict as mc_predict
             return mc_predict(model, self, x, num_samples, batch_size, method="sample", **kwargs)
         if method == "glm_probit":
             if link_approx not in (None, "probit"):

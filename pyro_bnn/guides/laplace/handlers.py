@@ -23,8 +23,8 @@ import pyro
 import torch
 from pyro.poutine.util import site_is_subsample
 
-from ..._local_params import unwrap_model
-from ..._modes import evaluation_mode
+from ...contract.local_params import unwrap_model
+from ...contract.modes import evaluation_mode
 
 __all__ = ["read_handlers", "held_values"]
 

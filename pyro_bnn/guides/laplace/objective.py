@@ -15,10 +15,10 @@ import math
 import torch
 from pyro import poutine
 
-from ...likelihoods import log_likelihood
-from ...model import is_bnn
-from ...objectives import call_model, scale_observations
-from ..objective import GuideObjective
+from ...contract.objective import GuideObjective
+from ...contract.pyro_objective import call_model, scale_observations
+from ...model.bnn import is_bnn
+from ...model.likelihoods import log_likelihood
 
 __all__ = ["LaplaceMAPObjective", "gaussian_log_prior", "gaussian_log_normalizer"]
 
@@ -49,7 +49,7 @@ class LaplaceMAPObjective(GuideObjective):
     not depend on θ (minus the Gaussian prior's normaliser), which :func:`pyro_bnn.fit`'s
     convergence diagnosis leaves out.
 
-    A Pyro ``ELBO`` as well (:class:`~pyro_bnn.guides.objective.GuideObjective`):
+    A Pyro ``ELBO`` as well (:class:`~pyro_bnn.contract.objective.GuideObjective`):
     ``SVI(model, guide, optim, loss=guide.make_objective())`` trains the MAP with the guide's
     own prior precision δ, as :func:`pyro_bnn.fit` does.
     """

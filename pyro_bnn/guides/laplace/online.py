@@ -22,9 +22,11 @@ import math
 
 import torch
 
-from ... import marglik as ml
-from ...data import TensorBatches, make_loader
-from ...likelihoods import Gaussian
+from ...curvature import marglik as ml
+from ...data.batches import TensorBatches, make_loader
+from ...invariance.guide_step import guide_curvature_source, guide_online_eta_step
+from ...invariance.learning import guide_eta_optimizer
+from ...model.likelihoods import Gaussian
 
 __all__ = ["OnlineEvidence", "deterministic_curvature", "EVIDENCE_SEED"]
 
@@ -46,7 +48,7 @@ class OnlineEvidence:
     ----------
     guide : pyro_bnn.guides.Laplace
     options : dict
-        Checked ``marglik`` options (:func:`pyro_bnn.marglik.check_marglik_options`):
+        Checked ``marglik`` options (:func:`pyro_bnn.curvature.marglik.check_marglik_options`):
         ``every``, ``burnin``, ``steps``, ``lr``.
     """
 
@@ -62,7 +64,6 @@ class OnlineEvidence:
         self.hyper_optimizer = torch.optim.Adam([p for p in self.hyper if p is not None],
                                                 lr=float(options["lr"]))
         # A learnable augmentation (LILA): η follows the evidence too (pyro_bnn.invariance).
-        from ...invariance.learning import guide_eta_optimizer
         self.eta_optimizer = guide_eta_optimizer(guide.base_model, options["lr"])
 
     def after_epoch(self, ctx) -> None:
@@ -80,7 +81,6 @@ class OnlineEvidence:
         history.setdefault("prior_precision", []).append(float(guide.prior_precision.mean()))
         if self.eta_optimizer is not None:
             # reuses the curvature of deterministic_curvature (same seed: its draws replayed)
-            from ...invariance.guide_step import guide_online_eta_step
             guide_online_eta_step(guide, ctx, self.eta_optimizer, seed=EVIDENCE_SEED)
             history.setdefault("extent", []).append(guide.base_model.augmentation.extent.tolist())
         if self.best is None or value > self.best[0]:
@@ -149,7 +149,6 @@ def deterministic_curvature(guide, ctx, *, lila: bool = False, seed: int = EVIDE
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         if lila:
-            from ...invariance.guide_step import guide_curvature_source
             guide.fit_curvature(**guide_curvature_source(ctx, guide.curvature_batch_size, seed))
         else:
             guide.fit_curvature(**_curvature_source(ctx))
@@ -179,7 +178,7 @@ def _batches(data, batch_size):
 
 def _curvature_source(ctx) -> dict:
     """``fit_curvature`` arguments in a fit hook.  Under ``fit(distributed=True)`` each rank
-    reads its share of the data and the sums are all-reduced (:mod:`pyro_bnn.distributed`),
+    reads its share of the data and the sums are all-reduced (:mod:`pyro_bnn.training.distributed`),
     so curvature and evidence equal the single-process ones."""
     if getattr(ctx, "distributed", None) is None:
         return {"data": ctx.loader}

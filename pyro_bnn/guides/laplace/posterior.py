@@ -11,6 +11,8 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 
+from ...curvature import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
+
 __all__ = ["LaplacePosterior", "LinearizedSamples"]
 
 
@@ -77,7 +79,6 @@ class LaplacePosterior(dist.TorchDistribution):
 
 def _precision_quadratic(block, v: torch.Tensor, delta, scale) -> torch.Tensor:
     """``vᵀ P v`` with ``P = s H + diag(δ)`` of one block, ``v`` of shape ``(..., numel)``."""
-    from ...curvature import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
     prior = (delta * v ** 2).sum(-1)
     if isinstance(block, DenseBlock):
         return scale * torch.einsum("...i,ij,...j->...", v, block.H, v) + prior

@@ -46,11 +46,11 @@ import math
 
 import torch
 
-from ... import marglik as ml
 from ...arguments import check_int, check_positive
 from ...curvature import batch_covariance, glm_log_predictive, jacobian_factors
-from ...data import check_data
-from ...likelihoods import Gaussian
+from ...curvature import marglik as ml
+from ...data.batches import check_data
+from ...model.likelihoods import Gaussian
 
 __all__ = ["PriorPrecision", "PriorMismatchWarning", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS",
            "POSTHOC_LR", "resolve_prior_structure"]

@@ -11,6 +11,8 @@ from pyro.distributions import constraints
 from pyro.distributions.transforms import biject_to
 from torch import nn
 
+from ...curvature.layers import site_module
+
 __all__ = ["gaussian_log_prior_batched", "is_layer_parameter", "unwrap_handlers", "normal_precision", "point_estimate_transforms", "select_sites", "concat_deltas"]
 
 
@@ -40,7 +42,6 @@ def _leading(layer, values):
 
 def is_layer_parameter(model, name: str) -> bool:
     """Whether site ``name`` is the weight or bias of a module of ``model`` (never an observation)."""
-    from ...curvature.layers import site_module
     try:
         module, pname = site_module(model, name)
     except (AttributeError, KeyError, ValueError):

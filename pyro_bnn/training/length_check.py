@@ -1,6 +1,6 @@
 """Is a fit length enough?  Train it again for longer and compare (:func:`check_convergence`).
 
-The end-of-fit diagnosis (:mod:`pyro_bnn.convergence`) reads one fit's training curve.  Under
+The end-of-fit diagnosis (:mod:`pyro_bnn.training.convergence`) reads one fit's training curve.  Under
 a decaying learning-rate schedule that curve is flat at the end whatever the state of the
 posterior, because the schedule stops the parameters: a cosine fit that is far too short can
 pass.  The only check we know to be reliable is the one the results documents use: train the
@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from ._local_params import local_params
-from .arguments import check_int, check_positive
+from ..arguments import check_int, check_positive
+from ..contract.guide import guide_contract
+from ..contract.local_params import local_params
+from ..data.batches import dataset_size, make_loader, split_batch
 from .convergence import ConvergenceWarning
-from .data import dataset_size, make_loader, split_batch
 from .devices import module_device
-from .guides.base import guide_contract
+from .loop import FitResult, fit
 from .seeding import seeded
-from .training import FitResult, fit
 
 __all__ = ["LengthCheck", "check_convergence", "estimate_objective"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-from ..data import TensorBatches, as_tensors
+from ...data.batches import TensorBatches, as_tensors
 
 __all__ = ["ShardedTensorBatches", "shard_loader", "unpadded_shard", "unsharded_batches", "set_epoch",
            "local_batch_size"]

@@ -13,9 +13,10 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
 
-from .arguments import check_bool
+from ..arguments import check_bool
 from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
+from .weight_norm import weight_norm_setup
 
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
@@ -47,7 +48,7 @@ class BayesianNetwork(Protocol):
     ----------
     site_names : list of str
         The random sites, in a fixed order.
-    likelihood : pyro_bnn.likelihoods.Likelihood
+    likelihood : pyro_bnn.model.likelihoods.Likelihood
         Observation model of the network output.
     """
 
@@ -138,7 +139,7 @@ class BNN(PyroModule):
         test time.  Its extents η are model parameters, frozen unless invariance learning
         trains them (:mod:`pyro_bnn.invariance`).
     weight_norm : bool
-        (``True``/``False`` only: a string such as ``"False"`` is an error.)  Weight-norm parametrisation (:mod:`pyro_bnn.weight_norm`): Linear/Conv2d weights
+        (``True``/``False`` only: a string such as ``"False"`` is an error.)  Weight-norm parametrisation (:mod:`pyro_bnn.model.weight_norm`): Linear/Conv2d weights
         ``W_j = g_j v_j/‖v_j‖``; only the scales ``g`` are random (sites
         ``"net.<path>.weight_g"``, shape ``(out,)``, initial value the row norms), the
         directions ``v`` and the biases are point estimates.
@@ -189,7 +190,6 @@ class BNN(PyroModule):
         net = copy.deepcopy(net)
         self.weight_norm = weight_norm
         if weight_norm:  # only the scales g of W_j = g_j v_j/|v_j| are random (Hypernet)
-            from .weight_norm import weight_norm_setup
             net, prior, stochastic = weight_norm_setup(net, prior, stochastic, weight_norm_precision)
         elif weight_norm_precision is not None:
             raise ValueError("weight_norm_precision= needs weight_norm=True")

@@ -1,8 +1,8 @@
 """Posterior draws shared by the uncertainty tools (pruning, OOD, FGSM, active learning).
 
-Draws and evaluations run in eval mode (:func:`pyro_bnn.prediction.evaluation_mode`, through
+Draws and evaluations run in eval mode (:func:`pyro_bnn.posterior.prediction.evaluation_mode`, through
 ``sample_latents`` and ``params_under``).  Only public guide behaviour is used: joint draws come from
-:func:`pyro_bnn.prediction.sample_latents`, so every guide (mean-field, Laplace, hypernet,
+:func:`pyro_bnn.posterior.prediction.sample_latents`, so every guide (mean-field, Laplace, hypernet,
 symmetrised, Pyro's autoguides) works.  Draws are kept as a list of ``{site: value}``
 dicts so that several evaluations can reuse the *same* weights (common random numbers):
 accuracy-vs-ε or accuracy-vs-angle curves then differ only through the inputs.
@@ -15,9 +15,9 @@ import math
 import torch
 from pyro.infer.autoguide import AutoNormal
 
-from ._local_params import local_params
-from .arguments import check_int
-from .model import is_bnn
+from ..arguments import check_int
+from ..contract.local_params import local_params
+from ..model.bnn import is_bnn
 from .prediction import params_under, sample_latents
 
 __all__ = ["draw_latents", "probs_from_latents", "site_moments"]

@@ -340,14 +340,14 @@ def resolve_prior(spec: PriorSpec, name: str, param: torch.Tensor) -> Prior:
         prior = spec(name, param)
     else:
         raise TypeError(
-            "prior must be a pyro_bnn.priors.Prior or a scalar torch/Pyro distribution, a dict of them keyed by parameter path, "
+            "prior must be a pyro_bnn.model.priors.Prior or a scalar torch/Pyro distribution, a dict of them keyed by parameter path, "
             f"or a callable (name, param) -> Prior; got {type(spec).__name__}"
         )
     if isinstance(prior, torch.distributions.Distribution):
         prior = prior_from_distribution(prior)
     if not isinstance(prior, Prior):
         raise TypeError(
-            f"prior for {name!r} must be a pyro_bnn.priors.Prior, got {type(prior).__name__}"
+            f"prior for {name!r} must be a pyro_bnn.model.priors.Prior, got {type(prior).__name__}"
         )
     return prior
 

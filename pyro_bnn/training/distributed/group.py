@@ -1,6 +1,6 @@
 """The process group: joining it from torchrun's variables, seeding, collectives, DDP.
 
-See :mod:`pyro_bnn.distributed` for the overall scheme.
+See :mod:`pyro_bnn.training.distributed` for the overall scheme.
 """
 
 from __future__ import annotations

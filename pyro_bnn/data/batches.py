@@ -18,9 +18,9 @@ import torch
 from pyro import poutine
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from ._local_params import local_params
-from ._modes import evaluation_mode
-from .likelihoods import Likelihood
+from ..contract.local_params import local_params
+from ..contract.modes import evaluation_mode
+from ..model.likelihoods import Likelihood, make_likelihood
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
            "check_inputs", "validate_data", "check_data", "checked_source", "check_targets", "as_labels", "as_targets",
@@ -127,7 +127,7 @@ class BatchCheck:
 
     ``x``: a non-empty floating tensor of the model's dtype with finite values; ``y``: as
     many targets as inputs, finite if floating, and valid for the model's likelihood
-    (:meth:`pyro_bnn.likelihoods.Likelihood.validate`: integer labels in ``[0, C−1]`` for a
+    (:meth:`pyro_bnn.model.likelihoods.Likelihood.validate`: integer labels in ``[0, C−1]`` for a
     categorical likelihood, 0/1 for a Bernoulli one, target shapes).  The network's output
     shape, which the label range needs, is computed once from the first batch (two
     examples, without touching the random number streams) and cached.
@@ -202,7 +202,7 @@ class BatchCheck:
 
 def as_labels(likelihood, y):
     """Integer class labels (``int32``, ``uint8``, ...) as ``int64`` for a categorical
-    likelihood (a :class:`~pyro_bnn.likelihoods.Likelihood` or the kind ``"categorical"``):
+    likelihood (a :class:`~pyro_bnn.model.likelihoods.Likelihood` or the kind ``"categorical"``):
     the same values in the dtype torch's indexing needs.  Floating, bool and
     complex labels, other likelihoods and ``None`` are returned unchanged (the check refuses
     what is wrong)."""
@@ -218,7 +218,7 @@ def check_targets(likelihood, y: torch.Tensor, f: torch.Tensor | None = None, wh
     Parameters
     ----------
     likelihood : Likelihood or str
-        A :class:`~pyro_bnn.likelihoods.Likelihood`, or its kind (``"categorical"``,
+        A :class:`~pyro_bnn.model.likelihoods.Likelihood`, or its kind (``"categorical"``,
         ``"bernoulli"``, ``"gaussian"``).
     y : Tensor
         Targets: ``(N,)`` integer labels in ``[0, C)`` (categorical), 0/1 values shaped like
@@ -229,7 +229,6 @@ def check_targets(likelihood, y: torch.Tensor, f: torch.Tensor | None = None, wh
         How ``y`` is named in the message (``"y in pb.evaluate"``).
     """
     if isinstance(likelihood, str):
-        from .likelihoods import make_likelihood
         likelihood = make_likelihood(likelihood)
     check_finite(y, what)
     try:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pyro
 import torch
 
-from ..objectives import call_model, model_arguments
-from ..param_store import emit_param_statements, sync_param_store
-from .base import BNNGuide
+from .guide import BNNGuide
+from .param_store import emit_param_statements, sync_param_store
+from .pyro_objective import call_model, model_arguments
 
 __all__ = ["GuideObjective"]
 
@@ -20,7 +20,7 @@ class GuideObjective(pyro.infer.ELBO):
     ``pyro.infer.SVI`` as its ``loss``, the same object computes the same loss from
     ``svi.step(x, y)`` or ``svi.step(x, y, num_data=N)`` (minibatches of a data set of size
     N): :meth:`differentiable_loss` sets the guide up, syncs it with Pyro's param store
-    (:mod:`pyro_bnn.param_store`) and makes guide and model emit their ``param``
+    (:mod:`pyro_bnn.contract.param_store`) and makes guide and model emit their ``param``
     statements, so that ``SVI`` finds and optimises their parameters, then calls
     :meth:`__call__`.
 

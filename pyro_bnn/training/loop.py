@@ -5,7 +5,7 @@ guide modules (Pyro's ``module_local_params`` mode), so their ``state_dict``s ro
 any ``torch.optim`` optimiser can be used, and the loss module can be wrapped in DDP.
 
 ``fit`` is set-up (:func:`_prepare`, :func:`_prepare_optimisation`, and
-:func:`pyro_bnn.resume.resume_fit`), one function per epoch (:func:`_train_epoch`) and the
+:func:`pyro_bnn.training.resume.resume_fit`), one function per epoch (:func:`_train_epoch`) and the
 epoch's bookkeeping (:func:`_end_epoch`: history, hooks, the divergence guard's state check;
 :func:`_confirm_state`: the checkpoint), then the convergence diagnosis.  ``docs/training.md`` describes the guarantees (divergence guard, exact resume,
 safe checkpoints, convergence warning).
@@ -26,19 +26,19 @@ import pyro
 import torch
 from pyro import poutine
 
+from ..arguments import check_bool, check_int, check_positive, reject_unknown_keywords
+from ..contract.guide import guide_contract
+from ..contract.local_params import global_param_tensors, local_params
+from ..contract.param_store import publish_after_fit, sync_param_store
+from ..contract.pyro_objective import call_model
+from ..curvature.marglik import check_marglik_options
+from ..data.batches import dataset_size, make_loader, split_batch, validate_data
 from . import distributed as _dist
-from ._local_params import global_param_tensors, local_params
-from .arguments import check_bool, check_int, check_positive, reject_unknown_keywords
 from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
-from .data import dataset_size, make_loader, split_batch, validate_data
 from .devices import flush_denormals, module_device
 from .divergence import DivergenceGuard, is_invalid_parameter_error
-from .guides.base import guide_contract
 from .lr_schedule import make_lr_scheduler, probe_lr_schedule
-from .marglik import check_marglik_options
-from .objectives import call_model
-from .param_store import publish_after_fit, sync_param_store
 from .resume import StateOf, checkpoint_entries, fit_fingerprint, resume_fit
 
 __all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide",
@@ -60,9 +60,9 @@ class FitResult:
         A resumed fit's history includes the epochs before the interruption.
     seconds : float
         Wall time of this call.
-    convergence : pyro_bnn.convergence.ConvergenceDiagnosis
+    convergence : pyro_bnn.training.convergence.ConvergenceDiagnosis
         Whether the fit converged, why not, and the measured quantities
-        (:mod:`pyro_bnn.convergence`); ``fit`` warns with :class:`ConvergenceWarning` if not.
+        (:mod:`pyro_bnn.training.convergence`); ``fit`` warns with :class:`ConvergenceWarning` if not.
     resumed_from : int
         The epoch a ``resume=True`` fit continued from (0: it started fresh).
     """
@@ -92,7 +92,7 @@ class FitContext:
     history: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
     optimizer: Any = None
-    #: :class:`pyro_bnn.distributed.DistributedState` under ``fit(distributed=...)``, else None
+    #: :class:`pyro_bnn.training.distributed.DistributedState` under ``fit(distributed=...)``, else None
     distributed: Any = None
 
 
@@ -169,7 +169,7 @@ def _parameters(*modules):
 
 def _validate_data(model, data, device):
     # tensors are checked here in full; the returned check is for a loader's batches
-    # (make_loader(..., check=...)), see pyro_bnn.data.validate_data
+    # (make_loader(..., check=...)), see pyro_bnn.data.batches.validate_data
     return validate_data(model, data, device)
 
 
@@ -198,7 +198,7 @@ class _Run:
     monitor: ConvergenceMonitor | None = None
     #: the checkpoint entries of the state waiting for its loss evaluation (DivergenceGuard.remember)
     pending_checkpoint: dict | None = None
-    #: what is being fitted (pyro_bnn.resume.fit_fingerprint), recorded in every checkpoint
+    #: what is being fitted (pyro_bnn.training.resume.fit_fingerprint), recorded in every checkpoint
     fingerprint: dict = field(default_factory=dict)
 
 
@@ -212,7 +212,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
 
     Module modes are left as they were (a new network is in train mode, so BatchNorm
     running statistics are those of training); ``pb.predict``/``pb.evaluate``/``pb.to_arviz``
-    run in eval mode themselves and restore every flag (:mod:`pyro_bnn.prediction`).
+    run in eval mode themselves and restore every flag (:mod:`pyro_bnn.posterior.prediction`).
 
     Parameters
     ----------
@@ -260,21 +260,21 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         fit there (atomically through a unique temporary file, with a SHA-256 digest; loads
         with ``torch.load(weights_only=True)``).  The fit holds a lock on the path
         (``<path>.lock``) from start to end: a second fit on the same path raises
-        :class:`pyro_bnn.checkpoint.CheckpointInUseError` before it starts.  An existing file
+        :class:`pyro_bnn.training.checkpoint.CheckpointInUseError` before it starts.  An existing file
         at the path is refused unless ``resume=True`` or ``overwrite=True``.
     resume : bool
         Continue the fit whose ``checkpoint`` is at that path (start fresh if there is no
         file yet): on CPU the result is bit-identical to a fit that was never interrupted.
         The call must repeat the interrupted one's settings (``epochs`` may grow under a
         constant schedule) and fit the same model (prior, architecture), guide (class and
-        options) and data (:func:`pyro_bnn.resume.fit_fingerprint`): a difference is a
+        options) and data (:func:`pyro_bnn.training.resume.fit_fingerprint`): a difference is a
         ``ValueError`` naming it.  Not supported with ``distributed``.
     overwrite : bool
         Start afresh even though a file exists at ``checkpoint``; it is replaced (atomically)
         at the first epoch's write.
     marglik : dict, optional
         Online marginal-likelihood options for guides that support it (Laplace).
-    distributed : bool or pyro_bnn.distributed.DistributedOptions
+    distributed : bool or pyro_bnn.training.distributed.DistributedOptions
         Data-parallel training under ``torchrun`` (see ``docs/distributed.md``): each rank
         reads ``batch_size / world_size`` examples of every global minibatch of size
         ``batch_size``, the loss module is wrapped in ``DistributedDataParallel``, all ranks
@@ -300,7 +300,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     Warns
     -----
     ConvergenceWarning
-        The end-of-fit checks (:mod:`pyro_bnn.convergence`) could not confirm convergence.
+        The end-of-fit checks (:mod:`pyro_bnn.training.convergence`) could not confirm convergence.
     RuntimeWarning
         The epoch loss exploded (grew a million-fold over its best) without becoming NaN.
     """
@@ -457,7 +457,7 @@ def _prepare(model, guide, data, *, batch_size, device, shuffle, seed, num_data,
     x0 = x0.to(device)
     y0 = None if y0 is None else y0.to(device)
     setup_guide(model, guide, x0, y0, n)
-    sync_param_store(model, guide)  # a loaded Pyro param store is picked up (pyro_bnn.param_store)
+    sync_param_store(model, guide)  # a loaded Pyro param store is picked up (pyro_bnn.contract.param_store)
     if isinstance(guide, torch.nn.Module):
         guide.to(device)
     contract = guide_contract(guide)
@@ -477,7 +477,7 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     """Optimiser, schedule, loss module, divergence guard and convergence monitor (after the
     guide's ``on_fit_start``, which may freeze parameters)."""
     run.params = _parameters(run.model, run.guide)
-    run.params += _global_params(run)  # the model's pyro.param values (pyro_bnn._local_params)
+    run.params += _global_params(run)  # the model's pyro.param values (pyro_bnn.contract.local_params)
     run.optimizer = optimizer(run.params) if optimizer is not None else default_optimizer(
         run.params, lr, run.contract.learning_rate_factors())
     run.ctx.optimizer = run.optimizer
@@ -628,7 +628,7 @@ def save_checkpoint(path, model, guide, optimizer=None, **extra) -> None:
     """Write model, guide (and optimiser) ``state_dict``s and ``extra`` entries to ``path``.
 
     Replaces a file at ``path`` (this call asks for it).  Atomic
-    (:func:`pyro_bnn.checkpoint.write_atomic`): written to a new, uniquely named temporary file
+    (:func:`pyro_bnn.training.checkpoint.write_atomic`): written to a new, uniquely named temporary file
     next to ``path`` (created exclusively; never a link), flushed and renamed into place, so a
     crash leaves the previous file intact and two writers never collide.  The file holds a
     SHA-256 digest of its content, which :func:`load_checkpoint` verifies.  Every entry must be

@@ -1,6 +1,6 @@
 """Train/eval mode of the model and guide during prediction.
 
-Public as :func:`pyro_bnn.prediction.evaluation_mode`; a module of its own so that the
+Public as :func:`pyro_bnn.posterior.prediction.evaluation_mode`; a module of its own so that the
 prediction, density and ArviZ modules can all use it without importing each other.
 """
 

@@ -4,14 +4,14 @@ A checkpoint written by :func:`pyro_bnn.fit` holds, besides model, guide and opt
 the epoch and the history, a ``"resume"`` entry with everything else the remaining epochs
 depend on: the learning-rate schedule, every random stream (torch CPU/CUDA, Python, NumPy, a
 loader's own generator, so the data order too), the guide's fit state
-(:meth:`pyro_bnn.guides.base.BNNGuide.fit_state`, e.g. Laplace's evidence optimiser and best
+(:meth:`pyro_bnn.contract.guide.BNNGuide.fit_state`, e.g. Laplace's evidence optimiser and best
 state), the convergence record, the divergence guard's counters, the fit's settings and a fingerprint of what was fitted
 (:func:`fit_fingerprint`: prior, architecture, guide options, likelihood, data), which a resume
 must match.
 Everything is captured at the end of an epoch, after the guide's hook, exactly where an
 uninterrupted fit continues, so on CPU the resumed fit is bit-identical to it.
 
-These functions work on the record of one fit call (``pyro_bnn.training._Run``).
+These functions work on the record of one fit call (``pyro_bnn.training.loop._Run``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .arguments import check_choice
+from ..arguments import check_choice
 from .priors import ScalarBuffers, real_scalar
 
 __all__ = ["Likelihood", "Categorical", "Gaussian", "Bernoulli", "make_likelihood"]
@@ -157,7 +157,7 @@ def make_likelihood(likelihood: str | Likelihood, noise: float | str | None = No
         return likelihood
     if not isinstance(likelihood, str):
         raise TypeError(f"likelihood must be one of {list(LIKELIHOOD_NAMES)} or a "
-                        f"pyro_bnn.likelihoods.Likelihood, got {type(likelihood).__name__} {likelihood!r}")
+                        f"pyro_bnn.model.likelihoods.Likelihood, got {type(likelihood).__name__} {likelihood!r}")
     check_choice("likelihood", likelihood, LIKELIHOOD_NAMES)
     if likelihood == "categorical":
         return Categorical()

@@ -25,10 +25,10 @@ from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
-from .._local_params import local_params, prepare_local_params
-from ..model import site_module
-from ..objectives import PyroObjective
-from ..param_store import expose_unconstrained, global_param_mode, sync_param_store
+from ..model.bnn import site_module
+from .local_params import local_params, prepare_local_params
+from .param_store import expose_unconstrained, global_param_mode, sync_param_store
+from .pyro_objective import PyroObjective
 
 __all__ = ["BNNGuide", "guide_contract", "init_to_network", "register_guide", "registered_guides",
            "GUIDE_REGISTRY"]
@@ -40,7 +40,7 @@ class BNNGuide:
     overrides only what it changes.  :func:`pyro_bnn.fit` calls, in order,
     ``make_objective`` once, ``on_fit_start``, then per epoch ``on_epoch_start``, the
     minibatch steps of the objective, ``on_epoch_end``, and finally ``on_fit_end``; each
-    hook receives the :class:`pyro_bnn.training.FitContext`.
+    hook receives the :class:`pyro_bnn.training.loop.FitContext`.
 
     Attributes
     ----------
@@ -49,9 +49,14 @@ class BNNGuide:
         (the Laplace guide).  ``fit`` rejects ``marglik=`` for other guides.
     default_lr : float or None
         Learning rate :func:`pyro_bnn.fit` uses when none is given (``None``: fit's own).
+    linearized : bool
+        Whether the guide offers the linearised (GLM) predictive and its draws
+        (``map_values``, ``likelihood_kind``, ``linearized_samples``; the Laplace guide):
+        ``pb.to_arviz(..., method="glm")`` reads it.
     """
 
     supports_marglik: bool = False
+    linearized: bool = False
     default_lr: float | None = None
     #: sample sites of the model that hold data; they are never latent variables of the
     #: guide, even when the guide is first set up without targets (``Predictive(model,
@@ -64,7 +69,7 @@ class BNNGuide:
 
         In Pyro's default (global param store) mode a guide that is not set up yet is set
         up in module-local mode first, then its parameters and its model's follow the rules
-        of :mod:`pyro_bnn.param_store` (a loaded store is picked up; another guide's values
+        of :mod:`pyro_bnn.contract.param_store` (a loaded store is picked up; another guide's values
         are never taken or changed).  In module-local mode this is a plain call.
         """
         modules = [self, *self.synced_modules()]
@@ -158,7 +163,7 @@ class BNNGuide:
 
         Returns a callable giving a scalar tensor, or ``(loss, extras)`` with ``extras`` a
         dict of scalar tensors that ``fit`` records per epoch.  Default: Pyro's
-        ``Trace_ELBO`` with minibatch scaling (:class:`pyro_bnn.objectives.PyroObjective`).
+        ``Trace_ELBO`` with minibatch scaling (:class:`pyro_bnn.contract.pyro_objective.PyroObjective`).
         """
         return PyroObjective(Trace_ELBO(num_particles=num_particles))
 
@@ -231,7 +236,7 @@ class BNNGuide:
         ``None`` (the default) means: read ``log q`` from the guide's own trace of the draw
         (the summed ``log_prob`` of its sample sites, auxiliary ones included), which is right
         for any guide that puts its density in its sample sites; see
-        :mod:`pyro_bnn.guide_density`.
+        :mod:`pyro_bnn.posterior.guide_density`.
         """
         return None
 

@@ -32,17 +32,17 @@ from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
+from ..arguments import check_int
+from ..contract.guide import guide_contract
+from ..contract.local_params import local_params
+from ..contract.modes import evaluation_mode
+from ..contract.pyro_objective import call_model
+from ..data.batches import BatchCheck, check_data, check_inputs
+from ..model.bnn import is_bnn
+from ..model.likelihoods import Bernoulli, Categorical, Gaussian
+from ..training.devices import module_device
 from . import metrics
-from ._local_params import local_params
-from ._modes import evaluation_mode
-from .arguments import check_int
-from .data import BatchCheck, check_data, check_inputs
-from .devices import module_device
 from .guide_density import check_global_latents, latent_values
-from .guides.base import guide_contract
-from .likelihoods import Bernoulli, Categorical, Gaussian
-from .model import is_bnn
-from .objectives import call_model
 
 __all__ = ["PredictiveSamples", "predictive_samples", "predict", "evaluate", "sample_latents",
            "evaluation_mode", "default_method", "predictive_name", "PREDICTIVES"]
@@ -125,7 +125,7 @@ def sample_latents(model, guide, x, y=None) -> dict[str, torch.Tensor]:
     ValueError
         The guide is not ready to predict, or a latent site lies in a subsampled plate
         (a local latent: no value for new inputs; see
-        :func:`pyro_bnn.guide_density.check_global_latents`).
+        :func:`pyro_bnn.posterior.guide_density.check_global_latents`).
     """
     problem = guide_contract(guide).prediction_problem()
     if problem is not None:

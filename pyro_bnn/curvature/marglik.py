@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .arguments import check_int, check_positive
+from ..arguments import check_int, check_positive
 
 __all__ = ["log_evidence", "log_likelihood_from_stats", "maximize_evidence", "marglik_due",
            "MARGLIK_DEFAULTS", "check_marglik_options"]

@@ -7,7 +7,7 @@ Three ways to get it, in order of preference:
 1. **The guide's own hook** ``guide.log_density(values) -> Tensor`` (0-d): guides whose Pyro
    trace does not carry the density (a Laplace guide that samples ``θ* + L ε`` through
    ``Delta`` sites, a hypernetwork whose weights are a deterministic function of noise)
-   implement it; see :mod:`pyro_bnn.guides.base`.
+   implement it; see :mod:`pyro_bnn.contract.guide`.
 2. **The trace of the draw itself** (:func:`sample_with_log_density`): the sum of
    ``log_prob`` over every sample site of the guide's trace, auxiliary sites included.
    For Pyro's ``AutoNormal`` (and :class:`~pyro_bnn.guides.MeanField`) that is
@@ -27,10 +27,10 @@ from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 from pyro.poutine.util import site_is_subsample
 
-from ._local_params import local_params
-from ._modes import evaluation_mode
-from .guides.base import guide_contract
-from .objectives import call_model
+from ..contract.guide import guide_contract
+from ..contract.local_params import local_params
+from ..contract.modes import evaluation_mode
+from ..contract.pyro_objective import call_model
 
 __all__ = ["sample_with_log_density", "guide_log_density", "guide_args", "latent_values",
            "check_global_latents"]
@@ -159,7 +159,7 @@ def guide_log_density(guide, values: dict[str, torch.Tensor], model=None,
     if aux:
         raise TypeError(
             f"{type(guide).__name__} samples auxiliary sites {aux}; its density at given values "
-            "needs a guide.log_density(values) method (see pyro_bnn.guides.base)")
+            "needs a guide.log_density(values) method (see pyro_bnn.contract.guide)")
     return trace.log_prob_sum().reshape(())
 
 

@@ -16,7 +16,7 @@ Groups (``S`` draws from the guide, one chain, ``N`` observations):
 ``sample_stats``
     ``lp`` = ``log p(θ_s, y) = log p(θ_s) + Σ_n log p(y_n | x_n, θ_s)`` (ArviZ's name for the
     unnormalised log posterior; computed on the data passed in), ``log_prior`` and
-    ``log_q`` = ``log q(θ_s)`` (:mod:`pyro_bnn.guide_density`).
+    ``log_q`` = ``log q(θ_s)`` (:mod:`pyro_bnn.posterior.guide_density`).
 
 ArviZ has no fixed group for the densities of an approximate posterior: its
 ``loo_approximate_posterior(data, log_p, log_q)`` takes them as arguments.  We store them in
@@ -59,17 +59,18 @@ import torch
 from pyro import poutine
 from torch import nn
 
-from ._local_params import local_params
-from ._modes import evaluation_mode
-from .arguments import check_int
-from .curvature import pointwise_log_likelihood, sample_observations
-from .data import check_data, check_finite
-from .devices import module_device
+from ..arguments import check_int
+from ..contract.guide import guide_contract
+from ..contract.local_params import local_params
+from ..contract.modes import evaluation_mode
+from ..curvature import pointwise_log_likelihood, sample_observations
+from ..data.batches import check_data, check_finite
+from ..model.bnn import is_bnn
+from ..model.likelihoods import log_likelihood
+from ..training.devices import module_device
+from ..training.seeding import seeded
 from .guide_density import sample_with_log_density
-from .likelihoods import log_likelihood
-from .model import is_bnn
 from .prediction import default_method, predictive_name, resolve_method, whole_batch_plates
-from .seeding import seeded
 
 __all__ = ["to_arviz", "loo_approximate", "site_dims", "default_method"]
 
@@ -155,7 +156,7 @@ def _select_sites(values: dict, var_names, num_samples: int) -> list[str]:
 
 
 def _seed_forked(fn):
-    """``seed=`` runs ``fn`` under :func:`pyro_bnn.seeding.seeded`: reproducible draws, and the
+    """``seed=`` runs ``fn`` under :func:`pyro_bnn.training.seeding.seeded`: reproducible draws, and the
     caller's random streams are left as they were."""
     @functools.wraps(fn)
     def wrapper(*args, seed: int | None = None, **kwargs):
@@ -198,7 +199,7 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
         Default: the guide's own predictive, as for :func:`pyro_bnn.evaluate`
         (``guide.default_predictive``: ``"glm"`` for :class:`~pyro_bnn.guides.Laplace`,
         else ``"sample"``).  ``attrs["predictive"]`` names it (``"glm-mc(200)"``).
-        The model and guide run in eval mode (see :mod:`pyro_bnn.prediction`).
+        The model and guide run in eval mode (see :mod:`pyro_bnn.posterior.prediction`).
     posterior_predictive : bool
         Also sample one replicate ``y`` per draw.
     obs_site : str
@@ -223,7 +224,7 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     Examples
     --------
     >>> dt = pb.to_arviz(model, guide, x_train, y_train, num_samples=200)   # doctest: +SKIP
-    >>> az.loo(dt); pb.arviz.loo_approximate(dt)                           # doctest: +SKIP
+    >>> az.loo(dt); pb.posterior.arviz.loo_approximate(dt)                           # doctest: +SKIP
     """
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise TypeError(f"x and y must be torch.Tensors, got {type(x).__name__} and {type(y).__name__}")
@@ -295,9 +296,7 @@ def _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, devic
 def _glm_groups(guide, x, y, num_samples, var_names, batch_size, device, want_pp) -> dict:
     """Groups of linearised draws (module docstring): posterior, log_likelihood,
     posterior_predictive, sample_stats as ``(1, S, ...)`` arrays."""
-    from .guides.laplace import Laplace
-
-    if not isinstance(guide, Laplace):
+    if not guide_contract(guide).linearized:
         raise ValueError(f"method='glm' needs a guide with a linearised predictive (pb.guides.Laplace), "
                          f"got {type(guide).__name__}")
     names = _select_sites(guide.map_values(), var_names, num_samples)
