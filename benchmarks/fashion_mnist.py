@@ -124,7 +124,8 @@ def train_map_net(arch, x, y, *, epochs, seed, weight_decay, lr=1e-3, batch_size
             sched.step()
             total += loss.item() * len(idx)
         # the MAP objective per data point: mean NLL + ||w||^2 wd / 2
-        reg = 0.5 * weight_decay * sum(float((p ** 2).sum()) for p in net.parameters())
+        with torch.no_grad():
+            reg = 0.5 * weight_decay * sum(float((p ** 2).sum()) for p in net.parameters())
         losses.append(total / len(x) + reg)
         seconds.append(time.perf_counter() - t0)
     return net, losses, seconds
@@ -149,6 +150,10 @@ def row_map(args, data, *, members=1):
     p_in = torch.stack([softmax_of(n, data["test"][0]) for n in nets])
     p_out = torch.stack([softmax_of(n, data["ood"]) for n in nets])
     row = score(p_in, p_out, data["test"][1])
+    if members > 1:  # each member on its own: member 0 is the `map` row (same seed and recipe)
+        row["member_scores"] = [score(p_in[k], p_out[k], data["test"][1]) for k in range(members)]
+        row["member_seconds_per_epoch"] = [sum(secs[k * args.epochs:(k + 1) * args.epochs]) / args.epochs
+                                           for k in range(members)]
     train_acc = [float((softmax_of(n, x).argmax(-1) == y).float().mean()) for n in nets]
     row.update(weight_decay=wd, members=members, train_accuracy=sum(train_acc) / members,
                final_loss_per_point=[round(l[-1], 5) for l in losses],
