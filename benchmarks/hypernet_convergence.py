@@ -41,6 +41,23 @@ def point_estimate_norms(model) -> dict:
     return out
 
 
+def gaussian_kl_by_layer(guide) -> dict | None:
+    """With ``num_flows=0`` q is N(μ, σ²) on the scales: KL(q‖N(0,1)) per layer, split into
+    its mean part Σ μ²/2 and its width part Σ (σ² − 1)/2 − log σ, and the counts of units
+    whose q is within 0.1 nat of the prior ("pruned")."""
+    if guide.num_flows != 0:
+        return None
+    with torch.no_grad():
+        mu, sigma = guide.flow.affine.loc, guide.flow.affine.scale
+        mean_part, width_part = mu.square() / 2, (sigma.square() - 1) / 2 - sigma.log()
+        out = {}
+        for name, part in guide.unpack(torch.stack([mean_part, width_part])).items():
+            out[name] = {"kl_mean_part": float(part[0].sum()), "kl_width_part": float(part[1].sum()),
+                         "units": int(part[0].numel()),
+                         "units_at_prior": int((part[0] + part[1] < 0.1).sum())}
+    return out
+
+
 def scale_summary(guide, draws: int = 64) -> dict:
     with torch.no_grad():
         values, _ = guide.sample_with_log_prob(draws)
@@ -96,7 +113,8 @@ def run(args) -> dict:
                 held_out={k: m[k] for k in ("accuracy", "nll", "ece")},
                 elbo=h["elbo"][::every] + [h["elbo"][-1]], nll=h["nll"][::every] + [h["nll"][-1]],
                 kl=h["kl"][::every] + [h["kl"][-1]], norms=rec.norms[::every] + [point_estimate_norms(model)],
-                scales=scale_summary(guide), converged=res.convergence.converged,
+                scales=scale_summary(guide), kl_by_layer=gaussian_kl_by_layer(guide),
+                seconds_per_epoch=sum(h["epoch_seconds"]) / len(h["epoch_seconds"]), converged=res.convergence.converged,
                 reasons=[r[:200] for r in res.convergence.reasons])
 
 
