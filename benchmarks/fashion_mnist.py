@@ -147,6 +147,8 @@ def row_map(args, data, *, members=1):
         losses.append(loss)
         secs += sec
         diags.append(convergence_of(diagnose([-v * len(x) for v in loss], lr_decayed=True)))
+        print(f"member {k + 1}/{members}: final loss per point {loss[-1]:.5f}, "
+              f"{sum(sec) / len(sec):.1f} s/epoch", file=sys.stderr, flush=True)  # progress of long rows
     p_in = torch.stack([softmax_of(n, data["test"][0]) for n in nets])
     p_out = torch.stack([softmax_of(n, data["ood"]) for n in nets])
     row = score(p_in, p_out, data["test"][1])
