@@ -127,7 +127,8 @@ def train_map_net(arch, x, y, *, epochs, seed, weight_decay, lr=1e-3, batch_size
             sched.step()
             total += loss.item() * len(idx)
         # the MAP objective per data point: mean NLL + ||w||^2 wd / 2
-        reg = 0.5 * weight_decay * sum(float((p ** 2).sum()) for p in net.parameters())
+        with torch.no_grad():
+            reg = 0.5 * weight_decay * sum(float((p ** 2).sum()) for p in net.parameters())
         losses.append(total / len(x) + reg)
         seconds.append(time.perf_counter() - t0)
     return net, losses, seconds
@@ -149,9 +150,15 @@ def row_map(args, data, *, members=1):
         losses.append(loss)
         secs += sec
         diags.append(convergence_of(diagnose([-v * len(x) for v in loss], lr_decayed=True)))
+        print(f"member {k + 1}/{members}: final loss per point {loss[-1]:.5f}, "
+              f"{sum(sec) / len(sec):.1f} s/epoch", file=sys.stderr, flush=True)  # progress of long rows
     p_in = torch.stack([softmax_of(n, data["test"][0]) for n in nets])
     p_out = torch.stack([softmax_of(n, data["ood"]) for n in nets])
     row = score(p_in, p_out, data["test"][1])
+    if members > 1:  # each member on its own: member 0 is the `map` row (same seed and recipe)
+        row["member_scores"] = [score(p_in[k], p_out[k], data["test"][1]) for k in range(members)]
+        row["member_seconds_per_epoch"] = [sum(secs[k * args.epochs:(k + 1) * args.epochs]) / args.epochs
+                                           for k in range(members)]
     train_acc = [float((softmax_of(n, x).argmax(-1) == y).float().mean()) for n in nets]
     row.update(weight_decay=wd, members=members, train_accuracy=sum(train_acc) / members,
                final_loss_per_point=[round(l[-1], 5) for l in losses],
@@ -251,10 +258,41 @@ def row_meanfield(args, data):
 
 
 def row_registry(args, data, name):
-    model = bnn(args)
-    guide = registered_guides()[name](model)
+    """``hypernet`` (the registry's guide on a weight-norm BNN: 8 IAF blocks over the scales g,
+    directions and biases point estimates) or ``symmetrized`` (on the plain BNN), ``pb.fit``
+    defaults; the full-data bound each maximises (Hypernet: the weight-norm model's ELBO;
+    Symmetrized: the symmetrised ELBO ``L^G`` and its base q's plain ELBO)."""
+    from pyro_bnn.guides.symmetrized import symmetrized_elbo
+    from pyro_bnn.length_check import estimate_objective
+
+    if name == "hypernet":
+        torch.manual_seed(args.seed)
+        model = pb.BNN(make_net(args.arch), "categorical", weight_norm=True)
+        opts = {} if args.hn_flows is None else {"num_flows": args.hn_flows}
+    else:
+        model, opts = bnn(args), {}
+    guide = registered_guides()[name](model, **opts)
     res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples)
     row = fit_summary(res)
+    h = res.history
+    for key in ("elbo", "symmetrized_elbo", "entropy_gap", "nll", "kl"):
+        if key in h:
+            row[f"train_{key}_last_epoch"] = h[key][-1]
+            row[f"train_{key}_curve"] = [round(v, 1) for v in h[key]]
+    with seeded(1):
+        if name == "symmetrized":
+            terms = symmetrized_elbo(model, guide, data["train"], num_samples=8, batch_size=4000,
+                                               return_terms=True)
+            row["bound_name"] = "symmetrized ELBO L^G = ELBO + (H(q_G) - H(q)) lower bound, local estimator"
+            row["bound_full_data"] = terms["symmetrized_elbo"]
+            row["elbo_full_data"] = terms["elbo"]
+            row["entropy_gap_full_data"] = terms["entropy_gap"]
+        else:
+            elbo, se = estimate_objective(model, guide, data["train"], draws=4, eval_batch_size=4000)
+            row["bound_name"] = "ELBO of the weight-norm model (g random; v, b point estimates)"
+            row["bound_full_data"], row["bound_full_data_se"] = elbo, se
+            row["elbo_full_data"] = elbo
+    row["guide"] = f"{type(guide).__name__}({guide.extra_repr()})" if name == "hypernet" else "Symmetrized"
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     return row
 
@@ -317,7 +355,9 @@ def row_autonormal(args, data):
         losses.append(total)
         secs.append(time.perf_counter() - t0)
     row = dict(loss_curve=[round(v, 1) for v in losses], seconds_per_epoch=sum(secs) / len(secs),
-               convergence=convergence_of(diagnose([-v for v in losses], lr_decayed=False)))
+               convergence=convergence_of(diagnose([-v for v in losses], lr_decayed=False)),
+               bound_name="ELBO (Trace_ELBO, last epoch's mean of minibatch estimates)",
+               bound_full_data=-losses[-1], elbo_full_data=-losses[-1])
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     return row
 
@@ -388,6 +428,7 @@ def main(argv=None):
     parser.add_argument("--init-scale", type=float, default=None, help="MeanField init_scale")
     parser.add_argument("--kl-weight", type=float, default=1.0,
                         help="MeanField KL weight β (num_data = N/β: the likelihood is upweighted)")
+    parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--out", default=None, help="append one JSON line per row to this file")
     args = parser.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]

@@ -55,7 +55,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bnn as pb
-from pyro_bnn.convergence import diagnose
+from pyro_bnn.training.convergence import diagnose
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fashion_mnist as fm  # noqa: E402  (the shared loaders, networks and metrics)

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn._local_params import local_params
+from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.guides.meanfield import meanfield_loss
-from pyro_bnn.seeding import seeded
+from pyro_bnn.training.seeding import seeded
 
 
 def make_prior(spec: str):

@@ -39,11 +39,17 @@ from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
 from ..model.bnn import is_bnn, site_module
 from ..model.likelihoods import Categorical, log_likelihood
-from ..model.weight_norm import is_weight_norm_layer
+from ..model.weight_norm import is_weight_norm_layer, normalize_directions_
 from .hypernet_flows import FLOW_TYPES, HypernetFlow
 from .meanfield import MeanField
 
 __all__ = ["Hypernet", "HypernetELBO", "clipped_log_likelihood"]
+
+#: How the point-estimated weight-norm directions ``v`` are kept: ``"sphere"`` rescales every row to
+#: norm √fan_in before each training step (:func:`pyro_bnn.weight_norm.normalize_directions_`; no
+#: function or density changes), ``"free"`` leaves ``‖v‖`` to drift (the behaviour before issue 26)
+DIRECTIONS = ("free", "sphere")
+DEFAULT_DIRECTIONS = "free"
 
 
 class Hypernet(BNNGuide, AutoContinuous):
@@ -120,8 +126,9 @@ class Hypernet(BNNGuide, AutoContinuous):
                  full: bool = False, init_scale: float | None = None,
                  init_gain: float | None = None, layout: str = "stable",
                  prob_clip: tuple[float, float] | None = None, alpha: float = 1.0,
-                 init_loc_fn=None, init_from=None, seed: int = 0):
+                 init_loc_fn=None, init_from=None, directions: str = DEFAULT_DIRECTIONS, seed: int = 0):
         flow = check_choice("flow", flow, FLOW_TYPES)
+        directions = check_choice("directions", directions, DIRECTIONS)
         layout = check_choice("layout", layout, sorted(_LAYOUTS))
         full = check_bool("full", full)
         num_flows = check_int("num_flows", num_flows, 0)
@@ -158,6 +165,7 @@ class Hypernet(BNNGuide, AutoContinuous):
         self.prob_clip = None if prob_clip is None else (float(prob_clip[0]), float(prob_clip[1]))
         self.alpha = float(alpha)
         self.layout = layout
+        self.directions = directions
         self.flow = None
         # plain dict of tensors (not a module): copied values, not a reference to the other guide
         self._init_from = None if init_from is None else _meanfield_values(init_from, layout, self.init_gain)
@@ -261,11 +269,12 @@ class Hypernet(BNNGuide, AutoContinuous):
         return [] if self.flow is None else [self.flow.affine.rho]
 
     def make_objective(self, num_particles: int = 1):
-        return HypernetELBO(num_particles, alpha=self.alpha, prob_clip=self.prob_clip)
+        return HypernetELBO(num_particles, alpha=self.alpha, prob_clip=self.prob_clip,
+                            directions=self.directions)
 
     def extra_repr(self) -> str:
         return (f"flow={self.flow_type!r}, num_flows={self.num_flows}, hidden={self.hidden}, "
-                f"full={self.full}, layout={self.layout!r}")
+                f"full={self.full}, layout={self.layout!r}, directions={self.directions!r}")
 
 
 #: ``default_lr`` of a flow started from a trained MeanField (``init_from``): it refines an optimum
@@ -363,12 +372,13 @@ class HypernetELBO(GuideObjective):
     """
 
     def __init__(self, num_particles: int = 1, alpha: float = 1.0,
-                 prob_clip: tuple[float, float] | None = None):
+                 prob_clip: tuple[float, float] | None = None, directions: str = "free"):
         if int(num_particles) < 1:
             raise ValueError(f"num_particles must be >= 1, got {num_particles}")
         super().__init__(num_particles=int(num_particles))
         self.alpha = float(alpha)
         self.prob_clip = prob_clip
+        self.directions = check_choice("directions", directions, DIRECTIONS)
 
     def __call__(self, model, guide, x, y, num_data=None):
         if not is_bnn(model):
@@ -379,6 +389,8 @@ class HypernetELBO(GuideObjective):
             return PyroObjective(elbo)(model, guide, x, y, num_data)
         if guide.prototype_trace is None:
             guide._setup_prototype(x, y, num_data=num_data)
+        if self.directions == "sphere":  # a gauge: the loss and its value are unchanged
+            normalize_directions_(model)
         values, log_q = guide.sample_with_log_prob(self.num_particles)
         log_w, nll, kl = log_weights(model, values, log_q, x, y, num_data, self.prob_clip)
         if self.alpha == 1.0:
