@@ -327,6 +327,7 @@ def test_sigint_after_one_guide_keeps_it_in_a_partial_report(previous):
         if proc.poll() is None:
             proc.kill()
     reader.join(timeout=10)
+    proc.stderr.close()   # (warnings are errors: an unclosed pipe is a ResourceWarning)
     err = reader.text
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
