@@ -57,7 +57,9 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.analysis.ood import evaluate_probs
 from pyro_bnn.contract.guide import registered_guides
+from pyro_bnn.guides.symmetrized import symmetrized_elbo
 from pyro_bnn.training.convergence import diagnose
+from pyro_bnn.training.length_check import estimate_objective
 from pyro_bnn.training.seeding import seeded
 
 ROWS = ("map", "ensemble", "meanfield", "laplace_ll", "laplace_marglik", "hypernet", "symmetrized",
@@ -262,9 +264,6 @@ def row_registry(args, data, name):
     directions and biases point estimates) or ``symmetrized`` (on the plain BNN), ``pb.fit``
     defaults; the full-data bound each maximises (Hypernet: the weight-norm model's ELBO;
     Symmetrized: the symmetrised ELBO ``L^G`` and its base q's plain ELBO)."""
-    from pyro_bnn.guides.symmetrized import symmetrized_elbo
-    from pyro_bnn.length_check import estimate_objective
-
     if name == "hypernet":
         torch.manual_seed(args.seed)
         model = pb.BNN(make_net(args.arch), "categorical", weight_norm=True)

@@ -232,11 +232,10 @@ def _fashion_mnist_root(root) -> Path:
     if found is not None:
         return found
     raise FileNotFoundError(
-        "Fashion-MNIST not found: no root= given, ${env} is not set and {deb} does not exist. "
-        "Install the Debian package (apt-get install dataset-fashion-mnist), set ${env}, or pass "
+        f"Fashion-MNIST not found: no root= given, ${FASHION_MNIST_ENV} is not set and {FASHION_MNIST_DEBIAN_ROOT} does not exist. "
+        f"Install the Debian package (apt-get install dataset-fashion-mnist), set ${FASHION_MNIST_ENV}, or pass "
         "root= the folder holding train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
-        "t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz".format(
-            env=FASHION_MNIST_ENV, deb=FASHION_MNIST_DEBIAN_ROOT))
+        "t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz")
 
 
 def _dpkg_fashion_mnist_folder() -> Path | None:

@@ -195,7 +195,7 @@ class StagedFolder:
         """Write the marker into the staged folder, listing every file in it."""
         files = sorted(e for e in _entries(self.path) if (self.path / e).is_file())
         payload = {"program": PROGRAM, "version": __version__, "status": status,
-                   "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                    **dict(info or {}), "files": files}
         path = self.path / MARKER
         path.write_text(json.dumps(payload, indent=2))

@@ -244,7 +244,7 @@ def _tensor_hash(t: torch.Tensor) -> str:
 
 
 def _data_record(data) -> dict:
-    from torch.utils.data import DataLoader, Dataset, TensorDataset
+    from torch.utils.data import DataLoader, TensorDataset
 
     if isinstance(data, TensorDataset):
         tensors = data.tensors

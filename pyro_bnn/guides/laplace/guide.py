@@ -57,14 +57,9 @@ from .sites import (
     select_sites,
     unwrap_handlers,
 )
-from .state import CurvatureState
+from .state import CurvatureState, StaleCurvatureWarning
 
 __all__ = ["Laplace", "LinearizedSamples", "StaleCurvatureWarning"]
-
-
-class StaleCurvatureWarning(UserWarning):
-    """The Laplace guide's curvature is missing or was fitted at another θ (call
-    ``guide.fit_curvature``)."""
 
 
 def _invalidate_after_load(module, keys) -> None:

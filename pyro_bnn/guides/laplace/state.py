@@ -12,9 +12,14 @@ from torch import nn
 
 from ...curvature import CurvatureFit, DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
 
-__all__ = ["CurvatureState"]
+__all__ = ["CurvatureState", "StaleCurvatureWarning"]
 
 _KINDS = ("categorical", "bernoulli", "gaussian")
+
+
+class StaleCurvatureWarning(UserWarning):
+    """The Laplace guide's curvature is missing or was fitted at another θ (call
+    ``guide.fit_curvature``)."""
 
 
 class CurvatureState(nn.Module):
