@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pyro
 import pyro.distributions as dist
 import torch
@@ -26,6 +28,15 @@ def map_epoch(net, optimizer, batches, *, noise=(), fixed_grads=None) -> None:
         for p, g in (fixed_grads or {}).items():
             p.grad = g
         optimizer.step()
+
+
+def emit_row(row: dict, out: str | None) -> None:
+    """Print ``row`` as one JSON line and append it to ``out`` (a JSON-lines file) if given."""
+    line = json.dumps(row, default=float)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as fh:
+            fh.write(line + "\n")
 
 
 def sync(device: torch.device) -> None:

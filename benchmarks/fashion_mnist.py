@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import resource
 import sys
@@ -52,6 +51,7 @@ import warnings
 import pyro
 import torch
 import torch.nn.functional as F
+from _common import emit_row  # benchmarks/_common.py (on sys.path when run as a script)
 from torch import nn
 
 import pyro_bnn as pb
@@ -441,12 +441,7 @@ def main(argv=None):
         for epochs in lengths:
             run_args = copy.copy(args)
             run_args.epochs = epochs
-            row = run_row(run_args, data, name)
-            line = json.dumps(row, default=float)
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as fh:
-                    fh.write(line + "\n")
+            emit_row(run_row(run_args, data, name), args.out)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import sys
@@ -59,6 +58,7 @@ from pyro_bnn.training.convergence import diagnose
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fashion_mnist as fm  # noqa: E402  (the shared loaders, networks and metrics)
+from _common import emit_row  # benchmarks/_common.py (on sys.path when run as a script)
 
 INSTALL_HINT = ("laplace-torch is not importable. It is an optional benchmark dependency: install it "
                 "outside the project environment with\n  .venv/bin/pip install --no-deps --target "
@@ -297,11 +297,7 @@ def emit(args, row):
                num_train=args.num_train, map_seconds_per_epoch=args.map_epoch)
     if "seconds_per_epoch" in row and args.map_epoch:
         row["epoch_ratio_to_map"] = row["seconds_per_epoch"] / args.map_epoch
-    line = json.dumps(row, default=float)
-    print(line, flush=True)
-    if args.out:
-        with open(args.out, "a") as fh:
-            fh.write(line + "\n")
+    emit_row(row, args.out)
 
 
 def main(argv=None):

@@ -13,12 +13,12 @@ posterior over ``g`` (mean ``|E g|`` per layer).  One JSON line per run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
 
 import torch
+from _common import emit_row  # benchmarks/_common.py (on sys.path when run as a script)
 from torch import nn
 
 import pyro_bnn as pb
@@ -134,12 +134,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    row = run(args)
-    line = json.dumps(row)
-    print(line, flush=True)
-    if args.out:
-        with open(args.out, "a") as fh:
-            fh.write(line + "\n")
+    emit_row(run(args), args.out)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 
 import torch
+from _common import emit_row  # benchmarks/_common.py (on sys.path when run as a script)
 from torch import nn
 
 import pyro_bnn as pb
@@ -71,11 +71,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     for spec in args.priors:
-        line = json.dumps(run(spec, epochs=args.epochs, seed=args.seed), default=float)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as fh:
-                fh.write(line + "\n")
+        emit_row(run(spec, epochs=args.epochs, seed=args.seed), args.out)
 
 
 if __name__ == "__main__":
