@@ -48,7 +48,8 @@ class BNNGuide:
         Whether the guide learns hyperparameters online from ``fit(..., marglik=...)``
         (the Laplace guide).  ``fit`` rejects ``marglik=`` for other guides.
     default_lr : float or None
-        Learning rate :func:`pyro_bnn.fit` uses when none is given (``None``: fit's own).
+        Learning rate :func:`pyro_bnn.fit` uses when none is given (``None``: fit's own),
+        through :meth:`learning_rate`, which a guide may override to adapt it to the data size.
     linearized : bool
         Whether the guide offers the linearised (GLM) predictive and its draws
         (``map_values``, ``likelihood_kind``, ``linearized_samples``; the Laplace guide):
@@ -62,6 +63,11 @@ class BNNGuide:
     #: guide, even when the guide is first set up without targets (``Predictive(model,
     #: guide=guide)(x)`` on a guide restored from Pyro's param store)
     observation_sites: tuple[str, ...] = ("obs",)
+
+    def learning_rate(self, num_data: int) -> float | None:
+        """The learning rate :func:`pyro_bnn.fit` uses when none is given, for a fit on
+        ``num_data`` data points: :attr:`default_lr` whatever the size, unless overridden."""
+        return self.default_lr
 
     # ---------------------------------------------------------- as a Pyro guide
     def __call__(self, *args, **kwargs):

@@ -29,6 +29,7 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 from torch.distributions import kl_divergence
 
+from ..arguments import check_positive
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
@@ -90,7 +91,8 @@ class MeanField(BNNGuide, AutoNormal):
     >>> pb.fit(model, guide, (x, y), epochs=10)                     # doctest: +SKIP
     """
 
-    #: learning rate of :func:`pyro_bnn.fit` when none is given (with its cosine decay)
+    #: learning rate of :func:`pyro_bnn.fit` when none is given (with its cosine decay), for
+    #: up to ``REFERENCE_NUM_DATA`` training points; :meth:`learning_rate` lowers it above
     default_lr = 5e-2
     #: whether ``local_reparameterization="auto"`` may choose local reparameterisation (the
     #: objective of a subclass may need the weights themselves)
@@ -159,6 +161,21 @@ class MeanField(BNNGuide, AutoNormal):
         if self.prototype_trace is None:
             return []
         return [self.loc_and_raw_scale(name)[1] for name in self.site_names()]
+
+    def learning_rate(self, num_data: int) -> float:
+        """The learning rate of :func:`pyro_bnn.fit` when none is given, for ``num_data``
+        training points: ``default_lr × min(1, √(REFERENCE_NUM_DATA / num_data))``.
+
+        Adam moves each mean by about ``lr`` per step, while the posterior's width shrinks as
+        ``1/√N``; above ~10,000 points a fixed rate keeps the means jittering by more than
+        their posterior spread until the cosine decay brings it down.  Measured by the
+        training ELBO on all 60,000 Fashion-MNIST images (MLP 784-200-200-10, 30 epochs,
+        ``docs/results/fmnist_meanfield.md``): lr 0.05 −43,340, 0.02 −34,084, 0.01 −34,199; on
+        digits (1,348) and 10,000 images 0.05 is best or level (``docs/results/convergence.md``),
+        and those sizes keep it.
+        """
+        check_positive("num_data", num_data)
+        return self.default_lr * min(1.0, math.sqrt(REFERENCE_NUM_DATA / num_data))
 
     def learning_rate_factors(self) -> list[tuple[torch.Tensor, float]]:
         """The means of wide Linear/Conv layers and their factor ``√(REFERENCE_FAN_IN / f)``
@@ -245,6 +262,10 @@ class MeanField(BNNGuide, AutoNormal):
 #: means of layers with a larger fan-in learn at a reduced rate (``loc_lr_scaling="fan_in"``):
 #: 100 keeps every layer of the small nets the defaults were tuned on (digits 64-100-10) at ``lr``
 REFERENCE_FAN_IN = 100
+
+#: up to this many training points :meth:`MeanField.learning_rate` is ``default_lr``; above it
+#: the rate falls as ``1/√N`` (0.02 at 60,000)
+REFERENCE_NUM_DATA = 10_000
 
 _SCALE_CONSTRAINTS = {"exp": dist.constraints.positive, "softplus": dist.constraints.softplus_positive}
 

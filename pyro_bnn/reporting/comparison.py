@@ -54,7 +54,7 @@ import pandas as pd
 import torch
 
 from ..arguments import check_int, check_positive, did_you_mean
-from ..contract.guide import guide_contract, registered_guides
+from ..contract.guide import registered_guides
 from ..data.batches import check_data
 from ..data.datasets import DataSplit
 from ..guides.symmetrized import Symmetrized, symmetrized_elbo
@@ -379,8 +379,8 @@ def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch
     model, guide
         The trained model and guide.
     epochs, lr, batch_size
-        The :func:`pyro_bnn.fit` arguments (``lr=None``: the guide's ``default_lr``, as
-        ``fit`` resolves it).
+        How the fit ran; ``lr`` is the rate it used (``FitResult.lr``: the guide's
+        ``learning_rate(N)`` when ``fit`` was given none; ``None``: shown as "default lr").
     fit_options : dict, optional
         Further ``fit`` options (``lr_schedule``, ``clip_norm``, ...).
 
@@ -391,12 +391,10 @@ def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch
         batch 64"``.
     """
     fit_options = dict(fit_options or {})
-    if lr is None:
-        lr = guide_contract(guide).default_lr or 1e-3
     schedule = fit_options.get("lr_schedule", "cosine")
     schedule = schedule if isinstance(schedule, str) else "custom schedule"
     optimizer = "custom optimiser" if fit_options.get("optimizer") is not None else "Adam"
-    training = (f"{epochs} epoch{'' if epochs == 1 else 's'}, {optimizer} lr {lr:g} {schedule}, "
+    training = (f"{epochs} epoch{'' if epochs == 1 else 's'}, {optimizer} {'default lr' if lr is None else f'lr {lr:g}'} {schedule}, "
                 f"batch {batch_size}")
     if fit_options.get("clip_norm") is not None:
         training += f", clip_norm {fit_options['clip_norm']:g}"
@@ -435,7 +433,7 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     run.metrics["predict_seconds"] = time.perf_counter() - t0
     run.metrics["predictive"] = predictive_name(predict_method, num_samples)   # e.g. "glm-mc(100)"
     run.metrics["converged"] = convergence_label(run.fit.convergence)
-    run.metrics["configuration"] = describe_configuration(model, guide, epochs=epochs, lr=lr,
+    run.metrics["configuration"] = describe_configuration(model, guide, epochs=epochs, lr=run.fit.lr,
                                                           batch_size=batch_size, fit_options=fit_kw)
     y_test = split.y_test.to(out.probs.device if out.probs is not None else out.loc.device)
     if out.kind == "categorical":

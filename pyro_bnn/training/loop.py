@@ -65,12 +65,16 @@ class FitResult:
         (:mod:`pyro_bnn.training.convergence`); ``fit`` warns with :class:`ConvergenceWarning` if not.
     resumed_from : int
         The epoch a ``resume=True`` fit continued from (0: it started fresh).
+    lr : float or None
+        The learning rate of the default optimiser: ``fit``'s ``lr``, else the guide's
+        :meth:`~pyro_bnn.contract.BNNGuide.learning_rate` for this data size.
     """
 
     history: dict[str, list[float]] = field(default_factory=dict)
     seconds: float = 0.0
     convergence: ConvergenceDiagnosis | None = None
     resumed_from: int = 0
+    lr: float | None = None
 
     @property
     def final_loss(self) -> float:
@@ -225,7 +229,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     epochs, batch_size : int, int
         Passes over the data (>= 0) and minibatch size (>= 1).
     lr : float, optional
-        Adam learning rate (> 0; default: the guide's ``default_lr``, else 1e-3).  For the
+        Adam learning rate (> 0; default: the guide's ``learning_rate(N)`` for the ``N``
+        training points — MeanField's depends on ``N`` —, else 1e-3).  For the
         default optimiser only: with ``optimizer=`` set the rate in the factory (``lr`` and
         ``optimizer`` together are an error, since fit could not pass ``lr`` on).
     optimizer : callable, optional
@@ -342,6 +347,7 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
     # a PyroModule layer reads its PyroSample attributes, which draws from the prior
     with torch.random.fork_rng(devices=_cuda_devices(model)), poutine.block():
         run.fingerprint = fit_fingerprint(model, guide, data)
+    lr = lr if lr is not None else run.contract.learning_rate(run.ctx.num_data) or 1e-3
     run.settings = dict(epochs=epochs, batch_size=batch_size, lr=lr, num_particles=num_particles,
                         shuffle=bool(shuffle), seed=seed, clip_norm=clip_norm, num_data=run.ctx.num_data,
                         marglik=marglik, model=type(model).__name__, guide=type(guide).__name__,
@@ -370,7 +376,7 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
     if not diagnosis.converged and epochs > 0 and (run.dstate is None or run.dstate.is_main):
         warnings.warn(diagnosis.message(), ConvergenceWarning, stacklevel=3)
     return FitResult(history=run.history, seconds=time.perf_counter() - t_start, convergence=diagnosis,
-                     resumed_from=start)
+                     resumed_from=start, lr=lr)
 
 
 def _judged_objective(history: dict) -> list[float]:
@@ -416,7 +422,7 @@ def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedul
     if resume and distributed:
         raise NotImplementedError("resume=True is not supported with distributed= yet; resume the fit in "
                                   "one process, or start the distributed fit afresh")
-    return lr if lr is not None else guide_contract(guide).default_lr or 1e-3
+    return lr
 
 
 def _refuse_overwrite(checkpoint, resume: bool, overwrite: bool) -> None:
