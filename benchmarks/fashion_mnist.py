@@ -250,11 +250,11 @@ def row_meanfield(args, data):
     row["valid"] = pb.metrics.classification_metrics(pv, data["valid"][1], 15)
     row["valid_held_out"] = bool(args.subset)
     sig = [guide.loc_and_scale(s)[1] for s in model.site_names]
-    row["mean_sigma_by_site"] = {s: float(v.mean()) for s, v in zip(model.site_names, sig)}
+    row["mean_sigma_by_site"] = {s: float(v.detach().mean()) for s, v in zip(model.site_names, sig)}
     row["prior_scale_by_site"] = {s: float(model.site_normal_prior(s)[1]) if model.site_normal_prior(s) else None
                                   for s in model.site_names}
     row.update(prior=repr(model.priors[model.site_names[0].replace(".", "__")]), prior_scale=args.prior_scale,
-               prior_gain=args.prior_gain, kl_weight=args.kl_weight, lr=args.lr or guide.default_lr,
+               prior_gain=args.prior_gain, kl_weight=args.kl_weight, lr=res.lr,
                init_scale=args.init_scale, loc_lr_scaling=guide.loc_lr_scaling)
     return row
 
