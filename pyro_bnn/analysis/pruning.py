@@ -62,6 +62,7 @@ from pyro.nn import PyroModule
 from torch import nn
 
 from ..arguments import check_choice, check_int
+from ..contract.guide import guide_contract
 from ..model.bnn import is_bnn, site_module
 from ..posterior import metrics
 from ..posterior.draws import draw_latents, probs_from_latents, site_moments
@@ -153,7 +154,8 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
     kind : {"snr", "zero_prob", "magnitude"}
         See the module docstring; higher = more important.
     model : pyro_bnn.BNN, optional
-        Needed unless the guide has ``loc_and_scale`` *and* a ``site_names()`` method.
+        Needed unless the guide's contract declares ``normal_per_site`` (its ``loc_and_scale``
+        and ``site_names()`` give the moments).
     x : Tensor, optional
         An input batch, for guides that are sampled (default: a dummy row for MLPs).
     num_samples : int
@@ -168,7 +170,7 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
     _check_kind(kind)
     num_samples = check_int("num_samples", num_samples, 1)
     if model is None:
-        if not (hasattr(guide, "loc_and_scale") and hasattr(guide, "site_names")):
+        if not guide_contract(guide).normal_per_site:
             raise TypeError(f"scores() needs model= for a {type(guide).__name__} guide "
                             "(it has no loc_and_scale/site_names)")
 

@@ -37,7 +37,7 @@ from ..arguments import check_bool, check_choice, check_int, check_positive
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
-from ..model.bnn import is_bnn, site_module
+from ..model.bnn import is_bnn, normal_prior_params, site_module
 from ..model.likelihoods import Categorical, log_likelihood
 from ..model.weight_norm import is_weight_norm_layer, normalize_directions_
 from .hypernet_flows import FLOW_TYPES, HypernetFlow
@@ -276,6 +276,10 @@ class Hypernet(BNNGuide, AutoContinuous):
         return (f"flow={self.flow_type!r}, num_flows={self.num_flows}, hidden={self.hidden}, "
                 f"full={self.full}, layout={self.layout!r}, directions={self.directions!r}")
 
+    def settings_description(self) -> str:
+        """``extra_repr()`` and the flow's initial scale (``pb.compare``'s configuration)."""
+        return f"{self.extra_repr()}, init_scale={self.init_scale:g}"
+
 
 #: ``default_lr`` of a flow started from a trained MeanField (``init_from``): it refines an optimum
 REFINE_LR = 3e-4
@@ -425,7 +429,7 @@ def _prior_log_prob(model, name: str, value: torch.Tensor) -> torch.Tensor:
     An i.i.d. Normal prior (``model.site_normal_prior``) is evaluated in closed form,
     ``Σ −(θ−m)²/(2s²) − log s − ½ log 2π`` (Pyro's ``Normal.log_prob`` without building
     distributions and validating arguments); any other prior through Pyro."""
-    normal = getattr(model, "site_normal_prior", lambda site: None)(name)
+    normal = normal_prior_params(model, name)
     if normal is None:
         return torch.stack([model.site_prior(name).log_prob(v) for v in value])
     loc, s = normal

@@ -173,6 +173,9 @@ class Symmetrized(MeanField):
             self._symmetry = find_symmetries(self._original_model[0], self.site_shapes())
         return self._symmetry
 
+    def _objective_settings(self) -> list[str]:
+        return [f"estimator={self.estimator}, K={self.num_permutations}"]
+
     def make_objective(self, num_particles: int = 1):
         return SymmetrizedELBO(self.num_permutations, num_particles, estimator=self.estimator)
 
@@ -282,7 +285,7 @@ class SymmetrizedELBO(GuideObjective):
         # the local bound reads log σ directly when σ = exp(ρ): on the fused path σ is then
         # never needed outside the fused node (one pass less over the weights)
         log_scales = (bool(fused) and self.estimator == "local" and self.num_permutations == 1
-                      and getattr(guide, "scale_parameterization", None) == "exp")
+                      and guide.scale_parameterization == "exp")
         if log_scales:
             raw = {name: guide.loc_and_raw_scale(name) for name in sites}
             locs, scales = {k: v[0] for k, v in raw.items()}, {k: v[1] for k, v in raw.items()}
@@ -307,7 +310,7 @@ class SymmetrizedELBO(GuideObjective):
         for gap_p, sur_p in draws:
             gap, surrogate = gap + gap_p, surrogate + sur_p
         gap, surrogate = gap / self.num_particles, surrogate / self.num_particles
-        w = getattr(guide, "kl_weight", 1.0)  # the modified KL, KL(q‖p) − gap, is annealed as one
+        w = guide.kl_weight  # the modified KL, KL(q‖p) − gap, is annealed as one
         loss = neg_elbo - (surrogate if w == 1.0 else w * surrogate)
         extras = {"elbo": -neg_elbo.detach(), "symmetrized_elbo": -loss.detach(),
                   "entropy_gap": torch.as_tensor(gap).detach()}
@@ -370,7 +373,7 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
     y = None if y is None else y.to(device)
     if permutations is not None:
         groups = resolve_symmetries(list(permutations), shapes)
-    elif hasattr(guide, "symmetry"):
+    elif isinstance(guide, Symmetrized):
         groups = guide.symmetry()
     else:
         groups = find_symmetries(model, shapes)

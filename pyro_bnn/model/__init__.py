@@ -5,7 +5,16 @@ May import: :mod:`pyro_bnn.arguments` (nothing else of the package).
 """
 
 from . import likelihoods, priors, weight_norm
-from .bnn import BAYESIAN_LAYERS, BNN, BayesianNetwork, default_stochastic, fan_in_of, is_bnn, site_module
+from .bnn import (
+    BAYESIAN_LAYERS,
+    BNN,
+    BayesianNetwork,
+    default_stochastic,
+    fan_in_of,
+    is_bnn,
+    normal_prior_params,
+    site_module,
+)
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic",
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "normal_prior_params", "site_module", "BAYESIAN_LAYERS", "default_stochastic",
            "fan_in_of", "likelihoods", "priors", "weight_norm"]

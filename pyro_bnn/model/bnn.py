@@ -18,7 +18,7 @@ from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .weight_norm import weight_norm_setup
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "normal_prior_params", "site_module", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
 BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -60,6 +60,19 @@ class BayesianNetwork(Protocol):
 
     def run_with(self, values: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The network output ``f(x)`` with every random site fixed to ``values[site]``."""
+
+    def site_normal_prior(self, site: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Optional: ``(loc, scale)`` of an i.i.d. Normal prior on ``site`` (closed-form KL and
+        ``log p``), or ``None``.  A model without this member is read through
+        :func:`normal_prior_params`, whose default is ``None`` (every prior through
+        :meth:`site_prior`)."""
+
+
+def normal_prior_params(model, site: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``model.site_normal_prior(site)`` of a :class:`BayesianNetwork`, or ``None`` (the
+    protocol's default for this optional member: no closed-form Normal prior known)."""
+    member = getattr(model, "site_normal_prior", None)  # the protocol's one optional member
+    return None if member is None else member(site)
 
 
 def is_bnn(model) -> bool:

@@ -55,7 +55,7 @@ PREDICTIVES = ("sample", "glm", "glm_probit")
 def default_method(guide) -> str:
     """The predictive a guide is evaluated with: ``guide.default_predictive`` (``"glm"`` for
     the Laplace guide), ``"sample"`` for guides that do not name one."""
-    return str(getattr(guide_contract(guide), "default_predictive", "sample"))
+    return str(guide_contract(guide).default_predictive)
 
 
 def resolve_method(guide, method) -> str:

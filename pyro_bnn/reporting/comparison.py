@@ -182,15 +182,10 @@ def caused_by_interrupt(exc: BaseException | None) -> bool:
 
 
 def count_variational_parameters(guide) -> int:
-    """Number of trained values of ``q``: ``guide.num_variational_parameters`` if given, else
-    the guide's ``nn.Parameter`` count (buffers such as MADE masks or Laplace's curvature
-    factors are not counted)."""
-    own = getattr(guide, "num_variational_parameters", None)
-    if own is not None:
-        return int(own() if callable(own) else own)
-    if not isinstance(guide, torch.nn.Module):
-        return 0
-    return int(sum(p.numel() for p in guide.parameters()))
+    """Number of trained values of ``q``: the guide contract's ``num_variational_parameters()``
+    (default: the guide's ``nn.Parameter`` count; buffers such as MADE masks or Laplace's
+    curvature factors are not counted)."""
+    return int(guide_contract(guide).num_variational_parameters())
 
 
 def as_split(data) -> DataSplit:
@@ -322,14 +317,9 @@ def _loo_columns(dt) -> dict:
 
 
 def _log_evidence(guide) -> float:
-    fn = getattr(guide, "log_evidence", None)
-    if fn is None:
-        return math.nan
-    try:
-        value = fn() if callable(fn) else fn
-        return float(value)
-    except TypeError:
-        return math.nan
+    """The guide's ``log p(D)`` estimate (the contract's ``log_evidence()``), NaN if it has none."""
+    value = guide_contract(guide).log_evidence()
+    return math.nan if value is None else float(value)
 
 
 #: short labels of :class:`~pyro_bnn.training.convergence.ConvergenceDiagnosis` reasons, by their start
@@ -346,28 +336,6 @@ def convergence_label(diagnosis) -> str:
     str
     """
     return "no: not diagnosed" if diagnosis is None else diagnosis.label()
-
-
-def _guide_settings(guide) -> str:
-    """The guide's own settings: its ``extra_repr()``, else the initial scale and estimator
-    attributes that the Gaussian guides carry."""
-    text = guide.extra_repr() if isinstance(guide, torch.nn.Module) else ""
-    parts = [text] if text else []
-    init_scale = getattr(guide, "init_scale", getattr(guide, "_init_scale", None))
-    if isinstance(init_scale, float) and "init_scale" not in text:
-        parts.append(f"init_scale={init_scale:g}")
-    if text:
-        return ", ".join(parts)
-    estimator = getattr(guide, "estimator", None)
-    if isinstance(estimator, str):
-        parts.append(f"estimator={estimator}, K={getattr(guide, 'num_permutations', '?')}")
-    try:
-        local = getattr(guide, "local_reparameterization", None)
-    except (RuntimeError, AttributeError):  # not set up: the setting cannot be resolved
-        local = None
-    if isinstance(local, bool):
-        parts.append(f"local reparameterisation {'on' if local else 'off'}")
-    return ", ".join(parts)
 
 
 def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch_size: int,
@@ -403,7 +371,7 @@ def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch
     if fit_options.get("num_particles", 1) != 1:
         training += f", {fit_options['num_particles']} particles"
     model_part = "weight-norm model" if getattr(model, "weight_norm", False) else ""
-    return "; ".join(p for p in (_guide_settings(guide), model_part, training) if p)
+    return "; ".join(p for p in (guide_contract(guide).settings_description(), model_part, training) if p)
 
 
 def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSamples:

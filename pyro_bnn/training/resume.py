@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from ..contract.guide import guide_contract
 from .checkpoint import (
     CHECKSUM_KEY,
     load_states,
@@ -215,9 +216,9 @@ def _parameter_shapes(model) -> list:
 
 def _guide_record(guide) -> dict:
     record = {"class": f"{type(guide).__module__}.{type(guide).__qualname__}"}
-    own = getattr(guide, "fit_fingerprint", None)
-    if callable(own):
-        record.update({str(k): repr(v) for k, v in own().items()})
+    own = guide_contract(guide).fit_fingerprint()
+    if own is not None:
+        record.update({str(k): repr(v) for k, v in own.items()})
         return record
     for name, value in sorted(vars(guide).items()):
         if name in _GUIDE_STATE_ATTRIBUTES or name.startswith(("_pyro", "__")) or value is None:

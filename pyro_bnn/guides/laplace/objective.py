@@ -68,7 +68,7 @@ class LaplaceMAPObjective(GuideObjective):
             tr.compute_log_prob()
             # condition() marks the latent sites it fixes as observed too (ours, and those of a
             # pyro.condition around the model): count data sites only
-            held = getattr(guide, "_conditioned_values", {})
+            held = guide._conditioned_values
             loglik = sum(site["log_prob_sum"] for name, site in tr.nodes.items()
                          if site["type"] == "sample" and site["is_observed"] and name not in values
                          and name not in held)
@@ -78,7 +78,7 @@ class LaplaceMAPObjective(GuideObjective):
         # progress from fit's convergence diagnosis: reported apart as ``loss_constant``
         # under poutine.scale(model, s) the log joint is s·(log p(y|θ) + log p(θ)): the trace's
         # log-likelihood carries s, the guide's Gaussian prior is scaled here
-        prior_scale = getattr(guide, "_prior_scale", 1.0)
+        prior_scale = guide._prior_scale
         normalizer = prior_scale * gaussian_log_normalizer(guide.layers, deltas)
         log_prior = normalizer + prior_scale * (guide.fixed_log_prior(values)
                                                 - _gaussian_quadratic(guide.layers, values, deltas))
