@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ..contract.local_params import local_params
 from ..contract.modes import evaluation_mode
+from ..model.devices import module_device
 from ..model.likelihoods import Likelihood, make_likelihood
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
@@ -281,7 +282,7 @@ def check_data(model, x, y=None, *, where: str = "pb.evaluate", device=None):
     TypeError, ValueError
         Naming ``where``, what was expected and what was received.
     """
-    check = BatchCheck(model, device if device is not None else _device_of(model))
+    check = BatchCheck(model, device if device is not None else module_device(model, default=None))
     y = _one_output_column(check, x, check.labels(y))
     check(x, y, where)
     return x, y
@@ -317,20 +318,13 @@ def checked_source(model, data, *, where: str, device=None):
     if isinstance(data, (CheckedBatches, TensorBatches)):
         return data
     if isinstance(data, DataLoader):
-        return CheckedBatches(data, BatchCheck(model, device if device is not None else _device_of(model)),
+        return CheckedBatches(data, BatchCheck(model, device if device is not None else module_device(model, default=None)),
                               where=where, convert_labels=True)
     try:
         x, y = as_tensors(data)
     except TypeError:
         return data
     return check_data(model, x, y, where=where, device=device)
-
-
-def _device_of(model):
-    if isinstance(model, torch.nn.Module):
-        for t in list(model.parameters()) + list(model.buffers()):
-            return t.device
-    return None
 
 
 def validate_data(model, data, device=None) -> BatchCheck:

@@ -45,6 +45,7 @@ from torch.distributions import kl_divergence
 from ..contract.guide import register_guide
 from ..contract.local_params import local_params, unwrap_model
 from ..contract.objective import GuideObjective
+from ..contract.pyro_objective import observed_sites
 from ..data.batches import as_tensors
 from ..model.bnn import is_bnn
 from ..model.likelihoods import log_likelihood
@@ -447,13 +448,7 @@ def _bnn_log_likelihood(model, values, x, y, batch_size) -> float:
 def _trace_log_densities(model, values, x, y) -> tuple[float, float]:
     """``log p(D|ω)`` and ``log p(ω)`` of a hand-written model, from one conditioned trace."""
     tr = poutine.trace(poutine.condition(model, data=values)).get_trace(x, y)
-    ll = log_prior = 0.0
-    for name, site in tr.nodes.items():
-        if site["type"] != "sample":
-            continue
-        lp = float(site["fn"].log_prob(site["value"]).sum())
-        if site["is_observed"] and name not in values:
-            ll += lp
-        elif name in values:
-            log_prior += lp
-    return ll, log_prior
+    ll = sum(float(site["fn"].log_prob(site["value"]).sum()) for _, site in observed_sites(tr, values))
+    log_prior = sum(float(site["fn"].log_prob(site["value"]).sum()) for name, site in tr.nodes.items()
+                    if site["type"] == "sample" and name in values)
+    return float(ll), float(log_prior)

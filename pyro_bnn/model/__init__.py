@@ -1,10 +1,10 @@
 """The model layer: the network (:class:`BNN`, the :class:`BayesianNetwork` protocol), priors,
-likelihoods and weight-normalised layers.
+likelihoods, weight-normalised layers, and where a model lives (:func:`module_device`).
 
 May import: :mod:`pyro_bnn.arguments` (nothing else of the package).
 """
 
-from . import likelihoods, priors, weight_norm
+from . import devices, likelihoods, priors, weight_norm
 from .bnn import (
     BAYESIAN_LAYERS,
     BNN,
@@ -13,8 +13,11 @@ from .bnn import (
     fan_in_of,
     is_bnn,
     normal_prior_params,
+    num_augmentations,
     site_module,
 )
+from .devices import module_device
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "normal_prior_params", "site_module", "BAYESIAN_LAYERS", "default_stochastic",
-           "fan_in_of", "likelihoods", "priors", "weight_norm"]
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "normal_prior_params", "num_augmentations",
+           "site_module", "BAYESIAN_LAYERS", "default_stochastic",
+           "fan_in_of", "module_device", "devices", "likelihoods", "priors", "weight_norm"]

@@ -18,7 +18,7 @@ from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .weight_norm import weight_norm_setup
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "normal_prior_params", "site_module", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "normal_prior_params", "num_augmentations", "site_module", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
 BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -83,6 +83,13 @@ def is_bnn(model) -> bool:
     since Python 3.12 inspects protocols with ``getattr_static``.
     """
     return all(hasattr(model, name) for name in _PROTOCOL_MEMBERS)
+
+
+def num_augmentations(model) -> int:
+    """``S``: the transformed copies an invariant model (``pb.BNN(..., augmentation=)``)
+    averages its network over, else 1."""
+    aug = model._modules.get("augmentation") if isinstance(model, nn.Module) else None
+    return 1 if aug is None else int(aug.num_samples)
 
 
 def site_module(model: nn.Module, site: str) -> tuple[nn.Module | None, str]:

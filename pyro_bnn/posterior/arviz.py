@@ -66,8 +66,8 @@ from ..contract.modes import evaluation_mode
 from ..curvature import pointwise_log_likelihood, sample_observations
 from ..data.batches import check_data, check_finite
 from ..model.bnn import is_bnn
+from ..model.devices import module_device
 from ..model.likelihoods import log_likelihood
-from ..training.devices import module_device
 from ..training.seeding import seeded
 from .guide_density import sample_with_log_density
 from .prediction import default_method, predictive_name, resolve_method, whole_batch_plates

@@ -60,7 +60,13 @@ from ..data.datasets import DataSplit
 from ..guides.symmetrized import Symmetrized, symmetrized_elbo
 from ..posterior import metrics
 from ..posterior.arviz import default_method, loo_approximate, to_arviz
-from ..posterior.prediction import PredictiveSamples, predict, predictive_name, predictive_samples
+from ..posterior.prediction import (
+    PredictiveSamples,
+    predict,
+    predictive_likelihood,
+    predictive_name,
+    predictive_samples,
+)
 from ..training.loop import FitResult, fit
 from ..training.seeding import seeded
 
@@ -379,11 +385,10 @@ def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSample
     values = predict(model, guide, x, num_samples=num_samples, method=method)
     if values.dim() == 2:
         values = values.unsqueeze(0)
-    lik = getattr(model, "likelihood", None)
-    if lik is not None and not lik.is_classification:
-        return PredictiveSamples("gaussian", loc=values, scale=lik.noise.detach().expand_as(values))
-    kind = "bernoulli" if getattr(lik, "name", "") == "bernoulli" else "categorical"
-    return PredictiveSamples(kind, probs=values)
+    kind, noise = predictive_likelihood(model, guide)
+    if kind == "gaussian":
+        return PredictiveSamples("gaussian", loc=values, scale=noise.detach().expand_as(values))
+    return PredictiveSamples("bernoulli" if kind == "bernoulli" else "categorical", probs=values)
 
 
 def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_samples, loo_samples,

@@ -30,8 +30,8 @@ from ..arguments import check_int, check_positive
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params
 from ..data.batches import dataset_size, make_loader, split_batch
+from ..model.devices import module_device
 from .convergence import ConvergenceWarning
-from .devices import module_device
 from .loop import FitResult, fit
 from .seeding import seeded
 

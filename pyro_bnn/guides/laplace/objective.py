@@ -16,7 +16,7 @@ import torch
 from pyro import poutine
 
 from ...contract.objective import GuideObjective
-from ...contract.pyro_objective import call_model, scale_observations
+from ...contract.pyro_objective import call_model, observed_sites, scale_observations
 from ...model.bnn import is_bnn
 from ...model.likelihoods import log_likelihood
 
@@ -68,10 +68,7 @@ class LaplaceMAPObjective(GuideObjective):
             tr.compute_log_prob()
             # condition() marks the latent sites it fixes as observed too (ours, and those of a
             # pyro.condition around the model): count data sites only
-            held = guide._conditioned_values
-            loglik = sum(site["log_prob_sum"] for name, site in tr.nodes.items()
-                         if site["type"] == "sample" and site["is_observed"] and name not in values
-                         and name not in held)
+            loglik = sum(site["log_prob_sum"] for _, site in observed_sites(tr, values, guide._conditioned_values))
         deltas = [d.detach() for d in guide.layer_prior_precisions()]
         # the Gaussian prior's normaliser does not depend on θ; with ~0.9 nats per weight it can
         # be most of the loss (440k of a 478k-weight MLP's), which would hide the data term's
