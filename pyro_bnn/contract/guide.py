@@ -272,6 +272,13 @@ class BNNGuide:
         fitted)."""
         return None
 
+    def training_bound(self, model, data, *, num_samples: int = 32) -> tuple[float, str] | None:
+        """The bound the guide maximises on ``data``, when it is not the ELBO nor
+        :meth:`log_evidence`: ``(value, kind)`` for ``pb.compare``'s ``bound`` column (the
+        symmetrised guide: ``(L^G, "symmetrized_elbo")`` from ``num_samples`` draws).
+        Default ``None``: the ELBO, or the log evidence where the guide has one."""
+        return None
+
     def settings_description(self) -> str:
         """The guide's settings as ``pb.compare``'s ``configuration`` column shows them
         (``"init_scale=0.01, local reparameterisation on"``).  Default: ``extra_repr()``."""

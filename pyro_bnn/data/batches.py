@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ..contract.local_params import local_params
 from ..contract.modes import evaluation_mode
+from ..model.bnn import model_likelihood
 from ..model.devices import module_device
 from ..model.likelihoods import Likelihood, make_likelihood
 
@@ -149,7 +150,7 @@ class BatchCheck:
         self.dtype = model_dtype(model) if model is not None else None
         self.integer_inputs = model is None or (isinstance(model, torch.nn.Module) and any(
             isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) for m in model.modules()))
-        lik = likelihood if likelihood is not None else getattr(model, "likelihood", None)
+        lik = likelihood if likelihood is not None else model_likelihood(model)
         self.likelihood = lik if isinstance(lik, Likelihood) else None
         self.device = device
         self._output_shape: tuple[int, ...] | None = None

@@ -37,7 +37,7 @@ from ..arguments import check_bool, check_choice, check_int, check_positive
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
-from ..model.bnn import is_bnn, normal_prior_params, site_module
+from ..model.bnn import is_bnn, normal_prior_params, site_module, weight_norm_of
 from ..model.likelihoods import Categorical, log_likelihood
 from ..model.weight_norm import is_weight_norm_layer, normalize_directions_
 from .hypernet_flows import FLOW_TYPES, HypernetFlow
@@ -154,7 +154,7 @@ class Hypernet(BNNGuide, AutoContinuous):
             raise TypeError(f"alpha must be a number >= 0, got {alpha!r} ({type(alpha).__name__})")
         if not (alpha >= 0 and math.isfinite(alpha)):
             raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
-        if not full and getattr(model, "weight_norm", None) is False:
+        if not full and weight_norm_of(model) is False:
             raise ValueError(
                 "Hypernet(full=False) expects a weight-norm model, pb.BNN(..., weight_norm=True) "
                 f"(only the scales g are random); got a BNN with sites {model.site_names[:4]}... "
@@ -297,7 +297,7 @@ _LAYOUTS = {
 def _hypernet_factory(model, **options) -> Hypernet:
     """Registry entry: the paper's guide for weight-norm models; for any other model a small
     flow over every weight (``full=True``, 2 blocks of 32 hidden units)."""
-    if not getattr(model, "weight_norm", False):
+    if not weight_norm_of(model):
         options = {"full": True, "num_flows": 2, "hidden": 32, **options}
     return Hypernet(model, **options)
 

@@ -174,6 +174,11 @@ class Symmetrized(MeanField):
             self._symmetry = find_symmetries(self._original_model[0], self.site_shapes())
         return self._symmetry
 
+    def training_bound(self, model, data, *, num_samples: int = 32) -> tuple[float, str]:
+        """``(L^G, "symmetrized_elbo")``: the symmetrised ELBO this guide maximises
+        (:func:`symmetrized_elbo` with ``num_samples`` draws), not its base ``q``'s ELBO."""
+        return float(symmetrized_elbo(model, self, data, num_samples=num_samples)), "symmetrized_elbo"
+
     def _objective_settings(self) -> list[str]:
         return [f"estimator={self.estimator}, K={self.num_permutations}"]
 

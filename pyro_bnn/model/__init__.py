@@ -12,12 +12,15 @@ from .bnn import (
     default_stochastic,
     fan_in_of,
     is_bnn,
+    model_likelihood,
     normal_prior_params,
     num_augmentations,
     site_module,
+    weight_norm_of,
 )
 from .devices import module_device
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "normal_prior_params", "num_augmentations",
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "model_likelihood", "normal_prior_params", "num_augmentations",
+           "weight_norm_of",
            "site_module", "BAYESIAN_LAYERS", "default_stochastic",
            "fan_in_of", "module_device", "devices", "likelihoods", "priors", "weight_norm"]

@@ -18,7 +18,8 @@ from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .weight_norm import weight_norm_setup
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "normal_prior_params", "num_augmentations", "site_module", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "model_likelihood", "normal_prior_params", "num_augmentations",
+           "site_module", "weight_norm_of", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
 BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -50,6 +51,12 @@ class BayesianNetwork(Protocol):
         The random sites, in a fixed order.
     likelihood : pyro_bnn.model.likelihoods.Likelihood
         Observation model of the network output.
+
+    Optional members, each read through one function that gives its default:
+    ``site_normal_prior(site)`` (:func:`normal_prior_params`, default ``None``),
+    ``weight_norm`` (:func:`weight_norm_of`, default ``None``: not said); a model's
+    ``likelihood`` is read through :func:`model_likelihood` (``None`` for a hand-written model
+    outside the protocol).
     """
 
     site_names: list[str]
@@ -66,6 +73,21 @@ class BayesianNetwork(Protocol):
         ``log p``), or ``None``.  A model without this member is read through
         :func:`normal_prior_params`, whose default is ``None`` (every prior through
         :meth:`site_prior`)."""
+
+
+def model_likelihood(model) -> Likelihood | None:
+    """The observation model of ``model``: its ``likelihood`` (a :class:`BayesianNetwork`
+    member), or ``None`` (the default) for a hand-written model that declares none — its
+    observations are then read from its Pyro trace."""
+    return getattr(model, "likelihood", None)  # the one read of a model's optional likelihood
+
+
+def weight_norm_of(model) -> bool | None:
+    """Whether ``model`` is weight-normalised (``pb.BNN(..., weight_norm=True)``: only the
+    scales ``g`` are random): a :class:`BNN`'s ``weight_norm``, ``None`` (the default) for a
+    model that does not say."""
+    value = getattr(model, "weight_norm", None)  # the one read of a model's optional weight_norm
+    return value if isinstance(value, bool) else None
 
 
 def normal_prior_params(model, site: str) -> tuple[torch.Tensor, torch.Tensor] | None:

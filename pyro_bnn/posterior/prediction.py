@@ -38,7 +38,7 @@ from ..contract.local_params import local_params
 from ..contract.modes import evaluation_mode
 from ..contract.pyro_objective import call_model
 from ..data.batches import BatchCheck, check_data, check_inputs
-from ..model.bnn import is_bnn
+from ..model.bnn import is_bnn, model_likelihood
 from ..model.devices import module_device
 from ..model.likelihoods import distribution_kind, inverse_link, kind_and_noise
 from . import metrics
@@ -358,7 +358,7 @@ def predictive_likelihood(model, guide) -> tuple[str | None, torch.Tensor | None
     """``(kind, Gaussian σ)`` of a guide's non-Monte-Carlo predictive (``predict(...,
     method="glm")``): from the model's likelihood, else (hand-written models) from the guide
     (``BNNGuide.likelihood_kind``); ``(None, None)`` if neither knows."""
-    lik = getattr(model, "likelihood", None)
+    lik = model_likelihood(model)
     if lik is not None:
         kind, noise = kind_and_noise(lik)
         return (lik.name, None) if kind is None else (kind, noise)

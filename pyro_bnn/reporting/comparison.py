@@ -57,7 +57,7 @@ from ..arguments import check_int, check_positive, did_you_mean
 from ..contract.guide import guide_contract, registered_guides
 from ..data.batches import check_data
 from ..data.datasets import DataSplit
-from ..guides.symmetrized import Symmetrized, symmetrized_elbo
+from ..model.bnn import weight_norm_of
 from ..posterior import metrics
 from ..posterior.arviz import default_method, loo_approximate, to_arviz
 from ..posterior.prediction import (
@@ -376,7 +376,7 @@ def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch
         training += f", clip_norm {fit_options['clip_norm']:g}"
     if fit_options.get("num_particles", 1) != 1:
         training += f", {fit_options['num_particles']} particles"
-    model_part = "weight-norm model" if getattr(model, "weight_norm", False) else ""
+    model_part = "weight-norm model" if weight_norm_of(model) else ""
     return "; ".join(p for p in (guide_contract(guide).settings_description(), model_part, training) if p)
 
 
@@ -447,9 +447,9 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
                    num_samples: int = 32) -> dict:
     """The bound each guide maximises, on the whole training set: ``{"bound", "bound_kind"}``.
 
-    * :class:`~pyro_bnn.guides.Symmetrized`: its symmetrised ELBO ``L^G``
-      (:func:`pyro_bnn.guides.symmetrized.symmetrized_elbo`, ``num_samples`` draws; the ``elbo`` column keeps
-      the ELBO of its base ``q``, which it does not maximise);
+    * a guide whose contract names its own bound (``training_bound``; :class:`~pyro_bnn.guides.Symmetrized`:
+      its symmetrised ELBO ``L^G``, ``num_samples`` draws; the ``elbo`` column keeps the ELBO of its
+      base ``q``, which it does not maximise);
     * a guide with a log-evidence estimate (Laplace): that estimate;
     * every other guide: the ELBO (``elbo``, NaN when ``loo_samples=0`` skipped it).
 
@@ -468,9 +468,10 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
     -------
     dict
     """
-    if isinstance(guide, Symmetrized):
-        value = symmetrized_elbo(model, guide, split.train, num_samples=num_samples)
-        return {"bound": float(value), "bound_kind": "symmetrized_elbo"}
+    own = guide_contract(guide).training_bound(model, split.train, num_samples=num_samples)
+    if own is not None:
+        value, kind = own
+        return {"bound": float(value), "bound_kind": kind}
     if not math.isnan(log_evidence):
         return {"bound": float(log_evidence), "bound_kind": "log_evidence"}
     return {"bound": float(elbo), "bound_kind": "elbo"}

@@ -40,7 +40,7 @@ from ...curvature import (
 )
 from ...curvature import marglik as ml
 from ...data.batches import checked_source, split_batch
-from ...model.bnn import is_bnn, num_augmentations
+from ...model.bnn import is_bnn, model_likelihood, num_augmentations
 from ...model.likelihoods import Gaussian
 from ...posterior.prediction import predict as mc_predict
 from .handlers import held_values, read_handlers
@@ -383,7 +383,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         return kind, noise, self._likelihood_scale * noise ** -2
 
     def _noise(self):
-        lik = getattr(self.base_model, "likelihood", None)
+        lik = model_likelihood(self.base_model)
         if isinstance(lik, Gaussian):
             return lik.noise.detach()
         return self.curvature_state.noise

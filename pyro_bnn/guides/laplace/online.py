@@ -26,7 +26,7 @@ from ...curvature import marglik as ml
 from ...data.batches import TensorBatches, make_loader
 from ...invariance.guide_step import guide_curvature_source, guide_online_eta_step
 from ...invariance.learning import guide_eta_optimizer
-from ...model.bnn import num_augmentations
+from ...model.bnn import model_likelihood, num_augmentations
 from ...model.likelihoods import Gaussian
 
 __all__ = ["OnlineEvidence", "deterministic_curvature", "EVIDENCE_SEED"]
@@ -57,7 +57,7 @@ class OnlineEvidence:
         self.guide = guide
         self.options = options
         self.best: tuple | None = None     # (log evidence, guide state, model state)
-        lik = getattr(guide.base_model, "likelihood", None)
+        lik = model_likelihood(guide.base_model)
         self.noise_frozen = isinstance(lik, Gaussian) and lik.learned
         if self.noise_frozen:      # learned by the evidence, not by the MAP objective
             lik.log_noise.requires_grad_(False)
