@@ -63,7 +63,7 @@ from torch import nn
 
 from ..arguments import check_choice, check_int
 from ..contract.guide import guide_contract
-from ..model.bnn import is_bnn, site_module
+from ..model.bnn import is_bnn, network_of, site_module
 from ..posterior import metrics
 from ..posterior.draws import draw_latents, probs_from_latents, site_moments
 from .tool_support import seeded, to_model_device
@@ -353,7 +353,7 @@ def export_pruned(model, guide, x: torch.Tensor | None = None, num_samples: int 
     torch.nn.Module
         ``net(x)`` gives the logits (or regression output) of the pruned mean network.
     """
-    if not is_bnn(model) or not hasattr(model, "net"):
+    if not is_bnn(model) or network_of(model) is None:
         raise TypeError(f"export_pruned needs a pyro_bnn.BNN, got {type(model).__name__}")
     mean = posterior_mean(model, guide, x, num_samples, seed)
     handle = model.__dict__.get(_HANDLE_ATTR)

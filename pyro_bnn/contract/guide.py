@@ -25,7 +25,7 @@ from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
-from ..model.bnn import site_module
+from ..model.bnn import initial_values_of, site_module
 from .local_params import local_params, prepare_local_params
 from .param_store import expose_unconstrained, global_param_mode, sync_param_store
 from .pyro_objective import PyroObjective
@@ -442,8 +442,7 @@ class init_to_network:
     """
 
     def __init__(self, model, fallback=init_to_median):
-        values = getattr(model, "initial_values", None)
-        self.values = values() if callable(values) else {}
+        self.values = initial_values_of(model)
         self.model = model
         self.fallback = fallback
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ..contract.local_params import local_params
 from ..contract.modes import evaluation_mode
-from ..model.bnn import model_likelihood
+from ..model.bnn import initial_values_of, model_likelihood
 from ..model.devices import module_device
 from ..model.likelihoods import Likelihood, make_likelihood
 
@@ -112,11 +112,9 @@ def _check_x_dtype(x, what, dtype):
 def model_dtype(model) -> torch.dtype | None:
     """Floating dtype of a model's weights: a BNN's initial values, else its first floating
     parameter or buffer; ``None`` if it has none (a hand-written model without weights)."""
-    initial = getattr(model, "initial_values", None)
-    if callable(initial):
-        for t in initial().values():
-            if t.is_floating_point():
-                return t.dtype
+    for t in initial_values_of(model).values():
+        if t.is_floating_point():
+            return t.dtype
     if isinstance(model, torch.nn.Module):
         for t in list(model.parameters()) + list(model.buffers()):
             if t.is_floating_point():

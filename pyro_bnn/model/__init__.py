@@ -11,8 +11,10 @@ from .bnn import (
     BayesianNetwork,
     default_stochastic,
     fan_in_of,
+    initial_values_of,
     is_bnn,
     model_likelihood,
+    network_of,
     normal_prior_params,
     num_augmentations,
     site_module,
@@ -20,7 +22,6 @@ from .bnn import (
 )
 from .devices import module_device
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "model_likelihood", "normal_prior_params", "num_augmentations",
-           "weight_norm_of",
-           "site_module", "BAYESIAN_LAYERS", "default_stochastic",
-           "fan_in_of", "module_device", "devices", "likelihoods", "priors", "weight_norm"]
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic",
+           "fan_in_of", "initial_values_of", "model_likelihood", "network_of", "normal_prior_params", "num_augmentations",
+           "weight_norm_of", "module_device", "devices", "likelihoods", "priors", "weight_norm"]

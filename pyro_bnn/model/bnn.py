@@ -18,7 +18,7 @@ from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .weight_norm import weight_norm_setup
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "model_likelihood", "normal_prior_params", "num_augmentations",
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "initial_values_of", "model_likelihood", "network_of", "normal_prior_params", "num_augmentations",
            "site_module", "weight_norm_of", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
@@ -54,7 +54,9 @@ class BayesianNetwork(Protocol):
 
     Optional members, each read through one function that gives its default:
     ``site_normal_prior(site)`` (:func:`normal_prior_params`, default ``None``),
-    ``weight_norm`` (:func:`weight_norm_of`, default ``None``: not said); a model's
+    ``weight_norm`` (:func:`weight_norm_of`, default ``None``: not said), ``initial_values()``
+    (:func:`initial_values_of`, default ``{}``), ``net`` (:func:`network_of`, default ``None``);
+    a model's
     ``likelihood`` is read through :func:`model_likelihood` (``None`` for a hand-written model
     outside the protocol).
     """
@@ -80,6 +82,21 @@ def model_likelihood(model) -> Likelihood | None:
     member), or ``None`` (the default) for a hand-written model that declares none — its
     observations are then read from its Pyro trace."""
     return getattr(model, "likelihood", None)  # the one read of a model's optional likelihood
+
+
+def initial_values_of(model) -> dict[str, torch.Tensor]:
+    """The starting weights of a model's sites, ``{site: tensor}``: a :class:`BNN`'s
+    ``initial_values()`` (copies of the network it was built from), ``{}`` (the default) for a
+    model without them."""
+    values = getattr(model, "initial_values", None)  # the one read of a model's optional initial_values
+    return values() if callable(values) else {}
+
+
+def network_of(model) -> nn.Module | None:
+    """The torch network a model runs (a :class:`BNN`'s ``net``, with its ``"net.<path>"``
+    sites), or ``None`` (the default) for a model without one."""
+    net = getattr(model, "net", None)  # the one read of a model's optional net
+    return net if isinstance(net, nn.Module) else None
 
 
 def weight_norm_of(model) -> bool | None:
