@@ -32,7 +32,7 @@ from torch.distributions import kl_divergence
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
-from ..model.bnn import BAYESIAN_LAYERS, is_bnn, network_of, normal_prior_params, site_module
+from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
 from ._fused_gaussian import can_fuse, sample_and_kl
 
@@ -423,7 +423,7 @@ def supports_local_reparameterization(model) -> bool:
     """Whether local reparameterisation computes ``model``'s ELBO exactly: a BNN whose random
     sites are all weights and biases of Linear or zero-padded Conv layers, with no input
     augmentation (the copies of one input must share one weight draw)."""
-    if not is_bnn(model) or network_of(model) is None or getattr(model, "augmentation", None) is not None:
+    if not is_bnn(model) or network_of(model) is None or augmentation_of(model) is not None:
         return False
     for site in model.site_names:
         module, leaf = site_module(model, site)

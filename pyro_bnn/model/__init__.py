@@ -9,6 +9,7 @@ from .bnn import (
     BAYESIAN_LAYERS,
     BNN,
     BayesianNetwork,
+    augmentation_of,
     default_stochastic,
     fan_in_of,
     initial_values_of,
@@ -23,5 +24,5 @@ from .bnn import (
 from .devices import module_device
 
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic",
-           "fan_in_of", "initial_values_of", "model_likelihood", "network_of", "normal_prior_params", "num_augmentations",
+           "fan_in_of", "augmentation_of", "initial_values_of", "model_likelihood", "network_of", "normal_prior_params", "num_augmentations",
            "weight_norm_of", "module_device", "devices", "likelihoods", "priors", "weight_norm"]

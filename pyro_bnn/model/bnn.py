@@ -18,8 +18,9 @@ from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .weight_norm import weight_norm_setup
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "initial_values_of", "model_likelihood", "network_of", "normal_prior_params", "num_augmentations",
-           "site_module", "weight_norm_of", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "augmentation_of", "example_input", "initial_values_of",
+           "model_likelihood", "network_of", "normal_prior_params", "num_augmentations", "site_module",
+           "weight_norm_of", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
 BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -99,6 +100,30 @@ def network_of(model) -> nn.Module | None:
     return net if isinstance(net, nn.Module) else None
 
 
+def augmentation_of(model) -> nn.Module | None:
+    """The learnable input augmentation of an invariant model (``pb.BNN(..., augmentation=)``),
+    or ``None`` (the default)."""
+    return model._modules.get("augmentation") if isinstance(model, nn.Module) else None
+
+
+def example_input(model) -> torch.Tensor:
+    """A one-row dummy input for drawing from a guide (guides ignore input values): ``(1, F)``
+    for a :class:`BNN` whose network starts with a Linear or Flatten layer, on the model's device.
+
+    Raises
+    ------
+    ValueError
+        Any other model (pass an input batch instead)."""
+    spec = getattr(model, "_input_spec", None)  # a BNN's own (private) record of its input layer
+    if spec is not None and spec[0] in ("linear", "flatten"):  # (1, F) is valid for Flatten too
+        for t in list(model.parameters()) + list(model.buffers()):
+            return torch.zeros(1, spec[1], device=t.device)
+        return torch.zeros(1, spec[1])
+    raise ValueError("could not build an example input for this model; pass x= (one batch of "
+                     "inputs) so the guide can be sampled")
+
+
+
 def weight_norm_of(model) -> bool | None:
     """Whether ``model`` is weight-normalised (``pb.BNN(..., weight_norm=True)``: only the
     scales ``g`` are random): a :class:`BNN`'s ``weight_norm``, ``None`` (the default) for a
@@ -127,7 +152,7 @@ def is_bnn(model) -> bool:
 def num_augmentations(model) -> int:
     """``S``: the transformed copies an invariant model (``pb.BNN(..., augmentation=)``)
     averages its network over, else 1."""
-    aug = model._modules.get("augmentation") if isinstance(model, nn.Module) else None
+    aug = augmentation_of(model)
     return 1 if aug is None else int(aug.num_samples)
 
 

@@ -18,7 +18,7 @@ from pyro.infer.autoguide import AutoNormal
 from ..arguments import check_int
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params
-from ..model.bnn import is_bnn
+from ..model.bnn import example_input, is_bnn
 from .prediction import params_under, sample_latents
 
 __all__ = ["draw_latents", "probs_from_latents", "site_moments"]
@@ -95,14 +95,3 @@ def site_moments(model, guide, x: torch.Tensor | None = None, num_samples: int =
         mean[name] = stack.mean(0)
         std[name] = stack.std(0, unbiased=False)
     return mean, std, "samples"
-
-
-def example_input(model) -> torch.Tensor:
-    """A one-row dummy input for drawing from a guide (guides ignore input values)."""
-    spec = getattr(model, "_input_spec", None)
-    if spec is not None and spec[0] in ("linear", "flatten"):  # (1, F) is valid for Flatten too
-        for t in list(model.parameters()) + list(model.buffers()):
-            return torch.zeros(1, spec[1], device=t.device)
-        return torch.zeros(1, spec[1])
-    raise ValueError("could not build an example input for this model; pass x= (one batch of "
-                     "inputs) so the guide can be sampled")
