@@ -281,9 +281,8 @@ def prune_(model, guide, fraction: float | None = None, threshold: float | None 
     num_samples = check_int("num_samples", num_samples, 1)
     if score is not None and not isinstance(score, Mapping):
         raise TypeError(f"score must be a dict {{site: tensor}} from pruning.scores, got {type(score).__name__}")
-    site_names = getattr(model, "site_names", None)
-    if score is None and isinstance(site_names, list):
-        _site_filter(sites, site_names)  # a misspelled site fails before the (slow) scores
+    if score is None and is_bnn(model):
+        _site_filter(sites, list(model.site_names))  # a misspelled site fails before the (slow) scores
     unprune_(model)
     score = score if score is not None else scores(guide, kind, model, x, num_samples, seed)
     selected = _site_filter(sites, list(score))

@@ -20,7 +20,7 @@ from .weight_norm import weight_norm_setup
 
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "augmentation_of", "example_input", "initial_values_of",
            "model_likelihood", "network_of", "normal_prior_params", "num_augmentations", "site_module",
-           "weight_norm_of", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
+           "site_prior_modules", "weight_norm_of", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
 BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -122,6 +122,15 @@ def example_input(model) -> torch.Tensor:
     raise ValueError("could not build an example input for this model; pass x= (one batch of "
                      "inputs) so the guide can be sampled")
 
+
+
+def site_prior_modules(model) -> dict[str, Prior]:
+    """``{site: prior module}`` of a :class:`BNN` (the modules in its ``priors``, keyed by site
+    name), ``{}`` (the default) for a model that keeps its priors otherwise."""
+    priors = getattr(model, "priors", None)  # the one read of a BNN's prior modules
+    if not isinstance(priors, nn.ModuleDict) or not hasattr(model, "site_names"):
+        return {}
+    return {site: priors[site.replace(".", "__")] for site in model.site_names}
 
 
 def weight_norm_of(model) -> bool | None:

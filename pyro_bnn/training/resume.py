@@ -23,6 +23,7 @@ import os
 import torch
 
 from ..contract.guide import guide_contract
+from ..model.bnn import site_prior_modules
 from .checkpoint import (
     CHECKSUM_KEY,
     load_states,
@@ -188,12 +189,8 @@ def _exact(value: torch.Tensor) -> str:
 
 
 def _prior_record(model) -> dict:
-    priors = getattr(model, "priors", None)
-    if not isinstance(priors, torch.nn.ModuleDict) or not hasattr(model, "site_names"):
-        return {}
     record = {}
-    for site in model.site_names:
-        prior = priors[site.replace(".", "__")]
+    for site, prior in site_prior_modules(model).items():
         values = [f"{n}={_exact(v)}" for n, v in list(prior.named_buffers()) + list(prior.named_parameters())]
         record[site] = f"{type(prior).__name__}({', '.join(values)})"
     return record
