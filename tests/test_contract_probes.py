@@ -36,7 +36,7 @@ MODEL = ROOT / "model"
 MODEL_READERS = {"likelihood": "model_likelihood", "weight_norm": "weight_norm_of",
                  "site_normal_prior": "normal_prior_params", "initial_values": "initial_values_of",
                  "net": "network_of", "augmentation": "augmentation_of", "_input_spec": "example_input",
-                 "priors": "site_prior_modules"}
+                 "priors": "site_prior_modules", "function": "network_function_of"}
 
 
 def contract_members() -> frozenset[str]:
@@ -112,6 +112,7 @@ def test_each_model_reader_exists_and_gives_its_default():
     assert bnn.network_of(object()) is None
     assert bnn.augmentation_of(object()) is None
     assert bnn.site_prior_modules(object()) == {}
+    assert bnn.network_function_of(object()) is None
     with pytest.raises(ValueError, match="example input"):
         bnn.example_input(object())
     assert set(MODEL_READERS.values()) <= set(bnn.__all__)
@@ -120,7 +121,7 @@ def test_each_model_reader_exists_and_gives_its_default():
 @pytest.mark.parametrize("source, flagged", [
     ('getattr(model, "likelihood", None)\n', True),
     ('getattr(self.base_model, "weight_norm", False)\n', True),
-    ('getattr(model, "function", None)\n', False),               # no reader for it (yet)
+    ('getattr(model, "forward", model)\n', False),               # no reader for it
     ('getattr(check.likelihood, "name", None)\n', False),        # not a model by name
 ])
 def test_the_model_rule_flags_members_with_a_reader_only(source, flagged):

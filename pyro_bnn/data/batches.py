@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ..contract.local_params import local_params
 from ..contract.modes import evaluation_mode
-from ..model.bnn import initial_values_of, model_likelihood
+from ..model.bnn import initial_values_of, model_likelihood, network_function_of
 from ..model.devices import module_device
 from ..model.likelihoods import Likelihood, make_likelihood
 
@@ -180,7 +180,7 @@ class BatchCheck:
         The weights are drawn from the prior; with ``isolate_rng`` the global random state is
         restored afterwards, so checking a loader's first batch does not shift training.
         """
-        function = getattr(self.model, "function", None)
+        function = network_function_of(self.model)
         if function is None or self._output_shape is not None:
             return
         xs = x[:2] if self.device is None else x[:2].to(self.device)

@@ -19,8 +19,9 @@ from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .weight_norm import weight_norm_setup
 
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "augmentation_of", "example_input", "initial_values_of",
-           "model_likelihood", "network_of", "normal_prior_params", "num_augmentations", "site_module",
-           "site_prior_modules", "weight_norm_of", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
+           "model_likelihood", "network_function_of", "network_of", "normal_prior_params",
+           "num_augmentations", "site_module", "site_prior_modules", "weight_norm_of", "BAYESIAN_LAYERS",
+           "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
 BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -131,6 +132,12 @@ def site_prior_modules(model) -> dict[str, Prior]:
     if not isinstance(priors, nn.ModuleDict) or not hasattr(model, "site_names"):
         return {}
     return {site: priors[site.replace(".", "__")] for site in model.site_names}
+
+
+def network_function_of(model):
+    """``f(x)``, the network output under the current (sampled or replayed) weights: a
+    :class:`BNN`'s ``function``, ``None`` (the default) for a model without one."""
+    return getattr(model, "function", None)  # the one read of a model's optional function
 
 
 def weight_norm_of(model) -> bool | None:
