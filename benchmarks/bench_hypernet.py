@@ -44,7 +44,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.data.batches import TensorBatches
-from pyro_bnn.training.length_check import estimate_objective
+from pyro_bnn.training.convergence_check import estimate_objective
 from pyro_bnn.training.loop import setup_guide
 
 

@@ -59,7 +59,7 @@ from pyro_bnn.analysis.ood import evaluate_probs
 from pyro_bnn.contract.guide import registered_guides
 from pyro_bnn.guides.symmetrized import symmetrized_elbo
 from pyro_bnn.training.convergence import diagnose
-from pyro_bnn.training.length_check import estimate_objective
+from pyro_bnn.training.convergence_check import estimate_objective
 from pyro_bnn.training.seeding import seeded
 
 ROWS = ("map", "ensemble", "meanfield", "laplace_ll", "laplace_marglik", "hypernet", "symmetrized",

@@ -36,7 +36,7 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_bnn as pb
 from pyro_bnn.data.batches import TensorBatches
-from pyro_bnn.training.length_check import estimate_objective
+from pyro_bnn.training.convergence_check import estimate_objective
 
 
 def elbo_plain(model, guide, x, y, draws):

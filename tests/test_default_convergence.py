@@ -20,7 +20,7 @@ from pyro_bnn.guides.meanfield import meanfield_loss
 
 def _full_data_elbo(model, guide, x, y, num_particles=100):
     with torch.no_grad(), local_params(model, guide):
-        return -sum(float(meanfield_loss(model, guide, x, y, len(x))) for _ in range(num_particles)) / num_particles
+        return -sum(float(meanfield_loss(model, guide, x, y, len(x)).detach()) for _ in range(num_particles)) / num_particles
 
 
 def _model(seed):

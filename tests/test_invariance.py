@@ -21,10 +21,10 @@ from pyro_bnn.invariance import (
 from pyro_bnn.invariance.evidence import (
     invariant_layers,
     likelihood_scale,
-    num_augmentations,
-    seeded_draws,
 )
+from pyro_bnn.model.bnn import num_augmentations
 from pyro_bnn.model.likelihoods import log_likelihood
+from pyro_bnn.training.seeding import seeded
 
 ROT_ONLY = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
 SOME = [0.15, 0.1, 0.9, 0.1, 0.12, 0.08]
@@ -88,9 +88,9 @@ def test_invariant_model_averages_and_eta_frozen_under_fit():
     aug = AffineAugmentation(num_samples=5, init_extent=SOME)
     model, values = _mlp_model(aug, dtype=torch.float32)
     x = torch.rand(7, 64)
-    with seeded_draws(3, "cpu"):
+    with seeded(3, device="cpu"):
         f_hat = model.run_with(values, x)
-    with seeded_draws(3, "cpu"):
+    with seeded(3, device="cpu"):
         copies = aug(x)
     net_out = pb.BNN(nn.Sequential(nn.Linear(64, 5), nn.Tanh(), nn.Linear(5, 3)), "categorical").run_with(
         values, copies)
@@ -145,9 +145,9 @@ def test_invariant_kfac_equals_closed_form_reference():
     x = torch.rand(20, 64, dtype=torch.float64)
     aug = AffineAugmentation(num_samples=4, init_extent=SOME).double()
     inv, values = _mlp_model(aug)
-    with seeded_draws(3, "cpu"):
+    with seeded(3, device="cpu"):
         sums, f = _kfac(inv, values, x)
-    with seeded_draws(3, "cpu"):
+    with seeded(3, device="cpu"):
         ref, f_ref = _reference_mlp_kfac(values, x, aug)
     assert torch.allclose(f, f_ref, atol=1e-12)
     for part, (a, g) in zip(sums, ref):
@@ -201,7 +201,7 @@ def test_invariant_kfac_is_exact_ggn_of_linear_model():
 
     def f_hat(flat):
         w, b = flat.reshape(3, 65)[:, :64], flat.reshape(3, 65)[:, 64]
-        with seeded_draws(5, "cpu"):
+        with seeded(5, device="cpu"):
             return model.run_with({"net.weight": w, "net.bias": b}, x)
 
     flat = torch.cat([values["net.weight"], values["net.bias"][:, None]], 1).detach().flatten()
@@ -243,7 +243,7 @@ def _dense_evidence(model, values, batches, seeds, delta):
     A = G = None
     ll = 0.0
     for (xb, yb), sd in zip(batches, seeds):
-        with seeded_draws(sd, "cpu"):
+        with seeded(sd, device="cpu"):
             fb, f = _reference_mlp_kfac(values, xb, aug)
         ll = ll + log_likelihood(model.likelihood, f, yb).sum()
         A = [a for a, _ in fb] if A is None else [a0 + a for a0, (a, _) in zip(A, fb)]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.training.length_check import estimate_objective
+from pyro_bnn.training.convergence_check import estimate_objective
 
 
 @pytest.fixture(scope="module")

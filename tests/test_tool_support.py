@@ -12,7 +12,7 @@ from uncertainty_helpers import digits, mlp, trained
 import pyro_bnn as pb
 from pyro_bnn.analysis import active, adversarial, corruption, ood, pruning
 from pyro_bnn.analysis.tool_support import seeded, to_model_device
-from pyro_bnn.training.devices import module_device
+from pyro_bnn.model.devices import module_device
 
 
 def _streams():

@@ -62,7 +62,8 @@ from pyro.nn import PyroModule
 from torch import nn
 
 from ..arguments import check_choice, check_int
-from ..model.bnn import is_bnn, site_module
+from ..contract.guide import guide_contract
+from ..model.bnn import is_bnn, network_of, site_module
 from ..posterior import metrics
 from ..posterior.draws import draw_latents, probs_from_latents, site_moments
 from .tool_support import seeded, to_model_device
@@ -153,7 +154,8 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
     kind : {"snr", "zero_prob", "magnitude"}
         See the module docstring; higher = more important.
     model : pyro_bnn.BNN, optional
-        Needed unless the guide has ``loc_and_scale`` *and* a ``site_names()`` method.
+        Needed unless the guide's contract declares ``normal_per_site`` (its ``loc_and_scale``
+        and ``site_names()`` give the moments).
     x : Tensor, optional
         An input batch, for guides that are sampled (default: a dummy row for MLPs).
     num_samples : int
@@ -168,7 +170,7 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
     _check_kind(kind)
     num_samples = check_int("num_samples", num_samples, 1)
     if model is None:
-        if not (hasattr(guide, "loc_and_scale") and hasattr(guide, "site_names")):
+        if not guide_contract(guide).normal_per_site:
             raise TypeError(f"scores() needs model= for a {type(guide).__name__} guide "
                             "(it has no loc_and_scale/site_names)")
 
@@ -279,9 +281,8 @@ def prune_(model, guide, fraction: float | None = None, threshold: float | None 
     num_samples = check_int("num_samples", num_samples, 1)
     if score is not None and not isinstance(score, Mapping):
         raise TypeError(f"score must be a dict {{site: tensor}} from pruning.scores, got {type(score).__name__}")
-    site_names = getattr(model, "site_names", None)
-    if score is None and isinstance(site_names, list):
-        _site_filter(sites, site_names)  # a misspelled site fails before the (slow) scores
+    if score is None and is_bnn(model):
+        _site_filter(sites, list(model.site_names))  # a misspelled site fails before the (slow) scores
     unprune_(model)
     score = score if score is not None else scores(guide, kind, model, x, num_samples, seed)
     selected = _site_filter(sites, list(score))
@@ -351,7 +352,7 @@ def export_pruned(model, guide, x: torch.Tensor | None = None, num_samples: int 
     torch.nn.Module
         ``net(x)`` gives the logits (or regression output) of the pruned mean network.
     """
-    if not is_bnn(model) or not hasattr(model, "net"):
+    if not is_bnn(model) or network_of(model) is None:
         raise TypeError(f"export_pruned needs a pyro_bnn.BNN, got {type(model).__name__}")
     mean = posterior_mean(model, guide, x, num_samples, seed)
     handle = model.__dict__.get(_HANDLE_ATTR)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..training.devices import module_device
+from ..model.devices import module_device
 from ..training.seeding import seeded
 
 __all__ = ["seeded", "to_model_device"]
@@ -23,7 +23,7 @@ __all__ = ["seeded", "to_model_device"]
 
 def to_model_device(model, guide, *tensors: torch.Tensor | None):
     """``tensors`` moved to the device of the model's (else the guide's) first parameter or
-    buffer (:func:`pyro_bnn.training.devices.module_device`; ``None`` stays ``None``); a tuple, or the
+    buffer (:func:`pyro_bnn.model.devices.module_device`; ``None`` stays ``None``); a tuple, or the
     one tensor if only one is given."""
     device = module_device(model, guide)
     moved = tuple(t if t is None else t.to(device) for t in tensors)

@@ -25,7 +25,7 @@ from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
-from ..model.bnn import site_module
+from ..model.bnn import initial_values_of, site_module
 from .local_params import local_params, prepare_local_params
 from .param_store import expose_unconstrained, global_param_mode, sync_param_store
 from .pyro_objective import PyroObjective
@@ -54,11 +54,28 @@ class BNNGuide:
         Whether the guide offers the linearised (GLM) predictive and its draws
         (``map_values``, ``likelihood_kind``, ``linearized_samples``; the Laplace guide):
         ``pb.to_arviz(..., method="glm")`` reads it.
+    default_predictive : str
+        The ``method`` :func:`pyro_bnn.predict`, :func:`pyro_bnn.evaluate`, ``pb.compare`` and
+        ``pb.to_arviz`` use when none is given: ``"sample"`` (the default, Monte Carlo over
+        the guide's draws) or one of the guide's own :meth:`predict` methods (the Laplace
+        guide: ``"glm"``).
+    normal_per_site : bool
+        Whether ``q`` is one independent Normal per site whose mean and standard deviation
+        :meth:`loc_and_scale` returns exactly, over the sites :meth:`site_names` lists
+        (:class:`~pyro_bnn.guides.MeanField` and the guides built on it).  The tools read exact
+        moments then (``site_moments``, pruning scores without a model); otherwise they use
+        Pyro's ``AutoNormal`` quantiles or Monte Carlo draws.  Default ``False``.
+
+    Every attribute a tool reads of a guide is declared here, with its default; the tools reach
+    it through :func:`guide_contract` and never probe a guide with ``getattr``/``hasattr``
+    (``tests/test_layering.py`` checks this).
     """
 
     supports_marglik: bool = False
     linearized: bool = False
     default_lr: float | None = None
+    default_predictive: str = "sample"
+    normal_per_site: bool = False
     #: sample sites of the model that hold data; they are never latent variables of the
     #: guide, even when the guide is first set up without targets (``Predictive(model,
     #: guide=guide)(x)`` on a guide restored from Pyro's param store)
@@ -236,6 +253,49 @@ class BNNGuide:
         """
         return None
 
+    def site_names(self) -> list[str]:
+        """The latent sites of ``q``, in a fixed order (a guide with :attr:`normal_per_site`
+        provides it).  Default: ``NotImplementedError``."""
+        raise NotImplementedError(f"the {type(self).__name__} guide does not list its sites")
+
+    def loc_and_scale(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean μ and standard deviation σ of site ``name`` under ``q`` (a guide with
+        :attr:`normal_per_site` provides it).  Default: ``NotImplementedError``."""
+        raise NotImplementedError(f"the {type(self).__name__} guide has no per-site Normal marginals "
+                                  "(normal_per_site is False)")
+
+    # ----------------------------------------------------------- reporting
+    def num_variational_parameters(self) -> int:
+        """Number of trained values of ``q`` (the ``pb.compare`` column).  Default: the
+        guide's ``nn.Parameter`` count (buffers such as MADE masks or Laplace's curvature
+        factors are not counted)."""
+        return _parameter_count(self)
+
+    def log_evidence(self) -> torch.Tensor | None:
+        """The guide's estimate of the log marginal likelihood ``log p(D)`` (0-d tensor), or
+        ``None`` (the default) if it has none; ``pb.compare`` reports ``None`` as NaN.  The
+        Laplace guide returns its Laplace-GGN evidence (and raises if its curvature is not
+        fitted)."""
+        return None
+
+    def training_bound(self, model, data, *, num_samples: int = 32) -> tuple[float, str] | None:
+        """The bound the guide maximises on ``data``, when it is not the ELBO nor
+        :meth:`log_evidence`: ``(value, kind)`` for ``pb.compare``'s ``bound`` column (the
+        symmetrised guide: ``(L^G, "symmetrized_elbo")`` from ``num_samples`` draws).
+        Default ``None``: the ELBO, or the log evidence where the guide has one."""
+        return None
+
+    def settings_description(self) -> str:
+        """The guide's settings as ``pb.compare``'s ``configuration`` column shows them
+        (``"init_scale=0.01, local reparameterisation on"``).  Default: ``extra_repr()``."""
+        return self.extra_repr() if isinstance(self, torch.nn.Module) else ""
+
+    def fit_fingerprint(self) -> dict | None:
+        """The guide's options that a resumed fit must match, ``{name: value}``, or ``None``
+        (the default): :func:`pyro_bnn.training.resume.fit_fingerprint` then records the
+        scalar attributes the guide holds (its constructor options)."""
+        return None
+
     def log_density(self, values: dict) -> torch.Tensor | None:
         """``log q(θ)`` (0-d) at a joint draw ``{site: tensor}``, or ``None``.
 
@@ -272,6 +332,12 @@ def _clear_transform_cache(module) -> None:
     for name, value in list(vars(module).items()):
         if name.startswith("_cached") and name != "_cached_x_y" and isinstance(value, torch.Tensor):
             setattr(module, name, None)
+
+
+def _parameter_count(module) -> int:
+    if not isinstance(module, torch.nn.Module):
+        return 0
+    return int(sum(p.numel() for p in module.parameters()))
 
 
 def _not_set_up_message(guide) -> str | None:
@@ -316,6 +382,18 @@ class _PyroGuideContract(BNNGuide):
     def on_fit_end(self, ctx) -> None:
         for part in self._parts():
             part.on_fit_end(ctx)
+
+    def num_variational_parameters(self) -> int:
+        return _parameter_count(self.guide)
+
+    def settings_description(self) -> str:
+        """``extra_repr()``, and the initial scale that Pyro's Gaussian autoguides keep as the
+        private ``_init_scale`` (``AutoNormal``, ``AutoMultivariateNormal``, ...)."""
+        text = self.guide.extra_repr() if isinstance(self.guide, torch.nn.Module) else ""
+        init_scale = getattr(self.guide, "_init_scale", None)  # a Pyro guide's own attribute
+        if isinstance(init_scale, float) and "init_scale" not in text:
+            return ", ".join(p for p in (text, f"init_scale={init_scale:g}") if p)
+        return text
 
     def scale_parameters(self) -> list[torch.Tensor]:
         if isinstance(self.guide, AutoNormal) and self.guide.prototype_trace is not None:
@@ -370,8 +448,7 @@ class init_to_network:
     """
 
     def __init__(self, model, fallback=init_to_median):
-        values = getattr(model, "initial_values", None)
-        self.values = values() if callable(values) else {}
+        self.values = initial_values_of(model)
         self.model = model
         self.fallback = fallback
 

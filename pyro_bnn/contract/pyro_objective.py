@@ -16,7 +16,8 @@ import inspect
 import pyro
 from pyro.poutine.messenger import Messenger
 
-__all__ = ["scale_observations", "PyroObjective", "accepts_num_data", "call_model", "model_arguments"]
+__all__ = ["scale_observations", "PyroObjective", "accepts_num_data", "call_model", "model_arguments",
+           "observed_sites"]
 
 
 class scale_observations(Messenger):
@@ -35,6 +36,16 @@ class scale_observations(Messenger):
             scale = msg["scale"]
             if isinstance(scale, (int, float)) and scale == 1.0:
                 msg["scale"] = self.factor
+
+
+def observed_sites(trace, *conditioned):
+    """The data sites of a trace of ``poutine.condition(model, data=values)``: ``(name, site)``
+    of each observed sample site, in trace order, whose name is in none of ``conditioned``
+    (``condition()`` marks the latent sites it fixes as observed too; pass their values, and
+    those of any ``pyro.condition`` around the model)."""
+    for name, site in trace.nodes.items():
+        if site["type"] == "sample" and site["is_observed"] and not any(name in c for c in conditioned):
+            yield name, site
 
 
 def accepts_num_data(model) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.batches import as_targets, check_targets
+from ..model.likelihoods import inverse_link
 from .ggn import per_example_gradients
 from .layers import Layer, capture_factors
 from .network import identity_columns
@@ -147,12 +148,7 @@ def glm_predictive(f: torch.Tensor, cov: torch.Tensor, kind: str, link_approx: s
         raise ValueError(f"link_approx must be 'probit' or 'mc', got {link_approx!r}")
     if kind != "gaussian" and link_approx == "probit":
         return probit_probs(f, cov, kind).unsqueeze(0)
-    fs = _function_draws(f, cov, num_samples, generator)
-    if kind == "categorical":
-        return torch.softmax(fs, -1)
-    if kind == "bernoulli":
-        return torch.sigmoid(fs)
-    return fs
+    return inverse_link(kind, _function_draws(f, cov, num_samples, generator))
 
 
 def pointwise_log_likelihood(kind: str, f: torch.Tensor, y: torch.Tensor,

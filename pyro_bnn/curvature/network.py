@@ -15,7 +15,7 @@ from pyro import poutine
 from pyro.poutine.util import site_is_subsample
 
 from ..model.bnn import is_bnn
-from ..model.likelihoods import Bernoulli, Categorical, Gaussian
+from ..model.likelihoods import distribution_kind, kind_and_noise
 
 __all__ = ["network_output", "likelihood_kind", "hessian_columns", "log_likelihood_terms"]
 
@@ -62,21 +62,17 @@ def likelihood_kind(model, values: dict, x: torch.Tensor,
                     obs_site: str | None = None) -> tuple[str, torch.Tensor | None]:
     """``("categorical" | "bernoulli" | "gaussian", σ or None)``; ``σ`` keeps its graph."""
     if is_bnn(model):
-        lik = model.likelihood
-        if isinstance(lik, Categorical):
-            return "categorical", None
-        if isinstance(lik, Bernoulli):
-            return "bernoulli", None
-        if isinstance(lik, Gaussian):
-            return "gaussian", lik.noise
-        raise TypeError(f"Laplace supports categorical, bernoulli and gaussian likelihoods, got {lik.name!r}")
+        kind, noise = kind_and_noise(model.likelihood)
+        if kind is None:
+            raise TypeError("Laplace supports categorical, bernoulli and gaussian likelihoods, "
+                            f"got {model.likelihood.name!r}")
+        return kind, noise
     with torch.no_grad():
         d = _obs_distribution(model, values, x, obs_site)
-    if isinstance(d, dist.Categorical):
-        return "categorical", None
-    if isinstance(d, dist.Bernoulli):
-        return "bernoulli", None
-    if isinstance(d, dist.Normal):
+    kind = distribution_kind(d)
+    if kind in ("categorical", "bernoulli"):
+        return kind, None
+    if kind == "gaussian":
         scale = d.scale.detach()
         if scale.numel() > 1 and not torch.allclose(scale, scale.flatten()[0]):
             raise ValueError("Laplace needs one observation noise σ for all outputs of a hand-written model")

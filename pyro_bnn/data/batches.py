@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ..contract.local_params import local_params
 from ..contract.modes import evaluation_mode
+from ..model.bnn import initial_values_of, model_likelihood, network_function_of
+from ..model.devices import module_device
 from ..model.likelihoods import Likelihood, make_likelihood
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
@@ -110,11 +112,9 @@ def _check_x_dtype(x, what, dtype):
 def model_dtype(model) -> torch.dtype | None:
     """Floating dtype of a model's weights: a BNN's initial values, else its first floating
     parameter or buffer; ``None`` if it has none (a hand-written model without weights)."""
-    initial = getattr(model, "initial_values", None)
-    if callable(initial):
-        for t in initial().values():
-            if t.is_floating_point():
-                return t.dtype
+    for t in initial_values_of(model).values():
+        if t.is_floating_point():
+            return t.dtype
     if isinstance(model, torch.nn.Module):
         for t in list(model.parameters()) + list(model.buffers()):
             if t.is_floating_point():
@@ -148,7 +148,7 @@ class BatchCheck:
         self.dtype = model_dtype(model) if model is not None else None
         self.integer_inputs = model is None or (isinstance(model, torch.nn.Module) and any(
             isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) for m in model.modules()))
-        lik = likelihood if likelihood is not None else getattr(model, "likelihood", None)
+        lik = likelihood if likelihood is not None else model_likelihood(model)
         self.likelihood = lik if isinstance(lik, Likelihood) else None
         self.device = device
         self._output_shape: tuple[int, ...] | None = None
@@ -180,7 +180,7 @@ class BatchCheck:
         The weights are drawn from the prior; with ``isolate_rng`` the global random state is
         restored afterwards, so checking a loader's first batch does not shift training.
         """
-        function = getattr(self.model, "function", None)
+        function = network_function_of(self.model)
         if function is None or self._output_shape is not None:
             return
         xs = x[:2] if self.device is None else x[:2].to(self.device)
@@ -281,7 +281,7 @@ def check_data(model, x, y=None, *, where: str = "pb.evaluate", device=None):
     TypeError, ValueError
         Naming ``where``, what was expected and what was received.
     """
-    check = BatchCheck(model, device if device is not None else _device_of(model))
+    check = BatchCheck(model, device if device is not None else module_device(model, default=None))
     y = _one_output_column(check, x, check.labels(y))
     check(x, y, where)
     return x, y
@@ -317,20 +317,13 @@ def checked_source(model, data, *, where: str, device=None):
     if isinstance(data, (CheckedBatches, TensorBatches)):
         return data
     if isinstance(data, DataLoader):
-        return CheckedBatches(data, BatchCheck(model, device if device is not None else _device_of(model)),
+        return CheckedBatches(data, BatchCheck(model, device if device is not None else module_device(model, default=None)),
                               where=where, convert_labels=True)
     try:
         x, y = as_tensors(data)
     except TypeError:
         return data
     return check_data(model, x, y, where=where, device=device)
-
-
-def _device_of(model):
-    if isinstance(model, torch.nn.Module):
-        for t in list(model.parameters()) + list(model.buffers()):
-            return t.device
-    return None
 
 
 def validate_data(model, data, device=None) -> BatchCheck:

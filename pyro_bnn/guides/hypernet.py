@@ -37,7 +37,7 @@ from ..arguments import check_bool, check_choice, check_int, check_positive
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
-from ..model.bnn import is_bnn, site_module
+from ..model.bnn import is_bnn, normal_prior_params, site_module, weight_norm_of
 from ..model.likelihoods import Categorical, log_likelihood
 from ..model.weight_norm import is_weight_norm_layer, normalize_directions_
 from .hypernet_flows import FLOW_TYPES, HypernetFlow
@@ -154,7 +154,7 @@ class Hypernet(BNNGuide, AutoContinuous):
             raise TypeError(f"alpha must be a number >= 0, got {alpha!r} ({type(alpha).__name__})")
         if not (alpha >= 0 and math.isfinite(alpha)):
             raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
-        if not full and getattr(model, "weight_norm", None) is False:
+        if not full and weight_norm_of(model) is False:
             raise ValueError(
                 "Hypernet(full=False) expects a weight-norm model, pb.BNN(..., weight_norm=True) "
                 f"(only the scales g are random); got a BNN with sites {model.site_names[:4]}... "
@@ -276,6 +276,10 @@ class Hypernet(BNNGuide, AutoContinuous):
         return (f"flow={self.flow_type!r}, num_flows={self.num_flows}, hidden={self.hidden}, "
                 f"full={self.full}, layout={self.layout!r}, directions={self.directions!r}")
 
+    def settings_description(self) -> str:
+        """``extra_repr()`` and the flow's initial scale (``pb.compare``'s configuration)."""
+        return f"{self.extra_repr()}, init_scale={self.init_scale:g}"
+
 
 #: ``default_lr`` of a flow started from a trained MeanField (``init_from``): it refines an optimum
 REFINE_LR = 3e-4
@@ -293,7 +297,7 @@ _LAYOUTS = {
 def _hypernet_factory(model, **options) -> Hypernet:
     """Registry entry: the paper's guide for weight-norm models; for any other model a small
     flow over every weight (``full=True``, 2 blocks of 32 hidden units)."""
-    if not getattr(model, "weight_norm", False):
+    if not weight_norm_of(model):
         options = {"full": True, "num_flows": 2, "hidden": 32, **options}
     return Hypernet(model, **options)
 
@@ -425,7 +429,7 @@ def _prior_log_prob(model, name: str, value: torch.Tensor) -> torch.Tensor:
     An i.i.d. Normal prior (``model.site_normal_prior``) is evaluated in closed form,
     ``Σ −(θ−m)²/(2s²) − log s − ½ log 2π`` (Pyro's ``Normal.log_prob`` without building
     distributions and validating arguments); any other prior through Pyro."""
-    normal = getattr(model, "site_normal_prior", lambda site: None)(name)
+    normal = normal_prior_params(model, name)
     if normal is None:
         return torch.stack([model.site_prior(name).log_prob(v) for v in value])
     loc, s = normal

@@ -33,7 +33,7 @@ from ..arguments import check_positive
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
-from ..model.bnn import BAYESIAN_LAYERS, is_bnn, site_module
+from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
 from ._fused_gaussian import can_fuse, sample_and_kl
 
@@ -94,6 +94,8 @@ class MeanField(BNNGuide, AutoNormal):
     #: learning rate of :func:`pyro_bnn.fit` when none is given (with its cosine decay), for
     #: up to ``REFERENCE_NUM_DATA`` training points; :meth:`learning_rate` lowers it above
     default_lr = 5e-2
+    #: q is one Normal per site: :meth:`loc_and_scale` gives its exact moments
+    normal_per_site = True
     #: whether ``local_reparameterization="auto"`` may choose local reparameterisation (the
     #: objective of a subclass may need the weights themselves)
     auto_local_reparameterization = True
@@ -129,6 +131,21 @@ class MeanField(BNNGuide, AutoNormal):
             return bool(setting)
         return self.auto_local_reparameterization and supports_local_reparameterization(
             self.given_model())  # not through handlers around the model: they must run
+
+    def settings_description(self) -> str:
+        """``"init_scale=…[, objective settings], local reparameterisation on|off"``."""
+        try:
+            local = self.local_reparameterization
+        except (RuntimeError, AttributeError):  # not set up: the setting cannot be resolved
+            local = None
+        parts = [f"init_scale={self._init_scale:g}", *self._objective_settings()]
+        if local is not None:
+            parts.append(f"local reparameterisation {'on' if local else 'off'}")
+        return ", ".join(parts)
+
+    def _objective_settings(self) -> list[str]:
+        """Settings of the training objective for :meth:`settings_description` (none here)."""
+        return []
 
     def on_epoch_start(self, ctx) -> None:
         """Set the KL weight for the coming epoch (KL annealing)."""
@@ -349,9 +366,8 @@ def closed_form_kl(model, qs: dict) -> tuple[torch.Tensor | float, list[str]]:
         Sites that need a Monte Carlo estimate ``log q(w) − log p(w)``.
     """
     kl, mc_sites = 0.0, []
-    normal = getattr(model, "site_normal_prior", lambda name: None)
     for name, (loc, scale) in qs.items():
-        params = normal(name)
+        params = normal_prior_params(model, name)
         if params is not None:
             kl = kl + normal_kl(loc, scale, *params)
             continue
@@ -379,11 +395,11 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
     sites = model.site_names
     local = guide.local_reparameterization
     fused = {} if local else _fusable_sites(model, guide, sites)
-    positive = getattr(guide, "scale_parameterization", "softplus")
+    positive = guide.scale_parameterization
     qs = {name: guide.loc_and_scale(name) for name in sites if name not in fused}
     kl_closed, mc_sites = closed_form_kl(model, qs)
     priors = {name: model.site_prior(name) for name in mc_sites}
-    kl_weight = getattr(guide, "kl_weight", 1.0)
+    kl_weight = guide.kl_weight
     nll = 0.0
     for _ in range(num_particles):
         values, hooks = {}, []
@@ -413,10 +429,9 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
 
 def _fusable_sites(model, guide, sites) -> dict:
     """``{site: (μ, ρ, prior_loc, prior_scale)}`` for the sites :func:`sample_and_kl` handles."""
-    normal = getattr(model, "site_normal_prior", lambda name: None)
     out = {}
     for name in sites:
-        params = normal(name)
+        params = normal_prior_params(model, name)
         if params is None:
             continue
         loc, rho = guide.loc_and_raw_scale(name)
@@ -429,7 +444,7 @@ def supports_local_reparameterization(model) -> bool:
     """Whether local reparameterisation computes ``model``'s ELBO exactly: a BNN whose random
     sites are all weights and biases of Linear or zero-padded Conv layers, with no input
     augmentation (the copies of one input must share one weight draw)."""
-    if not is_bnn(model) or not hasattr(model, "net") or getattr(model, "augmentation", None) is not None:
+    if not is_bnn(model) or network_of(model) is None or augmentation_of(model) is not None:
         return False
     for site in model.site_names:
         module, leaf = site_module(model, site)

@@ -45,6 +45,7 @@ from torch.distributions import kl_divergence
 from ..contract.guide import register_guide
 from ..contract.local_params import local_params, unwrap_model
 from ..contract.objective import GuideObjective
+from ..contract.pyro_objective import observed_sites
 from ..data.batches import as_tensors
 from ..model.bnn import is_bnn
 from ..model.likelihoods import log_likelihood
@@ -173,6 +174,14 @@ class Symmetrized(MeanField):
             self._symmetry = find_symmetries(self._original_model[0], self.site_shapes())
         return self._symmetry
 
+    def training_bound(self, model, data, *, num_samples: int = 32) -> tuple[float, str]:
+        """``(L^G, "symmetrized_elbo")``: the symmetrised ELBO this guide maximises
+        (:func:`symmetrized_elbo` with ``num_samples`` draws), not its base ``q``'s ELBO."""
+        return float(symmetrized_elbo(model, self, data, num_samples=num_samples)), "symmetrized_elbo"
+
+    def _objective_settings(self) -> list[str]:
+        return [f"estimator={self.estimator}, K={self.num_permutations}"]
+
     def make_objective(self, num_particles: int = 1):
         return SymmetrizedELBO(self.num_permutations, num_particles, estimator=self.estimator)
 
@@ -282,7 +291,7 @@ class SymmetrizedELBO(GuideObjective):
         # the local bound reads log σ directly when σ = exp(ρ): on the fused path σ is then
         # never needed outside the fused node (one pass less over the weights)
         log_scales = (bool(fused) and self.estimator == "local" and self.num_permutations == 1
-                      and getattr(guide, "scale_parameterization", None) == "exp")
+                      and guide.scale_parameterization == "exp")
         if log_scales:
             raw = {name: guide.loc_and_raw_scale(name) for name in sites}
             locs, scales = {k: v[0] for k, v in raw.items()}, {k: v[1] for k, v in raw.items()}
@@ -307,7 +316,7 @@ class SymmetrizedELBO(GuideObjective):
         for gap_p, sur_p in draws:
             gap, surrogate = gap + gap_p, surrogate + sur_p
         gap, surrogate = gap / self.num_particles, surrogate / self.num_particles
-        w = getattr(guide, "kl_weight", 1.0)  # the modified KL, KL(q‖p) − gap, is annealed as one
+        w = guide.kl_weight  # the modified KL, KL(q‖p) − gap, is annealed as one
         loss = neg_elbo - (surrogate if w == 1.0 else w * surrogate)
         extras = {"elbo": -neg_elbo.detach(), "symmetrized_elbo": -loss.detach(),
                   "entropy_gap": torch.as_tensor(gap).detach()}
@@ -370,7 +379,7 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
     y = None if y is None else y.to(device)
     if permutations is not None:
         groups = resolve_symmetries(list(permutations), shapes)
-    elif hasattr(guide, "symmetry"):
+    elif isinstance(guide, Symmetrized):
         groups = guide.symmetry()
     else:
         groups = find_symmetries(model, shapes)
@@ -444,13 +453,7 @@ def _bnn_log_likelihood(model, values, x, y, batch_size) -> float:
 def _trace_log_densities(model, values, x, y) -> tuple[float, float]:
     """``log p(D|ω)`` and ``log p(ω)`` of a hand-written model, from one conditioned trace."""
     tr = poutine.trace(poutine.condition(model, data=values)).get_trace(x, y)
-    ll = log_prior = 0.0
-    for name, site in tr.nodes.items():
-        if site["type"] != "sample":
-            continue
-        lp = float(site["fn"].log_prob(site["value"]).sum())
-        if site["is_observed"] and name not in values:
-            ll += lp
-        elif name in values:
-            log_prior += lp
-    return ll, log_prior
+    ll = sum(float(site["fn"].log_prob(site["value"]).sum()) for _, site in observed_sites(tr, values))
+    log_prior = sum(float(site["fn"].log_prob(site["value"]).sum()) for name, site in tr.nodes.items()
+                    if site["type"] == "sample" and name in values)
+    return float(ll), float(log_prior)

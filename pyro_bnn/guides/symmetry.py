@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..contract.pyro_objective import observed_sites
+
 __all__ = [
     "find_symmetries", "resolve_symmetries", "group_sizes", "log_group_order",
     "sample_permutations", "apply_permutation", "permute_batched", "invert_permutation",
@@ -170,8 +172,7 @@ def _groups_by_execution(model, shapes, covered, example, kwargs) -> Symmetry:
 
     def outputs(vals):
         tr = poutine.trace(poutine.condition(model, data=vals)).get_trace(*example, **kwargs)
-        parts = [site["fn"].log_prob(site["value"]).reshape(-1) for name, site in tr.nodes.items()
-                 if site["type"] == "sample" and site["is_observed"] and name not in vals]
+        parts = [site["fn"].log_prob(site["value"]).reshape(-1) for _, site in observed_sites(tr, vals)]
         ret = tr.nodes["_RETURN"]["value"]
         if isinstance(ret, torch.Tensor):
             parts.append(ret.reshape(-1))

@@ -14,7 +14,8 @@ The invariant model averages the network over ``S`` transformed copies,
 ``f̂(x) = (1/S) Σ_s f(T_s x)``; its KFAC factors average the layer inputs and sum the
 output gradients over the copies (``num_augmentations`` of
 :func:`~pyro_bnn.curvature.kfac.batch_kfac_factors`).  The draws ``T_s`` of batch ``i`` are
-made under the seed ``seeds[i]`` (:class:`seeded_draws`), so a second pass can replay them.
+made under the seed ``seeds[i]`` (:func:`pyro_bnn.training.seeding.seeded` with ``device=``),
+so a second pass can replay them.
 
 The η-gradient of ``log det P_l`` is ``tr(P_l⁻¹ ∂H_l/∂η)``.  ``H_l`` is a product of sums
 over the data, so by the product rule ``∂H_l = Σ_b (G_l ⊗ ∂A_b + ∂G_b ⊗ A_l)`` over
@@ -34,8 +35,10 @@ import torch
 from ..curvature import CurvatureFit, Layer, accumulate_curvature, batch_kfac_factors, find_layers
 from ..curvature import marglik as ml
 from ..curvature.network import likelihood_kind, log_likelihood_terms
+from ..model.bnn import num_augmentations
+from ..training.seeding import seeded
 
-__all__ = ["invariant_layers", "num_augmentations", "likelihood_scale", "seeded_draws",
+__all__ = ["invariant_layers", "likelihood_scale",
            "batch_seeds", "invariant_curvature", "eta_surrogate", "log_evidence_at"]
 
 
@@ -51,12 +54,6 @@ def invariant_layers(model, values: dict) -> list[Layer]:
     return find_layers(model, {k: v.shape for k, v in values.items()})
 
 
-def num_augmentations(model) -> int:
-    """``S``: the copies an invariant model (``pb.BNN(..., augmentation=)``) averages, else 1."""
-    aug = model._modules.get("augmentation") if isinstance(model, torch.nn.Module) else None
-    return 1 if aug is None else int(aug.num_samples)
-
-
 def likelihood_scale(model, values: dict, x: torch.Tensor):
     """``(kind, s, σ)``: the likelihood kind, the curvature scale ``s`` (``1/σ²`` for a
     Gaussian, else 1) and the Gaussian noise (``None`` otherwise), all without a graph."""
@@ -65,29 +62,6 @@ def likelihood_scale(model, values: dict, x: torch.Tensor):
         return kind, 1.0, None
     noise = noise.detach()
     return kind, noise ** -2, noise
-
-
-class seeded_draws:
-    """Make the block's random draws from a stream seeded with ``seed`` and restore the
-    caller's stream afterwards (``torch.random.fork_rng``; ``seed=None``: a no-op)."""
-
-    def __init__(self, seed: int | None, device):
-        self.seed, self.device = seed, torch.device(device)
-        self._fork = None
-
-    def __enter__(self):
-        if self.seed is None:
-            return self
-        devices = [self.device] if self.device.type == "cuda" else []
-        self._fork = torch.random.fork_rng(devices=devices)
-        self._fork.__enter__()
-        torch.manual_seed(int(self.seed))
-        return self
-
-    def __exit__(self, *exc):
-        if self._fork is not None:
-            self._fork.__exit__(*exc)
-        return False
 
 
 def batch_seeds(seed: int, indices: Sequence[int]) -> list[int]:
@@ -130,7 +104,7 @@ def invariant_curvature(model, values: dict, batches: Sequence, seeds: Sequence[
     stream = iter(seeds)
 
     def run(x):
-        with seeded_draws(next(stream), x.device):
+        with seeded(next(stream), device=x.device):
             return model.run_with(values, x)
 
     return accumulate_curvature(layers, batches, run, kind, "kron", reduce_fn=reduce_fn,
@@ -142,7 +116,8 @@ def eta_surrogate(model, values: dict, x: torch.Tensor, y: torch.Tensor, layers:
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch's share of the evidence whose η-gradient is that batch's share of ``∂ log p(D)``.
 
-    Run it under the batch's seed (:class:`seeded_draws`), with ``η`` requiring grad.
+    Run it under the batch's seed (:func:`pyro_bnn.training.seeding.seeded` with ``device=``),
+    with ``η`` requiring grad.
 
     Parameters
     ----------

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..arguments import check_int, check_positive
 from ..data.batches import BatchCheck, CheckedBatches, TensorBatches, as_tensors, check_data, split_batch
-from ..model.likelihoods import log_likelihood
+from ..model.likelihoods import inverse_link, kind_and_noise, log_likelihood
 from ..training.divergence import DivergenceGuard
 from ..training.lr_schedule import lr_factor_function, make_lr_scheduler
 from ..training.seeding import seeded
@@ -312,6 +312,5 @@ def map_predict(model, values: dict, x: torch.Tensor, batch_size: int = 512) -> 
     out = []
     for i in range(0, len(x), batch_size):
         f = model.run_with(values, x[i:i + batch_size])
-        out.append(torch.softmax(f, -1) if model.likelihood.name == "categorical"
-                   else torch.sigmoid(f) if model.likelihood.name == "bernoulli" else f)
+        out.append(inverse_link(kind_and_noise(model.likelihood)[0], f))
     return torch.cat(out)

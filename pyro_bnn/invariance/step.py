@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..training.seeding import seeded
 from .evidence import (
     batch_seeds,
     eta_surrogate,
@@ -20,7 +21,6 @@ from .evidence import (
     invariant_layers,
     likelihood_scale,
     log_evidence_at,
-    seeded_draws,
 )
 
 __all__ = ["evidence_step", "eta_gradient_pass", "eta_grad"]
@@ -51,7 +51,7 @@ def eta_gradient_pass(model, values: dict, batches, seeds, layers, blocks, prior
     aug = model._modules["augmentation"]
     with eta_grad(aug, True):
         for (xb, yb), sd in zip(batches, seeds):
-            with seeded_draws(sd, xb.device):
+            with seeded(sd, device=xb.device):
                 sur, _ = eta_surrogate(model, values, xb, yb, layers, blocks, prior_precision, num_data)
             (-sur / num_data).backward(inputs=[aug.eta])
     if reduce_fn is not None:

@@ -1,11 +1,32 @@
 """The model layer: the network (:class:`BNN`, the :class:`BayesianNetwork` protocol), priors,
-likelihoods and weight-normalised layers.
+likelihoods, weight-normalised layers, where a model lives (:func:`module_device`), and the
+readers of a model's optional members (:func:`model_likelihood`, :func:`network_of`, ...).
 
 May import: :mod:`pyro_bnn.arguments` (nothing else of the package).
 """
 
-from . import likelihoods, priors, weight_norm
-from .bnn import BAYESIAN_LAYERS, BNN, BayesianNetwork, default_stochastic, fan_in_of, is_bnn, site_module
+from . import devices, likelihoods, priors, weight_norm
+from .bnn import (
+    BAYESIAN_LAYERS,
+    BNN,
+    BayesianNetwork,
+    augmentation_of,
+    default_stochastic,
+    fan_in_of,
+    initial_values_of,
+    is_bnn,
+    model_likelihood,
+    network_function_of,
+    network_of,
+    normal_prior_params,
+    num_augmentations,
+    site_module,
+    site_prior_modules,
+    weight_norm_of,
+)
+from .devices import module_device
 
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic",
-           "fan_in_of", "likelihoods", "priors", "weight_norm"]
+           "fan_in_of", "augmentation_of", "initial_values_of", "model_likelihood", "network_function_of",
+           "network_of", "normal_prior_params", "num_augmentations", "site_prior_modules",
+           "weight_norm_of", "module_device", "devices", "likelihoods", "priors", "weight_norm"]

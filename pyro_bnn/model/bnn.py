@@ -18,7 +18,10 @@ from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .weight_norm import weight_norm_setup
 
-__all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
+__all__ = ["BNN", "BayesianNetwork", "is_bnn", "augmentation_of", "example_input", "initial_values_of",
+           "model_likelihood", "network_function_of", "network_of", "normal_prior_params",
+           "num_augmentations", "site_module", "site_prior_modules", "weight_norm_of", "BAYESIAN_LAYERS",
+           "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
 BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -50,6 +53,14 @@ class BayesianNetwork(Protocol):
         The random sites, in a fixed order.
     likelihood : pyro_bnn.model.likelihoods.Likelihood
         Observation model of the network output.
+
+    Optional members, each read through one function that gives its default:
+    ``site_normal_prior(site)`` (:func:`normal_prior_params`, default ``None``),
+    ``weight_norm`` (:func:`weight_norm_of`, default ``None``: not said), ``initial_values()``
+    (:func:`initial_values_of`, default ``{}``), ``net`` (:func:`network_of`, default ``None``);
+    a model's
+    ``likelihood`` is read through :func:`model_likelihood` (``None`` for a hand-written model
+    outside the protocol).
     """
 
     site_names: list[str]
@@ -61,6 +72,88 @@ class BayesianNetwork(Protocol):
     def run_with(self, values: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The network output ``f(x)`` with every random site fixed to ``values[site]``."""
 
+    def site_normal_prior(self, site: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Optional: ``(loc, scale)`` of an i.i.d. Normal prior on ``site`` (closed-form KL and
+        ``log p``), or ``None``.  A model without this member is read through
+        :func:`normal_prior_params`, whose default is ``None`` (every prior through
+        :meth:`site_prior`)."""
+
+
+def model_likelihood(model) -> Likelihood | None:
+    """The observation model of ``model``: its ``likelihood`` (a :class:`BayesianNetwork`
+    member), or ``None`` (the default) for a hand-written model that declares none — its
+    observations are then read from its Pyro trace."""
+    return getattr(model, "likelihood", None)  # the one read of a model's optional likelihood
+
+
+def initial_values_of(model) -> dict[str, torch.Tensor]:
+    """The starting weights of a model's sites, ``{site: tensor}``: a :class:`BNN`'s
+    ``initial_values()`` (copies of the network it was built from), ``{}`` (the default) for a
+    model without them."""
+    values = getattr(model, "initial_values", None)  # the one read of a model's optional initial_values
+    return values() if callable(values) else {}
+
+
+def network_of(model) -> nn.Module | None:
+    """The torch network a model runs (a :class:`BNN`'s ``net``, with its ``"net.<path>"``
+    sites), or ``None`` (the default) for a model without one."""
+    net = getattr(model, "net", None)  # the one read of a model's optional net
+    return net if isinstance(net, nn.Module) else None
+
+
+def augmentation_of(model) -> nn.Module | None:
+    """The learnable input augmentation of an invariant model (``pb.BNN(..., augmentation=)``),
+    or ``None`` (the default)."""
+    return model._modules.get("augmentation") if isinstance(model, nn.Module) else None
+
+
+def example_input(model) -> torch.Tensor:
+    """A one-row dummy input for drawing from a guide (guides ignore input values): ``(1, F)``
+    for a :class:`BNN` whose network starts with a Linear or Flatten layer, on the model's device.
+
+    Raises
+    ------
+    ValueError
+        Any other model (pass an input batch instead)."""
+    spec = getattr(model, "_input_spec", None)  # a BNN's own (private) record of its input layer
+    if spec is not None and spec[0] in ("linear", "flatten"):  # (1, F) is valid for Flatten too
+        for t in list(model.parameters()) + list(model.buffers()):
+            return torch.zeros(1, spec[1], device=t.device)
+        return torch.zeros(1, spec[1])
+    raise ValueError("could not build an example input for this model; pass x= (one batch of "
+                     "inputs) so the guide can be sampled")
+
+
+
+def site_prior_modules(model) -> dict[str, Prior]:
+    """``{site: prior module}`` of a :class:`BNN` (the modules in its ``priors``, keyed by site
+    name), ``{}`` (the default) for a model that keeps its priors otherwise."""
+    priors = getattr(model, "priors", None)  # the one read of a BNN's prior modules
+    if not isinstance(priors, nn.ModuleDict) or not hasattr(model, "site_names"):
+        return {}
+    return {site: priors[site.replace(".", "__")] for site in model.site_names}
+
+
+def network_function_of(model):
+    """``f(x)``, the network output under the current (sampled or replayed) weights: a
+    :class:`BNN`'s ``function``, ``None`` (the default) for a model without one."""
+    return getattr(model, "function", None)  # the one read of a model's optional function
+
+
+def weight_norm_of(model) -> bool | None:
+    """Whether ``model`` is weight-normalised (``pb.BNN(..., weight_norm=True)``: only the
+    scales ``g`` are random): a :class:`BNN`'s ``weight_norm``, ``None`` (the default) for a
+    model that does not say."""
+    value = getattr(model, "weight_norm", None)  # the one read of a model's optional weight_norm
+    return value if isinstance(value, bool) else None
+
+
+def normal_prior_params(model, site: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``model.site_normal_prior(site)`` of a :class:`BayesianNetwork`, or ``None`` (the
+    protocol's default for this optional member: no closed-form Normal prior known)."""
+    member = getattr(model, "site_normal_prior", None)  # the protocol's one optional member
+    return None if member is None else member(site)
+
 
 def is_bnn(model) -> bool:
     """Whether ``model`` implements :class:`BayesianNetwork` (the one check the library uses).
@@ -70,6 +163,13 @@ def is_bnn(model) -> bool:
     since Python 3.12 inspects protocols with ``getattr_static``.
     """
     return all(hasattr(model, name) for name in _PROTOCOL_MEMBERS)
+
+
+def num_augmentations(model) -> int:
+    """``S``: the transformed copies an invariant model (``pb.BNN(..., augmentation=)``)
+    averages its network over, else 1."""
+    aug = augmentation_of(model)
+    return 1 if aug is None else int(aug.num_samples)
 
 
 def site_module(model: nn.Module, site: str) -> tuple[nn.Module | None, str]:

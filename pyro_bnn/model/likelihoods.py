@@ -22,7 +22,8 @@ from torch import nn
 from ..arguments import check_choice
 from .priors import ScalarBuffers, real_scalar
 
-__all__ = ["Likelihood", "Categorical", "Gaussian", "Bernoulli", "make_likelihood"]
+__all__ = ["Likelihood", "Categorical", "Gaussian", "Bernoulli", "make_likelihood",
+           "LIKELIHOOD_KINDS", "kind_and_noise", "distribution_kind", "inverse_link"]
 
 
 class Likelihood(nn.Module):
@@ -185,3 +186,45 @@ def log_likelihood(lik: Likelihood, f: torch.Tensor, y: torch.Tensor) -> torch.T
     if isinstance(lik, Bernoulli):
         return -F.binary_cross_entropy_with_logits(f, y.to(f.dtype), reduction="none").flatten(1).sum(1)
     return lik.distribution(f).log_prob(y)
+
+
+#: the observation models the curvature, the linearised predictive and the metrics know
+LIKELIHOOD_KINDS = ("categorical", "bernoulli", "gaussian")
+
+
+def kind_and_noise(likelihood: Likelihood) -> tuple[str | None, torch.Tensor | None]:
+    """``(kind, σ)`` of a likelihood: ``kind`` one of :data:`LIKELIHOOD_KINDS` and ``σ`` the
+    Gaussian observation std (with its graph; ``None`` otherwise).  A likelihood of another
+    class gives ``(None, None)``: callers use its ``distribution(f)`` or refuse it."""
+    if isinstance(likelihood, Gaussian):
+        return "gaussian", likelihood.noise
+    if isinstance(likelihood, Bernoulli):
+        return "bernoulli", None
+    if isinstance(likelihood, Categorical):
+        return "categorical", None
+    return None, None
+
+
+def distribution_kind(d) -> str | None:
+    """The kind of an observation distribution (``Categorical``, ``Bernoulli``, ``Normal``;
+    ``d`` already unwrapped of ``Independent``/masks), or ``None`` for any other."""
+    if isinstance(d, dist.Categorical):
+        return "categorical"
+    if isinstance(d, dist.Bernoulli):
+        return "bernoulli"
+    if isinstance(d, dist.Normal):
+        return "gaussian"
+    return None
+
+
+def inverse_link(kind: str, f: torch.Tensor) -> torch.Tensor:
+    """The predictive mean of network outputs ``f`` under ``kind``: class probabilities
+    ``softmax(f)`` (categorical), success probabilities ``sigmoid(f)`` (bernoulli), ``f``
+    itself (gaussian)."""
+    if kind == "categorical":
+        return torch.softmax(f, -1)
+    if kind == "bernoulli":
+        return torch.sigmoid(f)
+    if kind == "gaussian":
+        return f
+    raise ValueError(f"unknown likelihood kind {kind!r}; expected one of {LIKELIHOOD_KINDS}")

@@ -65,9 +65,9 @@ from ..contract.local_params import local_params
 from ..contract.modes import evaluation_mode
 from ..curvature import pointwise_log_likelihood, sample_observations
 from ..data.batches import check_data, check_finite
-from ..model.bnn import is_bnn
+from ..model.bnn import is_bnn, network_of
+from ..model.devices import module_device
 from ..model.likelihoods import log_likelihood
-from ..training.devices import module_device
 from ..training.seeding import seeded
 from .guide_density import sample_with_log_density
 from .prediction import default_method, predictive_name, resolve_method, whole_batch_plates
@@ -80,8 +80,8 @@ OBS_DIM = "obs_id"
 def site_dims(model, site: str, shape: Sequence[int]) -> list[str]:
     """Readable dim names for a parameter site (``net.0.weight`` -> ``[net.0.out, net.0.in]``)."""
     generic = [f"{site}_dim_{i}" for i in range(len(shape))]
-    net = getattr(model, "net", None)
-    if not isinstance(net, nn.Module) or not site.startswith("net."):
+    net = network_of(model)
+    if net is None or not site.startswith("net."):
         return generic
     path, _, pname = site[4:].rpartition(".")
     try:

@@ -16,8 +16,9 @@ import torch
 from pyro.infer.autoguide import AutoNormal
 
 from ..arguments import check_int
+from ..contract.guide import guide_contract
 from ..contract.local_params import local_params
-from ..model.bnn import is_bnn
+from ..model.bnn import example_input, is_bnn
 from .prediction import params_under, sample_latents
 
 __all__ = ["draw_latents", "probs_from_latents", "site_moments"]
@@ -56,7 +57,8 @@ def site_moments(model, guide, x: torch.Tensor | None = None, num_samples: int =
 
     Sources, in order of preference:
 
-    1. ``guide.loc_and_scale(site)`` (MeanField and guides built on it): exact μ, σ;
+    1. ``guide.loc_and_scale(site)`` of a guide whose contract declares ``normal_per_site``
+       (MeanField and guides built on it): exact μ, σ;
     2. Pyro's ``AutoNormal``: exact, from its public ``quantiles`` (σ = q(Φ(1)) − q(½));
     3. otherwise the empirical mean and (biased) std of ``num_samples`` joint draws from
        the guide (hypernetwork, Laplace, low-rank, ``AutoDelta``...).  The Monte Carlo
@@ -70,7 +72,7 @@ def site_moments(model, guide, x: torch.Tensor | None = None, num_samples: int =
         ``"loc_and_scale"``, ``"quantiles"`` or ``"samples"``.
     """
     names = list(model.site_names) if is_bnn(model) else None
-    if hasattr(guide, "loc_and_scale") and names is not None:
+    if guide_contract(guide).normal_per_site and names is not None:
         mean, std = {}, {}
         with torch.no_grad():
             for name in names:
@@ -93,14 +95,3 @@ def site_moments(model, guide, x: torch.Tensor | None = None, num_samples: int =
         mean[name] = stack.mean(0)
         std[name] = stack.std(0, unbiased=False)
     return mean, std, "samples"
-
-
-def example_input(model) -> torch.Tensor:
-    """A one-row dummy input for drawing from a guide (guides ignore input values)."""
-    spec = getattr(model, "_input_spec", None)
-    if spec is not None and spec[0] in ("linear", "flatten"):  # (1, F) is valid for Flatten too
-        for t in list(model.parameters()) + list(model.buffers()):
-            return torch.zeros(1, spec[1], device=t.device)
-        return torch.zeros(1, spec[1])
-    raise ValueError("could not build an example input for this model; pass x= (one batch of "
-                     "inputs) so the guide can be sampled")

@@ -38,9 +38,9 @@ from ..contract.local_params import local_params
 from ..contract.modes import evaluation_mode
 from ..contract.pyro_objective import call_model
 from ..data.batches import BatchCheck, check_data, check_inputs
-from ..model.bnn import is_bnn
-from ..model.likelihoods import Bernoulli, Categorical, Gaussian
-from ..training.devices import module_device
+from ..model.bnn import is_bnn, model_likelihood
+from ..model.devices import module_device
+from ..model.likelihoods import distribution_kind, inverse_link, kind_and_noise
 from . import metrics
 from .guide_density import check_global_latents, latent_values
 
@@ -55,7 +55,7 @@ PREDICTIVES = ("sample", "glm", "glm_probit")
 def default_method(guide) -> str:
     """The predictive a guide is evaluated with: ``guide.default_predictive`` (``"glm"`` for
     the Laplace guide), ``"sample"`` for guides that do not name one."""
-    return str(getattr(guide_contract(guide), "default_predictive", "sample"))
+    return str(guide_contract(guide).default_predictive)
 
 
 def resolve_method(guide, method) -> str:
@@ -181,26 +181,23 @@ def _unwrap(d):
 
 def _params_from_distribution(d) -> tuple[str, dict]:
     d = _unwrap(d)
-    if isinstance(d, dist.Categorical):
-        return "categorical", {"probs": d.probs}
-    if isinstance(d, dist.Bernoulli):
-        return "bernoulli", {"probs": d.probs}
-    if isinstance(d, dist.Normal):
-        return "gaussian", {"loc": d.loc, "scale": d.scale.expand_as(d.loc)}
+    kind = distribution_kind(d)
+    if kind in ("categorical", "bernoulli"):
+        return kind, {"probs": d.probs}
+    if kind == "gaussian":
+        return kind, {"loc": d.loc, "scale": d.scale.expand_as(d.loc)}
     raise TypeError(
         "predict supports observation sites with Categorical, Bernoulli or Normal "
         f"distributions; got {type(d).__name__}")
 
 
 def _params_from_bnn(model, f) -> tuple[str, dict]:
-    lik = model.likelihood
-    if isinstance(lik, Categorical):
-        return "categorical", {"probs": torch.softmax(f, -1)}
-    if isinstance(lik, Bernoulli):
-        return "bernoulli", {"probs": torch.sigmoid(f)}
-    if isinstance(lik, Gaussian):
-        return "gaussian", {"loc": f, "scale": lik.noise.expand_as(f)}
-    return _params_from_distribution(lik.distribution(f))
+    kind, noise = kind_and_noise(model.likelihood)
+    if kind == "gaussian":
+        return kind, {"loc": f, "scale": noise.expand_as(f)}
+    if kind is not None:
+        return kind, {"probs": inverse_link(kind, f)}
+    return _params_from_distribution(model.likelihood.distribution(f))
 
 
 def params_under(model, latents: dict, x, batch_size: int = 1024, obs_site: str = "obs",
@@ -327,7 +324,7 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, method, num_bins, **k
         raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
     if method != "sample":
         out = predict(model, guide, x, num_samples, batch_size, method=method, **kwargs)
-        kind, noise = _predictive_likelihood(model, guide)
+        kind, noise = predictive_likelihood(model, guide)
         if kind == "gaussian":  # draws of the (linearised) function, (S, N, D)
             out = out if out.dim() == 3 else out.unsqueeze(0)
             return metrics.regression_metrics(out.cpu(), noise.detach().cpu(),
@@ -357,12 +354,12 @@ def _check_labels(y, num_classes):
         raise ValueError(f"labels must lie in [0, {num_classes - 1}], got [{int(y.min())}, {int(y.max())}]")
 
 
-def _predictive_likelihood(model, guide) -> tuple[str | None, torch.Tensor | None]:
-    """``(kind, Gaussian σ)`` of a guide's non-Monte-Carlo predictive: from the model's
-    likelihood, else (hand-written models) from the guide (``BNNGuide.likelihood_kind``)."""
-    lik = getattr(model, "likelihood", None)
-    if isinstance(lik, Gaussian):
-        return "gaussian", lik.noise
+def predictive_likelihood(model, guide) -> tuple[str | None, torch.Tensor | None]:
+    """``(kind, Gaussian σ)`` of a guide's non-Monte-Carlo predictive (``predict(...,
+    method="glm")``): from the model's likelihood, else (hand-written models) from the guide
+    (``BNNGuide.likelihood_kind``); ``(None, None)`` if neither knows."""
+    lik = model_likelihood(model)
     if lik is not None:
-        return lik.name, None
+        kind, noise = kind_and_noise(lik)
+        return (lik.name, None) if kind is None else (kind, noise)
     return guide_contract(guide).likelihood_kind() or (None, None)

@@ -57,10 +57,16 @@ from ..arguments import check_int, check_positive, did_you_mean
 from ..contract.guide import registered_guides
 from ..data.batches import check_data
 from ..data.datasets import DataSplit
-from ..guides.symmetrized import Symmetrized, symmetrized_elbo
+from ..model.bnn import weight_norm_of
 from ..posterior import metrics
 from ..posterior.arviz import default_method, loo_approximate, to_arviz
-from ..posterior.prediction import PredictiveSamples, predict, predictive_name, predictive_samples
+from ..posterior.prediction import (
+    PredictiveSamples,
+    predict,
+    predictive_likelihood,
+    predictive_name,
+    predictive_samples,
+)
 from ..training.loop import FitResult, fit
 from ..training.seeding import seeded
 
@@ -182,15 +188,10 @@ def caused_by_interrupt(exc: BaseException | None) -> bool:
 
 
 def count_variational_parameters(guide) -> int:
-    """Number of trained values of ``q``: ``guide.num_variational_parameters`` if given, else
-    the guide's ``nn.Parameter`` count (buffers such as MADE masks or Laplace's curvature
-    factors are not counted)."""
-    own = getattr(guide, "num_variational_parameters", None)
-    if own is not None:
-        return int(own() if callable(own) else own)
-    if not isinstance(guide, torch.nn.Module):
-        return 0
-    return int(sum(p.numel() for p in guide.parameters()))
+    """Number of trained values of ``q``: the guide contract's ``num_variational_parameters()``
+    (default: the guide's ``nn.Parameter`` count; buffers such as MADE masks or Laplace's
+    curvature factors are not counted)."""
+    return int(guide_contract(guide).num_variational_parameters())
 
 
 def as_split(data) -> DataSplit:
@@ -322,14 +323,9 @@ def _loo_columns(dt) -> dict:
 
 
 def _log_evidence(guide) -> float:
-    fn = getattr(guide, "log_evidence", None)
-    if fn is None:
-        return math.nan
-    try:
-        value = fn() if callable(fn) else fn
-        return float(value)
-    except TypeError:
-        return math.nan
+    """The guide's ``log p(D)`` estimate (the contract's ``log_evidence()``), NaN if it has none."""
+    value = guide_contract(guide).log_evidence()
+    return math.nan if value is None else float(value)
 
 
 #: short labels of :class:`~pyro_bnn.training.convergence.ConvergenceDiagnosis` reasons, by their start
@@ -346,28 +342,6 @@ def convergence_label(diagnosis) -> str:
     str
     """
     return "no: not diagnosed" if diagnosis is None else diagnosis.label()
-
-
-def _guide_settings(guide) -> str:
-    """The guide's own settings: its ``extra_repr()``, else the initial scale and estimator
-    attributes that the Gaussian guides carry."""
-    text = guide.extra_repr() if isinstance(guide, torch.nn.Module) else ""
-    parts = [text] if text else []
-    init_scale = getattr(guide, "init_scale", getattr(guide, "_init_scale", None))
-    if isinstance(init_scale, float) and "init_scale" not in text:
-        parts.append(f"init_scale={init_scale:g}")
-    if text:
-        return ", ".join(parts)
-    estimator = getattr(guide, "estimator", None)
-    if isinstance(estimator, str):
-        parts.append(f"estimator={estimator}, K={getattr(guide, 'num_permutations', '?')}")
-    try:
-        local = getattr(guide, "local_reparameterization", None)
-    except (RuntimeError, AttributeError):  # not set up: the setting cannot be resolved
-        local = None
-    if isinstance(local, bool):
-        parts.append(f"local reparameterisation {'on' if local else 'off'}")
-    return ", ".join(parts)
 
 
 def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch_size: int,
@@ -400,8 +374,8 @@ def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch
         training += f", clip_norm {fit_options['clip_norm']:g}"
     if fit_options.get("num_particles", 1) != 1:
         training += f", {fit_options['num_particles']} particles"
-    model_part = "weight-norm model" if getattr(model, "weight_norm", False) else ""
-    return "; ".join(p for p in (_guide_settings(guide), model_part, training) if p)
+    model_part = "weight-norm model" if weight_norm_of(model) else ""
+    return "; ".join(p for p in (guide_contract(guide).settings_description(), model_part, training) if p)
 
 
 def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSamples:
@@ -409,11 +383,10 @@ def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSample
     values = predict(model, guide, x, num_samples=num_samples, method=method)
     if values.dim() == 2:
         values = values.unsqueeze(0)
-    lik = getattr(model, "likelihood", None)
-    if lik is not None and not lik.is_classification:
-        return PredictiveSamples("gaussian", loc=values, scale=lik.noise.detach().expand_as(values))
-    kind = "bernoulli" if getattr(lik, "name", "") == "bernoulli" else "categorical"
-    return PredictiveSamples(kind, probs=values)
+    kind, noise = predictive_likelihood(model, guide)
+    if kind == "gaussian":
+        return PredictiveSamples("gaussian", loc=values, scale=noise.detach().expand_as(values))
+    return PredictiveSamples("bernoulli" if kind == "bernoulli" else "categorical", probs=values)
 
 
 def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_samples, loo_samples,
@@ -472,9 +445,9 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
                    num_samples: int = 32) -> dict:
     """The bound each guide maximises, on the whole training set: ``{"bound", "bound_kind"}``.
 
-    * :class:`~pyro_bnn.guides.Symmetrized`: its symmetrised ELBO ``L^G``
-      (:func:`pyro_bnn.guides.symmetrized.symmetrized_elbo`, ``num_samples`` draws; the ``elbo`` column keeps
-      the ELBO of its base ``q``, which it does not maximise);
+    * a guide whose contract names its own bound (``training_bound``; :class:`~pyro_bnn.guides.Symmetrized`:
+      its symmetrised ELBO ``L^G``, ``num_samples`` draws; the ``elbo`` column keeps the ELBO of its
+      base ``q``, which it does not maximise);
     * a guide with a log-evidence estimate (Laplace): that estimate;
     * every other guide: the ELBO (``elbo``, NaN when ``loo_samples=0`` skipped it).
 
@@ -493,9 +466,10 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
     -------
     dict
     """
-    if isinstance(guide, Symmetrized):
-        value = symmetrized_elbo(model, guide, split.train, num_samples=num_samples)
-        return {"bound": float(value), "bound_kind": "symmetrized_elbo"}
+    own = guide_contract(guide).training_bound(model, split.train, num_samples=num_samples)
+    if own is not None:
+        value, kind = own
+        return {"bound": float(value), "bound_kind": kind}
     if not math.isnan(log_evidence):
         return {"bound": float(log_evidence), "bound_kind": "log_evidence"}
     return {"bound": float(elbo), "bound_kind": "elbo"}

@@ -36,8 +36,8 @@ import torch
 
 from .._version import __version__
 from ..analysis.ood import auroc
+from ..model.devices import module_device
 from ..posterior import metrics
-from ..training.devices import module_device
 from .staged_folder import StagedFolder
 
 __all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",

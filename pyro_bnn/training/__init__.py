@@ -1,13 +1,14 @@
 """Training: :func:`fit` (:mod:`.loop`) and what it relies on — the divergence guard, the
-convergence diagnosis and length check, checkpoints and resume, devices, seeding, learning-rate
-schedules, and data parallelism (:mod:`.distributed`).
+convergence diagnosis (:mod:`.convergence`) and its length check (:mod:`.convergence_check`),
+checkpoints and resume, denormal flushing, seeding, learning-rate schedules, and data
+parallelism (:mod:`.distributed`).
 
 May import: :mod:`pyro_bnn.model`, :mod:`pyro_bnn.contract`, :mod:`pyro_bnn.data`,
 :mod:`pyro_bnn.curvature` (the ``marglik=`` options), :mod:`pyro_bnn.arguments`.
 """
 
 from .convergence import ConvergenceWarning
-from .length_check import LengthCheck, check_convergence
+from .convergence_check import LengthCheck, check_convergence
 from .loop import FitContext, FitResult, fit, load_checkpoint, save_checkpoint, setup_guide
 
 __all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide",

@@ -37,7 +37,8 @@ convergence.  The thresholds were calibrated on training objectives (``docs/trai
 A decaying schedule ends with the learning rate near 0, which freezes the parameters
 wherever they are; check (a) then measures a curve the schedule has flattened, so a fit
 whose learning rate decayed too early can pass unless check (b') sees it.  Compare the final
-objective of runs of different lengths when in doubt (:func:`pyro_bnn.check_convergence`).
+objective of runs of different lengths when in doubt (:func:`pyro_bnn.check_convergence`, in
+:mod:`pyro_bnn.training.convergence_check`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The one device rule: work happens where the model is.
+"""CPU arithmetic modes for training: flushing denormal floats to zero.
 
-Every entry point (``pb.fit``, ``pb.predict``/``pb.evaluate``, ``pb.to_arviz``, the main
-job's report and the analysis tools) asks :func:`module_device` where the model lives and
-moves its inputs there; an explicit ``device=`` argument overrides it where a function has one.
+Where work happens (the device of the model) is :func:`pyro_bnn.model.devices.module_device`.
 """
 
 from __future__ import annotations
@@ -12,31 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["module_device", "flush_denormals", "flushing_denormals"]
-
-
-def module_device(*modules, default: torch.device | str = "cpu") -> torch.device:
-    """The device of the first parameter or buffer of the first of ``modules`` that has one.
-
-    Parameters
-    ----------
-    *modules : torch.nn.Module or object
-        Checked in order (e.g. ``model, guide``); objects that are not modules are skipped.
-    default : torch.device or str
-        Returned when no module holds a tensor (a hand-written model without parameters,
-        a guide not set up yet).
-
-    Returns
-    -------
-    torch.device
-    """
-    for module in modules:
-        if isinstance(module, torch.nn.Module):
-            for t in module.parameters():
-                return t.device
-            for t in module.buffers():
-                return t.device
-    return torch.device(default)
+__all__ = ["flush_denormals", "flushing_denormals"]
 
 
 def flushing_denormals() -> bool:

@@ -33,10 +33,11 @@ from ..contract.param_store import publish_after_fit, sync_param_store
 from ..contract.pyro_objective import call_model
 from ..curvature.marglik import check_marglik_options
 from ..data.batches import dataset_size, make_loader, split_batch, validate_data
+from ..model.devices import module_device
 from . import distributed as _dist
 from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
-from .devices import flush_denormals, module_device
+from .devices import flush_denormals
 from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .lr_schedule import make_lr_scheduler, probe_lr_schedule
 from .resume import StateOf, checkpoint_entries, fit_fingerprint, resume_fit

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from ..contract.guide import guide_contract
+from ..model.bnn import site_prior_modules
 from .checkpoint import (
     CHECKSUM_KEY,
     load_states,
@@ -187,12 +189,8 @@ def _exact(value: torch.Tensor) -> str:
 
 
 def _prior_record(model) -> dict:
-    priors = getattr(model, "priors", None)
-    if not isinstance(priors, torch.nn.ModuleDict) or not hasattr(model, "site_names"):
-        return {}
     record = {}
-    for site in model.site_names:
-        prior = priors[site.replace(".", "__")]
+    for site, prior in site_prior_modules(model).items():
         values = [f"{n}={_exact(v)}" for n, v in list(prior.named_buffers()) + list(prior.named_parameters())]
         record[site] = f"{type(prior).__name__}({', '.join(values)})"
     return record
@@ -215,9 +213,9 @@ def _parameter_shapes(model) -> list:
 
 def _guide_record(guide) -> dict:
     record = {"class": f"{type(guide).__module__}.{type(guide).__qualname__}"}
-    own = getattr(guide, "fit_fingerprint", None)
-    if callable(own):
-        record.update({str(k): repr(v) for k, v in own().items()})
+    own = guide_contract(guide).fit_fingerprint()
+    if own is not None:
+        record.update({str(k): repr(v) for k, v in own.items()})
         return record
     for name, value in sorted(vars(guide).items()):
         if name in _GUIDE_STATE_ATTRIBUTES or name.startswith(("_pyro", "__")) or value is None:

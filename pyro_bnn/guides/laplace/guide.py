@@ -40,12 +40,12 @@ from ...curvature import (
 )
 from ...curvature import marglik as ml
 from ...data.batches import checked_source, split_batch
-from ...model.bnn import is_bnn
+from ...model.bnn import is_bnn, model_likelihood, num_augmentations
 from ...model.likelihoods import Gaussian
 from ...posterior.prediction import predict as mc_predict
 from .handlers import held_values, read_handlers
 from .objective import LaplaceMAPObjective, gaussian_log_normalizer
-from .online import OnlineEvidence, _batches, _num_augmentations, deterministic_curvature
+from .online import OnlineEvidence, _batches, deterministic_curvature
 from .posterior import LaplacePosterior, LinearizedSamples
 from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision, resolve_prior_structure
 from .sites import (
@@ -383,7 +383,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         return kind, noise, self._likelihood_scale * noise ** -2
 
     def _noise(self):
-        lik = getattr(self.base_model, "likelihood", None)
+        lik = model_likelihood(self.base_model)
         if isinstance(lik, Gaussian):
             return lik.noise.detach()
         return self.curvature_state.noise
@@ -524,7 +524,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             self.posterior = accumulate_curvature(
                 self.layers, loader, lambda x: network_output(model, values, x, self.obs_site), kind,
                 self.structure, device=device, reduce_fn=reduce_fn,
-                num_augmentations=_num_augmentations(model),
+                num_augmentations=num_augmentations(model),
                 split_bias=self.kron_bias == "separate")
         return self
 
@@ -616,7 +616,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             yield (lambda xb: network_output(model, values, xb.to(device), self.obs_site)), device
 
     def _num_augmentations(self) -> int:
-        return _num_augmentations(self.base_model)
+        return num_augmentations(self.base_model)
 
     def likelihood_kind(self) -> tuple[str, torch.Tensor | None]:
         """``("categorical" | "bernoulli" | "gaussian", σ or None)`` of the fitted curvature."""

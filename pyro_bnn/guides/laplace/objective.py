@@ -16,7 +16,7 @@ import torch
 from pyro import poutine
 
 from ...contract.objective import GuideObjective
-from ...contract.pyro_objective import call_model, scale_observations
+from ...contract.pyro_objective import call_model, observed_sites, scale_observations
 from ...model.bnn import is_bnn
 from ...model.likelihoods import log_likelihood
 
@@ -68,17 +68,14 @@ class LaplaceMAPObjective(GuideObjective):
             tr.compute_log_prob()
             # condition() marks the latent sites it fixes as observed too (ours, and those of a
             # pyro.condition around the model): count data sites only
-            held = getattr(guide, "_conditioned_values", {})
-            loglik = sum(site["log_prob_sum"] for name, site in tr.nodes.items()
-                         if site["type"] == "sample" and site["is_observed"] and name not in values
-                         and name not in held)
+            loglik = sum(site["log_prob_sum"] for _, site in observed_sites(tr, values, guide._conditioned_values))
         deltas = [d.detach() for d in guide.layer_prior_precisions()]
         # the Gaussian prior's normaliser does not depend on θ; with ~0.9 nats per weight it can
         # be most of the loss (440k of a 478k-weight MLP's), which would hide the data term's
         # progress from fit's convergence diagnosis: reported apart as ``loss_constant``
         # under poutine.scale(model, s) the log joint is s·(log p(y|θ) + log p(θ)): the trace's
         # log-likelihood carries s, the guide's Gaussian prior is scaled here
-        prior_scale = getattr(guide, "_prior_scale", 1.0)
+        prior_scale = guide._prior_scale
         normalizer = prior_scale * gaussian_log_normalizer(guide.layers, deltas)
         log_prior = normalizer + prior_scale * (guide.fixed_log_prior(values)
                                                 - _gaussian_quadratic(guide.layers, values, deltas))

@@ -26,6 +26,7 @@ from ...curvature import marglik as ml
 from ...data.batches import TensorBatches, make_loader
 from ...invariance.guide_step import guide_curvature_source, guide_online_eta_step
 from ...invariance.learning import guide_eta_optimizer
+from ...model.bnn import model_likelihood, num_augmentations
 from ...model.likelihoods import Gaussian
 
 __all__ = ["OnlineEvidence", "deterministic_curvature", "EVIDENCE_SEED"]
@@ -56,7 +57,7 @@ class OnlineEvidence:
         self.guide = guide
         self.options = options
         self.best: tuple | None = None     # (log evidence, guide state, model state)
-        lik = getattr(guide.base_model, "likelihood", None)
+        lik = model_likelihood(guide.base_model)
         self.noise_frozen = isinstance(lik, Gaussian) and lik.learned
         if self.noise_frozen:      # learned by the evidence, not by the MAP objective
             lik.log_noise.requires_grad_(False)
@@ -96,7 +97,7 @@ class OnlineEvidence:
         a random augmentation ``|L₁ − L₂|/√2`` from a second pass with another seed (the
         first pass's curvature is kept)."""
         guide = self.guide
-        if _num_augmentations(guide.base_model) <= 1:
+        if num_augmentations(guide.base_model) <= 1:
             return 0.0
         first = guide.posterior
         deterministic_curvature(guide, ctx, lila=self.eta_optimizer is not None, seed=EVIDENCE_SEED + 1)
@@ -152,12 +153,6 @@ def deterministic_curvature(guide, ctx, *, lila: bool = False, seed: int = EVIDE
             guide.fit_curvature(**guide_curvature_source(ctx, guide.curvature_batch_size, seed))
         else:
             guide.fit_curvature(**_curvature_source(ctx))
-
-
-def _num_augmentations(model) -> int:
-    """``S`` copies averaged by an invariant model (``pb.BNN(..., augmentation=)``), else 1."""
-    aug = getattr(model, "_modules", {}).get("augmentation")
-    return int(getattr(aug, "num_samples", 1)) if aug is not None else 1
 
 
 def _copy(state: dict) -> dict:

@@ -50,6 +50,7 @@ from ...arguments import check_int, check_positive
 from ...curvature import batch_covariance, glm_log_predictive, jacobian_factors
 from ...curvature import marglik as ml
 from ...data.batches import check_data
+from ...model.bnn import model_likelihood
 from ...model.likelihoods import Gaussian
 
 __all__ = ["PriorPrecision", "PriorMismatchWarning", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS",
@@ -349,7 +350,7 @@ class PriorPrecision:
     def evidence_hyperparameters(self, learn_noise=None):
         """Fresh leaves ``(log δ, log σ or None)`` at the current values, for evidence steps."""
         log_pp = self.log_prior_precision.detach().clone().requires_grad_()
-        lik = getattr(self.base_model, "likelihood", None)
+        lik = model_likelihood(self.base_model)
         if learn_noise is None:
             learn_noise = isinstance(lik, Gaussian) and lik.learned
         if learn_noise and not isinstance(lik, Gaussian):

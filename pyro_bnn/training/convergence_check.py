@@ -1,6 +1,8 @@
 """Is a fit length enough?  Train it again for longer and compare (:func:`check_convergence`).
 
-The end-of-fit diagnosis (:mod:`pyro_bnn.training.convergence`) reads one fit's training curve.  Under
+The convergence check that needs new fits, next to the diagnosis that needs none: the end-of-fit
+diagnosis (:mod:`pyro_bnn.training.convergence`, which :func:`pyro_bnn.fit` runs, so it cannot
+import ``fit`` and host this check) reads one fit's training curve.  Under
 a decaying learning-rate schedule that curve is flat at the end whatever the state of the
 posterior, because the schedule stops the parameters: a cosine fit that is far too short can
 pass.  The only check we know to be reliable is the one the results documents use: train the
@@ -30,8 +32,8 @@ from ..arguments import check_int, check_positive
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params
 from ..data.batches import dataset_size, make_loader, split_batch
+from ..model.devices import module_device
 from .convergence import ConvergenceWarning
-from .devices import module_device
 from .loop import FitResult, fit
 from .seeding import seeded
 
