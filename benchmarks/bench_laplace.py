@@ -193,7 +193,7 @@ def task_marglik(args, split, out):
                                       glm_metrics(model, guide, split.x_test, split.y_test), secs)
     model, guide, _, res, secs = train_map(
         split, [100], args.digits_epochs, 1e-3, args.seed, prior_precision=1.0, batch_size=64,
-        marglik=dict(every=1, burnin=args.burnin, steps=100, lr=0.1))
+        marglik=pb.MarglikOptions(every=1, burnin=args.burnin, steps=100, lr=0.1))
     rows[f"online marglik (δ→{float(guide.prior_precision):.3g})"] = (
         map_metrics(model, guide, split.x_test, split.y_test),
         glm_metrics(model, guide, split.x_test, split.y_test), secs)
@@ -249,7 +249,7 @@ def task_lastlayer_marglik(args, split, out):
         guide = pb.guides.Laplace(model, "kron", prior_precision=1.0, subset=subset)
         t = time.perf_counter()
         pb.fit(model, guide, split.train, epochs=args.digits_epochs, lr=1e-3, batch_size=64, progress=False,
-               seed=args.seed, marglik=dict(every=1, burnin=args.burnin, steps=100, lr=0.1))
+               seed=args.seed, marglik=pb.MarglikOptions(every=1, burnin=args.burnin, steps=100, lr=0.1))
         m = map_metrics(model, guide, split.x_test, split.y_test)
         g = glm_metrics(model, guide, split.x_test, split.y_test)
         rows[label] = dict(map=m, glm=g, prior_precision=float(guide.prior_precision),
@@ -358,7 +358,7 @@ def task_targets(args, mnist, out):
                                             ("online, all layers, δ per layer", "all", "layerwise")):
                 extra = {"kron_bias": "separate"} if structure == "sitewise" else {}
                 mo, go, _, ro, so = train_map(train, [400, 400], args.epochs, args.lr, seed, lr_schedule="cosine",
-                                              marglik=dict(every=args.every, burnin=args.burnin, steps=100, lr=0.1),
+                                              marglik=pb.MarglikOptions(every=args.every, burnin=args.burnin, steps=100, lr=0.1),
                                               subset=subset, prior_structure=structure, **extra)
                 mm = map_metrics(mo, go, train.x_test, train.y_test)
                 r = glm_metrics(mo, go, train.x_test, train.y_test)
@@ -412,7 +412,7 @@ def task_marglik_noise(args, digits, out):
         model = pb.BNN(mlp(64, [100], 10), "categorical")
         guide = pb.guides.Laplace(model, "kron")
         res = pb.fit(model, guide, digits.train, epochs=args.digits_epochs, lr=1e-2, batch_size=64, progress=False,
-                     seed=args.seed, lr_schedule=schedule, marglik=dict(every=5, burnin=10, steps=50, lr=0.1))
+                     seed=args.seed, lr_schedule=schedule, marglik=pb.MarglikOptions(every=5, burnin=10, steps=50, lr=0.1))
         ev = [v for v in res.history["log_evidence"] if v == v]
         second = ev[len(ev) // 2:]
         again = float(guide.log_evidence())

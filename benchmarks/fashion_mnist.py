@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import resource
 import sys
@@ -385,7 +386,7 @@ def run_row(args, data, name):
 #: Online-evidence schedule of the ``laplace_marglik`` row (keys of pyro_bnn.marglik.MARGLIK_DEFAULTS):
 #: 100 Adam steps (lr 0.1) on log δ after epochs 5, 10, 15, ... — laplace-torch's
 #: ``marglik_training(marglik_frequency=5, n_epochs_burnin=5, n_hypersteps=100, lr_hyp=0.1)``.
-MARGLIK_SCHEDULE = {"every": 5, "burnin": 0, "steps": 100, "lr": 0.1}
+MARGLIK_SCHEDULE = pb.MarglikOptions(every=5, burnin=0, steps=100, lr=0.1)
 
 
 def row_laplace_marglik(args, data):
@@ -401,7 +402,7 @@ def row_laplace_marglik(args, data):
     row.update(prior_precision=[float(d) for d in guide.layer_prior_precisions()],
                log_evidence=float(guide.log_evidence()), best_log_evidence=res.history.get("best_log_evidence", [None])[0],
                log_evidence_curve=[round(v, 1) for v in res.history["log_evidence"] if v == v],
-               marglik=MARGLIK_SCHEDULE, predictive=f"glm-mc({args.num_samples})")
+               marglik=dataclasses.asdict(MARGLIK_SCHEDULE), predictive=f"glm-mc({args.num_samples})")
     return row
 
 

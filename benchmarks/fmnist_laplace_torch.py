@@ -9,7 +9,7 @@ mutual information):
 * ``--mode marglik`` — **online marginal-likelihood Laplace** (Immer et al. 2021,
   Algorithm 1) on all training images (60,000 unless ``--subset``): all layers, KFAC,
   layer-wise δ.  pyro_bnn: ``pb.fit(model, Laplace(model, "kron",
-  prior_structure="layerwise"), marglik=dict(every=F, burnin=B - F, steps=K, lr=γ))``;
+  prior_structure="layerwise"), marglik=pb.MarglikOptions(every=F, burnin=B - F, steps=K, lr=γ))``;
   laplace-torch: ``marglik_training(net, loader, "classification", "kron",
   marglik_frequency=F, n_epochs_burnin=B, n_hypersteps=K, lr_hyp=γ,
   prior_structure="layerwise")``.  Both: the same initial weights, Adam lr 1e-3, batch 64,
@@ -164,7 +164,7 @@ def run_ours_marglik(args, data, net0, schedule):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = pb.fit(model, guide, data["train"], epochs=args.epochs, seed=args.seed, progress=False,
-                     batch_size=64, lr=1e-3, lr_schedule="cosine", marglik=schedule)
+                     batch_size=64, lr=1e-3, lr_schedule="cosine", marglik=pb.MarglikOptions(**schedule))
     wall = time.perf_counter() - t0
     h = res.history
     row = dict(library="pyro_bnn", fit_seconds=wall, seconds_per_epoch=wall / args.epochs,

@@ -53,7 +53,7 @@ def main(argv=None):
     guide = pb.guides.Laplace(model, structure=args.structure, subset=args.subset,
                               prior_structure=args.prior_structure,
                               kron_bias="separate" if args.prior_structure == "sitewise" else "joint")
-    marglik = dict(every=5, burnin=10, steps=100, lr=0.1) if args.marglik else None
+    marglik = pb.MarglikOptions(every=5, burnin=10, steps=100, lr=0.1) if args.marglik else None
     result = pb.fit(model, guide, (x_tr, y_tr), epochs=args.epochs, lr=args.lr, lr_schedule="cosine",
                     seed=args.seed, marglik=marglik, progress=False)
     loss = result.history["loss"]

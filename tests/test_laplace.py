@@ -248,7 +248,7 @@ def test_subset_map_objective_keeps_the_prior_of_point_estimates(digits_small):
     last = pb.guides.Laplace(model, "kron", subset=["net.2.weight", "net.2.bias"])
     obj = LaplaceMAPObjective()
     torch.testing.assert_close(obj(model, full, x, y)[0], obj(model, last, x, y)[0])
-    pb.fit(model, last, (x, y), epochs=2, progress=False, marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
+    pb.fit(model, last, (x, y), epochs=2, progress=False, marglik=pb.MarglikOptions(every=1, burnin=0, steps=5, lr=0.1))
     assert last.prior_precision.dim() == 0 and torch.isfinite(last.log_evidence())
     assert pb.predict(model, last, x[:5], method="glm_probit").shape == (1, 5, 10)
 
@@ -260,7 +260,7 @@ def test_online_marglik_keeps_best_state(digits_small):
                    prior=pb.priors.IIDNormal(1.0))
     guide = pb.guides.Laplace(model, "kron", prior_precision=1.0)
     res = pb.fit(model, guide, (x, y), epochs=4, lr=1e-2, progress=False, seed=0,
-                 marglik=dict(every=1, burnin=1, steps=20, lr=0.1))
+                 marglik=pb.MarglikOptions(every=1, burnin=1, steps=20, lr=0.1))
     ev = res.history["log_evidence"]
     assert len(ev) == 4 and math.isnan(ev[0]) and all(math.isfinite(v) for v in ev[1:])
     best = res.history["best_log_evidence"][0]
@@ -276,7 +276,7 @@ def test_online_marglik_learns_gaussian_noise():
     model = pb.BNN(nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1)), "gaussian", noise="learned")
     guide = pb.guides.Laplace(model, "kron")
     pb.fit(model, guide, (x, y), epochs=150, lr=1e-2, batch_size=80, progress=False, seed=0,
-           marglik=dict(every=10, burnin=50, steps=50, lr=0.1))
+           marglik=pb.MarglikOptions(every=10, burnin=50, steps=50, lr=0.1))
     assert model.likelihood.log_noise.requires_grad          # unfrozen after fit
     assert 0.1 < float(model.likelihood.noise) < 0.4         # true σ = 0.2, init 1.0
     out = pb.predict(model, guide, x, method="glm", num_samples=7)
@@ -329,7 +329,7 @@ def test_user_errors():
         pb.guides.Laplace(model, subset=["net.9.weight"]).fit_curvature((torch.randn(4, 3), torch.tensor([0, 1, 0, 1])))
     with pytest.raises(ValueError, match="fit_curvature"):
         pb.guides.Laplace(model).log_evidence()
-    with pytest.raises(ValueError, match="marglik"):
+    with pytest.raises(TypeError, match=r"marglik must be a pyro_bnn.MarglikOptions or None, got dict"):
         pb.fit(model, pb.guides.Laplace(model), (torch.randn(4, 3), torch.tensor([0, 1, 0, 1])),
                epochs=1, progress=False, marglik=dict(every=0))
     assert "laplace" in pb.guides.registered_guides()
@@ -342,7 +342,7 @@ def test_cuda(digits_small):
     model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
     guide = pb.guides.Laplace(model, "kron")
     pb.fit(model, guide, (x, y), epochs=2, device="cuda", progress=False,
-           marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
+           marglik=pb.MarglikOptions(every=1, burnin=0, steps=5, lr=0.1))
     assert guide.log_evidence().device.type == "cuda"
     p = pb.predict(model, guide, xt.cuda(), method="glm_probit")
     assert p.device.type == "cuda" and p.shape == (1, len(xt), 10)
@@ -371,7 +371,7 @@ def test_online_marglik_restores_the_whole_best_state(monkeypatch):
 
     monkeypatch.setattr(type(guide), "evidence_steps", hyper_steps)
     res = pb.fit(model, guide, (x, y), epochs=4, batch_size=50, lr=1e-2, progress=False,
-                 marglik=dict(every=1, burnin=1, steps=5, lr=0.1))
+                 marglik=pb.MarglikOptions(every=1, burnin=1, steps=5, lr=0.1))
     assert len(body) == 3 and not torch.equal(body[0], body[-1])   # the body did train
     assert res.history["best_log_evidence"] == [res.history["log_evidence"][1]]
     assert torch.equal(model.net[0].weight, body[0])
@@ -522,7 +522,7 @@ def test_online_marglik_selects_by_a_deterministic_evidence_pass():
                    augmentation=aug)
     guide = pb.guides.Laplace(model, "kron")
     res = pb.fit(model, guide, (x, y), epochs=3, batch_size=40, lr=1e-2, progress=False, seed=0,
-                 marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
+                 marglik=pb.MarglikOptions(every=1, burnin=0, steps=5, lr=0.1))
     noise = res.history["log_evidence_noise"]
     assert len(noise) == 3 and all(v > 0 for v in noise)
     best = res.history["best_log_evidence"][0]
@@ -532,7 +532,7 @@ def test_online_marglik_selects_by_a_deterministic_evidence_pass():
 
     plain = pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 10)), "categorical")
     res = pb.fit(plain, pb.guides.Laplace(plain, "kron"), (x, y), epochs=2, batch_size=40, lr=1e-2,
-                 progress=False, seed=0, marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
+                 progress=False, seed=0, marglik=pb.MarglikOptions(every=1, burnin=0, steps=5, lr=0.1))
     assert res.history["log_evidence_noise"] == [0.0, 0.0]
 
 
@@ -553,7 +553,7 @@ def test_sitewise_prior_in_the_map_objective_and_online(digits_small):
                               for s in ("net.0.weight", "net.0.bias"))
     torch.testing.assert_close(extras["log_prior"], expected.detach(), rtol=1e-5, atol=1e-3)
     res = pb.fit(model, guide, (x, y), epochs=3, lr=1e-2, progress=False, seed=0,
-                 marglik=dict(every=1, burnin=0, steps=20, lr=0.1))
+                 marglik=pb.MarglikOptions(every=1, burnin=0, steps=20, lr=0.1))
     assert guide.prior_precision.shape == (2,)
     assert not torch.allclose(guide.prior_precision, torch.tensor([0.5, 4.0]))
     assert float(guide.log_evidence()) == pytest.approx(res.history["best_log_evidence"][0], rel=1e-6)

@@ -545,7 +545,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         Progress bars and one status line per guide (on stderr).
     guide_options, fit_options : dict, optional
         ``{guide: {option: value}}`` passed to the guide factory / :func:`pyro_bnn.fit`
-        (e.g. ``{"laplace": {"marglik": {...}}}`` or ``{"hypernet": {"clip_norm": 10}}``).
+        (e.g. ``{"laplace": {"marglik": pb.MarglikOptions(...)}}`` or ``{"hypernet": {"clip_norm": 10}}``).
     predict_method : str, dict or None
         ``None`` (default): each guide's own predictive (``guide.default_predictive``:
         ``"glm"`` for the Laplace guides, else ``"sample"``); or ``"sample"`` (Monte Carlo
