@@ -23,7 +23,7 @@ mutual information):
   search (both libraries' default grid: 100 values, 1e-4..1e4, probit-scored).
 
 Predictive: the linearised (GLM) predictive with a Monte-Carlo softmax link, 100 function
-draws, in both libraries (pyro_bnn ``pb.predict(..., method="glm")`` = "glm-mc(100)";
+draws, in both libraries (pyro_bnn ``pb.predict(..., predictive="glm")`` = "glm-mc(100)";
 laplace-torch ``predictive_samples(x, pred_type="glm", n_samples=100)``), so that the
 mutual information is defined.
 
@@ -111,7 +111,7 @@ def ours_score(args, model, guide, data, num_samples, limit=None):
     """Scores of pyro_bnn's GLM predictive (glm-mc) on all test and OOD images, plus (with
     ``limit``) on the first ``limit`` of each, for the comparison with :func:`peer_score`."""
     t0 = time.perf_counter()
-    p_in, p_out = fm.predict_pair(args, model, guide, data, num_samples=num_samples, method="glm")
+    p_in, p_out = fm.predict_pair(args, model, guide, data, num_samples=num_samples, predictive="glm")
     row = fm.score(p_in, p_out, data["test"][1])
     row["predict_seconds"] = time.perf_counter() - t0
     if limit:
