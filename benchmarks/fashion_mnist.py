@@ -288,7 +288,7 @@ def row_registry(args, data, name):
             row["elbo_full_data"] = terms["elbo"]
             row["entropy_gap_full_data"] = terms["entropy_gap"]
         else:
-            elbo, se = estimate_objective(model, guide, data["train"], draws=4, eval_batch_size=4000)
+            elbo, se = estimate_objective(model, guide, data["train"], num_samples=4, eval_batch_size=4000)
             row["bound_name"] = "ELBO of the weight-norm model (g random; v, b point estimates)"
             row["bound_full_data"], row["bound_full_data_se"] = elbo, se
             row["elbo_full_data"] = elbo
