@@ -633,8 +633,8 @@ def test_handwritten_regression_with_constrained_noise_point_estimate():
     # pb.evaluate with the GLM predictive: regression metrics with the point-estimate sigma,
     # equal to those of the pb.BNN twin (was a crash: the kind came from model.likelihood only)
     yt = torch.sin(2 * xt).squeeze(-1)
-    ours = pb.evaluate(model, guide, xt, yt, predictive="glm", num_samples=64, seed=0)
-    theirs = pb.evaluate(bnn, ref, xt, yt[:, None], predictive="glm", num_samples=64, seed=0)
+    ours = pb.evaluate(model, guide, xt, yt, predictive="glm", num_samples=64)
+    theirs = pb.evaluate(bnn, ref, xt, yt[:, None], predictive="glm", num_samples=64)
     assert set(ours) >= {"rmse", "nll", "coverage_95"} and ours["rmse"] < 0.2, ours
     assert ours["nll"] == pytest.approx(theirs["nll"], rel=0.05), (ours, theirs)
     rmse = float(((f_ours.squeeze(-1) - torch.sin(2 * xt).squeeze(-1)) ** 2).mean().sqrt())

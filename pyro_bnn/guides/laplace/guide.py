@@ -23,6 +23,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from torch import nn
 
+from ...arguments import reject_unknown_keywords
 from ...contract.guide import BNNGuide, init_to_network, register_guide
 from ...contract.local_params import local_params, unwrap_model
 from ...contract.modes import evaluation_mode
@@ -587,6 +588,9 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             predictive, link_approx = "glm", "probit"
         if predictive != "glm":
             raise ValueError(f"predictive must be 'glm', 'glm_probit' or 'sample', got {predictive!r}")
+        # the GLM predictive takes no other option: one would be ignored silently (a wrong answer)
+        reject_unknown_keywords("Laplace.predict", kwargs,
+                                ("predictive", "num_samples", "batch_size", "link_approx"))
         f, cov = self.functional_covariance(x, batch_size)
         return glm_predictive(f, cov, self.posterior.kind, link_approx or "mc", num_samples)
 
