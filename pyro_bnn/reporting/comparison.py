@@ -33,7 +33,7 @@ meaningful.  The table has one row per guide:
   ``k̂`` above ArviZ's threshold, and ``elpd_loo_psis`` (``az.loo``, which treats the draws as
   exact posterior draws); both NaN when the draws are identical (point estimates).  The
   draws are those of the row's predictive (:func:`pyro_bnn.to_arviz` with the same
-  ``method``), so a Laplace row's ELPD is that of its GLM predictive;
+  ``predictive``), so a Laplace row's ELPD is that of its GLM predictive;
 * ``train_seconds``, ``predict_seconds`` (the test-set predictive), ``num_params``
   (the guide's trained parameters; buffers such as curvature factors are not counted).
 """
@@ -407,7 +407,7 @@ def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch
 
 
 def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSamples:
-    """A guide's own predictive (``pb.predict(method=...)``) as :class:`PredictiveSamples`."""
+    """A guide's own predictive (``pb.predict(predictive=...)``) as :class:`PredictiveSamples`."""
     values = predict(model, guide, x, num_samples=num_samples, predictive=method)
     if values.dim() == 2:
         values = values.unsqueeze(0)
