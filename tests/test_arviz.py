@@ -300,7 +300,7 @@ def test_linearized_draws_are_the_jacobian_vector_product():
     """f_lin(x; θ_s) = f(x; θ*) + J(θ_s − θ*) from the layer factors equals torch.func.jvp
     of the network at θ* in the direction of the stored draw (float64, rtol 1e-9)."""
     model, guide, net, x, _ = _small_laplace("kron")
-    draws = guide.linearized_samples(x[:40], 3, batch_size=16, generator=torch.Generator().manual_seed(0))
+    draws = guide.linearized_samples(x[:40], num_samples=3, batch_size=16, generator=torch.Generator().manual_seed(0))
     names = [n for n, _ in net.named_parameters()]
     theta = {n: guide.map_values()[f"net.{n}"].detach() for n in names}
 

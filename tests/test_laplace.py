@@ -641,7 +641,7 @@ def test_handwritten_regression_with_constrained_noise_point_estimate():
     assert rmse < 0.2, rmse
     sample = guide()                                             # a Pyro guide draw: sigma stays positive
     assert torch.equal(sample["sigma"], sigma) and sample["fc2.weight"].shape == (1, 16)
-    lin = guide.linearized_samples(xt, 3)                        # one output: (out, in') = (1, 17)
+    lin = guide.linearized_samples(xt, num_samples=3)            # one output: (out, in') = (1, 17)
     assert lin.values["fc2.weight"].shape == (3, 1, 16) and lin.values["sigma"].shape == (3,)
 
 

@@ -53,6 +53,8 @@ DATA = {
     uncertainty_plots.plot_ood_scores: ("results",),
     pb.guides.Laplace.predict: ("self", "model", "x"),
     pb.guides.Laplace.optimize_prior_precision: ("self", "data"),
+    pb.guides.Laplace.functional_covariance: ("self", "x"),
+    pb.guides.Laplace.linearized_samples: ("self", "x"),
     pb.contract.BNNGuide.predict: ("self", "model", "x"),
 }
 

@@ -302,7 +302,7 @@ def _glm_groups(guide, x, y, num_samples, var_names, batch_size, device, want_pp
                          f"got {type(guide).__name__}")
     names = _select_sites(guide.map_values(), var_names, num_samples)
     kind, noise = guide.likelihood_kind()
-    draws = guide.linearized_samples(x, num_samples, batch_size=batch_size, sites=names)
+    draws = guide.linearized_samples(x, num_samples=num_samples, batch_size=batch_size, sites=names)
     yd = y.to(device)
     loglik = pointwise_log_likelihood(kind, draws.f, yd, noise).double()      # (S, N)
     lp = draws.log_prior.double() + loglik.sum(-1)

@@ -591,10 +591,10 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         # the GLM predictive takes no other option: one would be ignored silently (a wrong answer)
         reject_unknown_keywords("Laplace.predict", kwargs,
                                 ("predictive", "num_samples", "batch_size", "link_approx"))
-        f, cov = self.functional_covariance(x, batch_size)
+        f, cov = self.functional_covariance(x, batch_size=batch_size)
         return glm_predictive(f, cov, self.posterior.kind, link_approx or "mc", num_samples)
 
-    def functional_covariance(self, x: torch.Tensor, batch_size: int = 256, prior_precision=None):
+    def functional_covariance(self, x: torch.Tensor, *, batch_size: int = 256, prior_precision=None):
         """``f(x; θ*)`` ``(N, C)`` and ``Σ_f = J P⁻¹ Jᵀ`` ``(N, C, C)``, streamed in batches
         (at the guide's δ, or at ``prior_precision``)."""
         if not isinstance(x, torch.Tensor):
@@ -630,7 +630,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         kind, noise, _ = self._kind_and_scale()
         return kind, noise
 
-    def linearized_samples(self, x: torch.Tensor, num_samples: int, batch_size: int = 256,
+    def linearized_samples(self, x: torch.Tensor, *, num_samples: int, batch_size: int = 256,
                            sites=None, generator: torch.Generator | None = None,
                            max_values: int = 2 ** 24) -> LinearizedSamples:
         """Joint draws ``θ_s ~ N(θ*, P⁻¹)`` and the linearised network at ``x``.
