@@ -75,7 +75,7 @@ def _fit_eval(model, guide, train, test, args, epochs=None, lr=None, **kw):
               "measures": {k: v for k, v in diag.measures.items()
                            if v is None or isinstance(v, (int, float, bool, str))},
               "elbo_history_every_10": elbo[::10] + [elbo[-1]]}
-    return (m, secs, estimate_objective(model, guide, train, draws=args.elbo_draws,
+    return (m, secs, estimate_objective(model, guide, train, num_samples=args.elbo_draws,
                                               eval_batch_size=len(train[0]))[0],
             100 * (end - before) / abs(end), record)
 

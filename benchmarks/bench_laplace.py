@@ -65,12 +65,12 @@ def mlp(d_in, hidden, d_out):
 def map_metrics(model, guide, x, y):
     with torch.no_grad():
         probs = torch.softmax(model.run_with(guide.median(), x), -1)
-    return pb.metrics.classification_metrics(probs[None], y, 15)
+    return pb.metrics.classification_metrics(probs[None], y, num_bins=15)
 
 
 def glm_metrics(model, guide, x, y):
-    probs = pb.predict(model, guide, x, method="glm_probit", batch_size=500)
-    return pb.metrics.classification_metrics(probs, y, 15)
+    probs = pb.predict(model, guide, x, predictive="glm_probit", batch_size=500)
+    return pb.metrics.classification_metrics(probs, y, num_bins=15)
 
 
 def train_map(split, hidden, epochs, lr, seed, structure="kron", prior_precision=1.0, marglik=None,
@@ -193,7 +193,7 @@ def task_marglik(args, split, out):
                                       glm_metrics(model, guide, split.x_test, split.y_test), secs)
     model, guide, _, res, secs = train_map(
         split, [100], args.digits_epochs, 1e-3, args.seed, prior_precision=1.0, batch_size=64,
-        marglik=dict(every=1, burnin=args.burnin, steps=100, lr=0.1))
+        marglik=pb.MarglikOptions(every=1, burnin=args.burnin, steps=100, lr=0.1))
     rows[f"online marglik (δ→{float(guide.prior_precision):.3g})"] = (
         map_metrics(model, guide, split.x_test, split.y_test),
         glm_metrics(model, guide, split.x_test, split.y_test), secs)
@@ -228,8 +228,8 @@ def task_lastlayer(args, name, split, hidden, epochs, seeds, out):
         for label, g in variants:
             t = time.perf_counter()
             ev = g.optimize_prior_precision(split.train, steps=300, lr=0.1)
-            probs = pb.predict(model, g, split.x_test, method="glm_probit", batch_size=500)
-            r = pb.metrics.classification_metrics(probs, split.y_test, 15)
+            probs = pb.predict(model, g, split.x_test, predictive="glm_probit", batch_size=500)
+            r = pb.metrics.classification_metrics(probs, split.y_test, num_bins=15)
             r["mean_confidence"] = float(probs[0].max(-1).values.mean())
             row[label] = dict(glm=r, prior_precision=float(g.prior_precision), log_evidence=ev,
                               seconds=time.perf_counter() - t)
@@ -249,7 +249,7 @@ def task_lastlayer_marglik(args, split, out):
         guide = pb.guides.Laplace(model, "kron", prior_precision=1.0, subset=subset)
         t = time.perf_counter()
         pb.fit(model, guide, split.train, epochs=args.digits_epochs, lr=1e-3, batch_size=64, progress=False,
-               seed=args.seed, marglik=dict(every=1, burnin=args.burnin, steps=100, lr=0.1))
+               seed=args.seed, marglik=pb.MarglikOptions(every=1, burnin=args.burnin, steps=100, lr=0.1))
         m = map_metrics(model, guide, split.x_test, split.y_test)
         g = glm_metrics(model, guide, split.x_test, split.y_test)
         rows[label] = dict(map=m, glm=g, prior_precision=float(guide.prior_precision),
@@ -358,7 +358,7 @@ def task_targets(args, mnist, out):
                                             ("online, all layers, δ per layer", "all", "layerwise")):
                 extra = {"kron_bias": "separate"} if structure == "sitewise" else {}
                 mo, go, _, ro, so = train_map(train, [400, 400], args.epochs, args.lr, seed, lr_schedule="cosine",
-                                              marglik=dict(every=args.every, burnin=args.burnin, steps=100, lr=0.1),
+                                              marglik=pb.MarglikOptions(every=args.every, burnin=args.burnin, steps=100, lr=0.1),
                                               subset=subset, prior_structure=structure, **extra)
                 mm = map_metrics(mo, go, train.x_test, train.y_test)
                 r = glm_metrics(mo, go, train.x_test, train.y_test)
@@ -412,7 +412,7 @@ def task_marglik_noise(args, digits, out):
         model = pb.BNN(mlp(64, [100], 10), "categorical")
         guide = pb.guides.Laplace(model, "kron")
         res = pb.fit(model, guide, digits.train, epochs=args.digits_epochs, lr=1e-2, batch_size=64, progress=False,
-                     seed=args.seed, lr_schedule=schedule, marglik=dict(every=5, burnin=10, steps=50, lr=0.1))
+                     seed=args.seed, lr_schedule=schedule, marglik=pb.MarglikOptions(every=5, burnin=10, steps=50, lr=0.1))
         ev = [v for v in res.history["log_evidence"] if v == v]
         second = ev[len(ev) // 2:]
         again = float(guide.log_evidence())
@@ -453,7 +453,7 @@ def task_llcompare(args, mnist, out):
         g = posthoc(model, guide, "kron", "last_layer", kron_bias="separate", prior_precision=delta)
         g.fit_curvature(train.train, batch_size=256)
         t1 = time.perf_counter()
-        mine = pb.predict(model, g, train.x_test, method="glm", batch_size=500)[0]
+        mine = pb.predict(model, g, train.x_test, predictive="glm", batch_size=500)[0]
         t2 = time.perf_counter()
         ours_t.append(t2 - t)
         split_t["ours_fit"].append(t1 - t)
@@ -470,8 +470,8 @@ def task_llcompare(args, mnist, out):
         split_t["theirs_fit"].append(t1 - t)
         split_t["theirs_predict"].append(t2 - t1)
     diff = float((mine - theirs).abs().max())
-    r_ours = pb.metrics.classification_metrics(mine[None], train.y_test, 15)
-    r_theirs = pb.metrics.classification_metrics(theirs[None], train.y_test, 15)
+    r_ours = pb.metrics.classification_metrics(mine[None], train.y_test, num_bins=15)
+    r_theirs = pb.metrics.classification_metrics(theirs[None], train.y_test, num_bins=15)
     out["llcompare"] = dict(prior_precision=delta, max_abs_prob_diff=diff, ours_seconds=ours_t, parts=split_t,
                             laplace_torch_seconds=theirs_t, ours_nll=r_ours["nll"], laplace_torch_nll=r_theirs["nll"],
                             laplace_torch_log_evidence=float(la.log_marginal_likelihood()),
@@ -527,15 +527,15 @@ def task_crosscheck(args, split, out):
     for delta in (1.0, 5.0):
         with torch.no_grad():
             guide.log_prior_precision.fill_(torch.tensor(delta).log())
-        mine = pb.predict(model, guide, split.x_test, method="glm")[0]
+        mine = pb.predict(model, guide, split.x_test, predictive="glm")[0]
         la = KronLaplace(ref, "classification", prior_precision=delta)
         la.fit(loader)
         theirs = la(split.x_test, pred_type="glm", link_approx="probit")
         row = dict(prior_precision=delta, ours_evidence=float(guide.log_evidence()),
                    laplace_torch_evidence=float(la.log_marginal_likelihood()),
                    max_abs_prob_diff=float((mine - theirs).abs().max()),
-                   ours_nll=pb.metrics.classification_metrics(mine[None], split.y_test, 15)["nll"],
-                   laplace_torch_nll=pb.metrics.classification_metrics(theirs[None], split.y_test, 15)["nll"])
+                   ours_nll=pb.metrics.classification_metrics(mine[None], split.y_test, num_bins=15)["nll"],
+                   laplace_torch_nll=pb.metrics.classification_metrics(theirs[None], split.y_test, num_bins=15)["nll"])
         rows.append(row)
         print(f"[crosscheck digits] {row}")
     out["crosscheck"] = rows

@@ -20,7 +20,7 @@ Rows (``--rows``, comma separated):
 * ``laplace_ll`` — a MAP net trained by ``pb.fit`` with ``pb.guides.Laplace`` (N(0,1) prior)
   on 55,000 images, then last-layer KFAC Laplace with δ by the evidence and δ by a grid on
   the 5,000 validation images; GLM predictive with the Monte-Carlo softmax link
-  (``method="glm"``, ``--num-samples`` draws);
+  (``predictive="glm"``, ``--num-samples`` draws);
 * ``laplace_marglik`` — all-layer KFAC Laplace with online marginal likelihood, layer-wise δ
   (``pb.fit(..., marglik=MARGLIK_SCHEDULE)``), same predictive; side by side with
   laplace-torch: ``benchmarks/fmnist_laplace_torch.py``;
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import resource
 import sys
@@ -92,7 +93,7 @@ def score(probs_in: torch.Tensor, probs_out: torch.Tensor, y: torch.Tensor) -> d
     """Test metrics of ``(S, N, C)`` probabilities and the OOD AUROCs (entropy, MI)."""
     if probs_in.dim() == 2:
         probs_in, probs_out = probs_in.unsqueeze(0), probs_out.unsqueeze(0)
-    row = pb.metrics.classification_metrics(probs_in, y, 15)
+    row = pb.metrics.classification_metrics(probs_in, y, num_bins=15)
     labels = torch.cat([torch.zeros(probs_in.shape[1]), torch.ones(probs_out.shape[1])])
     ood = evaluate_probs(torch.cat([probs_in, probs_out], 1), labels)
     row["ood_auroc_entropy"] = ood["entropy"]["auroc"]
@@ -175,7 +176,7 @@ def bnn(args, prior_scale=1.0):
     return pb.BNN(make_net(args.arch), "categorical", prior=pb.priors.IIDNormal(prior_scale))
 
 
-def fit_row(args, model, guide, data_xy, *, num_samples, method="sample", **fit_kw):
+def fit_row(args, model, guide, data_xy, *, num_samples, predictive="sample", **fit_kw):
     x, y = data_xy
     n = len(x)
     num_data = round(n / args.kl_weight) if args.kl_weight != 1.0 else None
@@ -186,11 +187,11 @@ def fit_row(args, model, guide, data_xy, *, num_samples, method="sample", **fit_
     return res
 
 
-def predict_pair(args, model, guide, data, *, num_samples, method="sample", **kw):
+def predict_pair(args, model, guide, data, *, num_samples, predictive="sample", **kw):
     with seeded(0):
-        p_in = pb.predict(model, guide, data["test"][0], num_samples=num_samples, method=method,
+        p_in = pb.predict(model, guide, data["test"][0], num_samples=num_samples, predictive=predictive,
                           batch_size=2000, **kw)
-        p_out = pb.predict(model, guide, data["ood"], num_samples=num_samples, method=method,
+        p_out = pb.predict(model, guide, data["ood"], num_samples=num_samples, predictive=predictive,
                            batch_size=2000, **kw)
     return p_in, p_out
 
@@ -247,7 +248,7 @@ def row_meanfield(args, data):
     row["train_accuracy_first10k"] = pb.metrics.accuracy(p.mean(0), y[:10000])
     with seeded(0):
         pv = pb.predict(model, guide, data["valid"][0], num_samples=args.num_samples, batch_size=2000)
-    row["valid"] = pb.metrics.classification_metrics(pv, data["valid"][1], 15)
+    row["valid"] = pb.metrics.classification_metrics(pv, data["valid"][1], num_bins=15)
     row["valid_held_out"] = bool(args.subset)
     sig = [guide.loc_and_scale(s)[1] for s in model.site_names]
     row["mean_sigma_by_site"] = {s: float(v.detach().mean()) for s, v in zip(model.site_names, sig)}
@@ -287,7 +288,7 @@ def row_registry(args, data, name):
             row["elbo_full_data"] = terms["elbo"]
             row["entropy_gap_full_data"] = terms["entropy_gap"]
         else:
-            elbo, se = estimate_objective(model, guide, data["train"], draws=4, eval_batch_size=4000)
+            elbo, se = estimate_objective(model, guide, data["train"], num_samples=4, eval_batch_size=4000)
             row["bound_name"] = "ELBO of the weight-norm model (g random; v, b point estimates)"
             row["bound_full_data"], row["bound_full_data_se"] = elbo, se
             row["elbo_full_data"] = elbo
@@ -317,8 +318,8 @@ def row_laplace_ll(args, data):
             ev = ll.optimize_prior_precision(steps=300, lr=0.1)  # the curvature is fitted above
         else:
             ev = ll.optimize_prior_precision(method="gridsearch", val=data["valid"])
-        # method="glm" is the Monte-Carlo GLM ("glm-mc(S)"): S = --num-samples draws, not 1
-        r = score(*predict_pair(args, model, ll, data, num_samples=args.num_samples, method="glm"),
+        # predictive="glm" is the Monte-Carlo GLM ("glm-mc(S)"): S = --num-samples draws, not 1
+        r = score(*predict_pair(args, model, ll, data, num_samples=args.num_samples, predictive="glm"),
                   data["test"][1])
         r.update(prior_precision=float(ll.prior_precision), log_evidence=float(ll.log_evidence()),
                  tuning_value=_float(ev), predictive=f"glm-mc({args.num_samples})",
@@ -385,7 +386,7 @@ def run_row(args, data, name):
 #: Online-evidence schedule of the ``laplace_marglik`` row (keys of pyro_bnn.marglik.MARGLIK_DEFAULTS):
 #: 100 Adam steps (lr 0.1) on log δ after epochs 5, 10, 15, ... — laplace-torch's
 #: ``marglik_training(marglik_frequency=5, n_epochs_burnin=5, n_hypersteps=100, lr_hyp=0.1)``.
-MARGLIK_SCHEDULE = {"every": 5, "burnin": 0, "steps": 100, "lr": 0.1}
+MARGLIK_SCHEDULE = pb.MarglikOptions(every=5, burnin=0, steps=100, lr=0.1)
 
 
 def row_laplace_marglik(args, data):
@@ -396,12 +397,12 @@ def row_laplace_marglik(args, data):
         res = pb.fit(model, guide, data["train"], epochs=args.epochs, seed=args.seed, progress=False,
                      batch_size=64, lr=1e-3, marglik=MARGLIK_SCHEDULE)
     row = fit_summary(res)
-    row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples, method="glm"),
+    row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples, predictive="glm"),
                      data["test"][1]))
     row.update(prior_precision=[float(d) for d in guide.layer_prior_precisions()],
                log_evidence=float(guide.log_evidence()), best_log_evidence=res.history.get("best_log_evidence", [None])[0],
                log_evidence_curve=[round(v, 1) for v in res.history["log_evidence"] if v == v],
-               marglik=MARGLIK_SCHEDULE, predictive=f"glm-mc({args.num_samples})")
+               marglik=dataclasses.asdict(MARGLIK_SCHEDULE), predictive=f"glm-mc({args.num_samples})")
     return row
 
 

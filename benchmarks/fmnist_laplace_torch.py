@@ -9,7 +9,7 @@ mutual information):
 * ``--mode marglik`` — **online marginal-likelihood Laplace** (Immer et al. 2021,
   Algorithm 1) on all training images (60,000 unless ``--subset``): all layers, KFAC,
   layer-wise δ.  pyro_bnn: ``pb.fit(model, Laplace(model, "kron",
-  prior_structure="layerwise"), marglik=dict(every=F, burnin=B - F, steps=K, lr=γ))``;
+  prior_structure="layerwise"), marglik=pb.MarglikOptions(every=F, burnin=B - F, steps=K, lr=γ))``;
   laplace-torch: ``marglik_training(net, loader, "classification", "kron",
   marglik_frequency=F, n_epochs_burnin=B, n_hypersteps=K, lr_hyp=γ,
   prior_structure="layerwise")``.  Both: the same initial weights, Adam lr 1e-3, batch 64,
@@ -23,7 +23,7 @@ mutual information):
   search (both libraries' default grid: 100 values, 1e-4..1e4, probit-scored).
 
 Predictive: the linearised (GLM) predictive with a Monte-Carlo softmax link, 100 function
-draws, in both libraries (pyro_bnn ``pb.predict(..., method="glm")`` = "glm-mc(100)";
+draws, in both libraries (pyro_bnn ``pb.predict(..., predictive="glm")`` = "glm-mc(100)";
 laplace-torch ``predictive_samples(x, pred_type="glm", n_samples=100)``), so that the
 mutual information is defined.
 
@@ -111,7 +111,7 @@ def ours_score(args, model, guide, data, num_samples, limit=None):
     """Scores of pyro_bnn's GLM predictive (glm-mc) on all test and OOD images, plus (with
     ``limit``) on the first ``limit`` of each, for the comparison with :func:`peer_score`."""
     t0 = time.perf_counter()
-    p_in, p_out = fm.predict_pair(args, model, guide, data, num_samples=num_samples, method="glm")
+    p_in, p_out = fm.predict_pair(args, model, guide, data, num_samples=num_samples, predictive="glm")
     row = fm.score(p_in, p_out, data["test"][1])
     row["predict_seconds"] = time.perf_counter() - t0
     if limit:
@@ -164,7 +164,7 @@ def run_ours_marglik(args, data, net0, schedule):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = pb.fit(model, guide, data["train"], epochs=args.epochs, seed=args.seed, progress=False,
-                     batch_size=64, lr=1e-3, lr_schedule="cosine", marglik=schedule)
+                     batch_size=64, lr=1e-3, lr_schedule="cosine", marglik=pb.MarglikOptions(**schedule))
     wall = time.perf_counter() - t0
     h = res.history
     row = dict(library="pyro_bnn", fit_seconds=wall, seconds_per_epoch=wall / args.epochs,

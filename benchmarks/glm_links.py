@@ -15,7 +15,7 @@ for meth, S in [("glm_probit", 1), ("glm", 64), ("glm", 1000)]:
     r = []
     for seed in range(5 if meth == "glm" else 1):
         torch.manual_seed(seed)
-        r.append(pb.evaluate(model, guide, *d.test, num_samples=S, method=meth))
+        r.append(pb.evaluate(model, guide, *d.test, num_samples=S, predictive=meth))
     print(r[0]["predictive"], {k: (round(float(np.mean([x[k] for x in r])), 4), round(float(np.std([x[k] for x in r])), 4)) for k in ("accuracy", "nll", "ece", "brier")})
 for S in (64, 1000):
     nll = []

@@ -61,7 +61,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         check = pb.check_convergence(make_pair(name), data.train, epochs=settings.get("epochs", 40),
                                      factor=args.factor, tolerance=args.tolerance, seed=args.seed,
-                                     draws=args.draws, warn=False, batch_size=64, **fit_kw)
+                                     num_samples=args.draws, warn=False, batch_size=64, **fit_kw)
         (e1, e2), (o1, o2) = check.epochs, check.objective
         labels = " / ".join(f.convergence.label() for f in check.fits)
         print(f"| {name} | {e1} → {e2} | {o1:,.1f} ± {check.standard_error[0]:.1f} | {o2:,.1f} ± "

@@ -52,7 +52,7 @@ def run(spec: str, *, epochs: int, seed: int) -> dict:
         elbo = -sum(float(meanfield_loss(model, guide, x, y, len(x))) for _ in range(20)) / 20
     with seeded(0):
         p = pb.predict(model, guide, xt, num_samples=100)
-    row = pb.metrics.classification_metrics(p, yt, 15)
+    row = pb.metrics.classification_metrics(p, yt, num_bins=15)
     diag = res.convergence
     row.update(prior=spec, epochs=epochs, seed=seed, elbo_20_draws=elbo,
                objective_end=diag.measures.get("objective_end"), converged=diag.converged,

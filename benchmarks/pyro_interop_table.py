@@ -72,7 +72,7 @@ def svi_and_predictive(factory, data):
         svi.step(*data.train)
     if isinstance(guide, pb.guides.Laplace):
         guide.fit_curvature(data.train)
-    acc = pb.evaluate(model, guide, *data.test, num_samples=64, method=_method(guide))["accuracy"]
+    acc = pb.evaluate(model, guide, *data.test, num_samples=64, predictive=_method(guide))["accuracy"]
     draws = Predictive(model, guide=guide, num_samples=64, return_sites=["_RETURN"])(data.x_test)
     pred = draws["_RETURN"].softmax(-1).mean(0)
     mc = pb.predict(model, guide, data.x_test, num_samples=64).mean(0)
@@ -119,7 +119,7 @@ def hand_written(factory, data):
     model = HandWritten()
     guide = factory(model)
     pb.fit(model, guide, data.train, epochs=30, progress=False, seed=0)
-    return f"works ({100 * pb.evaluate(model, guide, *data.test, num_samples=32, method=_method(guide))['accuracy']:.1f} %)"
+    return f"works ({100 * pb.evaluate(model, guide, *data.test, num_samples=32, predictive=_method(guide))['accuracy']:.1f} %)"
 
 
 def constrained(factory):

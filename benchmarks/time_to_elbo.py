@@ -76,7 +76,7 @@ def main(argv=None):
                         progress=False)
         seconds = time.perf_counter() - start
         rows.append(dict(method="pb.fit+MeanField", epochs=epochs, seconds=seconds,
-                         elbo=estimate_objective(model, guide, (x, y), draws=args.draws, eval_batch_size=len(x))[0],
+                         elbo=estimate_objective(model, guide, (x, y), num_samples=args.draws, eval_batch_size=len(x))[0],
                          diagnosed_converged=result.convergence.converged))
         print(json.dumps(rows[-1]), flush=True)
     for lr in args.pyro_lrs:

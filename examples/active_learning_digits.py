@@ -75,7 +75,7 @@ def main(argv=None):
                 r = pb.analysis.active.run(model_fn, factory, d.train, d.test, acquisition=acq, initial=args.initial,
                                   per_round=args.per_round, rounds=args.rounds, warm_start=args.warm_start,
                                   epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=seed,
-                                  batch=args.batch, beta=args.beta, lr_schedule=args.lr_schedule)
+                                  selection=args.batch, beta=args.beta, lr_schedule=args.lr_schedule)
             results[acq].append(r)
             print(f"{acq:16s} seed {seed}: {[round(a, 3) for a in r.accuracy]} converged rounds "
                   f"{sum(r.converged)}/{len(r.converged)} ELBO {[round(e, 1) for e in r.elbo]} "

@@ -133,10 +133,10 @@ def main(argv=None):
         for label, method in evaluations(name).items():
             rot[label] = pb.analysis.corruption.rotation_curve(model, guide, d.x_test, d.y_test, angles=angles,
                                                       num_samples=args.num_samples, seed=args.seed,
-                                                      method=method)
+                                                      predictive=method)
             noise[label] = pb.analysis.corruption.noise_curve(model, guide, d.x_test, d.y_test, stds=stds,
                                                      num_samples=args.num_samples, seed=args.seed,
-                                                     method=method)
+                                                     predictive=method)
             ent = dict(zip(angles, rot[label]["entropy"]))
             upto90 = [ent[a] for a in angles if a <= 90]
             checks[label] = {"entropy_0": ent[0], "entropy_90": ent.get(90),
@@ -154,9 +154,9 @@ def main(argv=None):
     with open(os.path.join(args.out, f"corruption_{args.dataset}_{tag}.json"), "w") as fh:
         json.dump({"args": vars(args), "checks": checks, "rotation": rot, "noise": noise}, fh, indent=1)
     arch = "-".join(map(str, sizes))
-    plot_corruption_curves(rot, "entropy", os.path.join(args.out, f"{prefix}_rotation_{tag}.png"),
+    plot_corruption_curves(rot, key="entropy", path=os.path.join(args.out, f"{prefix}_rotation_{tag}.png"),
                            title=f"{data_name} ({arch}): mean predictive entropy vs rotation")
-    plot_corruption_curves(noise, "entropy", os.path.join(args.out, f"{prefix}_noise_{tag}.png"),
+    plot_corruption_curves(noise, key="entropy", path=os.path.join(args.out, f"{prefix}_noise_{tag}.png"),
                            title=f"{data_name} ({arch}): mean predictive entropy vs Gaussian noise",
                            xlabel="noise std (pixels in [0, 1])")
 

@@ -53,7 +53,7 @@ def main(argv=None):
     guide = pb.guides.Laplace(model, structure=args.structure, subset=args.subset,
                               prior_structure=args.prior_structure,
                               kron_bias="separate" if args.prior_structure == "sitewise" else "joint")
-    marglik = dict(every=5, burnin=10, steps=100, lr=0.1) if args.marglik else None
+    marglik = pb.MarglikOptions(every=5, burnin=10, steps=100, lr=0.1) if args.marglik else None
     result = pb.fit(model, guide, (x_tr, y_tr), epochs=args.epochs, lr=args.lr, lr_schedule="cosine",
                     seed=args.seed, marglik=marglik, progress=False)
     loss = result.history["loss"]
@@ -69,8 +69,8 @@ def main(argv=None):
 
     with torch.no_grad():
         map_probs = torch.softmax(model.run_with(guide.median(), data.x_test), -1)[None]
-    rows = {"MAP": pb.metrics.classification_metrics(map_probs, data.y_test, 15),
-            "GLM (probit)": pb.evaluate(model, guide, data.x_test, data.y_test, method="glm_probit"),
+    rows = {"MAP": pb.metrics.classification_metrics(map_probs, data.y_test, num_bins=15),
+            "GLM (probit)": pb.evaluate(model, guide, data.x_test, data.y_test, predictive="glm_probit"),
             "MC weights (64)": pb.evaluate(model, guide, data.x_test, data.y_test, num_samples=64)}
     for name, m in rows.items():
         print(f"{name:<16} acc {m['accuracy']:.4f}  nll {m['nll']:.4f}  ece {m['ece']:.4f}")

@@ -74,7 +74,7 @@ def run_seed(args, seed, d, ood_sets):
             continue
         secs = time.perf_counter() - t0
         # Laplace: the linearised (GLM) predictive, its recommended one
-        kw = {"method": "glm"} if name == "laplace" else {}
+        kw = {"predictive": "glm"} if name == "laplace" else {}
         acc = pb.evaluate(model, guide, x_in, d.y_test[te_in], num_samples=args.num_samples, **kw)["accuracy"]
         elbo = fit.history["elbo"]
         w = max(len(elbo) // 10, 1)

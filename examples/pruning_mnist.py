@@ -84,9 +84,9 @@ def convergence_evidence(fit) -> dict:
 
 def sigma_stats(model, guide) -> dict:
     scales = torch.cat([guide.loc_and_scale(s)[1].detach().cpu().reshape(-1) for s in model.site_names])
-    snr = torch.cat([v.cpu().reshape(-1) for v in pruning.scores(guide, "snr", model).values()])
-    mag = torch.cat([v.cpu().reshape(-1) for v in pruning.scores(guide, "magnitude", model).values()])
-    zp = torch.cat([v.cpu().reshape(-1) for v in pruning.scores(guide, "zero_prob", model).values()])
+    snr = torch.cat([v.cpu().reshape(-1) for v in pruning.scores(guide, kind="snr", model=model).values()])
+    mag = torch.cat([v.cpu().reshape(-1) for v in pruning.scores(guide, kind="magnitude", model=model).values()])
+    zp = torch.cat([v.cpu().reshape(-1) for v in pruning.scores(guide, kind="zero_prob", model=model).values()])
     q = torch.tensor([0.01, 0.5, 0.99])
     per_site = {s: [round(float(v), 5) for v in torch.quantile(guide.loc_and_scale(s)[1].detach()
                                                                 .cpu().reshape(-1)[:1_000_000], q)]
@@ -178,11 +178,11 @@ def main(argv=None):
     t1 = time.perf_counter()
     curves = {}
     for split, (x, y) in evals.items():
-        curves[split] = {kind: pruning.pruning_curve(model, guide, x, y, fractions, kind=kind,
+        curves[split] = {kind: pruning.pruning_curve(model, guide, x, y, fractions=fractions, kind=kind,
                                                      num_samples=args.num_samples, seed=args.seed)
                          for kind in args.kinds.split(",")}
-        curves[split]["snr (mean net)"] = pruning.pruning_curve(model, guide, x, y, fractions, kind="snr",
-                                                                method="mean")
+        curves[split]["snr (mean net)"] = pruning.pruning_curve(model, guide, x, y, fractions=fractions, kind="snr",
+                                                                predictive="mean")
     summary.update(eval_seconds=time.perf_counter() - t1, curves=curves)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("curves", "elbo_history")}, indent=1))
     for split, by_kind in curves.items():

@@ -8,6 +8,7 @@ only from its own layer and those below.
 
 from . import analysis, guides, invariance, reporting
 from ._version import __version__
+from .curvature.marglik import MarglikOptions
 from .data import datasets
 from .model import BNN, likelihoods, priors
 from .posterior import evaluate, metrics, predict, predictive_samples, to_arviz
@@ -22,6 +23,7 @@ from .training import (
     save_checkpoint,
 )
 
-__all__ = ["__version__", "BNN", "fit", "FitResult", "ConvergenceWarning", "check_convergence", "LengthCheck", "predict",
+__all__ = ["__version__", "BNN", "fit", "FitResult", "ConvergenceWarning", "check_convergence", "LengthCheck",
+           "MarglikOptions", "predict",
            "predictive_samples", "evaluate", "save_checkpoint", "load_checkpoint", "priors", "guides",
            "likelihoods", "metrics", "datasets", "to_arviz", "compare", "analysis", "reporting", "invariance"]

@@ -12,27 +12,27 @@ from pyro_bnn.analysis import active
 
 def test_balanced_initial_counts():
     y = torch.arange(10).repeat(30)
-    idx = active.balanced_initial(y, 20, torch.Generator().manual_seed(0))
+    idx = active.balanced_initial(y, size=20, generator=torch.Generator().manual_seed(0))
     assert len(idx) == 20 and len(set(idx.tolist())) == 20
     assert torch.bincount(y[idx], minlength=10).tolist() == [2] * 10
-    idx = active.balanced_initial(y, 23, torch.Generator().manual_seed(0))
+    idx = active.balanced_initial(y, size=23, generator=torch.Generator().manual_seed(0))
     assert sorted(torch.bincount(y[idx], minlength=10).tolist()) == [2] * 7 + [3] * 3
     with pytest.raises(ValueError, match="one example of each"):
-        active.balanced_initial(y, 5, torch.Generator())
+        active.balanced_initial(y, size=5, generator=torch.Generator())
 
 
 def test_acquisition_scores_known_values():
     probs = torch.tensor([[[1.0, 0.0], [0.5, 0.5], [0.9, 0.1]],
                           [[0.0, 1.0], [0.5, 0.5], [0.9, 0.1]]])
     # BALD: disagreeing confident samples log 2; agreeing samples 0
-    torch.testing.assert_close(active.acquisition_scores(probs, "bald"),
+    torch.testing.assert_close(active.acquisition_scores(probs, acquisition="bald"),
                                torch.tensor([math.log(2), 0.0, 0.0]), atol=1e-6, rtol=0)
-    torch.testing.assert_close(active.acquisition_scores(probs, "entropy")[:2],
+    torch.testing.assert_close(active.acquisition_scores(probs, acquisition="entropy")[:2],
                                torch.tensor([math.log(2), math.log(2)]))
-    torch.testing.assert_close(active.acquisition_scores(probs, "variation_ratio"),
+    torch.testing.assert_close(active.acquisition_scores(probs, acquisition="variation_ratio"),
                                torch.tensor([0.5, 0.0, 0.0]))
     with pytest.raises(ValueError, match="acquisition must be one of"):
-        active.acquisition_scores(probs, "margin")
+        active.acquisition_scores(probs, acquisition="margin")
 
 
 def test_top_k_picks_largest_and_breaks_ties_randomly():
@@ -61,7 +61,7 @@ def test_run_every_guide(name):
     factory = all_guides()[name]
     res = active.run(lambda: pb.BNN(mlp(), "categorical", **MODEL_OPTIONS.get(name, {})), factory,
                      pool, test, acquisition="bald", initial=20, per_round=5, rounds=2, epochs=3,
-                     num_samples=4, eval_samples=4, seed=0)
+                     num_samples=4, eval_num_samples=4, seed=0)
     assert res.num_labelled == [20, 25, 30]
     assert len(res.accuracy) == 3 and all(0.0 <= a <= 1.0 for a in res.accuracy)
     chosen = res.initial + [i for r in res.acquired for i in r]
@@ -75,7 +75,7 @@ def test_run_every_guide(name):
 def test_run_random_and_cold_start_reproducible():
     d = digits()
     pool, test = (d.x_train[:300], d.y_train[:300]), (d.x_test[:100], d.y_test[:100])
-    kw = dict(acquisition="random", initial=10, per_round=5, rounds=1, epochs=2, eval_samples=4,
+    kw = dict(acquisition="random", initial=10, per_round=5, rounds=1, epochs=2, eval_num_samples=4,
               warm_start=False, seed=3)
     model_fn, guide_fn = (lambda: pb.BNN(mlp(), "categorical")), pb.guides.MeanField
     a = active.run(model_fn, guide_fn, pool, test, **kw)

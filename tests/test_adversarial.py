@@ -32,17 +32,17 @@ def test_fgsm_linear_softmax_matches_closed_form():
         p = torch.softmax(net(x), -1)
     grad = (p - nn.functional.one_hot(y, 3).float()) @ net.weight.detach()
     expected = x + 0.1 * grad.sign()
-    torch.testing.assert_close(fgsm(model, guide, x, y, 0.1), expected)
-    torch.testing.assert_close(fgsm(model, guide, x, y, 0.1, num_samples=3), expected)
+    torch.testing.assert_close(fgsm(model, guide, x, y, epsilon=0.1), expected)
+    torch.testing.assert_close(fgsm(model, guide, x, y, epsilon=0.1, num_samples=3), expected)
     # clamping to the valid input range
-    clamped = fgsm(model, guide, x, y, 0.1, clamp=(-0.5, 0.5))
+    clamped = fgsm(model, guide, x, y, epsilon=0.1, clamp=(-0.5, 0.5))
     torch.testing.assert_close(clamped, expected.clamp(-0.5, 0.5))
 
 
 def test_fgsm_errors():
     _, model, guide = _linear_model()
     with pytest.raises(ValueError, match="non-negative"):
-        fgsm(model, guide, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), -0.1)
+        fgsm(model, guide, torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), epsilon=-0.1)
 
 
 @pytest.mark.parametrize("name", GUIDE_NAMES)
@@ -50,13 +50,13 @@ def test_fgsm_every_guide(name):
     model, guide = trained(name)
     d = digits()
     x, y = d.x_test[:150], d.y_test[:150]
-    assert torch.equal(fgsm(model, guide, x, y, 0.0), x)                      # step 0: identity
+    assert torch.equal(fgsm(model, guide, x, y, epsilon=0.0), x)                      # step 0: identity
     pyro.set_rng_seed(0)
-    x_adv = fgsm(model, guide, x, y, 0.1, num_samples=2, clamp=(0.0, 1.0))
+    x_adv = fgsm(model, guide, x, y, epsilon=0.1, num_samples=2, clamp=(0.0, 1.0))
     assert float((x_adv - x).abs().max()) <= 0.1 + 1e-6
     assert x_adv.min() >= 0 and x_adv.max() <= 1
     curve = fgsm_curve(model, guide, x, y, epsilons=[0.0, 0.05, 0.1, 0.2, 0.3], num_samples=1,
-                       eval_samples=8, clamp=(0.0, 1.0), seed=0)
+                       eval_num_samples=8, clamp=(0.0, 1.0), seed=0)
     acc = curve["accuracy"]
     assert all(a >= b for a, b in zip(acc, acc[1:])), acc               # non-increasing (seed 0)
     assert acc[-1] < 0.75 * acc[0], acc                                 # and the attack bites

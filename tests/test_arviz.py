@@ -149,12 +149,12 @@ def test_trained_guide_ranks_above_untrained(trained, data):
 def test_log_likelihood_and_lp_match_the_model(name, trained, data):
     """Replay the stored draws through the Pyro model: pointwise log p(y|θ) and log p(θ, y).
     (Laplace guides default to linearised draws, checked in the GLM tests below; their
-    ``method="sample"`` DataTree is checked here.)"""
+    ``predictive="sample"`` DataTree is checked here.)"""
     x, y = data
     model, guide, dt = trained[name]
     if isinstance(guide, pb.guides.Laplace):
         assert dt.attrs["method"] == "glm"
-        dt = pb.to_arviz(model, guide, x[:N], y[:N], num_samples=S, batch_size=50, seed=1, method="sample")
+        dt = pb.to_arviz(model, guide, x[:N], y[:N], num_samples=S, batch_size=50, seed=1, predictive="sample")
     post = dt["posterior"]
     for s in (0, S // 2, S - 1):
         values = {k: torch.as_tensor(post[k].values[0, s]) for k in model.site_names}
@@ -300,7 +300,7 @@ def test_linearized_draws_are_the_jacobian_vector_product():
     """f_lin(x; θ_s) = f(x; θ*) + J(θ_s − θ*) from the layer factors equals torch.func.jvp
     of the network at θ* in the direction of the stored draw (float64, rtol 1e-9)."""
     model, guide, net, x, _ = _small_laplace("kron")
-    draws = guide.linearized_samples(x[:40], 3, batch_size=16, generator=torch.Generator().manual_seed(0))
+    draws = guide.linearized_samples(x[:40], num_samples=3, batch_size=16, generator=torch.Generator().manual_seed(0))
     names = [n for n, _ in net.named_parameters()]
     theta = {n: guide.map_values()[f"net.{n}"].detach() for n in names}
 
@@ -343,8 +343,8 @@ def test_linearized_draws_density_and_prior():
 
 def test_glm_log_likelihood_matches_evaluate_glm():
     """The DataTree's per-point log predictive, log mean_s p(y_n | f_lin(x_n; θ_s)), is the
-    GLM's Monte Carlo predictive: it equals ``pb.predict(..., method="glm", link_approx="mc")``
-    per point and ``pb.evaluate(..., method="glm", link_approx="mc")``'s NLL on average.
+    GLM's Monte Carlo predictive: it equals ``pb.predict(..., predictive="glm", link_approx="mc")``
+    per point and ``pb.evaluate(..., predictive="glm", link_approx="mc")``'s NLL on average.
 
     Tolerance: with S = 4000 draws on each side, the Monte Carlo standard error of each
     per-point log predictive is sd_s(p)/(√S · p̄); we require every point within 5 of its
@@ -355,15 +355,15 @@ def test_glm_log_likelihood_matches_evaluate_glm():
     ll = torch.as_tensor(dt["log_likelihood"]["obs"].values[0])             # (S, N)
     ours = torch.logsumexp(ll, 0) - math.log(S_)
     torch.manual_seed(2)
-    probs = pb.predict(model, guide, xs, method="glm", link_approx="mc", num_samples=S_)   # (S, N, C)
+    probs = pb.predict(model, guide, xs, predictive="glm", link_approx="mc", num_samples=S_)   # (S, N, C)
     p_y = probs[:, torch.arange(len(ys)), ys]                                   # (S, N)
     ref = p_y.mean(0).log()
     se = torch.sqrt(p_y.var(0) / S_) / p_y.mean(0) + ll.exp().std(0) / math.sqrt(S_) / ll.exp().mean(0)
     assert bool(((ours - ref).abs() <= 5 * se + 1e-3).all()), float(((ours - ref).abs() / (se + 1e-12)).max())
-    nll = pb.evaluate(model, guide, xs, ys, method="glm", link_approx="mc", num_samples=S_)["nll"]
+    nll = pb.evaluate(model, guide, xs, ys, predictive="glm", link_approx="mc", num_samples=S_)["nll"]
     assert float(-ours.mean()) == pytest.approx(nll, abs=0.01)
     # and against the probit approximation only roughly (it is an approximation of this integral)
-    probit = pb.evaluate(model, guide, xs, ys, method="glm_probit")["nll"]
+    probit = pb.evaluate(model, guide, xs, ys, predictive="glm_probit")["nll"]
     assert float(-ours.mean()) == pytest.approx(probit, rel=0.2)
 
 
@@ -381,17 +381,17 @@ def test_glm_log_likelihood_regression_is_the_gaussian_predictive():
     se = ll.exp().std(0) / math.sqrt(S_) / ll.exp().mean(0)
     assert bool(((ours - exact).abs() <= 5 * se + 1e-3).all())
     assert dt["posterior_predictive"]["obs"].shape == (1, S_, 50, 1)
-    nll = pb.evaluate(model, guide, xs, ys, method="glm", num_samples=S_)["nll"]
+    nll = pb.evaluate(model, guide, xs, ys, predictive="glm", num_samples=S_)["nll"]
     assert float(-exact.mean()) == pytest.approx(nll, abs=0.02)
 
 
-def test_glm_method_choices(trained, data):
+def test_glm_predictive_choices(trained, data):
     x, y = data
     model, guide, _ = trained["meanfield"]
     with pytest.raises(ValueError, match="linearised"):
-        pb.to_arviz(model, guide, x[:10], y[:10], num_samples=2, method="glm")
-    with pytest.raises(ValueError, match="method"):
-        pb.to_arviz(model, guide, x[:10], y[:10], num_samples=2, method="probit")
+        pb.to_arviz(model, guide, x[:10], y[:10], num_samples=2, predictive="glm")
+    with pytest.raises(ValueError, match="unknown predictive 'probit'; did you mean 'glm_probit'"):
+        pb.to_arviz(model, guide, x[:10], y[:10], num_samples=2, predictive="probit")
     assert pb.to_arviz(model, guide, x[:10], y[:10], num_samples=2).attrs["method"] == "sample"
     model, guide, _ = trained["laplace"]
     dt = pb.to_arviz(model, guide, x[:10], y[:10], num_samples=3, var_names=["net.2.bias"])

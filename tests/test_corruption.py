@@ -62,16 +62,16 @@ def test_entropy_rises_with_rotation_every_guide(name):
 
 
 def test_curve_with_guide_predictive_method():
-    """``method="glm_probit"`` (Laplace's linearised predictive, probit link) goes through ``guide.predict``:
+    """``predictive="glm_probit"`` (Laplace's linearised predictive, probit link) goes through ``guide.predict``:
     a deterministic (1, N, C) predictive gives MI 0 and equals pb.predict at every level."""
     import pyro_bnn as pb
 
     model, guide = trained("laplace")
     d = digits()
     x, y = d.x_test[:100], d.y_test[:100]
-    curve = rotation_curve(model, guide, x, y, angles=[0, 45], num_samples=4, method="glm_probit")
+    curve = rotation_curve(model, guide, x, y, angles=[0, 45], num_samples=4, predictive="glm_probit")
     assert curve["mutual_information"] == [0.0, 0.0]
-    probs = pb.predict(model, guide, rotate(x, 45), method="glm_probit").reshape(len(x), -1)
+    probs = pb.predict(model, guide, rotate(x, 45), predictive="glm_probit").reshape(len(x), -1)
     expected = float(pb.metrics.predictive_entropy(probs.unsqueeze(0)).mean())
     assert curve["entropy"][1] == pytest.approx(expected, rel=1e-5)
     assert curve["accuracy"][0] > 0.5 and curve["entropy"][1] > curve["entropy"][0]
@@ -87,13 +87,13 @@ def test_plots_write_pngs(tmp_path):
     ood = {"max_prob": {"auroc": 0.9}, "entropy": {"auroc": 0.8}}
     figs = {
         "prune.png": up.plot_pruning_curves({"snr": {"fraction": [0, 0.9], "accuracy": [0.9, 0.8]}},
-                                            str(tmp_path / "prune.png"), baseline=0.9),
+                                            path=str(tmp_path / "prune.png"), baseline=0.9),
         "fgsm.png": up.plot_fgsm_curve({"mf": {"epsilon": [0, 0.1], "accuracy": [0.9, 0.3],
                                                "entropy": [0.1, 0.8], "mutual_information": [0, 0.1]}},
-                                       str(tmp_path / "fgsm.png")),
-        "active.png": up.plot_active_curves({"bald": runs}, str(tmp_path / "active.png")),
-        "rot.png": up.plot_corruption_curves({"mf": curve}, "entropy", str(tmp_path / "rot.png")),
-        "ood.png": up.plot_ood_scores({"mf": ood}, str(tmp_path / "ood.png")),
+                                       path=str(tmp_path / "fgsm.png")),
+        "active.png": up.plot_active_curves({"bald": runs}, path=str(tmp_path / "active.png")),
+        "rot.png": up.plot_corruption_curves({"mf": curve}, key="entropy", path=str(tmp_path / "rot.png")),
+        "ood.png": up.plot_ood_scores({"mf": ood}, path=str(tmp_path / "ood.png")),
     }
     for fname, fig in figs.items():
         assert (tmp_path / fname).stat().st_size > 1000

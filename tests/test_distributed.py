@@ -59,7 +59,7 @@ def _model_and_guide(kind):
 def _fit(kind, epochs=EPOCHS, **kw):
     """Train with a fixed seed, global batch 16, no shuffling; (guide state, history, evidence)."""
     model, guide = _model_and_guide(kind)
-    extra = {"marglik": {"every": 1, "steps": 10, "lr": 0.1}} if kind == "laplace" else {}
+    extra = {"marglik": pb.MarglikOptions(every=1, steps=10, lr=0.1)} if kind == "laplace" else {}
     x, y = _data()
     x = x.float() if kind in FLOAT32_KINDS else x
     result = pb.fit(model, guide, (x, y), epochs=epochs, batch_size=GLOBAL_BATCH, lr=0.02,
@@ -124,7 +124,7 @@ def _lila_fit(**kw):
     guide = pb.guides.Laplace(model, "kron", curvature_batch_size=LILA_BATCH)
     pb.fit(model, guide, _lila_data(), epochs=LILA_EPOCHS, batch_size=LILA_BATCH, lr=0.02,
            seed=SEED, shuffle=False, progress=False, device="cpu",
-           marglik={"every": 1, "burnin": LILA_EPOCHS - 1, "steps": 5, "lr": 0.1}, **kw)
+           marglik=pb.MarglikOptions(every=1, burnin=LILA_EPOCHS - 1, steps=5, lr=0.1), **kw)
     return model, guide
 
 
@@ -389,7 +389,7 @@ def test_laplace_accepts_learning_an_augmentation_across_ranks():
     state = pbd.DistributedState(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"),
                                  backend="gloo", options=pbd.DistributedOptions())
     ctx = FitContext(model, guide, None, 4, torch.device("cpu"), 1,
-                     options={"marglik": {"steps": 1}}, distributed=state)
+                     options={"marglik": pb.MarglikOptions(steps=1)}, distributed=state)
     guide.on_fit_start(ctx)                        # η learning under distributed=True: no guard
     assert guide.online is not None and guide.online.eta_optimizer is not None
 

@@ -87,7 +87,7 @@ def _laplace_entry(name, laplace):
         return "the validation data of Laplace.validation_nll", lambda y: guide.optimize_prior_precision(
             method="gridsearch", val=(x, y), grid=[0.5, 2.0])
     if name == "evaluate_glm":
-        return "pb.evaluate", lambda y: pb.evaluate(model, guide, x, y, method="glm")
+        return "pb.evaluate", lambda y: pb.evaluate(model, guide, x, y, predictive="glm")
     if name == "to_arviz_glm":
         return "pb.to_arviz", lambda y: pb.to_arviz(model, guide, x, y, num_samples=2)
     raise AssertionError(name)
@@ -133,12 +133,12 @@ def test_int32_and_uint8_labels_are_accepted_and_equal_int64(laplace, meanfield,
     assert float(a.log_evidence()) == float(b.log_evidence())
     c = pb.guides.Laplace(_classifier()).fit_curvature(DataLoader(TensorDataset(x, small), batch_size=16))
     torch.testing.assert_close(c.log_evidence(), a.log_evidence(), rtol=1e-6, atol=1e-4)
-    assert (pb.evaluate(model, guide, x, small, method="glm_probit")
-            == pb.evaluate(model, guide, x, y, method="glm_probit"))
+    assert (pb.evaluate(model, guide, x, small, predictive="glm_probit")
+            == pb.evaluate(model, guide, x, y, predictive="glm_probit"))
     torch.manual_seed(5)
-    mc_small = pb.evaluate(model, guide, x, small, method="glm")
+    mc_small = pb.evaluate(model, guide, x, small, predictive="glm")
     torch.manual_seed(5)
-    assert mc_small == pb.evaluate(model, guide, x, y, method="glm")
+    assert mc_small == pb.evaluate(model, guide, x, y, predictive="glm")
     assert torch.equal(guide.validation_nll(x, small, [1.0, 3.0]), guide.validation_nll(x, y, [1.0, 3.0]))
     mm, mg, *_ = meanfield
     torch.manual_seed(3)
@@ -182,7 +182,7 @@ def _regression_calls(regression):
     (m, g), (lm, lg), x, _ = regression
     return {"pb.evaluate": lambda yy: pb.evaluate(m, g, x, yy, num_samples=2),
             "pb.to_arviz": lambda yy: pb.to_arviz(m, g, x, yy, num_samples=2),
-            "pb.evaluate glm": lambda yy: pb.evaluate(lm, lg, x, yy, method="glm"),
+            "pb.evaluate glm": lambda yy: pb.evaluate(lm, lg, x, yy, predictive="glm"),
             "Laplace.fit_curvature": lambda yy: pb.guides.Laplace(lm).fit_curvature((x, yy))}
 
 
@@ -239,7 +239,7 @@ def test_bernoulli_targets_must_be_exactly_0_or_1():
     with pytest.raises(ValueError, match=r"y in pb.to_arviz: " + pattern):
         pb.to_arviz(model, guide, x, soft, num_samples=2)
     with pytest.raises(ValueError, match=r"y in pb.evaluate: " + pattern):
-        pb.evaluate(model, lap, x, soft, method="glm")
+        pb.evaluate(model, lap, x, soft, predictive="glm")
     with pytest.raises(ValueError, match=r"y in Laplace.fit_curvature: " + pattern):
         pb.guides.Laplace(model).fit_curvature((x, soft))
     torch.manual_seed(4)
@@ -253,11 +253,11 @@ def test_inputs_are_checked_by_predict_and_the_glm_evaluate(laplace):
     bad = x.clone()
     bad[0, 0] = math.nan                # the GLM evaluate returned nll = nan
     with pytest.raises(ValueError, match="x in pb.evaluate contains 1 NaN/inf"):
-        pb.evaluate(model, guide, bad, y, method="glm")
+        pb.evaluate(model, guide, bad, y, predictive="glm")
     with pytest.raises(ValueError, match="x in pb.predict contains 1 NaN/inf"):
-        pb.predict(model, guide, bad, method="glm")
+        pb.predict(model, guide, bad, predictive="glm")
     with pytest.raises(ValueError, match=r"x and y in pb.evaluate must have the same length, got 40 inputs and 80"):
-        pb.evaluate(model, guide, x, torch.cat([y, y]), method="glm")
+        pb.evaluate(model, guide, x, torch.cat([y, y]), predictive="glm")
 
 
 def test_compare_checks_the_test_split_before_training():

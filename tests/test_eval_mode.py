@@ -129,8 +129,8 @@ def test_laplace_glm_on_a_batchnorm_cnn_is_batch_independent(images):
         pb.fit(model, guide, (images.x_train[:400], images.y_train[:400]), epochs=3, batch_size=64,
                progress=False, seed=0)
     before = _state(model, guide)
-    five = pb.predict(model, guide, images.x_test[:5], method="glm_probit")
-    hundred = pb.predict(model, guide, images.x_test[:100], method="glm_probit")
+    five = pb.predict(model, guide, images.x_test[:5], predictive="glm_probit")
+    hundred = pb.predict(model, guide, images.x_test[:100], predictive="glm_probit")
     torch.testing.assert_close(five, hundred[:, :5], rtol=0, atol=1e-6)
     pb.evaluate(model, guide, *images.test, num_samples=8)         # default: Monte-Carlo GLM
     _assert_unchanged(before, _state(model, guide))
@@ -176,14 +176,14 @@ def test_evaluate_and_to_arviz_use_the_same_glm_predictive(laplace_digits):
     ll = torch.as_tensor(dt["log_likelihood"]["obs"].values[0])          # (S, N)
     arviz_nll = float(-(torch.logsumexp(ll, 0) - torch.log(torch.tensor(float(S)))).mean())
     assert abs(scores["nll"] - arviz_nll) < 5e-3, (scores["nll"], arviz_nll)
-    probit = pb.evaluate(model, guide, x, y, method="glm_probit")
+    probit = pb.evaluate(model, guide, x, y, predictive="glm_probit")
     assert probit["predictive"] == "glm-probit"
-    explicit = pb.evaluate(model, guide, x, y, num_samples=S, method="glm", link_approx="probit")
+    explicit = pb.evaluate(model, guide, x, y, num_samples=S, predictive="glm", link_approx="probit")
     assert explicit["predictive"] == "glm-probit" and explicit["nll"] == probit["nll"]
     with pytest.raises(ValueError, match="glm_probit.*not draws"):
-        pb.to_arviz(model, guide, x, y, num_samples=4, method="glm_probit")
+        pb.to_arviz(model, guide, x, y, num_samples=4, predictive="glm_probit")
     assert pb.predict(model, guide, x[:3], num_samples=5).shape == (5, 3, 10)   # MC by default
-    assert pb.predict(model, guide, x[:3], method="glm_probit").shape == (1, 3, 10)
+    assert pb.predict(model, guide, x[:3], predictive="glm_probit").shape == (1, 3, 10)
 
 
 @pytest.mark.parametrize("call", ["predict", "evaluate", "to_arviz", "predictive_samples"])
@@ -202,9 +202,9 @@ def test_prediction_options_are_checked(laplace_digits, call):
         fn(num_samples=2, batch_size=True)
     if call != "predictive_samples":
         with pytest.raises(ValueError, match="did you mean 'sample'"):
-            fn(num_samples=2, method="smaple")
+            fn(num_samples=2, predictive="smaple")
         with pytest.raises(ValueError, match="did you mean 'glm_probit'"):
-            fn(num_samples=2, method="glm_probt")
+            fn(num_samples=2, predictive="glm_probt")
 
 
 def test_mc_glm_draws_survive_a_numerically_indefinite_covariance():

@@ -60,7 +60,7 @@ def test_fit_predict_evaluate(name, digits_small):
     probs = pb.predict(model, guide, xt, num_samples=5, batch_size=33)
     assert probs.shape == (5, len(xt), 10)
     torch.testing.assert_close(probs.sum(-1), torch.ones(5, len(xt)))
-    scores = pb.evaluate(model, guide, xt, yt, num_samples=_accuracy_draws(guide, 5), method=_accuracy_method(guide))
+    scores = pb.evaluate(model, guide, xt, yt, num_samples=_accuracy_draws(guide, 5), predictive=_accuracy_method(guide))
     assert set(scores) >= {"accuracy", "nll", "ece", "brier"}
     assert 0.0 <= scores["ece"] <= 1.0 and scores["nll"] > 0
     # three short epochs already beat chance (10%) by a wide margin
@@ -75,7 +75,7 @@ def test_hand_written_model(name, digits_small):
     pb.fit(model, guide, (x, y), epochs=3, batch_size=64, lr=1e-2, progress=False)
     probs = pb.predict(model, guide, xt, num_samples=4)
     assert probs.shape == (4, len(xt), 10)
-    scores = pb.evaluate(model, guide, xt, yt, num_samples=_accuracy_draws(guide, 4), method=_accuracy_method(guide))
+    scores = pb.evaluate(model, guide, xt, yt, num_samples=_accuracy_draws(guide, 4), predictive=_accuracy_method(guide))
     assert scores["accuracy"] > 0.3
 
 

@@ -380,7 +380,7 @@ def _fit_rotated_laplace(epochs, lr, lr_schedule="constant"):
     model = pb.BNN(net, "categorical", augmentation=aug)
     guide = pb.guides.Laplace(model, structure="kron")
     res = pb.fit(model, guide, (x, y), epochs=epochs, batch_size=50, lr=lr, lr_schedule=lr_schedule,
-                 progress=False, marglik=dict(every=1, burnin=1, steps=5, lr=0.1))
+                 progress=False, marglik=pb.MarglikOptions(every=1, burnin=1, steps=5, lr=0.1))
     return x, y, net, aug, res
 
 

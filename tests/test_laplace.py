@@ -138,15 +138,15 @@ def test_fit_predict_glm_and_sample(digits_small):
     guide = pb.guides.Laplace(model, "kron")
     pb.fit(model, guide, (x, y), epochs=3, lr=1e-2, progress=False, seed=0)
     assert guide.posterior is not None and guide.posterior.num_data == len(x)
-    p1 = pb.predict(model, guide, xt, method="glm_probit", batch_size=7)
-    p2 = pb.predict(model, guide, xt, method="glm_probit", batch_size=1000)
+    p1 = pb.predict(model, guide, xt, predictive="glm_probit", batch_size=7)
+    p2 = pb.predict(model, guide, xt, predictive="glm_probit", batch_size=1000)
     assert p1.shape == (1, len(xt), 10)
     torch.testing.assert_close(p1, p2)
     torch.testing.assert_close(p1.sum(-1), torch.ones(1, len(xt)))
     ps = pb.predict(model, guide, xt, num_samples=5)
     assert ps.shape == (5, len(xt), 10)
     assert not torch.allclose(ps[0], ps[1])                      # joint posterior draws differ
-    pmc = guide.predict(model, xt, method="glm", link_approx="mc", num_samples=4)
+    pmc = guide.predict(model, xt, predictive="glm", link_approx="mc", num_samples=4)
     assert pmc.shape == (4, len(xt), 10)
     pred = Predictive(model, guide=guide, num_samples=3, return_sites=["obs"])(xt[:5])
     assert pred["obs"].shape == (3, 5)
@@ -179,7 +179,7 @@ def test_glm_probit_matches_brute_force_dense_laplace(digits_small):
     Jt = torch.func.jacrev(f)(theta, xt)
     var = torch.einsum("ncp,pq,ncq->nc", Jt, torch.linalg.inv(P), Jt)
     expected = torch.softmax(f(theta, xt) / torch.sqrt(1 + math.pi / 8 * var), -1)
-    got = pb.predict(model, guide, xt, method="glm_probit")[0]
+    got = pb.predict(model, guide, xt, predictive="glm_probit")[0]
     torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10)
 
 
@@ -227,7 +227,7 @@ def test_last_layer_laplace_matches_dense_softmax_regression(digits_small, struc
     Jt = torch.func.jacrev(f)(theta, phit)
     var = torch.einsum("ncp,pq,ncq->nc", Jt, torch.linalg.inv(P), Jt)
     probs = torch.softmax(f(theta, phit) / torch.sqrt(1 + math.pi / 8 * var), -1)
-    torch.testing.assert_close(pb.predict(model, guide, xt, method="glm_probit")[0], probs, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(pb.predict(model, guide, xt, predictive="glm_probit")[0], probs, rtol=1e-8, atol=1e-10)
 
     draws = [guide() for _ in range(4)]                          # body fixed at θ*, last layer random
     assert all(torch.equal(d["net.0.weight"], net[0].weight) for d in draws)
@@ -248,9 +248,9 @@ def test_subset_map_objective_keeps_the_prior_of_point_estimates(digits_small):
     last = pb.guides.Laplace(model, "kron", subset=["net.2.weight", "net.2.bias"])
     obj = LaplaceMAPObjective()
     torch.testing.assert_close(obj(model, full, x, y)[0], obj(model, last, x, y)[0])
-    pb.fit(model, last, (x, y), epochs=2, progress=False, marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
+    pb.fit(model, last, (x, y), epochs=2, progress=False, marglik=pb.MarglikOptions(every=1, burnin=0, steps=5, lr=0.1))
     assert last.prior_precision.dim() == 0 and torch.isfinite(last.log_evidence())
-    assert pb.predict(model, last, x[:5], method="glm_probit").shape == (1, 5, 10)
+    assert pb.predict(model, last, x[:5], predictive="glm_probit").shape == (1, 5, 10)
 
 
 def test_online_marglik_keeps_best_state(digits_small):
@@ -260,7 +260,7 @@ def test_online_marglik_keeps_best_state(digits_small):
                    prior=pb.priors.IIDNormal(1.0))
     guide = pb.guides.Laplace(model, "kron", prior_precision=1.0)
     res = pb.fit(model, guide, (x, y), epochs=4, lr=1e-2, progress=False, seed=0,
-                 marglik=dict(every=1, burnin=1, steps=20, lr=0.1))
+                 marglik=pb.MarglikOptions(every=1, burnin=1, steps=20, lr=0.1))
     ev = res.history["log_evidence"]
     assert len(ev) == 4 and math.isnan(ev[0]) and all(math.isfinite(v) for v in ev[1:])
     best = res.history["best_log_evidence"][0]
@@ -276,10 +276,10 @@ def test_online_marglik_learns_gaussian_noise():
     model = pb.BNN(nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1)), "gaussian", noise="learned")
     guide = pb.guides.Laplace(model, "kron")
     pb.fit(model, guide, (x, y), epochs=150, lr=1e-2, batch_size=80, progress=False, seed=0,
-           marglik=dict(every=10, burnin=50, steps=50, lr=0.1))
+           marglik=pb.MarglikOptions(every=10, burnin=50, steps=50, lr=0.1))
     assert model.likelihood.log_noise.requires_grad          # unfrozen after fit
     assert 0.1 < float(model.likelihood.noise) < 0.4         # true σ = 0.2, init 1.0
-    out = pb.predict(model, guide, x, method="glm", num_samples=7)
+    out = pb.predict(model, guide, x, predictive="glm", num_samples=7)
     assert out.shape == (7, 80, 1)
 
 
@@ -297,7 +297,7 @@ def test_post_hoc_laplace_of_pretrained_net_and_handwritten_model(digits_small):
     g_hw.fit_curvature((x, y))
     torch.testing.assert_close(g_bnn.map_values()["net.0.weight"], net[0].weight)   # no training
     torch.testing.assert_close(g_hw.log_evidence(), g_bnn.log_evidence(), rtol=1e-5, atol=1e-3)
-    p = pb.predict(hw, g_hw, x[:5], method="glm_probit")
+    p = pb.predict(hw, g_hw, x[:5], predictive="glm_probit")
     assert p.shape == (1, 5, 10)
 
 
@@ -310,7 +310,7 @@ def test_curvature_survives_state_dict_round_trip(digits_small):
     assert guide2.posterior is None
     guide2.load_state_dict(guide.state_dict())
     torch.testing.assert_close(guide2.log_evidence(), guide.log_evidence())
-    torch.testing.assert_close(pb.predict(model, guide2, xt, method="glm_probit"), pb.predict(model, guide, xt, method="glm_probit"))
+    torch.testing.assert_close(pb.predict(model, guide2, xt, predictive="glm_probit"), pb.predict(model, guide, xt, predictive="glm_probit"))
 
 
 def test_user_errors():
@@ -329,7 +329,7 @@ def test_user_errors():
         pb.guides.Laplace(model, subset=["net.9.weight"]).fit_curvature((torch.randn(4, 3), torch.tensor([0, 1, 0, 1])))
     with pytest.raises(ValueError, match="fit_curvature"):
         pb.guides.Laplace(model).log_evidence()
-    with pytest.raises(ValueError, match="marglik"):
+    with pytest.raises(TypeError, match=r"marglik must be a pyro_bnn.MarglikOptions or None, got dict"):
         pb.fit(model, pb.guides.Laplace(model), (torch.randn(4, 3), torch.tensor([0, 1, 0, 1])),
                epochs=1, progress=False, marglik=dict(every=0))
     assert "laplace" in pb.guides.registered_guides()
@@ -342,9 +342,9 @@ def test_cuda(digits_small):
     model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
     guide = pb.guides.Laplace(model, "kron")
     pb.fit(model, guide, (x, y), epochs=2, device="cuda", progress=False,
-           marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
+           marglik=pb.MarglikOptions(every=1, burnin=0, steps=5, lr=0.1))
     assert guide.log_evidence().device.type == "cuda"
-    p = pb.predict(model, guide, xt.cuda(), method="glm_probit")
+    p = pb.predict(model, guide, xt.cuda(), predictive="glm_probit")
     assert p.device.type == "cuda" and p.shape == (1, len(xt), 10)
     assert pb.predict(model, guide, xt.cuda(), num_samples=2).device.type == "cuda"
 
@@ -371,7 +371,7 @@ def test_online_marglik_restores_the_whole_best_state(monkeypatch):
 
     monkeypatch.setattr(type(guide), "evidence_steps", hyper_steps)
     res = pb.fit(model, guide, (x, y), epochs=4, batch_size=50, lr=1e-2, progress=False,
-                 marglik=dict(every=1, burnin=1, steps=5, lr=0.1))
+                 marglik=pb.MarglikOptions(every=1, burnin=1, steps=5, lr=0.1))
     assert len(body) == 3 and not torch.equal(body[0], body[-1])   # the body did train
     assert res.history["best_log_evidence"] == [res.history["log_evidence"][1]]
     assert torch.equal(model.net[0].weight, body[0])
@@ -397,8 +397,8 @@ def test_sitewise_prior_precision_is_the_per_weight_vector_it_spreads(structure)
     diag = pb.guides.Laplace(model, structure, prior_structure="diagonal", prior_precision=vec)
     diag.fit_curvature((x, y))
     torch.testing.assert_close(site.log_evidence(), diag.log_evidence(), rtol=1e-12, atol=0.0)
-    torch.testing.assert_close(pb.predict(model, site, x[:7], method="glm_probit"),
-                               pb.predict(model, diag, x[:7], method="glm_probit"), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(pb.predict(model, site, x[:7], predictive="glm_probit"),
+                               pb.predict(model, diag, x[:7], predictive="glm_probit"), rtol=1e-10, atol=1e-12)
 
 
 def _blr_gridsearch_problem():
@@ -443,7 +443,7 @@ def test_gridsearch_picks_the_lowest_validation_nll_closed_form():
 
 
 def test_gridsearch_classification_agrees_with_evaluate(digits_small):
-    """Classification: each grid value's loss is pb.evaluate(method="glm_probit")'s NLL at that δ,
+    """Classification: each grid value's loss is pb.evaluate(predictive="glm_probit")'s NLL at that δ,
     and grid search keeps the smallest (validation split taken from the training data)."""
     x, y, _, _ = digits_small
     x_tr, y_tr, x_val, y_val = x[:200], y[:200], x[200:], y[200:]
@@ -458,7 +458,7 @@ def test_gridsearch_classification_agrees_with_evaluate(digits_small):
     for d in grid:
         with torch.no_grad():
             guide.log_prior_precision.fill_(math.log(d))
-        evaluated.append(pb.evaluate(model, guide, x_val, y_val, method="glm_probit")["nll"])
+        evaluated.append(pb.evaluate(model, guide, x_val, y_val, predictive="glm_probit")["nll"])
     torch.testing.assert_close(guide.gridsearch_losses[1], torch.tensor(evaluated, dtype=torch.float64),
                                rtol=1e-5, atol=1e-6)
     assert chosen == pytest.approx(grid[min(range(len(grid)), key=evaluated.__getitem__)], rel=1e-5)
@@ -522,7 +522,7 @@ def test_online_marglik_selects_by_a_deterministic_evidence_pass():
                    augmentation=aug)
     guide = pb.guides.Laplace(model, "kron")
     res = pb.fit(model, guide, (x, y), epochs=3, batch_size=40, lr=1e-2, progress=False, seed=0,
-                 marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
+                 marglik=pb.MarglikOptions(every=1, burnin=0, steps=5, lr=0.1))
     noise = res.history["log_evidence_noise"]
     assert len(noise) == 3 and all(v > 0 for v in noise)
     best = res.history["best_log_evidence"][0]
@@ -532,7 +532,7 @@ def test_online_marglik_selects_by_a_deterministic_evidence_pass():
 
     plain = pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 10)), "categorical")
     res = pb.fit(plain, pb.guides.Laplace(plain, "kron"), (x, y), epochs=2, batch_size=40, lr=1e-2,
-                 progress=False, seed=0, marglik=dict(every=1, burnin=0, steps=5, lr=0.1))
+                 progress=False, seed=0, marglik=pb.MarglikOptions(every=1, burnin=0, steps=5, lr=0.1))
     assert res.history["log_evidence_noise"] == [0.0, 0.0]
 
 
@@ -553,7 +553,7 @@ def test_sitewise_prior_in_the_map_objective_and_online(digits_small):
                               for s in ("net.0.weight", "net.0.bias"))
     torch.testing.assert_close(extras["log_prior"], expected.detach(), rtol=1e-5, atol=1e-3)
     res = pb.fit(model, guide, (x, y), epochs=3, lr=1e-2, progress=False, seed=0,
-                 marglik=dict(every=1, burnin=0, steps=20, lr=0.1))
+                 marglik=pb.MarglikOptions(every=1, burnin=0, steps=20, lr=0.1))
     assert guide.prior_precision.shape == (2,)
     assert not torch.allclose(guide.prior_precision, torch.tensor([0.5, 4.0]))
     assert float(guide.log_evidence()) == pytest.approx(res.history["best_log_evidence"][0], rel=1e-6)
@@ -628,20 +628,20 @@ def test_handwritten_regression_with_constrained_noise_point_estimate():
     assert f_ours.shape == (51, 1) and cov_ours.shape == (51, 1, 1)
     torch.testing.assert_close(f_ours, f_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(cov_ours, cov_ref, rtol=1e-4, atol=1e-7)
-    draws = pb.predict(model, guide, xt, method="glm", num_samples=8)
+    draws = pb.predict(model, guide, xt, predictive="glm", num_samples=8)
     assert draws.shape == (8, 51, 1)
     # pb.evaluate with the GLM predictive: regression metrics with the point-estimate sigma,
     # equal to those of the pb.BNN twin (was a crash: the kind came from model.likelihood only)
     yt = torch.sin(2 * xt).squeeze(-1)
-    ours = pb.evaluate(model, guide, xt, yt, method="glm", num_samples=64, seed=0)
-    theirs = pb.evaluate(bnn, ref, xt, yt[:, None], method="glm", num_samples=64, seed=0)
+    ours = pb.evaluate(model, guide, xt, yt, predictive="glm", num_samples=64)
+    theirs = pb.evaluate(bnn, ref, xt, yt[:, None], predictive="glm", num_samples=64)
     assert set(ours) >= {"rmse", "nll", "coverage_95"} and ours["rmse"] < 0.2, ours
     assert ours["nll"] == pytest.approx(theirs["nll"], rel=0.05), (ours, theirs)
     rmse = float(((f_ours.squeeze(-1) - torch.sin(2 * xt).squeeze(-1)) ** 2).mean().sqrt())
     assert rmse < 0.2, rmse
     sample = guide()                                             # a Pyro guide draw: sigma stays positive
     assert torch.equal(sample["sigma"], sigma) and sample["fc2.weight"].shape == (1, 16)
-    lin = guide.linearized_samples(xt, 3)                        # one output: (out, in') = (1, 17)
+    lin = guide.linearized_samples(xt, num_samples=3)            # one output: (out, in') = (1, 17)
     assert lin.values["fc2.weight"].shape == (3, 1, 16) and lin.values["sigma"].shape == (3,)
 
 

@@ -153,7 +153,7 @@ def test_several_observed_sites_need_obs_site():
 
 
 def test_bernoulli_glm_evaluate_matches_monte_carlo():
-    """Was a crash (gather on float labels): pb.evaluate(method="glm") of a Bernoulli model;
+    """Was a crash (gather on float labels): pb.evaluate(predictive="glm") of a Bernoulli model;
     the MC link equals a Monte Carlo reference over f ~ N(f*, Σ_f), the probit link is close."""
     torch.manual_seed(0)
     x = torch.randn(60, 2)
@@ -166,8 +166,8 @@ def test_bernoulli_glm_evaluate_matches_monte_carlo():
     fs = f + cov.squeeze(-1).sqrt() * torch.randn(200_000, *f.shape, generator=g)
     p1 = torch.sigmoid(fs).mean(0).squeeze(-1)
     ref_nll = -float(torch.where(y[:, 0] > 0, p1, 1 - p1).log().mean())
-    mc = pb.evaluate(model, guide, x, y, method="glm", link_approx="mc", num_samples=20_000)
-    probit = pb.evaluate(model, guide, x, y, method="glm_probit")
+    mc = pb.evaluate(model, guide, x, y, predictive="glm", link_approx="mc", num_samples=20_000)
+    probit = pb.evaluate(model, guide, x, y, predictive="glm_probit")
     assert mc["nll"] == pytest.approx(ref_nll, abs=3e-3)
     assert probit["nll"] == pytest.approx(ref_nll, abs=2e-2)
     assert mc["accuracy"] == pytest.approx(float(((p1 > 0.5).double() == y[:, 0]).double().mean()))
@@ -413,7 +413,7 @@ def test_one_predictive_by_default_evaluate_guide_predict_and_grid_search():
     """pb.evaluate's default, guide.predict's default and the validation grid search score the
     same predictive, the Monte-Carlo GLM (was: guide.predict and the grid search used probit):
     on a fixed seed the same function draws, so the same numbers; probit by name
-    (method="glm_probit", link_approx="probit") gives the other, distinguishable, one."""
+    (predictive="glm_probit", link_approx="probit") gives the other, distinguishable, one."""
     model, x, y = _classifier()
     guide = pb.guides.Laplace(model, "kron")
     pb.fit(model, guide, (x, y), epochs=100, lr=5e-2, progress=False, seed=0)
@@ -431,16 +431,16 @@ def test_one_predictive_by_default_evaluate_guide_predict_and_grid_search():
     grid = guide.optimize_prior_precision(method="gridsearch", val=(x, y), grid=[delta])   # seed 0 draws
     assert grid == pytest.approx(nll, rel=1e-10)
     assert torch.equal(guide.prior_precision, delta)
-    probit = pb.evaluate(model, guide, x, y, method="glm_probit")
+    probit = pb.evaluate(model, guide, x, y, predictive="glm_probit")
     assert abs(probit["nll"] - nll) > 1e-3, (probit["nll"], nll)     # the test tells the two apart
-    torch.testing.assert_close(guide.predict(model, x, method="glm_probit"),
-                               pb.predict(model, guide, x, method="glm_probit"), rtol=0, atol=0)
+    torch.testing.assert_close(guide.predict(model, x, predictive="glm_probit"),
+                               pb.predict(model, guide, x, predictive="glm_probit"), rtol=0, atol=0)
     assert guide.optimize_prior_precision(method="gridsearch", val=(x, y), grid=[delta], link_approx="probit") \
         == pytest.approx(probit["nll"], rel=1e-10)
     with pytest.raises(ValueError, match="glm_probit.*probit link"):
-        guide.predict(model, x, method="glm_probit", link_approx="mc")
+        guide.predict(model, x, predictive="glm_probit", link_approx="mc")
     with pytest.raises(ValueError, match="'glm', 'glm_probit' or 'sample'"):
-        guide.predict(model, x, method="probit")
+        guide.predict(model, x, predictive="probit")
 
 
 def _batchnorm_cnn():
@@ -483,8 +483,8 @@ def test_fit_curvature_runs_in_eval_mode_and_leaves_mode_and_buffers():
     torch.testing.assert_close(evidence, ref.log_evidence(), rtol=1e-12, atol=0)
     f_ref, cov_ref = ref.functional_covariance(x)
     torch.testing.assert_close((f, cov), (f_ref, cov_ref), rtol=1e-12, atol=1e-14)
-    alone = guide.predict(model, x[:5], method="glm_probit")
-    inside = guide.predict(model, x, method="glm_probit")[:, :5]
+    alone = guide.predict(model, x[:5], predictive="glm_probit")
+    inside = guide.predict(model, x, predictive="glm_probit")[:, :5]
     torch.testing.assert_close(alone, inside, rtol=0, atol=1e-12)
     assert all(torch.equal(before[k], v) for k, v in model.named_buffers())
     assert {name: m.training for name, m in model.named_modules()} == flags

@@ -32,8 +32,8 @@ def test_estimate_objective_weights_minibatches_into_one_unbiased_estimate(regre
         warnings.simplefilter("ignore", pb.ConvergenceWarning)
         pb.fit(model, guide, regression, epochs=50, batch_size=100, seed=0, progress=False)
     torch.manual_seed(1)
-    full, full_se = estimate_objective(model, guide, regression, draws=400, eval_batch_size=100)
-    batched, batched_se = estimate_objective(model, guide, regression, draws=400, eval_batch_size=7)
+    full, full_se = estimate_objective(model, guide, regression, num_samples=400, eval_batch_size=100)
+    batched, batched_se = estimate_objective(model, guide, regression, num_samples=400, eval_batch_size=7)
     assert full_se > 0 and batched_se > 0
     assert abs(full - batched) < 4 * (full_se ** 2 + batched_se ** 2) ** 0.5
     # the reference: the guide's own objective on the whole data, averaged
@@ -55,8 +55,8 @@ def test_estimate_objective_leaves_out_the_laplace_prior_normaliser():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pb.ConvergenceWarning)
         pb.fit(model, guide, (x, y), epochs=3, batch_size=50, seed=0, progress=False)
-    full, se = estimate_objective(model, guide, (x, y), draws=2, eval_batch_size=200)
-    batched, _ = estimate_objective(model, guide, (x, y), draws=2, eval_batch_size=33)
+    full, se = estimate_objective(model, guide, (x, y), num_samples=2, eval_batch_size=200)
+    batched, _ = estimate_objective(model, guide, (x, y), num_samples=2, eval_batch_size=33)
     assert se == 0.0
     assert batched == pytest.approx(full, rel=1e-5)
     from pyro_bnn.contract.local_params import local_params
@@ -65,7 +65,7 @@ def test_estimate_objective_leaves_out_the_laplace_prior_normaliser():
     assert float(extras["loss_constant"]) > 0.5 * float(loss)  # most of the loss: it must be left out
     assert full == pytest.approx(-(float(loss) - float(extras["loss_constant"])), rel=1e-5)
     # num_data: the objective scaled to a larger data set (as fit's num_data=)
-    scaled, _ = estimate_objective(model, guide, (x, y), draws=2, eval_batch_size=33, num_data=400)
+    scaled, _ = estimate_objective(model, guide, (x, y), num_samples=2, eval_batch_size=33, num_data=400)
     with torch.no_grad(), local_params(model, guide):
         loss, extras = pb.guides.guide_contract(guide).make_objective(1)(model, guide, x, y, num_data=400)
     assert scaled == pytest.approx(-(float(loss) - float(extras["loss_constant"])), rel=1e-5)
@@ -83,7 +83,7 @@ def test_check_convergence_flags_a_short_fit_and_passes_a_long_one(regression):
     assert [len(f.history["loss"]) for f in short.fits] == [30, 60]
     with warnings.catch_warnings():
         warnings.simplefilter("error", pb.ConvergenceWarning)
-        long = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100, draws=128)
+        long = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100, num_samples=128)
     assert long.converged and abs(long.relative_gain) < 0.02, long.message()
     assert long.objective[1] > -60 and "300 epochs are enough" in long.message()
     # the longer fit's model and guide are returned, trained, and usable
@@ -96,7 +96,7 @@ def test_check_convergence_does_not_call_a_noisy_comparison_enough(regression):
     """300 vs 600 epochs is enough (above, with 128 passes); with 4 passes the two standard
     errors of the relative gain exceed the 2 % tolerance, so the check cannot tell and says so."""
     with pytest.warns(pb.ConvergenceWarning, match="too noisy to tell"):
-        noisy = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100, draws=4)
+        noisy = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100, num_samples=4)
     assert not noisy.converged and 2 * noisy.relative_gain_se > noisy.tolerance
 
 
@@ -137,7 +137,7 @@ def test_check_convergence_on_cuda(regression):
     """Both fits, the parameter-move record of the diagnosis and the objective estimate run on
     the GPU, and the verdict matches the CPU's for a clearly converged length."""
     check = pb.check_convergence(_make_meanfield, regression, epochs=300, batch_size=100, device="cuda",
-                                 draws=128)
+                                 num_samples=128)
     assert check.converged, check.message()
     assert next(check.guide.parameters()).device.type == "cuda"
     assert check.fits[1].convergence.measures["param_limited_share"] == 0.0

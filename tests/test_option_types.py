@@ -202,7 +202,7 @@ def test_prune_one_site_name_and_list(trained):
 
 def test_prune_site_typo_with_precomputed_scores(trained):
     model, guide, _, _ = trained
-    score = pruning.scores(guide, "snr", model)
+    score = pruning.scores(guide, kind="snr", model=model)
     with pytest.raises(ValueError, match=r"did you mean 'net.2.weight'\?"):
         pruning.prune_(model, guide, fraction=0.5, sites=["net.2.weigth"], score=score)
 
@@ -240,7 +240,7 @@ def test_prune_numeric_scalars_accepted(trained):
 @pytest.mark.parametrize("call", ["scores", "posterior_mean", "export_pruned"])
 def test_num_samples_float_refused_everywhere(trained, call):
     model, guide, _, _ = trained
-    run = {"scores": lambda: pruning.scores(guide, "snr", model, num_samples=2.5),
+    run = {"scores": lambda: pruning.scores(guide, kind="snr", model=model, num_samples=2.5),
            "posterior_mean": lambda: pruning.posterior_mean(model, guide, num_samples=2.5),
            "export_pruned": lambda: pruning.export_pruned(model, guide, num_samples=2.5)}[call]
     with pytest.raises(TypeError, match=r"num_samples must be an int >= 1, got 2.5"):

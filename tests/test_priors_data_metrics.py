@@ -166,6 +166,6 @@ def test_evaluate_linearised_regression_uses_regression_metrics():
                    likelihood="gaussian", noise=0.1)
     guide = pb.guides.Laplace(model)
     pb.fit(model, guide, (x, y), epochs=60, batch_size=50, lr=1e-2, progress=False)
-    scores = pb.evaluate(model, guide, x, y, method="glm", num_samples=50)
+    scores = pb.evaluate(model, guide, x, y, predictive="glm", num_samples=50)
     assert set(scores) == {"rmse", "nll", "coverage_95", "predictive"} and scores["predictive"] == "glm-mc(50)"
     assert scores["rmse"] < 0.15 and 0.85 < scores["coverage_95"] <= 1.0

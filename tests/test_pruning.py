@@ -23,22 +23,22 @@ def _predict(model, guide, x, seed=3):
 def test_scores_hand_worked():
     # a narrow weight (μ=0.01, σ=0.01, SNR 1) and a wide one (μ=0, σ=1, SNR 0)
     mu, sd = torch.tensor([0.01, 0.0]), torch.tensor([0.01, 1.0])
-    torch.testing.assert_close(pruning.score_from_moments(mu, sd, "snr"), torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(pruning.score_from_moments(mu, sd, kind="snr"), torch.tensor([1.0, 0.0]))
     # −log q(0) = ½(μ/σ)² + log(√(2π) σ)
     expected = torch.tensor([0.5 + math.log(math.sqrt(2 * math.pi) * 0.01),   # −3.186
                              math.log(math.sqrt(2 * math.pi))])                  # +0.919
-    torch.testing.assert_close(pruning.score_from_moments(mu, sd, "zero_prob"), expected)
+    torch.testing.assert_close(pruning.score_from_moments(mu, sd, kind="zero_prob"), expected)
     # the literal zero-probability rule prunes the narrow, informative weight first; SNR the wide one
-    assert pruning.score_from_moments(mu, sd, "zero_prob").argmin() == 0
-    assert pruning.score_from_moments(mu, sd, "snr").argmin() == 1
-    torch.testing.assert_close(pruning.score_from_moments(mu, sd, "magnitude"), torch.tensor([0.01, 0.0]))
+    assert pruning.score_from_moments(mu, sd, kind="zero_prob").argmin() == 0
+    assert pruning.score_from_moments(mu, sd, kind="snr").argmin() == 1
+    torch.testing.assert_close(pruning.score_from_moments(mu, sd, kind="magnitude"), torch.tensor([0.01, 0.0]))
     with pytest.raises(ValueError, match="kind must be one of"):
-        pruning.score_from_moments(mu, sd, "fisher")
+        pruning.score_from_moments(mu, sd, kind="fisher")
 
 
 def test_meanfield_scores_use_loc_and_scale():
     model, guide = trained("meanfield")
-    s = pruning.scores(guide, "snr", model)
+    s = pruning.scores(guide, kind="snr", model=model)
     for site in model.site_names:
         loc, scale = guide.loc_and_scale(site)
         torch.testing.assert_close(s[site], (loc.abs() / scale).detach())
@@ -85,7 +85,7 @@ def test_fraction_zero_unchanged_and_exact_counts(name):
         torch.testing.assert_close(_predict(model, guide, x), before, rtol=0, atol=0)
     finally:
         handle.remove()
-    score = pruning.scores(guide, "snr", model, num_samples=64)
+    score = pruning.scores(guide, kind="snr", model=model, num_samples=64)
     total = sum(v.numel() for v in score.values())
     for f in (0.1, 1 / 3, 0.9):
         h = pruning.prune_(model, guide, fraction=f, score=score)
@@ -128,7 +128,7 @@ def test_prune_everything_gives_uniform_predictions():
 
 def test_threshold_and_site_selection():
     model, guide = trained("meanfield")
-    score = pruning.scores(guide, "snr", model)
+    score = pruning.scores(guide, kind="snr", model=model)
     t = float(torch.cat([v.reshape(-1) for v in score.values()]).median())
     with pruning.prune_(model, guide, threshold=t) as h:
         assert h.num_pruned == sum(int((v < t).sum()) for v in score.values())
@@ -144,7 +144,7 @@ def test_prune_errors():
     with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\]"):
         pruning.prune_(model, guide, fraction=1.5)
     with pytest.raises(TypeError, match="needs model="):
-        pruning.scores(object(), "snr")
+        pruning.scores(object(), kind="snr")
 
 
 def test_pruning_curve_meanfield():

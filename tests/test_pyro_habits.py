@@ -41,7 +41,7 @@ def _method(guide):
 
 def _predict(model, guide, x):
     pyro.set_rng_seed(7)
-    return pb.predict(model, guide, x, num_samples=4, method=_method(guide))
+    return pb.predict(model, guide, x, num_samples=4, predictive=_method(guide))
 
 
 def _classifier(name):
@@ -239,7 +239,7 @@ def test_every_guide_fits_a_model_with_a_pyro_param(name, regression):
     guide = pb.guides.Hypernet(model, full=True, num_flows=1, hidden=8) if name == "hypernet" else factory(model)
     pb.fit(model, guide, (x, y), epochs=60, batch_size=200, lr=0.03, progress=False, seed=0)
     assert abs(pyro.get_param_store()["sigma"].item() - 1.0) > 0.05  # trained (from its init 1.0)
-    pb.evaluate(model, guide, x, y, method=_method(guide))
+    pb.evaluate(model, guide, x, y, predictive=_method(guide))
 
 
 def test_fit_with_checkpoint_refuses_model_pyro_params(regression, tmp_path):
@@ -337,11 +337,11 @@ def test_symmetrized_and_laplace_reach_the_network_under_handlers(wrapper, regre
     model = WRAPPERS[wrapper](LatentNoise())
     guide = pb.guides.Symmetrized(model)
     pb.fit(model, guide, (x, y), epochs=3, batch_size=200, progress=False, seed=0)
-    pb.evaluate(model, guide, x, y, method=_method(guide))
+    pb.evaluate(model, guide, x, y, predictive=_method(guide))
     laplace = pb.guides.Laplace(model, subset=["linear.weight", "linear.bias"])
     if wrapper != "block":
         pb.fit(model, laplace, (x, y), epochs=3, batch_size=200, progress=False, seed=0)
-        pb.evaluate(model, laplace, x, y, method=_method(laplace))
+        pb.evaluate(model, laplace, x, y, predictive=_method(laplace))
         if wrapper == "condition":
             assert float(laplace.likelihood_kind()[1]) == pytest.approx(0.4)
     else:

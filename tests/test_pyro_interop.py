@@ -77,9 +77,9 @@ def test_plain_svi_trains_every_guide(name, local, digits):
         if isinstance(guide, pb.guides.Laplace):
             guide.fit_curvature((x, y))
         pred = _predictive_probs(model, guide, digits.x_test, 64)
-    judged = pb.evaluate(model, guide, *digits.test, num_samples=64, method=_judged_method(guide))
+    judged = pb.evaluate(model, guide, *digits.test, num_samples=64, predictive=_judged_method(guide))
     assert judged["accuracy"] >= 0.9, judged
-    draws = pb.predict(model, guide, digits.x_test, num_samples=64, method="sample")
+    draws = pb.predict(model, guide, digits.x_test, num_samples=64, predictive="sample")
     mc = draws.mean(0)
     # two independent 64-draw means: their difference has sd sqrt(2)·se per probability
     se = (draws.std(0) / 64 ** 0.5).sum(-1).mean()
@@ -353,7 +353,7 @@ def test_laplace_map_objective_in_svi_is_what_fit_optimises(digits):
     for _ in range(200):
         svi.step(x, y)
     guide.fit_curvature((x, y))
-    assert pb.evaluate(model, guide, *digits.test, method="glm")["accuracy"] >= 0.9
+    assert pb.evaluate(model, guide, *digits.test, predictive="glm")["accuracy"] >= 0.9
 
 
 @pytest.mark.parametrize("name", ["hypernet", "symmetrized"])

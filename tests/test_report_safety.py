@@ -402,7 +402,7 @@ def _untrained():
     ("lr", {"meanfield": 1e-2, "laplac": 1e-2}, "laplace"),
     ("guide_options", {"Laplace": {}}, "laplace"),
     ("fit_options", {"meanfield_": {"clip_norm": 1.0}}, "meanfield"),
-    ("predict_method", {"lapalce": "glm"}, "laplace"),
+    ("predictive", {"lapalce": "glm"}, "laplace"),
 ])
 def test_compare_per_guide_typo_names_the_closest_guide(option, value, closest, split):
     key = next(k for k in value if k not in ("meanfield", "laplace"))
@@ -435,7 +435,7 @@ def test_compare_flat_fit_options_are_not_ignored(split):
     ({"details": 1}, TypeError, "details must be True or False, got 1 (int)"),
     ({"fit_options": {"meanfield": 3}}, TypeError, "fit_options['meanfield'] must be a dict of options"),
     ({"guide_options": [1]}, TypeError, "guide_options must be a dict of options or None, got [1]"),
-    ({"predict_method": {"meanfield": 1}}, TypeError, "predict_method['meanfield'] must be a method name"),
+    ({"predictive": {"meanfield": 1}}, TypeError, "predictive['meanfield'] must be a predictive name"),
     ({"device": "gpu"}, ValueError, "expected a torch device such as 'cpu', 'cuda', 'cuda:0' or 'mps', got 'gpu'"),
 ])
 def test_compare_checks_option_types_before_training(options, error, message, split):

@@ -97,7 +97,7 @@ def test_laplace_fit_survives_an_eigh_failure(monkeypatch):
         model = pb.BNN(mlp(64, 16, 10))
         guide = pb.guides.Laplace(model, structure="kron")
         pb.fit(model, guide, (x, y), epochs=4, lr=1e-2, seed=0, progress=False,
-               marglik=dict(every=1, burnin=1, steps=5, lr=0.1))
+               marglik=pb.MarglikOptions(every=1, burnin=1, steps=5, lr=0.1))
         return float(guide.log_evidence())
 
     reference = run()

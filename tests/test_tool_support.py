@@ -1,5 +1,5 @@
 """The uncertainty tools' shared rules: seeding leaves the caller's random streams alone,
-one ``method=`` keyword, inputs follow the model's device."""
+one ``predictive=`` keyword, inputs follow the model's device."""
 
 import random
 
@@ -66,21 +66,21 @@ def _tool_calls():
     def tiny_active(seed):
         return active.run(lambda: pb.BNN(mlp(), "categorical"), pb.guides.MeanField,
                           (d.x_train[:120], d.y_train[:120]), (x, y), initial=10, per_round=5, rounds=1,
-                          epochs=1, num_samples=2, eval_samples=2, seed=seed).accuracy
+                          epochs=1, num_samples=2, eval_num_samples=2, seed=seed).accuracy
 
     return {
-        "pruning_curve": lambda s: pruning.pruning_curve(model, guide, x, y, [0.0, 0.5], num_samples=3,
+        "pruning_curve": lambda s: pruning.pruning_curve(model, guide, x, y, fractions=[0.0, 0.5], num_samples=3,
                                                          seed=s)["accuracy"],
-        "pruning_scores_sampled": lambda s: pruning.scores(hyper[1], "snr", hyper[0], num_samples=5, seed=s),
+        "pruning_scores_sampled": lambda s: pruning.scores(hyper[1], kind="snr", model=hyper[0], num_samples=5, seed=s),
         "export_pruned_sampled": lambda s: list(pruning.export_pruned(*hyper, num_samples=5,
                                                                       seed=s).parameters()),
         "ood_evaluate": lambda s: ood.evaluate(model, guide, x[:30], x[30:], num_samples=3, seed=s),
-        "fgsm": lambda s: adversarial.fgsm(model, guide, x, y, 0.1, num_samples=2, seed=s),
-        "fgsm_curve": lambda s: adversarial.fgsm_curve(model, guide, x, y, [0.0, 0.1], eval_samples=2,
+        "fgsm": lambda s: adversarial.fgsm(model, guide, x, y, epsilon=0.1, num_samples=2, seed=s),
+        "fgsm_curve": lambda s: adversarial.fgsm_curve(model, guide, x, y, epsilons=[0.0, 0.1], eval_num_samples=2,
                                                        seed=s),
-        "rotation_curve": lambda s: corruption.rotation_curve(model, guide, x, y, [0, 45], num_samples=2,
+        "rotation_curve": lambda s: corruption.rotation_curve(model, guide, x, y, angles=[0, 45], num_samples=2,
                                                               seed=s),
-        "noise_curve": lambda s: corruption.noise_curve(model, guide, x, y, [0.0, 0.5], num_samples=2,
+        "noise_curve": lambda s: corruption.noise_curve(model, guide, x, y, stds=[0.0, 0.5], num_samples=2,
                                                         seed=s),
         "active_run": tiny_active,
     }
@@ -113,16 +113,16 @@ def test_tools_with_seed_leave_the_callers_streams_unchanged(tool):
     assert _same(first, second), f"{tool}(seed=5) is not reproducible"
 
 
-def test_pruning_curve_method_keyword():
+def test_pruning_curve_predictive_keyword():
     model, guide = trained("meanfield")
     d = digits()
     x, y = d.x_test[:80], d.y_test[:80]
-    curve = pruning.pruning_curve(model, guide, x, y, [0.0, 0.9], method="mean")
+    curve = pruning.pruning_curve(model, guide, x, y, fractions=[0.0, 0.9], predictive="mean")
     assert curve["fraction"] == [0.0, 0.9] and len(curve["accuracy"]) == 2
-    with pytest.raises(TypeError, match="predictive"):              # the old name is gone
-        pruning.pruning_curve(model, guide, x, y, [0.0], predictive="mean")
+    with pytest.raises(TypeError, match="method"):                  # the old name is gone
+        pruning.pruning_curve(model, guide, x, y, fractions=[0.0], method="mean")
     with pytest.raises(ValueError, match="does not apply the pruning masks"):
-        pruning.pruning_curve(model, guide, x, y, [0.0], method="glm")
+        pruning.pruning_curve(model, guide, x, y, fractions=[0.0], predictive="glm")
 
 
 def test_model_device_and_moves():
@@ -144,10 +144,10 @@ def test_tools_move_cpu_inputs_to_a_cuda_model():
     guide = pb.guides.MeanField(model)
     pb.fit(model, guide, (x, y), epochs=2, device="cuda", progress=False, seed=0)
     xt, yt = d.x_test[:50], d.y_test[:50]                                 # CPU tensors
-    assert len(pruning.pruning_curve(model, guide, xt, yt, [0.0, 0.5], num_samples=2)["accuracy"]) == 2
-    assert pruning.pruning_curve(model, guide, xt, yt, [0.5], method="mean")["accuracy"][0] >= 0
+    assert len(pruning.pruning_curve(model, guide, xt, yt, fractions=[0.0, 0.5], num_samples=2)["accuracy"]) == 2
+    assert pruning.pruning_curve(model, guide, xt, yt, fractions=[0.5], predictive="mean")["accuracy"][0] >= 0
     assert ood.evaluate(model, guide, xt[:25], xt[25:], num_samples=2)["entropy"]["auroc"] >= 0
-    assert adversarial.fgsm(model, guide, xt, yt, 0.1).device.type == "cuda"
-    assert len(adversarial.fgsm_curve(model, guide, xt, yt, [0.0, 0.1], eval_samples=2)["accuracy"]) == 2
-    assert len(corruption.rotation_curve(model, guide, xt, yt, [0, 90], num_samples=2)["entropy"]) == 2
-    assert len(corruption.noise_curve(model, guide, xt, yt, [0.0, 0.3], num_samples=2)["entropy"]) == 2
+    assert adversarial.fgsm(model, guide, xt, yt, epsilon=0.1).device.type == "cuda"
+    assert len(adversarial.fgsm_curve(model, guide, xt, yt, epsilons=[0.0, 0.1], eval_num_samples=2)["accuracy"]) == 2
+    assert len(corruption.rotation_curve(model, guide, xt, yt, angles=[0, 90], num_samples=2)["entropy"]) == 2
+    assert len(corruption.noise_curve(model, guide, xt, yt, stds=[0.0, 0.3], num_samples=2)["entropy"]) == 2

@@ -238,7 +238,7 @@ def build_resumable(kind):
         kwargs.update(lr=1e-2, lr_schedule="cosine")
     else:
         guide = pb.guides.Laplace(model, structure="kron")
-        kwargs.update(lr=1e-2, marglik=dict(every=1, burnin=1, steps=5, lr=0.1))
+        kwargs.update(lr=1e-2, marglik=pb.MarglikOptions(every=1, burnin=1, steps=5, lr=0.1))
     return model, guide, data, kwargs
 
 
@@ -363,7 +363,7 @@ def test_every_checkpoint_fit_writes_loads_weights_only(tmp_path, data):
               "laplace": pb.guides.Laplace(model)}
     for name, guide in guides.items():
         path = tmp_path / f"{name}.pt"
-        kw = {"marglik": dict(every=1, burnin=0, steps=2)} if name == "laplace" else {}
+        kw = {"marglik": pb.MarglikOptions(every=1, burnin=0, steps=2)} if name == "laplace" else {}
         pb.fit(model, guide, (x, y), epochs=2, lr=1e-2, checkpoint=path, progress=False, **kw)
         state = torch.load(path, weights_only=True)
         assert state["epoch"] == 2 and "rng" in state["resume"], name

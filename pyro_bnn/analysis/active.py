@@ -11,8 +11,8 @@ Acquisition functions:
 * ``"variation_ratio"``: ``1 − (votes of the modal class)/S``;
 * ``"random"``: uniform baseline.
 
-Batch selection: ``batch="topk"`` labels the ``per_round`` highest scores (the classic rule;
-its batches can be redundant — many near-identical points of one class); ``batch="power"``
+Batch selection: ``selection="topk"`` labels the ``per_round`` highest scores (the classic rule;
+its batches can be redundant — many near-identical points of one class); ``selection="power"``
 samples ``per_round`` points without replacement with probability ∝ ``score^β``
 (Gumbel-top-k; Kirsch et al. 2023, "stochastic batch acquisition").
 
@@ -79,7 +79,7 @@ class ActiveResult:
         return self.accuracy[-1]
 
 
-def acquisition_scores(probs: torch.Tensor, acquisition: str,
+def acquisition_scores(probs: torch.Tensor, *, acquisition: str,
                        generator: torch.Generator | None = None) -> torch.Tensor:
     """Acquisition score per pool point (higher = label first); ``(S, N, C) -> (N,)``."""
     if acquisition == "bald":
@@ -93,7 +93,7 @@ def acquisition_scores(probs: torch.Tensor, acquisition: str,
     raise ValueError(f"acquisition must be one of {ACQUISITIONS}, got {acquisition!r}")
 
 
-def balanced_initial(y: torch.Tensor, size: int, generator: torch.Generator) -> torch.Tensor:
+def balanced_initial(y: torch.Tensor, *, size: int, generator: torch.Generator) -> torch.Tensor:
     """``size`` random indices with (as nearly as possible) equally many of every class."""
     classes = torch.unique(y)
     if size < len(classes):
@@ -123,11 +123,12 @@ def _top_k(scores: torch.Tensor, k: int, generator: torch.Generator) -> torch.Te
     return perm[order[:k]]
 
 
-def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "bald",
+def run(model_fn: Callable, guide_fn: Callable, pool, test, *, acquisition: str = "bald",
         initial: int = 20, per_round: int = 10, rounds: int = 10, warm_start: bool = False,
         epochs: int = 100, num_samples: int = 32, seed: int = 0, batch_size: int = 32,
-        lr: float | None = None, eval_samples: int = 32, progress: bool = False, batch: str = "topk",
-        beta: float = 1.0, method: str = "sample", **fit_kwargs) -> ActiveResult:
+        lr: float | None = None, eval_num_samples: int = 32, progress: bool = False,
+        selection: str = "topk", beta: float = 1.0, predictive: str = "sample",
+        **fit_kwargs) -> ActiveResult:
     """Run pool-based active learning and return the test-accuracy curve.
 
     Parameters
@@ -150,13 +151,13 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
         Passed to :func:`pyro_bnn.fit` every round (``lr=None``: the guide's default; the
         learning-rate schedule, fit's cosine decay by default, restarts every round).
     num_samples : int
-        Posterior draws for the acquisition scores; ``eval_samples`` for test accuracy.
+        Posterior draws for the acquisition scores; ``eval_num_samples`` for test accuracy.
     seed : int
         Seeds the initial set, the tie-breaking, training and sampling; the caller's random
         streams are left as they were.
-    batch : {"topk", "power"}
+    selection : {"topk", "power"}
         Take the ``per_round`` best scores, or sample them ∝ ``score^beta``.
-    method : str
+    predictive : str
         Predictive of the acquisition scores and the test metrics (:func:`pyro_bnn.predict`:
         ``"sample"`` or a guide's own, e.g. Laplace's ``"glm"``).
 
@@ -168,8 +169,8 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
     """
     if acquisition not in ACQUISITIONS:
         raise ValueError(f"acquisition must be one of {ACQUISITIONS}, got {acquisition!r}")
-    if batch not in ("topk", "power"):
-        raise ValueError(f"batch must be 'topk' or 'power', got {batch!r}")
+    if selection not in ("topk", "power"):
+        raise ValueError(f"selection must be 'topk' or 'power', got {selection!r}")
     x_pool, y_pool = pool
     x_test, y_test = test
     if initial + rounds * per_round > len(x_pool):
@@ -177,7 +178,7 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
                          f"= {initial + rounds * per_round}")
     with seeded(seed):
         g = torch.Generator().manual_seed(seed)
-        labelled = balanced_initial(y_pool, initial, g)
+        labelled = balanced_initial(y_pool, size=initial, generator=g)
         mask = torch.zeros(len(x_pool), dtype=torch.bool)
         mask[labelled] = True
         result = ActiveResult(acquisition, initial=labelled.tolist())
@@ -194,7 +195,7 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
             result.converged.append(bool(fitted.convergence.converged))
             with seeded(seed * 7919 + r):
                 test_metrics = _evaluate(model, guide, *to_model_device(model, guide, x_test, y_test),
-                                         num_samples=eval_samples, method=method)
+                                         num_samples=eval_num_samples, predictive=predictive)
                 result.num_labelled.append(int(mask.sum()))
                 result.accuracy.append(test_metrics["accuracy"])
                 result.nll.append(test_metrics["nll"])
@@ -205,11 +206,11 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, acquisition: str = "
                     pick = rest[torch.randperm(len(rest), generator=g)[:per_round]]
                 else:
                     probs = predict(model, guide, to_model_device(model, guide, x_pool[rest]),
-                                    num_samples=num_samples, method=method)
+                                    num_samples=num_samples, predictive=predictive)
                     if probs.dim() == 2:  # a deterministic predictive (N, C)
                         probs = probs.unsqueeze(0)
-                    score = acquisition_scores(probs, acquisition)
-                    chosen = (_top_k(score, per_round, g) if batch == "topk"
+                    score = acquisition_scores(probs, acquisition=acquisition)
+                    chosen = (_top_k(score, per_round, g) if selection == "topk"
                               else _power_k(score, per_round, beta, g))
                     pick = rest[chosen]
             mask[pick] = True

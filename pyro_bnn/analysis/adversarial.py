@@ -8,7 +8,7 @@ experiment uses one draw):
 
 with ``w_1..w_n`` drawn from the guide.  ``n = 1`` attacks one sampled network; larger
 ``n`` attacks the Monte Carlo model average.  The attack needs weight draws to
-differentiate through, so it always uses the sampled predictive (no ``method=``).
+differentiate through, so it always uses the sampled predictive (no ``predictive=``).
 
 Inputs are moved to the model's device, and ``x_adv`` is returned there.
 """
@@ -29,7 +29,7 @@ def _check_eps(epsilon):
         raise ValueError(f"epsilon must be a non-negative number, got {epsilon!r}")
 
 
-def fgsm_from_latents(model, latents: list[dict], x: torch.Tensor, y: torch.Tensor,
+def fgsm_from_latents(model, latents: list[dict], x: torch.Tensor, y: torch.Tensor, *,
                       epsilon: float, clamp: tuple[float, float] | None = None,
                       batch_size: int = 1024) -> torch.Tensor:
     """FGSM inputs with the gradient of the predictive NLL under the given weight draws."""
@@ -38,7 +38,7 @@ def fgsm_from_latents(model, latents: list[dict], x: torch.Tensor, y: torch.Tens
     if epsilon == 0:
         return x.clone()
     x_req = x.detach().clone().requires_grad_(True)
-    probs = probs_from_latents(model, latents, x_req, batch_size, grad=True).mean(0)
+    probs = probs_from_latents(model, latents, x_req, batch_size=batch_size, grad=True).mean(0)
     p_y = probs.gather(-1, y.to(probs.device).reshape(-1, 1)).squeeze(-1)
     loss = -torch.log(p_y.clamp_min(1e-12)).sum()
     (grad,) = torch.autograd.grad(loss, x_req)
@@ -48,7 +48,7 @@ def fgsm_from_latents(model, latents: list[dict], x: torch.Tensor, y: torch.Tens
     return x_adv
 
 
-def fgsm(model, guide, x: torch.Tensor, y: torch.Tensor, epsilon: float, num_samples: int = 1,
+def fgsm(model, guide, x: torch.Tensor, y: torch.Tensor, *, epsilon: float, num_samples: int = 1,
          clamp: tuple[float, float] | None = None, batch_size: int = 1024,
          seed: int | None = None) -> torch.Tensor:
     """Adversarial inputs by one FGSM step.
@@ -81,16 +81,16 @@ def fgsm(model, guide, x: torch.Tensor, y: torch.Tensor, epsilon: float, num_sam
     if epsilon == 0:
         return x.clone()
     with seeded(seed):
-        latents = draw_latents(model, guide, x, num_samples)
-    return fgsm_from_latents(model, latents, x, y, epsilon, clamp, batch_size)
+        latents = draw_latents(model, guide, x, num_samples=num_samples)
+    return fgsm_from_latents(model, latents, x, y, epsilon=epsilon, clamp=clamp, batch_size=batch_size)
 
 
-def fgsm_curve(model, guide, x: torch.Tensor, y: torch.Tensor, epsilons=(0.0, 0.05, 0.1, 0.2, 0.3),
-               num_samples: int = 1, eval_samples: int = 32, clamp: tuple[float, float] | None = None,
+def fgsm_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, epsilons=(0.0, 0.05, 0.1, 0.2, 0.3),
+               num_samples: int = 1, eval_num_samples: int = 32, clamp: tuple[float, float] | None = None,
                seed: int | None = 0, batch_size: int = 1024) -> dict[str, list[float]]:
     """Accuracy and uncertainty of the posterior predictive on FGSM inputs vs step size.
 
-    The attack draws (``num_samples``) and the evaluation draws (``eval_samples``) are fixed
+    The attack draws (``num_samples``) and the evaluation draws (``eval_num_samples``) are fixed
     once (seeded by ``seed`` without touching the caller's random streams), so the curve
     changes with ε only through the inputs.
 
@@ -104,13 +104,13 @@ def fgsm_curve(model, guide, x: torch.Tensor, y: torch.Tensor, epsilons=(0.0, 0.
         _check_eps(e)
     x, y = to_model_device(model, guide, x, y)
     with seeded(seed):
-        attack = draw_latents(model, guide, x, num_samples)
-        evaluation = draw_latents(model, guide, x, eval_samples)
+        attack = draw_latents(model, guide, x, num_samples=num_samples)
+        evaluation = draw_latents(model, guide, x, num_samples=eval_num_samples)
     out = {k: [] for k in ("epsilon", "accuracy", "nll", "entropy", "mutual_information",
                            "variation_ratio", "max_prob")}
     for e in epsilons:
-        x_adv = fgsm_from_latents(model, attack, x, y, float(e), clamp, batch_size)
-        probs = probs_from_latents(model, evaluation, x_adv, batch_size)
+        x_adv = fgsm_from_latents(model, attack, x, y, epsilon=float(e), clamp=clamp, batch_size=batch_size)
+        probs = probs_from_latents(model, evaluation, x_adv, batch_size=batch_size)
         mean = probs.mean(0)
         y_ = y.to(mean.device)
         out["epsilon"].append(float(e))

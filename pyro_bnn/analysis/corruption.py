@@ -40,7 +40,7 @@ def _as_images(x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
                      f"got shape {tuple(x.shape)}")
 
 
-def rotate(x: torch.Tensor, angle: float, fill: float = 0.0) -> torch.Tensor:
+def rotate(x: torch.Tensor, angle: float, *, fill: float = 0.0) -> torch.Tensor:
     """Rotate images counter-clockwise (as displayed, row 0 on top) by ``angle`` degrees.
 
     Bilinear interpolation about the image centre (``affine_grid`` / ``grid_sample``,
@@ -72,7 +72,7 @@ def rotate(x: torch.Tensor, angle: float, fill: float = 0.0) -> torch.Tensor:
     return out.reshape(shape)
 
 
-def gaussian_noise(x: torch.Tensor, std: float, clamp: tuple[float, float] | None = (0.0, 1.0),
+def gaussian_noise(x: torch.Tensor, std: float, *, clamp: tuple[float, float] | None = (0.0, 1.0),
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """``x + N(0, std²)`` noise, optionally clamped to the valid input range."""
     if std < 0:
@@ -96,13 +96,13 @@ def _summary(probs, y):
     return res
 
 
-def corruption_curve(model, guide, x: torch.Tensor, transform, levels, y: torch.Tensor | None = None,
+def corruption_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None, *, transform, levels,
                      num_samples: int = 32, seed: int | None = 0, batch_size: int = 1024,
-                     method: str = "sample") -> dict[str, list[float]]:
+                     predictive: str = "sample") -> dict[str, list[float]]:
     """Mean uncertainty over ``x`` after ``transform(x, level)``, for each level.
 
-    With ``method="sample"`` the posterior weight draws are fixed once (seeded), so the
-    curve changes only through the inputs.  Any other ``method`` (e.g. a Laplace guide's
+    With ``predictive="sample"`` the posterior weight draws are fixed once (seeded), so the
+    curve changes only through the inputs.  Any other ``predictive`` (e.g. a Laplace guide's
     linearised ``"glm"`` predictive) goes through ``guide.predict`` via
     :func:`pyro_bnn.predict`, seeded alike at every level (common random numbers where that
     predictive samples; ``seed=None`` gives up both).  Returns lists over ``level``: ``entropy``,
@@ -111,18 +111,18 @@ def corruption_curve(model, guide, x: torch.Tensor, transform, levels, y: torch.
     information and variation ratio are 0.)
     """
     x, y = to_model_device(model, guide, x, y)
-    if method == "sample":
+    if predictive == "sample":
         with seeded(seed):
-            latents = draw_latents(model, guide, x, num_samples)
+            latents = draw_latents(model, guide, x, num_samples=num_samples)
     out: dict[str, list] = {"level": []}
     for level in levels:
         xt = transform(x, level)
-        if method == "sample":
-            probs = probs_from_latents(model, latents, xt, batch_size)
+        if predictive == "sample":
+            probs = probs_from_latents(model, latents, xt, batch_size=batch_size)
         else:
             with seeded(seed):
                 probs = predict(model, guide, xt, num_samples=num_samples, batch_size=batch_size,
-                                method=method)
+                                predictive=predictive)
             if probs.dim() == 2:  # deterministic predictive (N, C)
                 probs = probs.unsqueeze(0)
         out["level"].append(float(level))
@@ -131,19 +131,20 @@ def corruption_curve(model, guide, x: torch.Tensor, transform, levels, y: torch.
     return out
 
 
-def rotation_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None,
+def rotation_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None, *,
                    angles=tuple(range(0, 181, 15)), num_samples: int = 32, seed: int | None = 0,
-                   batch_size: int = 1024, method: str = "sample") -> dict[str, list[float]]:
+                   batch_size: int = 1024, predictive: str = "sample") -> dict[str, list[float]]:
     """:func:`corruption_curve` over rotation ``angles`` (degrees); key ``angle`` added."""
-    out = corruption_curve(model, guide, x, rotate, angles, y, num_samples, seed, batch_size, method)
+    out = corruption_curve(model, guide, x, y, transform=rotate, levels=angles, num_samples=num_samples,
+                           seed=seed, batch_size=batch_size, predictive=predictive)
     out["angle"] = out["level"]
     return out
 
 
-def noise_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None,
+def noise_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None, *,
                 stds=(0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0), num_samples: int = 32, seed: int | None = 0,
                 clamp: tuple[float, float] | None = (0.0, 1.0), batch_size: int = 1024,
-                method: str = "sample") -> dict[str, list[float]]:
+                predictive: str = "sample") -> dict[str, list[float]]:
     """:func:`corruption_curve` over Gaussian noise ``stds``; key ``std`` added.
 
     The noise pattern is the same at every level (one seeded standard-normal draw, scaled).
@@ -156,6 +157,7 @@ def noise_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None,
         out = x_ + float(s) * base
         return out.clamp(*clamp) if clamp is not None else out
 
-    out = corruption_curve(model, guide, x, transform, stds, y, num_samples, seed, batch_size, method)
+    out = corruption_curve(model, guide, x, y, transform=transform, levels=stds, num_samples=num_samples,
+                           seed=seed, batch_size=batch_size, predictive=predictive)
     out["std"] = out["level"]
     return out

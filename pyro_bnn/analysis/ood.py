@@ -110,8 +110,8 @@ def uncertainty_scores(probs: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, num_samples: int = 256,
-             batch_size: int = 1024, method: str = "sample", seed: int | None = 0,
+def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, *, num_samples: int = 256,
+             batch_size: int = 1024, predictive: str = "sample", seed: int | None = 0,
              **kwargs) -> dict[str, dict[str, float]]:
     """AUROC and AUPR of every uncertainty score for separating ``out_x`` from ``in_x``.
 
@@ -127,8 +127,8 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, num_samples:
         σ has relaxed towards an N(0, 1) prior, the digits 0–4 vs 5–9 MI AUROC rose by up to
         0.045 from S = 64 to S = 1024 (``docs/results/uncertainty.md``); use ~1000 where
         affordable.
-    method : str
-        Predictive method passed to :func:`pyro_bnn.predict` (``"sample"``, or e.g. a
+    predictive : str
+        The predictive, passed to :func:`pyro_bnn.predict` (``"sample"``, or e.g. a
         Laplace guide's ``"glm"``).
     seed : int, optional
         Seeds the posterior draws (reproducible scores) without touching the caller's random
@@ -151,7 +151,7 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, num_samples:
     x = torch.cat([in_x, out_x])
     with seeded(seed):
         probs = predict(model, guide, x, num_samples=num_samples, batch_size=batch_size,
-                        method=method, **kwargs)
+                        predictive=predictive, **kwargs)
     if probs.dim() == 2:  # deterministic predictive (N, C)
         probs = probs.unsqueeze(0)
     labels = torch.cat([torch.zeros(len(in_x)), torch.ones(len(out_x))])

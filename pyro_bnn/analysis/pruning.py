@@ -128,7 +128,7 @@ def _site_filter(sites, available: list[str]):
     return set(names)
 
 
-def score_from_moments(mean: torch.Tensor, std: torch.Tensor, kind: str = "snr") -> torch.Tensor:
+def score_from_moments(mean: torch.Tensor, std: torch.Tensor, *, kind: str = "snr") -> torch.Tensor:
     """Importance of each weight from its marginal ``N(μ, σ²)`` (higher = keep).
 
     ``snr``: ``|μ|/σ``; ``zero_prob``: ``½(μ/σ)² + log(√(2π)σ)`` (= ``−log q(0)``);
@@ -143,7 +143,7 @@ def score_from_moments(mean: torch.Tensor, std: torch.Tensor, kind: str = "snr")
     return 0.5 * (mean / std) ** 2 + torch.log(math.sqrt(2 * math.pi) * std)
 
 
-def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
+def scores(guide, *, kind: str = "snr", model=None, x: torch.Tensor | None = None,
            num_samples: int = 200, seed: int | None = None) -> dict[str, torch.Tensor]:
     """Pruning scores of every random weight, ``{site: tensor of the site's shape}``.
 
@@ -165,7 +165,7 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
 
     Examples
     --------
-    >>> s = pb.analysis.pruning.scores(guide, "snr", model=model)         # doctest: +SKIP
+    >>> s = pb.analysis.pruning.scores(guide, kind="snr", model=model)    # doctest: +SKIP
     """
     _check_kind(kind)
     num_samples = check_int("num_samples", num_samples, 1)
@@ -180,10 +180,10 @@ def scores(guide, kind: str = "snr", model=None, x: torch.Tensor | None = None,
     if x is not None and is_bnn(model):
         x = to_model_device(model, guide, x)
     with seeded(seed):
-        mean, std, _ = site_moments(model, guide, x, num_samples)
+        mean, std, _ = site_moments(model, guide, x, num_samples=num_samples)
     if all(float(s.abs().max()) == 0.0 for s in std.values()):
         std = {k: torch.ones_like(v) for k, v in std.items()}  # point estimates: magnitude
-    return {k: score_from_moments(mean[k], std[k], kind) for k in mean}
+    return {k: score_from_moments(mean[k], std[k], kind=kind) for k in mean}
 
 
 @dataclass
@@ -238,7 +238,7 @@ def _mask_hook(attr, mask):
     return hook
 
 
-def prune_(model, guide, fraction: float | None = None, threshold: float | None = None,
+def prune_(model, guide, *, fraction: float | None = None, threshold: float | None = None,
            kind: str = "snr", sites=None, x: torch.Tensor | None = None,
            num_samples: int = 200, score: dict | None = None, seed: int | None = None) -> PruningHandle:
     """Mask the least important weights of ``model`` in place (reversible).
@@ -284,7 +284,8 @@ def prune_(model, guide, fraction: float | None = None, threshold: float | None 
     if score is None and is_bnn(model):
         _site_filter(sites, list(model.site_names))  # a misspelled site fails before the (slow) scores
     unprune_(model)
-    score = score if score is not None else scores(guide, kind, model, x, num_samples, seed)
+    score = score if score is not None else scores(guide, kind=kind, model=model, x=x,
+                                                   num_samples=num_samples, seed=seed)
     selected = _site_filter(sites, list(score))
     names = [s for s in score if _selected(s, selected)]
     if not names:
@@ -327,7 +328,7 @@ def unprune_(model) -> bool:
     return True
 
 
-def posterior_mean(model, guide, x: torch.Tensor | None = None, num_samples: int = 200,
+def posterior_mean(model, guide, x: torch.Tensor | None = None, *, num_samples: int = 200,
                    seed: int | None = None) -> dict[str, torch.Tensor]:
     """Posterior mean of every site (exact for MeanField/AutoNormal, else from ``num_samples``
     draws, seeded by ``seed`` without touching the caller's random streams)."""
@@ -335,10 +336,10 @@ def posterior_mean(model, guide, x: torch.Tensor | None = None, num_samples: int
     if x is not None:
         x = to_model_device(model, guide, x)
     with seeded(seed):
-        return site_moments(model, guide, x, num_samples)[0]
+        return site_moments(model, guide, x, num_samples=num_samples)[0]
 
 
-def export_pruned(model, guide, x: torch.Tensor | None = None, num_samples: int = 200,
+def export_pruned(model, guide, x: torch.Tensor | None = None, *, num_samples: int = 200,
                   seed: int | None = None) -> nn.Module:
     """The network as a plain ``torch.nn.Module`` with posterior-mean weights, pruned ones at 0.
 
@@ -354,7 +355,7 @@ def export_pruned(model, guide, x: torch.Tensor | None = None, num_samples: int 
     """
     if not is_bnn(model) or network_of(model) is None:
         raise TypeError(f"export_pruned needs a pyro_bnn.BNN, got {type(model).__name__}")
-    mean = posterior_mean(model, guide, x, num_samples, seed)
+    mean = posterior_mean(model, guide, x, num_samples=num_samples, seed=seed)
     handle = model.__dict__.get(_HANDLE_ATTR)
     masks = handle.masks if handle is not None else {}
     net = copy.deepcopy(model.net)
@@ -379,12 +380,12 @@ def export_pruned(model, guide, x: torch.Tensor | None = None, num_samples: int 
     return net
 
 
-PRUNING_METHODS = ("sample", "mean")
+PRUNING_PREDICTIVES = ("sample", "mean")
 
 
 @torch.no_grad()
-def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0, 0.5, 0.9, 0.95),
-                  kind: str = "snr", num_samples: int = 32, method: str = "sample",
+def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, fractions=(0.0, 0.5, 0.9, 0.95),
+                  kind: str = "snr", num_samples: int = 32, predictive: str = "sample",
                   sites=None, seed: int | None = 0, batch_size: int = 1024) -> dict[str, list]:
     """Test accuracy and NLL as a growing fraction of weights is pruned.
 
@@ -398,7 +399,7 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
         The score that ranks the weights (see the module docstring).
     num_samples : int
         Posterior draws of the ``"sample"`` predictive.
-    method : {"sample", "mean"}
+    predictive : {"sample", "mean"}
         ``"sample"``: Monte Carlo predictive of the masked BNN with ``num_samples``
         draws — the *same* draws at every fraction; ``"mean"``: the exported
         posterior-mean network (:func:`export_pruned`).  (A guide's own predictive such as
@@ -413,9 +414,9 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
         ``fraction``, ``accuracy``, ``nll``, ``num_pruned`` lists (one entry per fraction)
         and ``kind``.
     """
-    if method not in PRUNING_METHODS:
-        raise ValueError(f"pruning_curve: method must be one of {PRUNING_METHODS} (a guide's own "
-                         f"predictive does not apply the pruning masks), got {method!r}")
+    if predictive not in PRUNING_PREDICTIVES:
+        raise ValueError(f"pruning_curve: predictive must be one of {PRUNING_PREDICTIVES} (a guide's own "
+                         f"predictive does not apply the pruning masks), got {predictive!r}")
     _check_kind(kind)
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)
@@ -425,13 +426,13 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, fractions=(0.0
     previous_masks = None if previous is None else previous.masks
     out = {"kind": kind, "fraction": [], "accuracy": [], "nll": [], "num_pruned": []}
     with seeded(seed):
-        score = scores(guide, kind, model, x[:1])
-        latents = draw_latents(model, guide, x, num_samples) if method == "sample" else None
+        score = scores(guide, kind=kind, model=model, x=x[:1])
+        latents = draw_latents(model, guide, x, num_samples=num_samples) if predictive == "sample" else None
         try:
             for f in fractions:
                 handle = prune_(model, guide, fraction=f, sites=sites, score=score)
-                if method == "sample":
-                    probs = probs_from_latents(model, latents, x, batch_size).mean(0)
+                if predictive == "sample":
+                    probs = probs_from_latents(model, latents, x, batch_size=batch_size).mean(0)
                 else:
                     net = export_pruned(model, guide, x[:1])
                     probs = torch.softmax(net(x), -1)

@@ -7,8 +7,13 @@
   the caller's streams and advances them, as ``torch.randn`` would.
 * **Device** — inputs are moved to the model's device (:func:`to_model_device`); tensors a
   tool returns live there too, as those of :func:`pyro_bnn.predict` do.
-* **Predictive** — one keyword, ``method=``, selects the predictive (``"sample"``, a guide's
-  own such as Laplace's ``"glm"``, or a tool's own such as pruning's ``"mean"``).
+* **Predictive** — one keyword, ``predictive=``, selects the predictive (``"sample"``, a guide's
+  own such as Laplace's ``"glm"``, or a tool's own such as pruning's ``"mean"``), as for
+  :func:`pyro_bnn.predict`.
+* **Signatures** — ``(model, guide, x, y)`` (or the tool's data, e.g. ``(model_fn, guide_fn,
+  pool, test)``) positionally, every option keyword-only; ``num_samples`` is the number of
+  posterior draws (``eval_num_samples`` where a tool evaluates with a second set) and
+  ``batch_size`` the inputs per forward pass.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ def _finish(fig, ax, title, xlabel, ylabel, path, **legend_kw):
     return fig
 
 
-def plot_pruning_curves(curves: dict, path: str | None = None, title: str = "Pruning by posterior uncertainty",
+def plot_pruning_curves(curves: dict, *, path: str | None = None,
+                        title: str = "Pruning by posterior uncertainty",
                         baseline: float | None = None):
     """Test accuracy (%) vs fraction of weights removed; ``curves`` maps a label to a
     :func:`pyro_bnn.analysis.pruning.pruning_curve` result."""
@@ -51,7 +52,8 @@ def plot_pruning_curves(curves: dict, path: str | None = None, title: str = "Pru
     return _finish(fig, ax, title, "weights removed (%)", "test accuracy (%)", path)
 
 
-def plot_fgsm_curve(curves: dict, path: str | None = None, title: str = "FGSM: accuracy and uncertainty vs step size"):
+def plot_fgsm_curve(curves: dict, *, path: str | None = None,
+                    title: str = "FGSM: accuracy and uncertainty vs step size"):
     """Accuracy and mean predictive entropy vs ε; ``curves`` maps a label to a
     :func:`pyro_bnn.analysis.adversarial.fgsm_curve` result."""
     plt = _plt()
@@ -64,7 +66,7 @@ def plot_fgsm_curve(curves: dict, path: str | None = None, title: str = "FGSM: a
     return _finish(fig, ax2, title, "step size ε", "mean uncertainty (nats)", path)
 
 
-def plot_active_curves(results: dict, path: str | None = None, title: str = "Active learning"):
+def plot_active_curves(results: dict, *, path: str | None = None, title: str = "Active learning"):
     """Test accuracy vs number of labels; ``results`` maps an acquisition name to a list
     of :class:`pyro_bnn.analysis.active.ActiveResult` (one per seed): mean ± std over seeds."""
     import numpy as np
@@ -80,7 +82,7 @@ def plot_active_curves(results: dict, path: str | None = None, title: str = "Act
     return _finish(fig, ax, title, "labelled examples", "test accuracy (%)", path)
 
 
-def plot_corruption_curves(curves: dict, key: str = "entropy", path: str | None = None,
+def plot_corruption_curves(curves: dict, *, key: str = "entropy", path: str | None = None,
                            title: str | None = None, xlabel: str = "rotation angle (degrees)"):
     """Mean uncertainty ``key`` vs corruption level; ``curves`` maps a label (guide) to a
     :func:`pyro_bnn.analysis.corruption.corruption_curve` result."""
@@ -95,7 +97,7 @@ def plot_corruption_curves(curves: dict, key: str = "entropy", path: str | None 
     return _finish(fig, ax, title or f"{key.replace('_', ' ')} vs corruption", xlabel, ylabel, path, **legend)
 
 
-def plot_ood_scores(results: dict, path: str | None = None, metric: str = "auroc",
+def plot_ood_scores(results: dict, *, path: str | None = None, metric: str = "auroc",
                     title: str = "Out-of-distribution detection"):
     """Grouped bars of AUROC (or AUPR) per score; ``results`` maps a label (guide) to a
     :func:`pyro_bnn.analysis.ood.evaluate` result."""

@@ -53,11 +53,11 @@ class BNNGuide:
     linearized : bool
         Whether the guide offers the linearised (GLM) predictive and its draws
         (``map_values``, ``likelihood_kind``, ``linearized_samples``; the Laplace guide):
-        ``pb.to_arviz(..., method="glm")`` reads it.
+        ``pb.to_arviz(..., predictive="glm")`` reads it.
     default_predictive : str
-        The ``method`` :func:`pyro_bnn.predict`, :func:`pyro_bnn.evaluate`, ``pb.compare`` and
+        The ``predictive`` :func:`pyro_bnn.predict`, :func:`pyro_bnn.evaluate`, ``pb.compare`` and
         ``pb.to_arviz`` use when none is given: ``"sample"`` (the default, Monte Carlo over
-        the guide's draws) or one of the guide's own :meth:`predict` methods (the Laplace
+        the guide's draws) or one of the guide's own :meth:`predict` predictives (the Laplace
         guide: ``"glm"``).
     normal_per_site : bool
         Whether ``q`` is one independent Normal per site whose mean and standard deviation
@@ -228,14 +228,14 @@ class BNNGuide:
         return []
 
     # ---------------------------------------------------------- prediction
-    def predict(self, model, x, method: str = "sample", num_samples: int = 64,
+    def predict(self, model, x, *, predictive: str = "sample", num_samples: int = 64,
                 batch_size: int = 1024, **kwargs):
-        """Alternative predictives (``method != "sample"``), e.g. Laplace's ``"glm"``.
+        """Alternative predictives (``predictive != "sample"``), e.g. Laplace's ``"glm"``.
 
         The default supports only Monte Carlo over the guide's draws, which
         :func:`pyro_bnn.predict` computes itself.
         """
-        raise ValueError(f"{type(self).__name__} supports only method='sample', got {method!r}")
+        raise ValueError(f"{type(self).__name__} supports only predictive='sample', got {predictive!r}")
 
     def prediction_problem(self) -> str | None:
         """Why the guide cannot be sampled for predictions yet, or ``None`` if it can.
@@ -357,8 +357,8 @@ class _PyroGuideContract(BNNGuide):
     def prediction_problem(self) -> str | None:
         return _not_set_up_message(self.guide)
 
-    def predict(self, model, x, method="sample", num_samples=64, batch_size=1024, **kwargs):
-        raise ValueError(f"{type(self.guide).__name__} supports only method='sample', got {method!r}")
+    def predict(self, model, x, *, predictive="sample", num_samples=64, batch_size=1024, **kwargs):
+        raise ValueError(f"{type(self.guide).__name__} supports only predictive='sample', got {predictive!r}")
 
     def _parts(self) -> list[BNNGuide]:
         """The pyro_bnn guides among an ``AutoGuideList``'s parts: their fit hooks run too (a

@@ -14,17 +14,52 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..arguments import check_int, check_positive
 
 __all__ = ["log_evidence", "log_likelihood_from_stats", "maximize_evidence", "marglik_due",
-           "MARGLIK_DEFAULTS", "check_marglik_options"]
+           "MarglikOptions", "check_marglik_options"]
 
-#: Defaults of the online schedule (Immer et al. 2021): every F epochs after B burn-in
-#: epochs take K Adam steps with learning rate γ on the log hyperparameters.
-MARGLIK_DEFAULTS = {"every": 1, "burnin": 0, "steps": 100, "lr": 0.1}
+
+@dataclass(frozen=True)
+class MarglikOptions:
+    """Options of the online evidence schedule, ``pb.fit(..., marglik=MarglikOptions(...))``.
+
+    Every ``every`` epochs after ``burnin`` burn-in epochs, take ``steps`` Adam steps with
+    learning rate ``lr`` on the log hyperparameters (Immer et al. 2021, Algorithm 1: F, B, K,
+    γ); the defaults are theirs.  Fields are checked on construction: ``every`` (>= 1),
+    ``burnin`` and ``steps`` (>= 0) must be ints (a fractional ``burnin=1.5`` or a bool is an
+    error, not truncated), ``lr`` a finite number > 0 (stored as ``float``).
+
+    Parameters
+    ----------
+    every : int
+        Epochs between hyperparameter updates (F).
+    burnin : int
+        Epochs of plain MAP training before the first update (B).
+    steps : int
+        Adam steps on the log hyperparameters per update (K).
+    lr : float
+        Adam learning rate of those steps (γ); also that of a learnable augmentation's η.
+
+    Examples
+    --------
+    >>> pb.fit(model, pb.guides.Laplace(model), data, epochs=100,           # doctest: +SKIP
+    ...        marglik=pb.MarglikOptions(every=5, burnin=10, steps=50))
+    """
+
+    every: int = 1
+    burnin: int = 0
+    steps: int = 100
+    lr: float = 0.1
+
+    def __post_init__(self):
+        for name, minimum in (("every", 1), ("burnin", 0), ("steps", 0)):
+            object.__setattr__(self, name, check_int(f"MarglikOptions.{name}", getattr(self, name), minimum))
+        object.__setattr__(self, "lr", check_positive("MarglikOptions.lr", self.lr))
 
 
 def log_likelihood_from_stats(stats: dict, noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,27 +181,18 @@ def _finite(evidence, step):
     return value
 
 
-def check_marglik_options(options: dict | None) -> dict:
-    """Validate ``fit(..., marglik=dict(every, burnin, steps, lr))`` and fill defaults.
-
-    ``every`` (>= 1), ``burnin`` and ``steps`` (>= 0) must be ints (a fractional
-    ``burnin=1.5`` is an error, not truncated), ``lr`` a finite number > 0; every message
-    names the option as ``marglik['name']``.
-    """
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise TypeError(f"marglik must be a dict like {MARGLIK_DEFAULTS}, got {type(options).__name__}")
-    unknown = set(options) - set(MARGLIK_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown marglik options {sorted(unknown)}; expected keys {sorted(MARGLIK_DEFAULTS)}")
-    out = dict(MARGLIK_DEFAULTS, **options)
-    for key, minimum in (("every", 1), ("burnin", 0), ("steps", 0)):
-        out[key] = check_int(f"marglik[{key!r}]", out[key], minimum)
-    out["lr"] = check_positive("marglik['lr']", out["lr"])
-    return out
+def check_marglik_options(options) -> MarglikOptions | None:
+    """``fit``'s ``marglik=`` checked: a :class:`MarglikOptions` (returned as is) or ``None``
+    (no online evidence).  Anything else is a ``TypeError`` saying what to write."""
+    if options is None or isinstance(options, MarglikOptions):
+        return options
+    hint = (f"; write marglik=pb.MarglikOptions(**{options!r})" if isinstance(options, dict)
+            else "")
+    raise TypeError(f"marglik must be a pyro_bnn.MarglikOptions or None, got "
+                    f"{type(options).__name__}{hint}")
 
 
-def marglik_due(epoch: int, options: dict) -> bool:
+def marglik_due(epoch: int, options: MarglikOptions | None) -> bool:
     """Whether the online schedule updates hyperparameters after ``epoch`` (1-based)."""
-    return bool(options) and epoch > options["burnin"] and (epoch - options["burnin"]) % options["every"] == 0
+    return (options is not None and epoch > options.burnin
+            and (epoch - options.burnin) % options.every == 0)

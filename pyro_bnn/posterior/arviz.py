@@ -30,9 +30,9 @@ posterior was fitted to*, so call ``to_arviz`` with the training data for ``az.l
 ``loo_approximate_posterior``; on held-out data the ``log_likelihood`` group gives the
 test log predictive density instead.
 
-Linearised (GLM) draws of a Laplace guide (``method="glm"``, its default)
+Linearised (GLM) draws of a Laplace guide (``predictive="glm"``, its default)
     The groups describe the predictive the Laplace guide is evaluated with
-    (``pb.predict(..., method="glm")``), so its ELPD is comparable with other guides'.
+    (``pb.predict(..., predictive="glm")``), so its ELPD is comparable with other guides'.
     Each draw is a joint weight draw ``θ_s ~ q = N(θ*, P⁻¹)`` pushed through the
     *linearised* network ``f_lin(x; θ_s) = f(x; θ*) + J(x)(θ_s − θ*)`` (the generalised
     linear model whose Laplace posterior the GGN Laplace is, Immer et al. 2021): for each
@@ -45,7 +45,7 @@ Linearised (GLM) draws of a Laplace guide (``method="glm"``, its default)
     ``loo_approximate_posterior`` importance-corrects ``q`` towards the exact posterior *of
     the linearised model* (with the guide's prior), a well-defined target; its Pareto
     ``k̂`` says how far ``q`` is from it.  It is not a statement about the nonlinear
-    network's posterior (``method="sample"`` draws weights through the network itself,
+    network's posterior (``predictive="sample"`` draws weights through the network itself,
     with the model's own prior in ``lp``).
 """
 
@@ -70,9 +70,9 @@ from ..model.devices import module_device
 from ..model.likelihoods import log_likelihood
 from ..training.seeding import seeded
 from .guide_density import sample_with_log_density
-from .prediction import default_method, predictive_name, resolve_method, whole_batch_plates
+from .prediction import default_predictive, predictive_name, resolve_predictive, whole_batch_plates
 
-__all__ = ["to_arviz", "loo_approximate", "site_dims", "default_method"]
+__all__ = ["to_arviz", "loo_approximate", "site_dims", "default_predictive"]
 
 OBS_DIM = "obs_id"
 
@@ -167,9 +167,9 @@ def _seed_forked(fn):
 
 @_seed_forked
 @torch.no_grad()
-def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 200,
-             var_names: Sequence[str] | None = None, batch_size: int = 1024, *,
-             method: str | None = None, posterior_predictive: bool = True, obs_site: str = "obs",
+def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int = 200,
+             var_names: Sequence[str] | None = None, batch_size: int = 1024,
+             predictive: str | None = None, posterior_predictive: bool = True, obs_site: str = "obs",
              seed: int | None = None, device=None):
     """Posterior draws, pointwise log-likelihood and densities as an ArviZ ``DataTree``.
 
@@ -192,13 +192,14 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
         The log-likelihood and densities always use all sites.
     batch_size : int
         Inputs per forward pass; memory is bounded by one batch per draw.
-    method : {"sample", "glm"}, optional
+    predictive : {"sample", "glm"}, optional
         ``"sample"``: draws of the guide through the network.  ``"glm"`` (Laplace guides):
         linearised draws, see the module docstring; the same Monte-Carlo GLM predictive as
-        ``pb.evaluate(method="glm")`` (``"glm_probit"`` has no draws and is refused).
+        ``pb.evaluate(predictive="glm")`` (``"glm_probit"`` has no draws and is refused).
         Default: the guide's own predictive, as for :func:`pyro_bnn.evaluate`
         (``guide.default_predictive``: ``"glm"`` for :class:`~pyro_bnn.guides.Laplace`,
-        else ``"sample"``).  ``attrs["predictive"]`` names it (``"glm-mc(200)"``).
+        else ``"sample"``).  ``attrs["method"]`` holds it, ``attrs["predictive"]`` names it
+        (``"glm-mc(200)"``).
         The model and guide run in eval mode (see :mod:`pyro_bnn.posterior.prediction`).
     posterior_predictive : bool
         Also sample one replicate ``y`` per draw.
@@ -219,7 +220,7 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     ------
     ValueError
         Bad ``num_samples``/``batch_size``, mismatched ``x``/``y``, unknown ``var_names`` or
-        ``method``, or ``method="glm"`` for a guide without a linearised predictive.
+        ``predictive``, or ``predictive="glm"`` for a guide without a linearised predictive.
 
     Examples
     --------
@@ -235,26 +236,26 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, num_samples: int = 
     check_finite(x, "x")
     x, y = check_data(model, x, y, where="pb.to_arviz")
     device = torch.device(device) if device is not None else module_device(model, guide, default=x.device)
-    method = resolve_method(guide, method)
-    if method == "glm_probit":
-        raise ValueError("method='glm_probit' is a closed-form approximation of the link, not draws, "
-                         "so it has no per-draw log-likelihood for ArviZ; use method='glm' (Monte "
+    predictive = resolve_predictive(guide, predictive)
+    if predictive == "glm_probit":
+        raise ValueError("predictive='glm_probit' is a closed-form approximation of the link, not draws, "
+                         "so it has no per-draw log-likelihood for ArviZ; use predictive='glm' (Monte "
                          "Carlo over the same Gaussian, pb.evaluate's default for a Laplace guide)")
-    if method not in ("sample", "glm"):
-        raise ValueError(f"method must be 'sample' or 'glm', got {method!r}")
+    if predictive not in ("sample", "glm"):
+        raise ValueError(f"predictive must be 'sample' or 'glm', got {predictive!r}")
     with evaluation_mode(model, guide):
-        if method == "glm":
+        if predictive == "glm":
             data = _glm_groups(guide, x, y, num_samples, var_names, batch_size, device,
                                posterior_predictive)
         else:
             data = _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, device,
                                   posterior_predictive, obs_site)
-    return _datatree(model, guide, data, y, num_samples, method)
+    return _datatree(model, guide, data, y, num_samples, predictive)
 
 
 def _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, device,
                    posterior_predictive, obs_site) -> dict:
-    """Groups of joint guide draws through the network (``method="sample"``)."""
+    """Groups of joint guide draws through the network (``predictive="sample"``)."""
     bnn = is_bnn(model)
 
     draws: dict[str, list[np.ndarray]] = {}
@@ -297,11 +298,11 @@ def _glm_groups(guide, x, y, num_samples, var_names, batch_size, device, want_pp
     """Groups of linearised draws (module docstring): posterior, log_likelihood,
     posterior_predictive, sample_stats as ``(1, S, ...)`` arrays."""
     if not guide_contract(guide).linearized:
-        raise ValueError(f"method='glm' needs a guide with a linearised predictive (pb.guides.Laplace), "
+        raise ValueError(f"predictive='glm' needs a guide with a linearised predictive (pb.guides.Laplace), "
                          f"got {type(guide).__name__}")
     names = _select_sites(guide.map_values(), var_names, num_samples)
     kind, noise = guide.likelihood_kind()
-    draws = guide.linearized_samples(x, num_samples, batch_size=batch_size, sites=names)
+    draws = guide.linearized_samples(x, num_samples=num_samples, batch_size=batch_size, sites=names)
     yd = y.to(device)
     loglik = pointwise_log_likelihood(kind, draws.f, yd, noise).double()      # (S, N)
     lp = draws.log_prior.double() + loglik.sum(-1)
@@ -319,7 +320,7 @@ def _glm_groups(guide, x, y, num_samples, var_names, batch_size, device, want_pp
     return data
 
 
-def _datatree(model, guide, data: dict, y: torch.Tensor, num_samples: int, method: str):
+def _datatree(model, guide, data: dict, y: torch.Tensor, num_samples: int, predictive: str):
     from arviz_base import from_dict
 
     y_np = y.detach().cpu().numpy()
@@ -335,9 +336,9 @@ def _datatree(model, guide, data: dict, y: torch.Tensor, num_samples: int, metho
     dt.attrs.update({
         "guide": type(guide).__name__,
         "num_samples": int(num_samples),
-        "method": method,
-        "predictive": predictive_name(method, num_samples),
-        "log_p": "sample_stats/lp  (log prior + sum of log_likelihood/obs)" if method == "sample" else
+        "method": predictive,
+        "predictive": predictive_name(predictive, num_samples),
+        "log_p": "sample_stats/lp  (log prior + sum of log_likelihood/obs)" if predictive == "sample" else
                  "sample_stats/lp  (linearised model: Laplace prior with the guide's delta + sum of "
                  "log_likelihood/obs of f_lin)",
         "log_q": "sample_stats/log_q (log density of the guide at each draw)",

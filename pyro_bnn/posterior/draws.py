@@ -24,7 +24,7 @@ from .prediction import params_under, sample_latents
 __all__ = ["draw_latents", "probs_from_latents", "site_moments"]
 
 
-def draw_latents(model, guide, x: torch.Tensor, num_samples: int) -> list[dict[str, torch.Tensor]]:
+def draw_latents(model, guide, x: torch.Tensor, *, num_samples: int) -> list[dict[str, torch.Tensor]]:
     """``num_samples`` joint posterior draws ``[{site: value}, ...]`` (detached)."""
     num_samples = check_int("num_samples", num_samples, 1)
     with local_params(model, guide), torch.no_grad():
@@ -32,7 +32,7 @@ def draw_latents(model, guide, x: torch.Tensor, num_samples: int) -> list[dict[s
                 for _ in range(num_samples)]
 
 
-def probs_from_latents(model, latents: list[dict], x: torch.Tensor, batch_size: int = 1024,
+def probs_from_latents(model, latents: list[dict], x: torch.Tensor, *, batch_size: int = 1024,
                        grad: bool = False, obs_site: str = "obs") -> torch.Tensor:
     """Class probabilities ``(S, N, C)`` of the network under each draw in ``latents``.
 
@@ -51,7 +51,7 @@ def probs_from_latents(model, latents: list[dict], x: torch.Tensor, batch_size: 
     return torch.stack(out)
 
 
-def site_moments(model, guide, x: torch.Tensor | None = None, num_samples: int = 200
+def site_moments(model, guide, x: torch.Tensor | None = None, *, num_samples: int = 200
                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], str]:
     """Marginal posterior mean and standard deviation of every latent site.
 
@@ -88,7 +88,7 @@ def site_moments(model, guide, x: torch.Tensor | None = None, num_samples: int =
         return mean, std, "quantiles"
     if x is None:
         x = example_input(model)
-    draws = draw_latents(model, guide, x, num_samples)
+    draws = draw_latents(model, guide, x, num_samples=num_samples)
     mean, std = {}, {}
     for name in draws[0]:
         stack = torch.stack([d[name] for d in draws])

@@ -76,7 +76,7 @@ def negative_log_likelihood(mean_probs: torch.Tensor, y: torch.Tensor) -> float:
     return float(-torch.log(p.clamp_min(_EPS)).double().mean())
 
 
-def calibration_bins(mean_probs: torch.Tensor, y: torch.Tensor, num_bins: int = 15):
+def calibration_bins(mean_probs: torch.Tensor, y: torch.Tensor, *, num_bins: int = 15):
     """Confidence, accuracy and count per equal-width confidence bin (for reliability plots).
 
     Returns
@@ -96,9 +96,9 @@ def calibration_bins(mean_probs: torch.Tensor, y: torch.Tensor, num_bins: int = 
     return sum_conf / safe, sum_acc / safe, count
 
 
-def expected_calibration_error(mean_probs: torch.Tensor, y: torch.Tensor, num_bins: int = 15) -> float:
+def expected_calibration_error(mean_probs: torch.Tensor, y: torch.Tensor, *, num_bins: int = 15) -> float:
     """ECE = ``Σ_b (n_b / N) |acc_b − conf_b|`` over ``num_bins`` equal-width bins."""
-    conf, acc, count = calibration_bins(mean_probs, y, num_bins)
+    conf, acc, count = calibration_bins(mean_probs, y, num_bins=num_bins)
     return float(((count / count.sum()) * (acc - conf).abs()).sum())
 
 
@@ -125,7 +125,7 @@ def check_labels(y: torch.Tensor, num_classes: int, num_examples: int | None = N
             raise ValueError(f"expected labels in [0, {num_classes - 1}], got labels in [{lo}, {hi}]")
 
 
-def classification_metrics(probs: torch.Tensor, y: torch.Tensor, num_bins: int = 15) -> dict:
+def classification_metrics(probs: torch.Tensor, y: torch.Tensor, *, num_bins: int = 15) -> dict:
     """accuracy, nll, ece, brier of the model average of ``probs`` ``(S, N, C)``.
 
     ``y``: ``(N,)`` integer labels in ``[0, C)`` (:func:`check_labels`; other integer
@@ -136,7 +136,7 @@ def classification_metrics(probs: torch.Tensor, y: torch.Tensor, num_bins: int =
     return {
         "accuracy": accuracy(mean_probs, y),
         "nll": negative_log_likelihood(mean_probs, y),
-        "ece": expected_calibration_error(mean_probs, y, num_bins),
+        "ece": expected_calibration_error(mean_probs, y, num_bins=num_bins),
         "brier": brier_score(mean_probs, y),
     }
 
@@ -157,7 +157,8 @@ def gaussian_mixture_nll(loc: torch.Tensor, scale: torch.Tensor, y: torch.Tensor
     return float(-(torch.logsumexp(lp, 0) - math.log(loc.shape[0])).double().mean())
 
 
-def interval_coverage(loc: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, level: float = 0.95) -> float:
+def interval_coverage(loc: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, *,
+                      level: float = 0.95) -> float:
     """Fraction of targets inside the central ``level`` interval of the predictive mixture.
 
     Uses the mixture CDF ``F(y) = mean_s Φ((y − loc_s)/scale_s)``: ``y`` is covered iff
@@ -185,5 +186,5 @@ def regression_metrics(loc: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) 
     return {
         "rmse": rmse(loc, y),
         "nll": gaussian_mixture_nll(loc, scale, y),
-        "coverage_95": interval_coverage(loc, scale, y, 0.95),
+        "coverage_95": interval_coverage(loc, scale, y, level=0.95),
     }

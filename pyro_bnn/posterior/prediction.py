@@ -9,7 +9,7 @@ Every predictive runs the model and guide in eval mode (:func:`evaluation_mode`)
 not depend on the other inputs of its batch, and neither those statistics nor any module's
 ``training`` flag change.  ``Dropout`` is off.
 
-Predictives (``method=``)
+Predictives (``predictive=``)
     ``"sample"``: Monte Carlo over joint draws of the guide through the network.
     ``"glm"`` (Laplace guides): the linearised network's function-space Gaussian
     ``N(f*(x), Σ_f(x))``, Monte Carlo over ``num_samples`` function draws per input for the
@@ -45,60 +45,61 @@ from . import metrics
 from .guide_density import check_global_latents, latent_values
 
 __all__ = ["PredictiveSamples", "predictive_samples", "predict", "evaluate", "sample_latents",
-           "evaluation_mode", "default_method", "predictive_name", "PREDICTIVES"]
+           "evaluation_mode", "default_predictive", "predictive_name", "PREDICTIVES"]
 
 #: The predictives ``pb.predict`` / ``pb.evaluate`` / ``pb.to_arviz`` know by name (a guide
 #: may add its own, which are passed on to ``guide.predict``).
 PREDICTIVES = ("sample", "glm", "glm_probit")
 
 
-def default_method(guide) -> str:
+def default_predictive(guide) -> str:
     """The predictive a guide is evaluated with: ``guide.default_predictive`` (``"glm"`` for
     the Laplace guide), ``"sample"`` for guides that do not name one."""
     return str(guide_contract(guide).default_predictive)
 
 
-def resolve_method(guide, method) -> str:
-    """``method`` checked (a ``str``; a near-miss of a known name is a typo), ``None`` -> the
-    guide's default."""
-    if method is None:
-        return default_method(guide)
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a str or None, got {method!r} ({type(method).__name__})")
-    if method not in PREDICTIVES:
-        close = difflib.get_close_matches(method, PREDICTIVES, n=1, cutoff=0.6)
+def resolve_predictive(guide, predictive) -> str:
+    """``predictive`` checked (a ``str``; a near-miss of a known name is a typo), ``None`` ->
+    the guide's default."""
+    if predictive is None:
+        return default_predictive(guide)
+    if not isinstance(predictive, str):
+        raise TypeError(f"predictive must be a str or None, got {predictive!r} ({type(predictive).__name__})")
+    if predictive not in PREDICTIVES:
+        close = difflib.get_close_matches(predictive, PREDICTIVES, n=1, cutoff=0.6)
         if close:
-            raise ValueError(f"unknown method {method!r}; did you mean {close[0]!r}? "
+            raise ValueError(f"unknown predictive {predictive!r}; did you mean {close[0]!r}? "
                              f"(known: {', '.join(PREDICTIVES)} and the guide's own)")
-    return method
+    return predictive
 
 
-def predictive_name(method: str, num_samples: int, link_approx: str | None = None) -> str:
+def predictive_name(predictive: str, num_samples: int, link_approx: str | None = None) -> str:
     """A label for a predictive, as recorded by ``pb.evaluate`` (``"predictive"``),
     ``pb.to_arviz`` (``attrs["predictive"]``) and ``pb.compare`` (column ``predictive``):
-    ``"sample(64)"``, ``"glm-mc(64)"``, ``"glm-probit"``; a guide's own method by its name."""
-    if method == "glm" and link_approx == "probit" or method == "glm_probit":
+    ``"sample(64)"``, ``"glm-mc(64)"``, ``"glm-probit"``; a guide's own predictive by its name."""
+    if predictive == "glm" and link_approx == "probit" or predictive == "glm_probit":
         return "glm-probit"
-    if method == "glm":
+    if predictive == "glm":
         return f"glm-mc({num_samples})"
-    if method == "sample":
+    if predictive == "sample":
         return f"sample({num_samples})"
-    return str(method)
+    return str(predictive)
 
 
-def _guide_method(method: str, kwargs: dict) -> tuple[str, dict]:
-    """``(method, kwargs)`` for ``guide.predict``: ``"glm"`` -> ``link_approx="mc"`` (unless
-    the caller passed ``link_approx``), ``"glm_probit"`` -> ``"glm"`` with the probit link."""
+def _guide_predictive(predictive: str, kwargs: dict) -> tuple[str, dict]:
+    """``(predictive, kwargs)`` for ``guide.predict``: ``"glm"`` -> ``link_approx="mc"``
+    (unless the caller passed ``link_approx``), ``"glm_probit"`` -> ``"glm"`` with the probit
+    link."""
     kwargs = dict(kwargs)
-    if method == "glm_probit":
+    if predictive == "glm_probit":
         if kwargs.get("link_approx", "probit") != "probit":
-            raise ValueError(f"method='glm_probit' is the probit link; got link_approx="
-                             f"{kwargs['link_approx']!r} (use method='glm' for Monte Carlo)")
+            raise ValueError(f"predictive='glm_probit' is the probit link; got link_approx="
+                             f"{kwargs['link_approx']!r} (use predictive='glm' for Monte Carlo)")
         kwargs["link_approx"] = "probit"
         return "glm", kwargs
-    if method == "glm":
+    if predictive == "glm":
         kwargs.setdefault("link_approx", "mc")
-    return method, kwargs
+    return predictive, kwargs
 
 
 class PredictiveSamples(NamedTuple):
@@ -235,7 +236,7 @@ def params_under(model, latents: dict, x, batch_size: int = 1024, obs_site: str 
 
 
 @torch.no_grad()
-def predictive_samples(model, guide, x, num_samples: int = 64, batch_size: int = 1024,
+def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
                        obs_site: str = "obs", device=None) -> PredictiveSamples:
     """Predictive parameters under ``num_samples`` joint draws from ``guide``.
 
@@ -257,8 +258,8 @@ def predictive_samples(model, guide, x, num_samples: int = 64, batch_size: int =
     return PredictiveSamples(kind, **stacked)
 
 
-def predict(model, guide, x, num_samples: int = 64, batch_size: int = 1024, method: str | None = None,
-            **kwargs) -> torch.Tensor:
+def predict(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
+            predictive: str | None = None, **kwargs) -> torch.Tensor:
     """Posterior predictive: class probabilities ``(S, N, C)`` or regression means ``(S, N, D)``.
 
     Runs in eval mode and leaves every module's mode and buffers as they were (module
@@ -274,10 +275,10 @@ def predict(model, guide, x, num_samples: int = 64, batch_size: int = 1024, meth
         Posterior draws S (an int >= 1).
     batch_size : int
         Inputs per forward pass (bounds memory; an int >= 1).
-    method : str, optional
+    predictive : str, optional
         The predictive (module docstring): ``"sample"``, ``"glm"`` (Monte-Carlo GLM),
-        ``"glm_probit"``, or a guide's own method (passed to ``guide.predict``).  Default:
-        the guide's own (``"glm"`` for the Laplace guide, else ``"sample"``).
+        ``"glm_probit"``, or a guide's own (passed to ``guide.predict``).  Default: the
+        guide's own (``"glm"`` for the Laplace guide, else ``"sample"``).
 
     Returns
     -------
@@ -287,21 +288,21 @@ def predict(model, guide, x, num_samples: int = 64, batch_size: int = 1024, meth
         gives ``(1, N, C)`` probabilities.
     """
     check_data(model, x, where="pb.predict")
-    method = resolve_method(guide, method)
+    predictive = resolve_predictive(guide, predictive)
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)
-    if method != "sample":
-        guide_method, options = _guide_method(method, kwargs)
+    if predictive != "sample":
+        guide_predictive, options = _guide_predictive(predictive, kwargs)
         with evaluation_mode(model, guide):
-            return guide_contract(guide).predict(model, x, method=guide_method, num_samples=num_samples,
-                                                 batch_size=batch_size, **options)
-    out = predictive_samples(model, guide, x, num_samples, batch_size, **kwargs)
+            return guide_contract(guide).predict(model, x, predictive=guide_predictive,
+                                                 num_samples=num_samples, batch_size=batch_size, **options)
+    out = predictive_samples(model, guide, x, num_samples=num_samples, batch_size=batch_size, **kwargs)
     return out.probs if out.probs is not None else out.loc
 
 
-def evaluate(model, guide, x, y, num_samples: int = 64, batch_size: int = 1024, method: str | None = None,
-             num_bins: int = 15, **kwargs) -> dict:
-    """Test metrics of the posterior predictive (:func:`predict`'s, same ``method`` default).
+def evaluate(model, guide, x, y, *, num_samples: int = 64, batch_size: int = 1024,
+             predictive: str | None = None, num_bins: int = 15, **kwargs) -> dict:
+    """Test metrics of the posterior predictive (:func:`predict`'s, same ``predictive`` default).
 
     Classification: ``accuracy``, ``nll``, ``ece`` (``num_bins`` equal-width bins),
     ``brier``.  Regression: ``rmse``, ``nll`` (Gaussian mixture), ``coverage_95``.
@@ -309,21 +310,22 @@ def evaluate(model, guide, x, y, num_samples: int = 64, batch_size: int = 1024, 
     Runs in eval mode; the model's modes and buffers are left as they were.
     """
     x, y = check_data(model, x, y, where="pb.evaluate")
-    method = resolve_method(guide, method)
-    name = predictive_name(method, num_samples, kwargs.get("link_approx"))
-    scores = _evaluate(model, guide, x, y, num_samples, batch_size, method, num_bins, **kwargs)
+    predictive = resolve_predictive(guide, predictive)
+    name = predictive_name(predictive, num_samples, kwargs.get("link_approx"))
+    scores = _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins, **kwargs)
     scores["predictive"] = name
     return scores
 
 
-def _evaluate(model, guide, x, y, num_samples, batch_size, method, num_bins, **kwargs) -> dict:
+def _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins, **kwargs) -> dict:
     num_bins = check_int("num_bins", num_bins, 1)
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
     if len(y) != len(x):
         raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
-    if method != "sample":
-        out = predict(model, guide, x, num_samples, batch_size, method=method, **kwargs)
+    if predictive != "sample":
+        out = predict(model, guide, x, num_samples=num_samples, batch_size=batch_size,
+                      predictive=predictive, **kwargs)
         kind, noise = predictive_likelihood(model, guide)
         if kind == "gaussian":  # draws of the (linearised) function, (S, N, D)
             out = out if out.dim() == 3 else out.unsqueeze(0)
@@ -334,16 +336,16 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, method, num_bins, **k
         if kind == "bernoulli":  # success probabilities (S, N, 1) -> two classes, as below
             p1 = out.reshape(out.shape[0], -1)
             out, y = torch.stack([1 - p1, p1], -1), y.reshape(-1).long()
-        return metrics.classification_metrics(out.cpu(), y.cpu(), num_bins)
-    out = predictive_samples(model, guide, x, num_samples, batch_size, **kwargs)
+        return metrics.classification_metrics(out.cpu(), y.cpu(), num_bins=num_bins)
+    out = predictive_samples(model, guide, x, num_samples=num_samples, batch_size=batch_size, **kwargs)
     y = y.to(out.probs.device if out.probs is not None else out.loc.device)
     if out.kind == "categorical":
         _check_labels(y, out.probs.shape[-1])
-        return metrics.classification_metrics(out.probs, y, num_bins)
+        return metrics.classification_metrics(out.probs, y, num_bins=num_bins)
     if out.kind == "bernoulli":
         p1 = out.probs.reshape(out.probs.shape[0], -1)
         probs = torch.stack([1 - p1, p1], -1)
-        return metrics.classification_metrics(probs, y.reshape(-1).long(), num_bins)
+        return metrics.classification_metrics(probs, y.reshape(-1).long(), num_bins=num_bins)
     return metrics.regression_metrics(out.loc, out.scale, y.reshape(out.loc.shape[1:]).to(out.loc.dtype))
 
 

@@ -337,7 +337,7 @@ def _run(args, names, staging: StagedFolder, t_start: float, previous: str) -> i
         result = compare(_model_fn(args, split), names, split, epochs=epochs, lr=lr,
                          batch_size=args.batch_size, num_samples=num_samples, loo_samples=loo_samples,
                          device=args.device, seed=args.seed, progress=not args.no_progress,
-                         fit_options=fit_kw, predict_method=predict, details=True)
+                         fit_options=fit_kw, predictive=predict, details=True)
     except ComparisonInterrupted as exc:
         return _save_partial(args, names, staging, exc, settings, num_samples, previous)
     print(markdown_table(result.table))  # first: the table survives a failure to write

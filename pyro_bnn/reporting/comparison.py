@@ -33,7 +33,7 @@ meaningful.  The table has one row per guide:
   ``k̂`` above ArviZ's threshold, and ``elpd_loo_psis`` (``az.loo``, which treats the draws as
   exact posterior draws); both NaN when the draws are identical (point estimates).  The
   draws are those of the row's predictive (:func:`pyro_bnn.to_arviz` with the same
-  ``method``), so a Laplace row's ELPD is that of its GLM predictive;
+  ``predictive``), so a Laplace row's ELPD is that of its GLM predictive;
 * ``train_seconds``, ``predict_seconds`` (the test-set predictive), ``num_params``
   (the guide's trained parameters; buffers such as curvature factors are not counted).
 """
@@ -54,12 +54,12 @@ import pandas as pd
 import torch
 
 from ..arguments import check_int, check_positive, did_you_mean
-from ..contract.guide import registered_guides
+from ..contract.guide import guide_contract, registered_guides
 from ..data.batches import check_data
 from ..data.datasets import DataSplit
 from ..model.bnn import weight_norm_of
 from ..posterior import metrics
-from ..posterior.arviz import default_method, loo_approximate, to_arviz
+from ..posterior.arviz import default_predictive, loo_approximate, to_arviz
 from ..posterior.prediction import (
     PredictiveSamples,
     predict,
@@ -274,7 +274,7 @@ def _mapping_or_none(name, value) -> None:
 
 def _str_or_none(name, value) -> None:
     if value is not None and not isinstance(value, str):
-        raise TypeError(f"{name} must be a method name (str) or None, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be a predictive name (str) or None, got {value!r} ({type(value).__name__})")
 
 
 def _check_bool(name, value) -> None:
@@ -283,7 +283,7 @@ def _check_bool(name, value) -> None:
 
 
 def _check_options(names, *, epochs, lr, batch_size, num_samples, loo_samples, seed, progress,
-                   details, guide_options, fit_options, predict_method) -> None:
+                   details, guide_options, fit_options, predictive) -> None:
     """Every option of :func:`compare`, before any training: types, ranges and guide names."""
     _check_each("epochs", epochs, names, lambda n, v: check_int(n, v, 0))
     _check_each("lr", lr, names, lambda n, v: check_positive(n, v, optional=True))
@@ -296,7 +296,7 @@ def _check_options(names, *, epochs, lr, batch_size, num_samples, loo_samples, s
     for option, value in (("guide_options", guide_options), ("fit_options", fit_options)):
         _mapping_or_none(option, value)
         _check_each(option, value or {}, names, _mapping_or_none)
-    _check_each("predict_method", predict_method, names, _str_or_none)
+    _check_each("predictive", predictive, names, _str_or_none)
 
 
 def _loo_columns(dt) -> dict:
@@ -379,8 +379,8 @@ def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch
 
 
 def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSamples:
-    """A guide's own predictive (``pb.predict(method=...)``) as :class:`PredictiveSamples`."""
-    values = predict(model, guide, x, num_samples=num_samples, method=method)
+    """A guide's own predictive (``pb.predict(predictive=...)``) as :class:`PredictiveSamples`."""
+    values = predict(model, guide, x, num_samples=num_samples, predictive=method)
     if values.dim() == 2:
         values = values.unsqueeze(0)
     kind, noise = predictive_likelihood(model, guide)
@@ -400,7 +400,7 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     run.guide = guide = guide_fn(model, **guide_kw)
     run.fit = fit(model, guide, split.train, epochs=epochs, batch_size=batch_size, lr=lr,
                   device=device, seed=seed, progress=progress, **fit_kw)
-    run.predict_method = predict_method = predict_method or default_method(guide)
+    run.predict_method = predict_method = predict_method or default_predictive(guide)
     t0 = time.perf_counter()
     out = run.predictive(split.x_test, num_samples)
     run.metrics["predict_seconds"] = time.perf_counter() - t0
@@ -425,7 +425,7 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     run.metrics["log_evidence"] = _log_evidence(guide)
     if loo_samples:
         dt = to_arviz(model, guide, split.x_train, split.y_train, num_samples=loo_samples,
-                      method=predict_method if predict_method in ("sample", "glm") else None)
+                      predictive=predict_method if predict_method in ("sample", "glm") else None)
         stats = dt["sample_stats"]
         run.metrics["elbo"] = float((stats["lp"] - stats["log_q"]).mean())
         run.metrics.update(_loo_columns(dt))
@@ -480,7 +480,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
             loo_samples: int = 200, device=None, seed: int = 0, progress: bool = True,
             guide_options: Mapping[str, dict] | None = None,
             fit_options: Mapping[str, dict] | None = None,
-            predict_method: str | Mapping[str, str] | None = None, errors: str = "record",
+            predictive: str | Mapping[str, str] | None = None, errors: str = "record",
             details: bool = False) -> pd.DataFrame | Comparison:
     """Train each guide on a fresh model from ``model_fn`` and tabulate test metrics, ELBO,
     ELPD-LOO and timings.
@@ -517,12 +517,12 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         Progress bars and one status line per guide (on stderr).
     guide_options, fit_options : dict, optional
         ``{guide: {option: value}}`` passed to the guide factory / :func:`pyro_bnn.fit`
-        (e.g. ``{"laplace": {"marglik": {...}}}`` or ``{"hypernet": {"clip_norm": 10}}``).
-    predict_method : str, dict or None
+        (e.g. ``{"laplace": {"marglik": pb.MarglikOptions(...)}}`` or ``{"hypernet": {"clip_norm": 10}}``).
+    predictive : str, dict or None
         ``None`` (default): each guide's own predictive (``guide.default_predictive``:
         ``"glm"`` for the Laplace guides, else ``"sample"``); or ``"sample"`` (Monte Carlo
         over guide draws, every guide) or a guide's named predictive, one value or
-        ``{guide: method}`` (missing guides: their own).  Recorded in the ``predictive``
+        ``{guide: predictive}`` (missing guides: their own).  Recorded in the ``predictive``
         column; the ``DataTree`` holds draws of the same predictive.
     errors : {"record", "raise"}
         On a failing guide, record the error in its row (and warn) or re-raise.
@@ -560,7 +560,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     factories = _resolve_guides(guides)
     _check_options(list(factories), epochs=epochs, lr=lr, batch_size=batch_size, num_samples=num_samples,
                    loo_samples=loo_samples, seed=seed, progress=progress, details=details,
-                   guide_options=guide_options, fit_options=fit_options, predict_method=predict_method)
+                   guide_options=guide_options, fit_options=fit_options, predictive=predictive)
     if device is not None:
         device = check_device(device)
     runs: dict[str, GuideRun] = {}
@@ -577,7 +577,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
                     loo_samples=loo_samples, device=device, seed=seed, progress=progress,
                     guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
                     fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
-                    predict_method=_per_guide(predict_method, name, None))
+                    predict_method=_per_guide(predictive, name, None))
         except KeyboardInterrupt:
             raise ComparisonInterrupted(Comparison(_table(runs), runs, split), name) from None
         except Exception as exc:

@@ -113,9 +113,9 @@ def reliability_figure(probs: Mapping[str, torch.Tensor], y: torch.Tensor, num_b
     centers = (torch.arange(num_bins, dtype=torch.float64) + 0.5) * width
     for ax, (name, p) in zip(axes, probs.items()):
         mean = p.mean(0)
-        conf, acc, count = metrics.calibration_bins(mean, y.to(mean.device), num_bins)
+        conf, acc, count = metrics.calibration_bins(mean, y.to(mean.device), num_bins=num_bins)
         conf, acc, count = conf.cpu(), acc.cpu(), count.cpu()
-        ece = metrics.expected_calibration_error(mean, y.to(mean.device), num_bins)
+        ece = metrics.expected_calibration_error(mean, y.to(mean.device), num_bins=num_bins)
         filled = count > 0
         ax.bar(centers[filled].numpy(), acc[filled].numpy(), width=width, edgecolor="black", color="tab:blue",
                alpha=0.8, label="accuracy in bin")

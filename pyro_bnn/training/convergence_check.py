@@ -12,7 +12,7 @@ the Monte Carlo standard error of the difference), the shorter length was not en
 
 The final objective is estimated on the training data, after training, with the guide's own
 objective (the ELBO for variational guides; for Laplace, the MAP's log joint without its
-parameter-free prior normaliser), as the mean of ``draws`` passes over the data in minibatches
+parameter-free prior normaliser), as the mean of ``num_samples`` passes over the data in minibatches
 of ``eval_batch_size``: each minibatch loss is an unbiased estimate of the full-data objective
 (the likelihood is scaled by ``N / B``), so their ``B / N``-weighted sum over one pass is one.
 """
@@ -54,11 +54,11 @@ class LengthCheck:
         (beyond ``Z = 2`` standard errors), nor lower (a fit that does not reproduce its
         objective at a longer length is not confirmed either), and the estimates resolve the
         tolerance (two standard errors of the relative gain at most ``tolerance``; otherwise
-        raise ``draws``).
+        raise ``num_samples``).
     epochs : tuple of int
         The two lengths, shorter first.
     objective : tuple of float
-        Their final objectives (mean over ``draws`` estimates on the training data).
+        Their final objectives (mean over ``num_samples`` estimates on the training data).
     standard_error : tuple of float
         Monte Carlo standard errors of those means.
     relative_gain : float
@@ -98,7 +98,7 @@ class LengthCheck:
             return f"{head}: {e1} epochs are enough"
         if Z * self.relative_gain_se > self.tolerance and abs(self.relative_gain) - Z * self.relative_gain_se <= self.tolerance:
             return (f"{head}: the estimates are too noisy to tell (two standard errors exceed the tolerance); "
-                    "raise draws")
+                    "raise num_samples")
         if self.relative_gain > 0:
             return f"{head}: {e1} epochs are not enough; train longer (at least {e2} epochs) and check again"
         return (f"{head}: the longer fit ended lower, so the objective does not reproduce at this length; "
@@ -106,7 +106,7 @@ class LengthCheck:
 
 
 @torch.no_grad()
-def estimate_objective(model, guide, data, *, draws: int = 16, eval_batch_size: int = 1024,
+def estimate_objective(model, guide, data, *, num_samples: int = 16, eval_batch_size: int = 1024,
                        objective=None, device=None, num_data: int | None = None) -> tuple[float, float]:
     """Estimate a trained guide's final training objective on ``data``.
 
@@ -116,8 +116,8 @@ def estimate_objective(model, guide, data, *, draws: int = 16, eval_batch_size: 
         A model and guide trained by :func:`pyro_bnn.fit` (or set up by it).
     data : (x, y) tensors, Dataset or DataLoader
         The training data (as given to ``fit``).
-    draws : int
-        Passes over the data; each gives one unbiased estimate (>= 2, for a standard error).
+    num_samples : int
+        Monte-Carlo estimates: passes over the data; each gives one unbiased estimate (>= 2, for a standard error).
     eval_batch_size : int
         Minibatch size of a pass (>= 1); the objective is minibatch-scaled.
     objective : callable, optional
@@ -131,10 +131,10 @@ def estimate_objective(model, guide, data, *, draws: int = 16, eval_batch_size: 
     Returns
     -------
     (float, float)
-        The mean of the ``draws`` estimates of ``−(loss − loss_constant)`` (the ELBO for
+        The mean of the ``num_samples`` estimates of ``−(loss − loss_constant)`` (the ELBO for
         variational guides) and its standard error.
     """
-    check_int("draws", draws, minimum=2)
+    check_int("num_samples", num_samples, minimum=2)
     check_int("eval_batch_size", eval_batch_size, minimum=1)
     device = torch.device(device) if device is not None else module_device(model)
     loader = make_loader(data, batch_size=eval_batch_size, shuffle=False, device=device)
@@ -143,7 +143,7 @@ def estimate_objective(model, guide, data, *, draws: int = 16, eval_batch_size: 
     objective = objective or guide_contract(guide).make_objective(1)
     values = []
     with local_params(model, guide):
-        for _ in range(draws):
+        for _ in range(num_samples):
             total = 0.0
             for batch in loader:
                 xb, yb = split_batch(batch)
@@ -158,7 +158,8 @@ def estimate_objective(model, guide, data, *, draws: int = 16, eval_batch_size: 
 
 
 def check_convergence(make: Callable[[], tuple[Any, Any]], data, *, epochs: int, factor: int = 2,
-                      tolerance: float = 0.02, seed: int = 0, draws: int = 16, eval_batch_size: int = 1024,
+                      tolerance: float = 0.02, seed: int = 0, num_samples: int = 16,
+                      eval_batch_size: int = 1024,
                       warn: bool = True, **fit_kwargs) -> LengthCheck:
     """Fit twice, for ``epochs`` and ``factor · epochs``, and say whether ``epochs`` is enough.
 
@@ -179,7 +180,7 @@ def check_convergence(make: Callable[[], tuple[Any, Any]], data, *, epochs: int,
         Seeds the random-number generators before each ``make()`` and each fit (the same
         initialisation and data order at both lengths); the caller's random streams are left
         as they were.
-    draws, eval_batch_size : int, int
+    num_samples, eval_batch_size : int, int
         How the final objectives are estimated (:func:`estimate_objective`).
     warn : bool
         Warn with :class:`~pyro_bnn.ConvergenceWarning` if ``epochs`` is not enough.
@@ -231,7 +232,7 @@ def check_convergence(make: Callable[[], tuple[Any, Any]], data, *, epochs: int,
                 warnings.simplefilter("ignore", ConvergenceWarning)  # this function gives the verdict
                 fits.append(fit(model, guide, data, epochs=length, seed=seed, **fit_kwargs))
             estimates.append(estimate_objective(
-                model, guide, data, draws=draws, eval_batch_size=eval_batch_size,
+                model, guide, data, num_samples=num_samples, eval_batch_size=eval_batch_size,
                 objective=fit_kwargs.get("objective"), device=fit_kwargs.get("device"),
                 num_data=fit_kwargs.get("num_data")))
         pairs.append(pair)

@@ -19,7 +19,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyro
@@ -31,7 +31,7 @@ from ..contract.guide import guide_contract
 from ..contract.local_params import global_param_tensors, local_params
 from ..contract.param_store import publish_after_fit, sync_param_store
 from ..contract.pyro_objective import call_model
-from ..curvature.marglik import check_marglik_options
+from ..curvature.marglik import MarglikOptions, check_marglik_options
 from ..data.batches import dataset_size, make_loader, split_batch, validate_data
 from ..model.devices import module_device
 from . import distributed as _dist
@@ -211,7 +211,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         optimizer=None, lr_schedule="cosine", num_particles: int = 1, device=None, progress: bool = True,
         shuffle: bool = True, seed: int | None = None, clip_norm: float | None = None,
         num_data: int | None = None, objective=None, checkpoint: str | os.PathLike | None = None,
-        resume: bool = False, overwrite: bool = False, marglik: dict | None = None,
+        resume: bool = False, overwrite: bool = False, marglik: MarglikOptions | None = None,
         distributed: bool | _dist.DistributedOptions = False, **unknown) -> FitResult:
     """Train ``model`` and ``guide`` by stochastic variational inference.
 
@@ -278,8 +278,9 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     overwrite : bool
         Start afresh even though a file exists at ``checkpoint``; it is replaced (atomically)
         at the first epoch's write.
-    marglik : dict, optional
-        Online marginal-likelihood options for guides that support it (Laplace).
+    marglik : pyro_bnn.MarglikOptions, optional
+        Online marginal-likelihood schedule for guides that support it (Laplace), e.g.
+        ``marglik=pb.MarglikOptions(every=5, burnin=10, steps=50)``; ``None``: none.
     distributed : bool or pyro_bnn.training.distributed.DistributedOptions
         Data-parallel training under ``torchrun`` (see ``docs/distributed.md``): each rank
         reads ``batch_size / world_size`` examples of every global minibatch of size
@@ -351,7 +352,8 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
     lr = lr if lr is not None else run.contract.learning_rate(run.ctx.num_data) or 1e-3
     run.settings = dict(epochs=epochs, batch_size=batch_size, lr=lr, num_particles=num_particles,
                         shuffle=bool(shuffle), seed=seed, clip_norm=clip_norm, num_data=run.ctx.num_data,
-                        marglik=marglik, model=type(model).__name__, guide=type(guide).__name__,
+                        marglik=None if marglik is None else asdict(marglik),
+                        model=type(model).__name__, guide=type(guide).__name__,
                         lr_schedule=lr_schedule if isinstance(lr_schedule, str) else "callable",
                         optimizer="default" if optimizer is None else "callable",
                         objective="default" if objective is None else "callable")

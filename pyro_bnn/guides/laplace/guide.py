@@ -23,6 +23,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from torch import nn
 
+from ...arguments import reject_unknown_keywords
 from ...contract.guide import BNNGuide, init_to_network, register_guide
 from ...contract.local_params import local_params, unwrap_model
 from ...contract.modes import evaluation_mode
@@ -130,7 +131,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     targets": MNIST 5k, MLP 784-400-400-10, converged MAPs, 5 seeds).  For the predictive
     uncertainty of a trained classifier prefer ``Laplace(model, "kron", subset="last_layer")``
     + ``optimize_prior_precision(method="gridsearch", val=(x_val, y_val))`` (a validation split
-    of the training data) + ``method="glm"``: it beat the MAP network on test NLL and ECE in
+    of the training data) + ``predictive="glm"``: it beat the MAP network on test NLL and ECE in
     5/5 seeds (0.178 / 0.010 vs 0.211 / 0.024).  With δ by the evidence (the default
     ``method="marglik"``, and the registry's ``"laplace"``) the last-layer GLM was
     underconfident and worse than the MAP in 5/5 seeds (0.251 / 0.101); all-layer KFAC at the
@@ -146,7 +147,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
     >>> guide = pb.guides.Laplace(model, structure="kron")            # doctest: +SKIP
     >>> pb.fit(model, guide, (x, y), epochs=20)                        # doctest: +SKIP
     >>> guide.optimize_prior_precision()                               # doctest: +SKIP
-    >>> probs = pb.predict(model, guide, x_test, method="glm")         # doctest: +SKIP
+    >>> probs = pb.predict(model, guide, x_test, predictive="glm")     # doctest: +SKIP
     >>> ll = pb.guides.Laplace(pb.BNN(trained_net), "kron", subset="last_layer")  # doctest: +SKIP
     >>> ll.fit_curvature((x, y)); ll.optimize_prior_precision()        # doctest: +SKIP
     """
@@ -556,17 +557,17 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         return evidence
 
     # ------------------------------------------------------------- predictive
-    def predict(self, model, x, method: str = "glm", num_samples: int = 100, batch_size: int = 256,
-                link_approx: str | None = None, **kwargs) -> torch.Tensor:
+    def predict(self, model, x, *, predictive: str = "glm", num_samples: int = 100,
+                batch_size: int = 256, link_approx: str | None = None, **kwargs) -> torch.Tensor:
         """Predictive of the Laplace posterior.
 
-        ``method="glm"`` (default): the linearised (GLM) predictive with Monte-Carlo link,
+        ``predictive="glm"`` (default): the linearised (GLM) predictive with Monte-Carlo link,
         the one :func:`pyro_bnn.predict`, :func:`pyro_bnn.evaluate`, :func:`pyro_bnn.to_arviz`
         and the validation grid search of :meth:`optimize_prior_precision` use —
         classification ``(S, N, C)`` probabilities of ``S = num_samples`` function draws
         ``f ~ N(f*(x), Σ_f(x))``, regression ``(S, N, D)`` draws of the linearised mean
-        function.  ``method="glm_probit"`` (or ``link_approx="probit"``): the probit
-        approximation of the same Gaussian, ``(1, N, C)``.  ``method="sample"``: Monte Carlo
+        function.  ``predictive="glm_probit"`` (or ``link_approx="probit"``): the probit
+        approximation of the same Gaussian, ``(1, N, C)``.  ``predictive="sample"``: Monte Carlo
         over weight draws.
 
         Prefer the GLM: weight-space samples of a Laplace posterior over all layers run
@@ -576,19 +577,24 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         Monte Carlo, not probit, by default: digits NLL 0.109 / ECE 0.072 against probit's
         0.166 / 0.119 (``docs/results/predictives.md``).
         """
-        if method == "sample":
-            return mc_predict(model, self, x, num_samples, batch_size, method="sample", **kwargs)
-        if method == "glm_probit":
+        if predictive == "sample":
+            return mc_predict(model, self, x, num_samples=num_samples, batch_size=batch_size,
+                              predictive="sample", **kwargs)
+        if predictive == "glm_probit":
             if link_approx not in (None, "probit"):
-                raise ValueError(f"method='glm_probit' is the probit link; got link_approx={link_approx!r} "
-                                 "(use method='glm' for Monte Carlo)")
-            method, link_approx = "glm", "probit"
-        if method != "glm":
-            raise ValueError(f"method must be 'glm', 'glm_probit' or 'sample', got {method!r}")
-        f, cov = self.functional_covariance(x, batch_size)
+                raise ValueError(f"predictive='glm_probit' is the probit link; got "
+                                 f"link_approx={link_approx!r} "
+                                 "(use predictive='glm' for Monte Carlo)")
+            predictive, link_approx = "glm", "probit"
+        if predictive != "glm":
+            raise ValueError(f"predictive must be 'glm', 'glm_probit' or 'sample', got {predictive!r}")
+        # the GLM predictive takes no other option: one would be ignored silently (a wrong answer)
+        reject_unknown_keywords("Laplace.predict", kwargs,
+                                ("predictive", "num_samples", "batch_size", "link_approx"))
+        f, cov = self.functional_covariance(x, batch_size=batch_size)
         return glm_predictive(f, cov, self.posterior.kind, link_approx or "mc", num_samples)
 
-    def functional_covariance(self, x: torch.Tensor, batch_size: int = 256, prior_precision=None):
+    def functional_covariance(self, x: torch.Tensor, *, batch_size: int = 256, prior_precision=None):
         """``f(x; θ*)`` ``(N, C)`` and ``Σ_f = J P⁻¹ Jᵀ`` ``(N, C, C)``, streamed in batches
         (at the guide's δ, or at ``prior_precision``)."""
         if not isinstance(x, torch.Tensor):
@@ -624,7 +630,7 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
         kind, noise, _ = self._kind_and_scale()
         return kind, noise
 
-    def linearized_samples(self, x: torch.Tensor, num_samples: int, batch_size: int = 256,
+    def linearized_samples(self, x: torch.Tensor, *, num_samples: int, batch_size: int = 256,
                            sites=None, generator: torch.Generator | None = None,
                            max_values: int = 2 ** 24) -> LinearizedSamples:
         """Joint draws ``θ_s ~ N(θ*, P⁻¹)`` and the linearised network at ``x``.

@@ -1,7 +1,7 @@
 """Online marginal-likelihood training for the Laplace guide (Immer et al. 2021).
 
 :class:`OnlineEvidence`, composed into :class:`~pyro_bnn.guides.Laplace` for one
-:func:`pyro_bnn.fit` with ``marglik=``: every ``marglik["every"]`` epochs after ``burnin`` a
+:func:`pyro_bnn.fit` with ``marglik=``: every ``marglik.every`` epochs after ``burnin`` a
 curvature refit and evidence steps on the prior precision (and a learned Gaussian noise, and
 a learnable augmentation's ``η``, LILA), keeping the state of the best evidence and restoring
 it at the end of ``fit``.
@@ -48,12 +48,11 @@ class OnlineEvidence:
     Parameters
     ----------
     guide : pyro_bnn.guides.Laplace
-    options : dict
-        Checked ``marglik`` options (:func:`pyro_bnn.curvature.marglik.check_marglik_options`):
-        ``every``, ``burnin``, ``steps``, ``lr``.
+    options : pyro_bnn.MarglikOptions
+        The ``marglik=`` options: ``every``, ``burnin``, ``steps``, ``lr``.
     """
 
-    def __init__(self, guide, options: dict):
+    def __init__(self, guide, options: ml.MarglikOptions):
         self.guide = guide
         self.options = options
         self.best: tuple | None = None     # (log evidence, guide state, model state)
@@ -63,9 +62,9 @@ class OnlineEvidence:
             lik.log_noise.requires_grad_(False)
         self.hyper = guide.evidence_hyperparameters(True if self.noise_frozen else None)
         self.hyper_optimizer = torch.optim.Adam([p for p in self.hyper if p is not None],
-                                                lr=float(options["lr"]))
+                                                lr=options.lr)
         # A learnable augmentation (LILA): η follows the evidence too (pyro_bnn.invariance).
-        self.eta_optimizer = guide_eta_optimizer(guide.base_model, options["lr"])
+        self.eta_optimizer = guide_eta_optimizer(guide.base_model, options.lr)
 
     def after_epoch(self, ctx) -> None:
         """Evidence steps when due; keeps the state of the best evidence."""
@@ -75,7 +74,7 @@ class OnlineEvidence:
             return
         guide = self.guide
         deterministic_curvature(guide, ctx, lila=self.eta_optimizer is not None)
-        value = guide.evidence_steps(int(self.options["steps"]), float(self.options["lr"]),
+        value = guide.evidence_steps(self.options.steps, self.options.lr,
                                      params=self.hyper, optimizer=self.hyper_optimizer)
         history.setdefault("log_evidence", []).append(value)
         history.setdefault("log_evidence_noise", []).append(self.evidence_noise(ctx, value))

@@ -213,8 +213,8 @@ class PriorPrecision:
         return v
 
     # ---------------------------------------------------------------- tuning
-    def optimize_prior_precision(self, data=None, steps: int = 100, lr: float = 0.1,
-                                 learn_noise: bool | None = None, *, method: str = "marglik",
+    def optimize_prior_precision(self, data=None, *, steps: int = 100, lr: float = 0.1,
+                                 learn_noise: bool | None = None, method: str = "marglik",
                                  val=None, grid=None, link_approx: str = "mc",
                                  num_samples: int = 100, batch_size: int | None = None) -> float:
         """Tune δ by the evidence (``method="marglik"``) or on validation data (``"gridsearch"``).
@@ -239,7 +239,7 @@ class PriorPrecision:
         link_approx : {"mc", "probit"}
             ``"gridsearch"``: the GLM predictive scored; default ``"mc"``, the Monte-Carlo
             GLM predictive that ``pb.evaluate``, ``pb.predict`` and ``guide.predict`` use by
-            default (``"probit"``: the ``method="glm_probit"`` predictive).
+            default (``"probit"``: the ``predictive="glm_probit"``).
         num_samples : int
             ``"gridsearch"`` with ``link_approx="mc"``: function draws per point (common
             random numbers across candidates; the same draws as ``guide.predict`` under
