@@ -395,12 +395,15 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--out", default=None, help="append the result as one JSON line here")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="instead of timing: torch.profiler over STEPS steps of each guide's loop and reference")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     x, y = pb.datasets.mnist_split(args.data_dir, 5000, 5000).train
     n = len(x)
-    batches = TensorBatches(x, y, args.batch_size)
+    steps = args.profile or len(x)   # --profile: epochs of that many steps
+    batches = TensorBatches(x[: steps * args.batch_size], y[: steps * args.batch_size], args.batch_size)
     torch.manual_seed(0)
     net_map = mlp(args.hidden)
     opt_map = torch.optim.Adam(net_map.parameters(), lr=args.lr, fused=True)
@@ -418,6 +421,8 @@ def main(argv=None):
         methods.update(_methods(name, model, guide, x, y, args, batches, args.lr))
     if args.check_only:
         return checks
+    if args.profile:
+        return profile(methods, args.profile)
     wall = {k: [] for k in methods}
     cpu = {k: [] for k in methods}
     for run in methods.values():   # warm-up (one epoch each)
@@ -446,6 +451,23 @@ def main(argv=None):
         with open(args.out, "a") as fh:
             fh.write(json.dumps(row) + "\n")
     return row
+
+
+def profile(methods, steps: int):
+    """torch.profiler tables (CPU self time) of one epoch of ``steps`` steps of every loop and
+    reference (``main`` builds them on the first ``steps`` batches)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    for key, run in methods.items():
+        if key.endswith(":fit") or key == "map":
+            continue
+        run(1)   # warm-up
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.process_time()
+            run(1)
+            secs = time.process_time() - t0
+        print(f"== {key}: {steps} steps, {1000 * secs / steps:.1f} ms cpu per step (under the profiler)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
 @torch.no_grad()
