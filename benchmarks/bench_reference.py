@@ -6,7 +6,8 @@ same process, and against a plain MAP step.  Guides (MNIST 5k, MLP 784-400-400-1
 128, Adam lr 1e-3, fused where the library's default optimiser is fused):
 
 * ``hypernet0``: ``Hypernet(weight-norm model, num_flows=0)``: ``g = μ + softplus(ρ) ε``
-  over the D = 810 weight-norm scales, ``W_j = g_j v_j/‖v_j‖``, Monte Carlo KL
+  over the D = 810 weight-norm scales, ``W_j = g_j v_j/‖v_j‖`` (``torch._weight_norm``, the
+  kernel of ``torch.nn.utils.parametrizations.weight_norm``), Monte Carlo KL
   ``log q(g) − log p(g)``.
 * ``hypernet8``: the same with 8 IAF blocks (MADE conditioners with 200 hidden units, the
   ``"stable"`` layout: blocks on standardised coordinates, fan-in scaled conditioners,
@@ -114,7 +115,8 @@ def hypernet_reference_loss(p: dict, x, y, num_data: int, eps=None, parts: bool 
     log_p = (-0.5 * (g / s).square() - math.log(s) - HALF_LOG_2PI).sum(-1)
     f = x
     for i, (scales, (v, b)) in enumerate(zip(g[0].split(p["sizes"]), p["layers"])):
-        f = F.linear(f, scales[:, None] * v / v.norm(dim=1, keepdim=True), b)
+        # torch's weight-norm kernel, as torch.nn.utils.parametrizations.weight_norm calls it
+        f = F.linear(f, torch._weight_norm(v, scales[:, None], 0), b)
         if i < len(p["layers"]) - 1:
             f = torch.relu(f)
     nll = F.cross_entropy(f, y, reduction="sum") * (num_data / len(x))
