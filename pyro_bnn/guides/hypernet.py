@@ -254,8 +254,37 @@ class Hypernet(BNNGuide, AutoContinuous):
         return [name for name, _ in self.prototype_trace.iter_stochastic_nodes()]
 
     def unpack(self, latent: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Split a packed vector ``(…, D)`` into ``{site: value}`` with the sites' shapes."""
-        return {site["name"]: value for site, value in self._unpack_latent(latent)}
+        """Split a packed vector ``(…, D)`` into ``{site: value}`` with the sites' shapes.
+
+        The same views as Pyro's ``AutoContinuous._unpack_latent``, from a layout read once
+        per prototype trace (the training step's hot path)."""
+        batch = latent.shape[:-1]
+        layout = self._latent_layout()
+        total = layout[-1][1] + layout[-1][2] if layout else 0
+        if latent.shape[-1] != total:
+            raise ValueError(f"expected a packed latent of {total} values (last axis), got shape "
+                             f"{tuple(latent.shape)}")
+        out = {}
+        for name, start, size, shape, event_dim in layout:
+            full = torch.broadcast_shapes(shape, batch + (1,) * event_dim)
+            out[name] = latent[..., start:start + size].view(full)
+        return out
+
+    def _latent_layout(self) -> list[tuple]:
+        """``[(site, start, size, unconstrained shape, event dim)]`` in packing order, as
+        ``_unpack_latent`` computes them (cached with the prototype trace it was read from)."""
+        cached = self.__dict__.get("_layout_cache")
+        if cached is not None and cached[0] is self.prototype_trace:
+            return cached[1]
+        layout, pos = [], 0
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            shape = self._unconstrained_shapes[name]
+            size = math.prod(shape)
+            event_dim = site["fn"].event_dim + len(shape) - len(site["value"].shape)
+            layout.append((name, pos, size, shape, event_dim))
+            pos += size
+        self.__dict__["_layout_cache"] = (self.prototype_trace, layout)
+        return layout
 
     def sample_with_log_prob(self, num_samples: int = 1):
         """``num_samples`` joint draws ``{site: (S, *shape)}`` and ``log q`` of each, ``(S,)``."""
