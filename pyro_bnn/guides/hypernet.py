@@ -443,8 +443,11 @@ def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, p
         f = model.run_with(sample, x)
         nll.append(-clipped_log_likelihood(model.likelihood, f, y, prob_clip).sum() * scale)
     nll = torch.stack(nll)
-    log_p = sum(_prior_log_prob(model, name, v) for name, v in values.items())
-    kl = log_q - log_p
+    log_p = None
+    for name, v in values.items():   # (no leading ``0 +``: one operation less, same values)
+        lp = _prior_log_prob(model, name, v)
+        log_p = lp if log_p is None else log_p + lp
+    kl = log_q - (0.0 if log_p is None else log_p)
     return -nll - kl, nll, kl
 
 
@@ -458,8 +461,22 @@ def _prior_log_prob(model, name: str, value: torch.Tensor) -> torch.Tensor:
     if normal is None:
         return torch.stack([model.site_prior(name).log_prob(v) for v in value])
     loc, s = normal
-    lp = -0.5 * ((value - loc) / s).square() - torch.as_tensor(s).log() - _HALF_LOG_2PI
+    if _is_cpu_number(loc, 0.0) and _is_cpu_number(s, 1.0):
+        # N(0, 1): the general formula's ``− 0``, ``/ 1`` and ``− log 1`` are exact identities
+        # (values and gradients bit for bit), so they are left out: fewer operations per step
+        lp = -0.5 * value.square() - _HALF_LOG_2PI
+    else:
+        lp = -0.5 * ((value - loc) / s).square() - torch.as_tensor(s).log() - _HALF_LOG_2PI
     return lp.reshape(len(value), -1).sum(-1)
+
+
+def _is_cpu_number(t, number: float) -> bool:
+    """Whether ``t`` is one number equal to ``number``, read without a device synchronisation
+    (a Python number, or a one-element CPU tensor that takes no gradient)."""
+    if isinstance(t, numbers.Real):
+        return float(t) == number
+    return (isinstance(t, torch.Tensor) and t.numel() == 1 and t.device.type == "cpu"
+            and not t.requires_grad and float(t) == number)
 
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
