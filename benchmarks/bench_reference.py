@@ -32,6 +32,7 @@ block with a persistent optimiser, as ``bench_core.py``).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import statistics
@@ -329,7 +330,6 @@ def _methods(name, model, guide, x, y, args, batches, lr):
         ref_loss = hypernet_reference_loss
         ref_opt = torch.optim.Adam(hypernet_reference_leaves(p), lr=lr, fused=True)
     # the library's loop and pb.fit each train their own copy (the same initial state)
-    import copy
     model_l, guide_l = copy.deepcopy(model), copy.deepcopy(guide)
     contract = pb.guides.guide_contract(guide_l)
     with local_params(model_l, guide_l):
