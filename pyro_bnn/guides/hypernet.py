@@ -254,8 +254,37 @@ class Hypernet(BNNGuide, AutoContinuous):
         return [name for name, _ in self.prototype_trace.iter_stochastic_nodes()]
 
     def unpack(self, latent: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Split a packed vector ``(…, D)`` into ``{site: value}`` with the sites' shapes."""
-        return {site["name"]: value for site, value in self._unpack_latent(latent)}
+        """Split a packed vector ``(…, D)`` into ``{site: value}`` with the sites' shapes.
+
+        The same views as Pyro's ``AutoContinuous._unpack_latent``, from a layout read once
+        per prototype trace (the training step's hot path)."""
+        batch = latent.shape[:-1]
+        layout = self._latent_layout()
+        total = layout[-1][1] + layout[-1][2] if layout else 0
+        if latent.shape[-1] != total:
+            raise ValueError(f"expected a packed latent of {total} values (last axis), got shape "
+                             f"{tuple(latent.shape)}")
+        out = {}
+        for name, start, size, shape, event_dim in layout:
+            full = torch.broadcast_shapes(shape, batch + (1,) * event_dim)
+            out[name] = latent[..., start:start + size].view(full)
+        return out
+
+    def _latent_layout(self) -> list[tuple]:
+        """``[(site, start, size, unconstrained shape, event dim)]`` in packing order, as
+        ``_unpack_latent`` computes them (cached with the prototype trace it was read from)."""
+        cached = self.__dict__.get("_layout_cache")
+        if cached is not None and cached[0] is self.prototype_trace:
+            return cached[1]
+        layout, pos = [], 0
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            shape = self._unconstrained_shapes[name]
+            size = math.prod(shape)
+            event_dim = site["fn"].event_dim + len(shape) - len(site["value"].shape)
+            layout.append((name, pos, size, shape, event_dim))
+            pos += size
+        self.__dict__["_layout_cache"] = (self.prototype_trace, layout)
+        return layout
 
     def sample_with_log_prob(self, num_samples: int = 1):
         """``num_samples`` joint draws ``{site: (S, *shape)}`` and ``log q`` of each, ``(S,)``."""
@@ -418,8 +447,11 @@ def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, p
         f = model.run_with(sample, x)
         nll.append(-clipped_log_likelihood(model.likelihood, f, y, prob_clip).sum() * scale)
     nll = torch.stack(nll)
-    log_p = sum(_prior_log_prob(model, name, v) for name, v in values.items())
-    kl = log_q - log_p
+    log_p = None
+    for name, v in values.items():   # (no leading ``0 +``: one operation less, same values)
+        lp = _prior_log_prob(model, name, v)
+        log_p = lp if log_p is None else log_p + lp
+    kl = log_q - (0.0 if log_p is None else log_p)
     return -nll - kl, nll, kl
 
 
@@ -433,8 +465,22 @@ def _prior_log_prob(model, name: str, value: torch.Tensor) -> torch.Tensor:
     if normal is None:
         return torch.stack([model.site_prior(name).log_prob(v) for v in value])
     loc, s = normal
-    lp = -0.5 * ((value - loc) / s).square() - torch.as_tensor(s).log() - _HALF_LOG_2PI
+    if _is_cpu_number(loc, 0.0) and _is_cpu_number(s, 1.0):
+        # N(0, 1): the general formula's ``− 0``, ``/ 1`` and ``− log 1`` are exact identities
+        # (values and gradients bit for bit), so they are left out: fewer operations per step
+        lp = -0.5 * value.square() - _HALF_LOG_2PI
+    else:
+        lp = -0.5 * ((value - loc) / s).square() - torch.as_tensor(s).log() - _HALF_LOG_2PI
     return lp.reshape(len(value), -1).sum(-1)
+
+
+def _is_cpu_number(t, number: float) -> bool:
+    """Whether ``t`` is one number equal to ``number``, read without a device synchronisation
+    (a Python number, or a one-element CPU tensor that takes no gradient)."""
+    if isinstance(t, numbers.Real):
+        return float(t) == number
+    return (isinstance(t, torch.Tensor) and t.numel() == 1 and t.device.type == "cpu"
+            and not t.requires_grad and float(t) == number)
 
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
