@@ -496,3 +496,27 @@ def test_fit_curvature_runs_in_eval_mode_and_leaves_mode_and_buffers():
         eval_out = model.run_with(theta, x)
         model.train()
     assert float((train_out - eval_out).abs().max()) > 1e-2
+
+
+def test_fit_of_a_fitted_then_svi_moved_laplace_guide_does_not_warn_stale_at_set_up():
+    # SVI after pb.fit moves θ off the fitted θ*: the guide says its curvature is stale (the
+    # control); a second pb.fit refits the curvature at its end, so its set-up run must not say it
+    torch.manual_seed(0)
+    x = torch.randn(64, 3)
+    y = (x[:, 0] > 0).long()
+    model = pb.BNN(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)), "categorical")
+    guide = pb.guides.Laplace(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pb.ConvergenceWarning)
+        pb.fit(model, guide, (x, y), epochs=2, batch_size=32, lr=1e-2, progress=False, seed=0)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
+    with pytest.warns(StaleCurvatureWarning, match="stale"):
+        for _ in range(3):
+            svi.step(x, y)
+    assert guide.curvature_is_stale()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pb.fit(model, guide, (x, y), epochs=2, batch_size=32, lr=1e-2, progress=False, seed=0)
+    assert not [w for w in caught if issubclass(w.category, StaleCurvatureWarning)], \
+        [str(w.message) for w in caught]
+    assert not guide.curvature_is_stale()

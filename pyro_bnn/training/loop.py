@@ -119,7 +119,9 @@ def setup_guide(model, guide, x, y=None, num_data=None) -> None:
     """Run ``guide`` once (no side effects) so that lazily created parameters exist."""
     args, kwargs, _ = call_model(model, x, y, num_data if num_data is not None else len(x))
     with local_params(model, guide), torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="the Laplace guide's curvature is not fitted")  # a set-up run
+        # a set-up run, whose draw is discarded: neither "not fitted" nor "stale" is news here
+        warnings.filterwarnings("ignore", message="the Laplace guide's curvature is not fitted")
+        warnings.filterwarnings("ignore", message="the Laplace guide's θ changed since its curvature")
         poutine.block(guide)(*args, **kwargs)
 
 
