@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import pyro
 import pyro.distributions as dist
@@ -23,7 +23,6 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from torch import nn
 
-from ...arguments import reject_unknown_keywords
 from ...contract.guide import BNNGuide, init_to_network, register_guide
 from ...contract.local_params import local_params, unwrap_model
 from ...contract.modes import evaluation_mode
@@ -32,26 +31,21 @@ from ...curvature import (
     STRUCTURES,
     accumulate_curvature,
     find_layers,
-    functional_covariance,
-    glm_predictive,
-    jacobian_factors,
     likelihood_kind,
-    linearized_offsets,
     network_output,
 )
 from ...curvature import marglik as ml
 from ...data.batches import checked_source, split_batch
 from ...model.bnn import is_bnn, model_likelihood, num_augmentations
 from ...model.likelihoods import Gaussian
-from ...posterior.prediction import predict as mc_predict
 from .handlers import held_values, read_handlers
 from .objective import LaplaceMAPObjective, gaussian_log_normalizer
 from .online import OnlineEvidence, _batches, deterministic_curvature
 from .posterior import LaplacePosterior, LinearizedSamples
+from .predictive import LinearizedPredictive
 from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision, resolve_prior_structure
 from .sites import (
     concat_deltas,
-    gaussian_log_prior_batched,
     is_layer_parameter,
     normal_precision,
     point_estimate_transforms,
@@ -72,7 +66,7 @@ def _key(site: str) -> str:
     return site.replace(".", "__")
 
 
-class Laplace(PriorPrecision, BNNGuide, AutoGuide):
+class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
     """Laplace approximation of a BNN posterior with GGN curvature.
 
     Parameters
@@ -555,138 +549,6 @@ class Laplace(PriorPrecision, BNNGuide, AutoGuide):
             evidence = evidence + self._prior_scale * gaussian_log_normalizer(self.layers, unscaled) \
                 - gaussian_log_normalizer(self.layers, [self._prior_scale * d for d in unscaled])
         return evidence
-
-    # ------------------------------------------------------------- predictive
-    def predict(self, model, x, *, predictive: str = "glm", num_samples: int = 100,
-                batch_size: int = 256, link_approx: str | None = None, **kwargs) -> torch.Tensor:
-        """Predictive of the Laplace posterior.
-
-        ``predictive="glm"`` (default): the linearised (GLM) predictive with Monte-Carlo link,
-        the one :func:`pyro_bnn.predict`, :func:`pyro_bnn.evaluate`, :func:`pyro_bnn.to_arviz`
-        and the validation grid search of :meth:`optimize_prior_precision` use —
-        classification ``(S, N, C)`` probabilities of ``S = num_samples`` function draws
-        ``f ~ N(f*(x), Σ_f(x))``, regression ``(S, N, D)`` draws of the linearised mean
-        function.  ``predictive="glm_probit"`` (or ``link_approx="probit"``): the probit
-        approximation of the same Gaussian, ``(1, N, C)``.  ``predictive="sample"``: Monte Carlo
-        over weight draws.
-
-        Prefer the GLM: weight-space samples of a Laplace posterior over all layers run
-        the *nonlinear* network far from θ* in directions the data barely constrain, and
-        the sampled predictive underfits (Immer et al. 2021): an MNIST 784-200-10 net gave 28 %
-        test accuracy with sampled weights, 95 % with the GLM (``docs/results/uncertainty.md``).
-        Monte Carlo, not probit, by default: digits NLL 0.109 / ECE 0.072 against probit's
-        0.166 / 0.119 (``docs/results/predictives.md``).
-        """
-        if predictive == "sample":
-            return mc_predict(model, self, x, num_samples=num_samples, batch_size=batch_size,
-                              predictive="sample", **kwargs)
-        if predictive == "glm_probit":
-            if link_approx not in (None, "probit"):
-                raise ValueError(f"predictive='glm_probit' is the probit link; got "
-                                 f"link_approx={link_approx!r} "
-                                 "(use predictive='glm' for Monte Carlo)")
-            predictive, link_approx = "glm", "probit"
-        if predictive != "glm":
-            raise ValueError(f"predictive must be 'glm', 'glm_probit' or 'sample', got {predictive!r}")
-        # the GLM predictive takes no other option: one would be ignored silently (a wrong answer)
-        reject_unknown_keywords("Laplace.predict", kwargs,
-                                ("predictive", "num_samples", "batch_size", "link_approx"))
-        f, cov = self.functional_covariance(x, batch_size=batch_size)
-        return glm_predictive(f, cov, self.posterior.kind, link_approx or "mc", num_samples)
-
-    def functional_covariance(self, x: torch.Tensor, *, batch_size: int = 256, prior_precision=None):
-        """``f(x; θ*)`` ``(N, C)`` and ``Σ_f = J P⁻¹ Jᵀ`` ``(N, C, C)``, streamed in batches
-        (at the guide's δ, or at ``prior_precision``)."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        self._require_posterior()
-        self._warn_if_stale(always=True)
-        with self._linearization() as (run, device):
-            _, deltas = self._block_inputs(prior_precision)
-            _, _, scale = self._kind_and_scale()
-            return functional_covariance(
-                self.layers, self.posterior.blocks, [d.detach() for d in deltas], scale, run,
-                x.to(device), batch_size, num_augmentations=self._num_augmentations())
-
-    @contextmanager
-    def _linearization(self):
-        """``(run, device)``: ``run(x)`` is the network at θ*, with weights that require grad
-        (for the Jacobian factors), valid inside the context."""
-        self._require_posterior()
-        model = self.base_model
-        held = held_values(self)     # outside local_params: another guide's median
-        with local_params(model, self), evaluation_mode(unwrap_model(model), self):
-            device = next(iter(self.theta.values())).device
-            values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
-            values.update(held)
-            yield (lambda xb: network_output(model, values, xb.to(device), self.obs_site)), device
-
-    def _num_augmentations(self) -> int:
-        return num_augmentations(self.base_model)
-
-    def likelihood_kind(self) -> tuple[str, torch.Tensor | None]:
-        """``("categorical" | "bernoulli" | "gaussian", σ or None)`` of the fitted curvature."""
-        self._require_posterior()
-        kind, noise, _ = self._kind_and_scale()
-        return kind, noise
-
-    def linearized_samples(self, x: torch.Tensor, *, num_samples: int, batch_size: int = 256,
-                           sites=None, generator: torch.Generator | None = None,
-                           max_values: int = 2 ** 24) -> LinearizedSamples:
-        """Joint draws ``θ_s ~ N(θ*, P⁻¹)`` and the linearised network at ``x``.
-
-        ``f_lin(x_n; θ_s) = f(x_n; θ*) + J_n (θ_s − θ*)`` is computed from the layer
-        factors (:func:`~pyro_bnn.curvature.linearized_offsets`), so for each ``n``
-        the draws ``f_lin(x_n; θ_s)`` are samples of the GLM's function-space Gaussian
-        ``N(f*(x_n), Σ_f(x_n))`` and, across ``n``, joint draws of one linear model.
-
-        Parameters
-        ----------
-        x : Tensor, shape (N, ...)
-        num_samples : int
-            ``S``.
-        batch_size : int
-            Inputs per Jacobian pass.
-        sites : sequence of str, optional
-            Sites whose draws are returned in ``values`` (default all).
-        generator : torch.Generator, optional
-        max_values : int
-            Draws are made in chunks of at most this many weight values (``chunk ×
-            Laplace parameters``); each chunk costs one Jacobian pass over ``x``.
-
-        Returns
-        -------
-        LinearizedSamples
-        """
-        if int(num_samples) < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        keep = list(self.site_shapes) if sites is None else list(sites)
-        self._require_posterior()
-        self._warn_if_stale(always=True)
-        theta_star = {k: v.detach() for k, v in self.map_values().items()}
-        numel = sum(layer.numel for layer in self.layers)
-        chunk = max(1, min(int(num_samples), int(max_values) // max(1, numel)))
-        fs, log_qs, log_priors, kept = [], [], [], {k: [] for k in keep}
-        deltas = [d.detach() for d in self.layer_prior_precisions()]
-        for start in range(0, int(num_samples), chunk):
-            num = min(chunk, int(num_samples) - start)
-            offsets, log_q = self._draw_offsets(num, generator)
-            with self._linearization() as (run, device):
-                parts = [fac.f + linearized_offsets(self.layers, fac, offsets)
-                         for fac in jacobian_factors(self.layers, run, x.to(device), batch_size,
-                                                     self._num_augmentations())]
-            fs.append(torch.cat(parts, 1))
-            values = {k: v.expand(num, *v.shape) for k, v in theta_star.items() if k in self.fixed_sites}
-            for layer, off in zip(self.layers, offsets):
-                values.update(layer.unflatten(layer.flatten(theta_star) + off, self.site_shapes))
-            log_prior = self._prior_scale * (gaussian_log_prior_batched(self.layers, values, deltas)
-                                             + self.fixed_log_prior(theta_star))
-            log_qs.append(log_q)
-            log_priors.append(log_prior.expand(num))
-            for k in keep:
-                kept[k].append(values[k])
-        return LinearizedSamples({k: torch.cat(v) for k, v in kept.items()}, torch.cat(fs),
-                                 torch.cat(log_qs), torch.cat(log_priors).detach())
 
 
 def _laplace_last_layer(model, **options):
