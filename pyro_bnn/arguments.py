@@ -12,7 +12,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["reject_unknown_keywords", "check_int", "check_positive", "check_bool", "check_choice", "did_you_mean"]
+__all__ = ["reject_unknown_keywords", "check_int", "check_positive", "check_bool", "check_choice", "check_names",
+           "did_you_mean"]
 
 
 def reject_unknown_keywords(function: str, unknown: dict, valid: Iterable[str]) -> None:
@@ -82,3 +83,20 @@ def check_choice(name: str, value, choices: Iterable[str]) -> str:
              else difflib.get_close_matches(value, choices, n=1, cutoff=0.6))
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ValueError(f"{name} must be one of {choices}, got {value!r}{hint}")
+
+
+def check_names(value, *, expected: str, element: str) -> list[str]:
+    """``value`` as a list of names: one ``str`` is one name, else a collection of ``str``.
+
+    ``expected`` and ``element`` open the ``TypeError`` for a value that is not a collection
+    and for an element that is not a string (each message ends with what was given).
+    """
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, Iterable):
+        raise TypeError(f"{expected}, got {type(value).__name__}")
+    names = list(value)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"{element}, got {bad[0]!r} ({type(bad[0]).__name__})")
+    return names

@@ -61,7 +61,7 @@ import torch
 from pyro.nn import PyroModule
 from torch import nn
 
-from ..arguments import check_choice, check_int
+from ..arguments import check_choice, check_int, check_names
 from ..contract.guide import guide_contract
 from ..model.bnn import is_bnn, network_of, site_module
 from ..posterior import metrics
@@ -109,14 +109,8 @@ def _site_filter(sites, available: list[str]):
     collection of them); names that are not sites are an error naming the closest site."""
     if sites is None or callable(sites):
         return sites
-    names = [sites] if isinstance(sites, str) else sites
-    if not isinstance(names, Iterable):
-        raise TypeError("sites must be None, a site name, a collection of site names or a callable "
-                        f"site -> bool, got {sites!r} ({type(sites).__name__})")
-    names = list(names)
-    bad = [n for n in names if not isinstance(n, str)]
-    if bad:
-        raise TypeError(f"sites must be site names (str), got {bad[0]!r} ({type(bad[0]).__name__})")
+    names = check_names(sites, expected="sites must be None, a site name, a collection of site names or a "
+                                        "callable site -> bool", element="sites must be site names (str)")
     unknown = [n for n in names if n not in available]
     if unknown:
         hints = []

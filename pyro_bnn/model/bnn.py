@@ -13,7 +13,7 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
 
-from ..arguments import check_bool
+from ..arguments import check_bool, check_names
 from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .weight_norm import weight_norm_setup
@@ -539,14 +539,6 @@ def _make_selector(stochastic, net: nn.Module):
 
 def _stochastic_names(stochastic) -> list[str]:
     """The parameter paths of a ``stochastic=`` collection (one string is one path)."""
-    if isinstance(stochastic, str):
-        return [stochastic]
-    if not isinstance(stochastic, Iterable):
-        raise TypeError("stochastic must be None, a predicate (name, module, param) -> bool or a "
-                        f"collection of parameter paths ('net.0.weight'), got {type(stochastic).__name__}")
-    names = list(stochastic)
-    bad = [n for n in names if not isinstance(n, str)]
-    if bad:
-        raise TypeError(f"stochastic= parameter paths must be strings ('net.0.weight'), got "
-                        f"{bad[0]!r} ({type(bad[0]).__name__})")
-    return names
+    return check_names(stochastic, expected="stochastic must be None, a predicate (name, module, param) -> "
+                                            "bool or a collection of parameter paths ('net.0.weight')",
+                       element="stochastic= parameter paths must be strings ('net.0.weight')")
