@@ -5,16 +5,17 @@ May import: :mod:`pyro_bnn.model`, :mod:`pyro_bnn.arguments`; no guide implement
 """
 
 from .guide import (
-           GUIDE_REGISTRY,
-           BNNGuide,
-           guide_contract,
-           init_to_network,
-           register_guide,
-           registered_guides,
+    GUIDE_REGISTRY,
+    BNNGuide,
+    GuideStateWarning,
+    guide_contract,
+    init_to_network,
+    register_guide,
+    registered_guides,
 )
 from .modes import evaluation_mode
 from .objective import GuideObjective
 from .pyro_objective import PyroObjective, call_model
 
-__all__ = ["BNNGuide", "guide_contract", "init_to_network", "register_guide", "registered_guides",
+__all__ = ["BNNGuide", "GuideStateWarning", "guide_contract", "init_to_network", "register_guide", "registered_guides",
            "GUIDE_REGISTRY", "GuideObjective", "PyroObjective", "call_model", "evaluation_mode"]

@@ -30,8 +30,14 @@ from .local_params import local_params, prepare_local_params
 from .param_store import expose_unconstrained, global_param_mode, sync_param_store
 from .pyro_objective import PyroObjective
 
-__all__ = ["BNNGuide", "guide_contract", "init_to_network", "register_guide", "registered_guides",
-           "GUIDE_REGISTRY"]
+__all__ = ["BNNGuide", "GuideStateWarning", "guide_contract", "init_to_network", "register_guide",
+           "registered_guides", "GUIDE_REGISTRY"]
+
+
+class GuideStateWarning(UserWarning):
+    """A guide's draws are not what its user may think (e.g. a Laplace guide whose curvature is
+    missing or stale).  A set-up run, whose draw is discarded (``pb.fit``'s first call of the
+    guide), silences this category: it is news only for draws that are used."""
 
 class BNNGuide:
     """The pyro_bnn guide contract, as a mixin placed before the Pyro guide class.

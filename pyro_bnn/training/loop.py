@@ -27,7 +27,7 @@ import torch
 from pyro import poutine
 
 from ..arguments import check_bool, check_int, check_positive, reject_unknown_keywords
-from ..contract.guide import guide_contract
+from ..contract.guide import GuideStateWarning, guide_contract
 from ..contract.local_params import global_param_tensors, local_params
 from ..contract.param_store import publish_after_fit, sync_param_store
 from ..contract.pyro_objective import call_model
@@ -119,9 +119,7 @@ def setup_guide(model, guide, x, y=None, num_data=None) -> None:
     """Run ``guide`` once (no side effects) so that lazily created parameters exist."""
     args, kwargs, _ = call_model(model, x, y, num_data if num_data is not None else len(x))
     with local_params(model, guide), torch.no_grad(), warnings.catch_warnings():
-        # a set-up run, whose draw is discarded: neither "not fitted" nor "stale" is news here
-        warnings.filterwarnings("ignore", message="the Laplace guide's curvature is not fitted")
-        warnings.filterwarnings("ignore", message="the Laplace guide's θ changed since its curvature")
+        warnings.simplefilter("ignore", GuideStateWarning)  # a set-up run: its draw is discarded
         poutine.block(guide)(*args, **kwargs)
 
 
@@ -505,8 +503,8 @@ def _global_params(run: _Run) -> list:
     """The global ``pyro.param`` tensors of model and guide not among ``run.params``."""
     args, kwargs, _ = call_model(run.model, *run.example, run.ctx.num_data)
     known = {id(p) for p in run.params}
-    with warnings.catch_warnings():   # a look-up run, not a prediction: no "point mass" warning
-        warnings.filterwarnings("ignore", message="the Laplace guide's curvature is not fitted")
+    with warnings.catch_warnings():   # a look-up run, not a prediction: its draw is discarded
+        warnings.simplefilter("ignore", GuideStateWarning)
         extra = [t for t in global_param_tensors(run.model, run.guide, args, kwargs) if id(t) not in known]
     if extra and run.checkpoint is not None:
         raise NotImplementedError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...contract.guide import GuideStateWarning
 from ...curvature import CurvatureFit, DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
 
 __all__ = ["CurvatureState", "StaleCurvatureWarning"]
@@ -17,7 +18,7 @@ __all__ = ["CurvatureState", "StaleCurvatureWarning"]
 _KINDS = ("categorical", "bernoulli", "gaussian")
 
 
-class StaleCurvatureWarning(UserWarning):
+class StaleCurvatureWarning(GuideStateWarning):
     """The Laplace guide's curvature is missing or was fitted at another θ (call
     ``guide.fit_curvature``)."""
 
