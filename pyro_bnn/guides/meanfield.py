@@ -220,7 +220,9 @@ class MeanField(BNNGuide, AutoNormal):
     def optim_args(self, lr: float):
         """Per-parameter arguments for ``pyro.optim.Adam`` that apply :meth:`learning_rate_factors`
         under ``pyro.infer.SVI``: ``pyro.optim.Adam(guide.optim_args(5e-2))`` (call after the
-        guide is set up, e.g. after one ``guide(x, y)``)."""
+        guide is set up, e.g. after one ``guide(x, y)``).  The rate :func:`pyro_bnn.fit` uses for
+        ``N`` training points is ``guide.learning_rate(N)``:
+        ``guide.optim_args(guide.learning_rate(N))`` trains as ``fit`` does."""
         if self.prototype_trace is None:
             raise RuntimeError("optim_args needs the guide set up first: call guide(x, y) once (or "
                                "pyro_bnn.training.loop.setup_guide) so the sites, and their fan-ins, are known")
