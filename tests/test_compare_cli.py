@@ -242,3 +242,27 @@ def test_forest_figure_of_guides_with_different_sites(comparison):
     dts = {"hypernet": hyper, "meanfield": comparison.datatrees["meanfield"]}
     fig, names, shown = forest_figure(dts)
     assert fig is not None and names and all(n.endswith("weight_g") for n in names) and shown == ["hypernet"]
+
+
+@pytest.mark.parametrize("draws, computed", [(20, False), (25, True)])
+def test_loo_needs_25_draws_and_says_so(split, draws, computed):
+    # ArviZ's PSIS fits its tail to floor(S/5) >= 5 draws: 20 draws (the old fashion-mnist default)
+    # gave NaN ELPD-LOO columns with an opaque warning; the warning now names the fix.
+    model = _model()
+    guide = pb.guides.MeanField(model)
+    pb.fit(model, guide, (split.x_train, split.y_train), epochs=1, progress=False)
+    dt = pb.to_arviz(model, guide, split.x_train, split.y_train, num_samples=draws)
+    from pyro_bnn.reporting.comparison import _loo_columns
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cols = _loo_columns(dt)
+    messages = [str(w.message) for w in caught if "ELPD-LOO not computed" in str(w.message)]
+    assert math.isfinite(cols["elpd_loo_psis"]) is computed
+    if computed:
+        assert not messages
+    else:
+        assert messages and all("at least 25" in m and "got 20" in m for m in messages)
+
+
+def test_fashion_mnist_loo_default_is_enough_for_psis():
+    assert cli.LOO_SAMPLES["fashion-mnist"] >= 25

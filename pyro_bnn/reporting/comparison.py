@@ -282,6 +282,11 @@ def _check_bool(name, value) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
+#: The fewest posterior draws with which ArviZ's Pareto-smoothed importance sampling can fit its
+#: tail (``floor(S / 5)`` draws, at least 5).
+MIN_LOO_DRAWS = 25
+
+
 def _check_options(names, *, epochs, lr, batch_size, num_samples, loo_samples, seed, progress,
                    details, guide_options, fit_options, predictive) -> None:
     """Every option of :func:`compare`, before any training: types, ranges and guide names."""
@@ -297,6 +302,15 @@ def _check_options(names, *, epochs, lr, batch_size, num_samples, loo_samples, s
         _mapping_or_none(option, value)
         _check_each(option, value or {}, names, _mapping_or_none)
     _check_each("predictive", predictive, names, _str_or_none)
+
+
+def _num_draws(dt) -> int:
+    """Chains × draws of a DataTree's ``log_likelihood`` group (0 without one)."""
+    try:
+        sizes = dt["log_likelihood"].sizes
+    except KeyError:
+        return 0
+    return int(sizes.get("chain", 1) * sizes.get("draw", 0))
 
 
 def _loo_columns(dt) -> dict:
@@ -317,8 +331,11 @@ def _loo_columns(dt) -> dict:
             out["elpd_loo_psis"] = float(arviz_stats.loo(dt).elpd)
         except (ValueError, FloatingPointError) as exc:
             notes.append(f"loo: {exc}")
+    draws = _num_draws(dt)
+    hint = (f"; PSIS fits its tail to floor(S/5) >= 5 draws, so it needs at least {MIN_LOO_DRAWS} "
+            f"draws and got {draws}: pass loo_samples >= {MIN_LOO_DRAWS}" if draws < MIN_LOO_DRAWS else "")
     for note in notes:
-        warnings.warn(f"ELPD-LOO not computed ({note})", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"ELPD-LOO not computed ({note}{hint})", RuntimeWarning, stacklevel=3)
     return out
 
 
