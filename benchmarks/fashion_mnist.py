@@ -267,7 +267,15 @@ def row_registry(args, data, name):
     Symmetrized: the symmetrised ELBO ``L^G`` and its base q's plain ELBO)."""
     if name == "hypernet":
         torch.manual_seed(args.seed)
-        model = pb.BNN(make_net(args.arch), "categorical", weight_norm=True)
+        prior = None
+        if args.hn_prior_precision:  # one precision per weight-norm layer, in network order
+            lams = [float(v) for v in args.hn_prior_precision.split(",")]
+            names = pb.BNN(make_net(args.arch), "categorical", weight_norm=True).site_names
+            if len(lams) != len(names):
+                raise SystemExit(f"--hn-prior-precision: expected {len(names)} values ({names}), got {lams}")
+            prior = {name: pb.priors.IIDNormal(lam ** -0.5) for name, lam in zip(names, lams)}
+        torch.manual_seed(args.seed)
+        model = pb.BNN(make_net(args.arch), "categorical", weight_norm=True, prior=prior)
         opts = {} if args.hn_flows is None else {"num_flows": args.hn_flows}
     else:
         model, opts = bnn(args), {}
@@ -293,6 +301,8 @@ def row_registry(args, data, name):
             row["bound_full_data"], row["bound_full_data_se"] = elbo, se
             row["elbo_full_data"] = elbo
     row["guide"] = f"{type(guide).__name__}({guide.extra_repr()})" if name == "hypernet" else "Symmetrized"
+    if name == "hypernet":
+        row["prior_scale_by_site"] = {s: float(model.site_normal_prior(s)[1]) for s in model.site_names}
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     return row
 
@@ -428,6 +438,9 @@ def main(argv=None):
     parser.add_argument("--init-scale", type=float, default=None, help="MeanField init_scale")
     parser.add_argument("--kl-weight", type=float, default=1.0,
                         help="MeanField KL weight β (num_data = N/β: the likelihood is upweighted)")
+    parser.add_argument("--hn-prior-precision", default=None,
+                        help="Hypernet: comma-separated prior precision of the scales g, one per layer "
+                             "(default: N(0, 1) for every layer)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--out", default=None, help="append one JSON line per row to this file")
     args = parser.parse_args(argv)
