@@ -129,10 +129,23 @@ def test_fashion_mnist_mlp_is_784_200_200_10(split):
 def test_dataset_defaults_override_guide_defaults():
     for name, cfg in cli.DATASET_DEFAULTS["fashion-mnist"].items():
         merged = cli.guide_defaults("fashion-mnist", name)
-        assert merged["epochs"] == cfg["epochs"]
-        assert {k: v for k, v in merged.items() if k != "epochs"} == \
-            {k: v for k, v in cli.GUIDE_DEFAULTS[name].items() if k != "epochs"}
+        assert merged == {**cli.GUIDE_DEFAULTS[name], **cfg}
     assert cli.guide_defaults("digits", "meanfield") == cli.GUIDE_DEFAULTS["meanfield"]
+
+
+def test_fashion_mnist_laplace_all_is_online_marglik_with_layerwise_delta():
+    # the "guide" key of a dataset's defaults reaches the guide's constructor (compare's
+    # guide_options), the "fit" key pb.fit (marglik= for Immer et al.'s online schedule)
+    args = cli.build_parser().parse_args(["--dataset", "fashion-mnist"])
+    epochs, lr, fit_kw, predict, guide_kw = cli._settings(args, ["laplace_all", "meanfield"])
+    assert guide_kw == {"laplace_all": {"prior_structure": "layerwise"}, "meanfield": {}}
+    assert isinstance(fit_kw["laplace_all"]["marglik"], pb.MarglikOptions)
+    assert lr["laplace_all"] == 1e-3 and lr["meanfield"] is None
+    model = pb.BNN(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), "categorical")
+    guide = pb.guides.registered_guides()["laplace_all"](model, **guide_kw["laplace_all"])
+    assert guide.prior_structure == "layerwise" and guide.subset == "all"
+    digits = cli.build_parser().parse_args([])
+    assert cli._settings(digits, ["laplace_all"])[4] == {"laplace_all": {}}
 
 
 def _no_training(*args, **kwargs):
