@@ -56,7 +56,7 @@ def weight_norm_plan(model, site_names) -> tuple | None:
     """
     if type(model).run_with is not BNN.run_with or type(model).function is not BNN.function:
         return None
-    if augmentation_of(model) is not None or _has_hooks(model):
+    if augmentation_of(model) is not None:   # (hooks of the model itself: run_with never calls it)
         return None
     net = network_of(model)
     if not isinstance(net, nn.Sequential) or type(net).forward is not nn.Sequential.forward \
