@@ -130,3 +130,19 @@ def test_fit_takes_the_functional_forward(monkeypatch):
     with pytest.warns(pb.ConvergenceWarning):
         pb.fit(model, guide, (x, y), epochs=1, batch_size=10, progress=False)
     assert used and all(used)
+
+
+def test_weight_norm_weight_keeps_zero_row_safety():
+    """The cheaper zero-norm test (one minimum) takes the same branch as ``(norm < 1e-12).any()``:
+    a zero row gives a zero row (the clamped composite), also next to a NaN row."""
+    from pyro_bnn.model.weight_norm import weight_norm_weight
+    gen = torch.Generator().manual_seed(0)
+    g, v = torch.randn(5, generator=gen), torch.randn(5, 7, generator=gen)
+    expected = (g / v.norm(dim=1))[:, None] * v
+    assert torch.allclose(weight_norm_weight(g, v), expected, rtol=1e-6, atol=0)
+    v[2] = 0.0
+    w = weight_norm_weight(g, v)
+    assert torch.isfinite(w).all() and torch.equal(w[2], torch.zeros(7))
+    v[4, 1] = float("nan")
+    w = weight_norm_weight(g, v)
+    assert torch.equal(w[2], torch.zeros(7)) and torch.isnan(w[4]).all()
