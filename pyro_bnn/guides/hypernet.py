@@ -41,6 +41,7 @@ from ..model.bnn import is_bnn, normal_prior_params, site_module, weight_norm_of
 from ..model.likelihoods import Categorical, log_likelihood
 from ..model.weight_norm import is_weight_norm_layer, normalize_directions_
 from .hypernet_flows import FLOW_TYPES, HypernetFlow
+from .hypernet_forward import direct_calls_allowed, run_plan, weight_norm_plan
 from .meanfield import MeanField
 
 __all__ = ["Hypernet", "HypernetELBO", "clipped_log_likelihood"]
@@ -425,7 +426,12 @@ class HypernetELBO(GuideObjective):
         if self.directions == "sphere":  # a gauge: the loss and its value are unchanged
             normalize_directions_(model)
         values, log_q = guide.sample_with_log_prob(self.num_particles)
-        log_w, nll, kl = log_weights(model, values, log_q, x, y, num_data, self.prob_clip)
+        # a plain weight-norm MLP runs as direct functional calls (same operations, same values)
+        # where the model's param statements have no effect (pb.fit's module-local mode); under
+        # another Pyro handler (SVI's parameter capture, a trace) the model's own forward runs
+        plan = weight_norm_plan(model, values) if direct_calls_allowed() else None
+        log_w, nll, kl = log_weights(model, values, log_q, x, y, num_data, self.prob_clip,
+                                     run=None if plan is None else functools.partial(run_plan, plan))
         if self.alpha == 1.0:
             loss = -log_w.mean()
         else:
@@ -434,17 +440,20 @@ class HypernetELBO(GuideObjective):
         return loss, {"nll": nll.mean().detach(), "kl": kl.mean().detach()}
 
 
-def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, prob_clip=None):
+def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, prob_clip=None, *, run=None):
     """``w_s = (N/M) log p(y|θ_s) + log p(θ_s) − log q(θ_s)`` for S joint draws of a BNN.
 
+    ``run(values, x)`` computes the network output (default ``model.run_with``; the objective
+    passes the functional forward of :mod:`pyro_bnn.guides.hypernet_forward` where it applies).
     Returns ``(log_w, nll, kl)``, each of shape ``(S,)`` (``nll`` the scaled negative
     log-likelihood, ``kl = log q − log p``).
     """
     scale = (num_data or len(x)) / len(x)
+    run = model.run_with if run is None else run
     nll = []
     for s in range(len(log_q)):
         sample = {name: v[s] for name, v in values.items()}
-        f = model.run_with(sample, x)
+        f = run(sample, x)
         nll.append(-clipped_log_likelihood(model.likelihood, f, y, prob_clip).sum() * scale)
     nll = torch.stack(nll)
     log_p = None

@@ -1,0 +1,148 @@
+"""The functional forward of HypernetELBO (``pyro_bnn.guides.hypernet_forward``, issue 27): the
+same loss and gradients, bit for bit, as the general ``model.run_with`` path, and the general
+path wherever the shortcut does not apply."""
+
+from __future__ import annotations
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI
+from torch import nn
+
+import pyro_bnn as pb
+import pyro_bnn.guides.hypernet as hypernet_module
+from pyro_bnn.contract.local_params import local_params
+from pyro_bnn.guides.hypernet_forward import direct_calls_allowed, weight_norm_plan
+from pyro_bnn.training.loop import setup_guide
+
+
+def _model(flatten=False, bias=True, seed=0):
+    torch.manual_seed(seed)
+    layers = [nn.Flatten()] if flatten else []
+    layers += [nn.Linear(12, 10, bias=bias), nn.ReLU(), nn.Linear(10, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)]
+    return pb.BNN(nn.Sequential(*layers), "categorical", weight_norm=True)
+
+
+def _data(flatten=False):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 3, 4, generator=gen) if flatten else torch.randn(20, 12, generator=gen)
+    return x, torch.randint(0, 3, (20,), generator=gen)
+
+
+def _loss_and_grads(model, guide, x, y, objective, fast: bool, monkeypatch):
+    calls = []
+    plan = hypernet_module.weight_norm_plan
+
+    def spy(m, values):
+        out = plan(m, values) if fast else None
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(hypernet_module, "weight_norm_plan", spy)
+    with local_params(model, guide):
+        torch.manual_seed(5)
+        loss, extras = objective(model, guide, x, y, 200)
+        params = list(model.parameters()) + list(guide.parameters())
+        grads = torch.autograd.grad(loss, params)
+    monkeypatch.setattr(hypernet_module, "weight_norm_plan", plan)
+    return loss, extras, grads, calls
+
+
+@pytest.mark.parametrize("options, flatten, particles", [
+    ({"num_flows": 0}, False, 1),
+    ({"num_flows": 2, "hidden": 6, "init_gain": 0.5}, True, 1),
+    ({"num_flows": 2, "hidden": 6, "alpha": 0.5}, False, 2),
+    ({"num_flows": 1, "hidden": 6, "layout": "paper", "prob_clip": (1e-3, 0.999)}, False, 1),
+])
+def test_functional_forward_is_bit_identical(options, flatten, particles, monkeypatch):
+    x, y = _data(flatten)
+    model = _model(flatten)
+    guide = pb.guides.Hypernet(model, **options)
+    setup_guide(model, guide, x[:2], y[:2], 200)
+    objective = guide.make_objective(particles)
+    fast = _loss_and_grads(model, guide, x, y, objective, True, monkeypatch)
+    slow = _loss_and_grads(model, guide, x, y, objective, False, monkeypatch)
+    assert fast[3] == [True] and slow[3] == [False]   # each path really ran
+    assert torch.equal(fast[0], slow[0])
+    assert all(torch.equal(fast[1][k], slow[1][k]) for k in ("nll", "kl"))
+    assert all(torch.equal(a, b) for a, b in zip(fast[2], slow[2]))
+
+
+def test_plan_covers_plain_weight_norm_mlps_only():
+    model = _model(bias=False)
+    sites = model.site_names
+    assert weight_norm_plan(model, sites) is not None
+    assert weight_norm_plan(model, sites[:-1]) is None          # a site the plan would not fill
+    hooked = _model()
+    hooked.net[2].register_forward_hook(lambda *a: None)
+    assert weight_norm_plan(hooked, sites) is None               # a hook the direct calls would skip
+    hooked = _model()
+    hooked.net.register_forward_pre_hook(lambda *a: None)
+    assert weight_norm_plan(hooked, sites) is None
+    torch.manual_seed(0)
+    other = pb.BNN(nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 3)), "categorical", weight_norm=True)
+    assert weight_norm_plan(other, other.site_names) is None     # a layer the plan does not know
+    ordinary = pb.BNN(nn.Sequential(nn.Linear(12, 3)), "categorical")
+    assert weight_norm_plan(ordinary, ordinary.site_names) is None
+
+    class Custom(pb.BNN):
+        def function(self, x):
+            return super().function(x) * 2
+
+    torch.manual_seed(0)
+    custom = Custom(nn.Sequential(nn.Linear(12, 3)), "categorical", weight_norm=True)
+    assert weight_norm_plan(custom, custom.site_names) is None   # a forward of its own
+
+
+def test_general_path_outside_module_local_mode_and_under_handlers():
+    assert not direct_calls_allowed() or not pyro.settings.get("module_local_params")
+    with local_params():
+        assert direct_calls_allowed()
+        with pyro.poutine.trace():
+            assert not direct_calls_allowed()
+
+
+def test_svi_still_trains_the_directions(monkeypatch):
+    """Under SVI the general path runs (its parameter capture needs the model's statements)."""
+    x, y = _data()
+    model = _model()
+    guide = pb.guides.Hypernet(model, num_flows=0)
+    calls = []
+    plan = hypernet_module.weight_norm_plan
+    monkeypatch.setattr(hypernet_module, "weight_norm_plan", lambda *a: calls.append(1) or plan(*a))
+    pyro.clear_param_store()
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss=guide.make_objective())
+    svi.step(x, y)   # set-up
+    before = model.net[0].weight_v.detach().clone()
+    svi.step(x, y)
+    assert not torch.equal(before, model.net[0].weight_v.detach())
+    assert calls == []
+
+
+def test_fit_takes_the_functional_forward(monkeypatch):
+    x, y = _data()
+    model = _model()
+    guide = pb.guides.Hypernet(model, num_flows=0)
+    used = []
+    plan = hypernet_module.weight_norm_plan
+    monkeypatch.setattr(hypernet_module, "weight_norm_plan", lambda *a: used.append(plan(*a) is not None) or plan(*a))
+    with pytest.warns(pb.ConvergenceWarning):
+        pb.fit(model, guide, (x, y), epochs=1, batch_size=10, progress=False)
+    assert used and all(used)
+
+
+def test_weight_norm_weight_keeps_zero_row_safety():
+    """The cheaper zero-norm test (one minimum) takes the same branch as ``(norm < 1e-12).any()``:
+    a zero row gives a zero row (the clamped composite), also next to a NaN row."""
+    from pyro_bnn.model.weight_norm import weight_norm_weight
+    gen = torch.Generator().manual_seed(0)
+    g, v = torch.randn(5, generator=gen), torch.randn(5, 7, generator=gen)
+    expected = (g / v.norm(dim=1))[:, None] * v
+    assert torch.allclose(weight_norm_weight(g, v), expected, rtol=1e-6, atol=0)
+    v[2] = 0.0
+    w = weight_norm_weight(g, v)
+    assert torch.isfinite(w).all() and torch.equal(w[2], torch.zeros(7))
+    v[4, 1] = float("nan")
+    w = weight_norm_weight(g, v)
+    assert torch.equal(w[2], torch.zeros(7)) and torch.isnan(w[4]).all()
