@@ -216,7 +216,7 @@ def test_failed_guide_row_says_not_converged(split):
 def test_main_job_defaults_are_each_guides_converging_settings():
     args = cli.build_parser().parse_args([])
     names = list(registered_guides())
-    epochs, lr, fit_kw, _ = cli._settings(args, names)
+    epochs, lr, fit_kw, _, guide_kw = cli._settings(args, names)
     assert set(cli.GUIDE_DEFAULTS) >= set(names)  # every registered guide has documented settings
     # each length checked against a run twice as long (docs/results/compare.md)
     assert epochs == {"meanfield": 300, "hypernet": 600, "laplace": 300, "laplace_all": 300,
@@ -226,6 +226,7 @@ def test_main_job_defaults_are_each_guides_converging_settings():
     # the variational guides train at their own default_lr (pb.fit resolves lr=None)
     assert lr["meanfield"] is None and lr["symmetrized"] is None and lr["hypernet"] is None
     assert cli.GUIDE_DEFAULTS["hypernet"]["model"] == {"weight_norm": True}
+    assert guide_kw == {name: {} for name in names}  # digits: every guide's own defaults
 
 
 def test_forest_figure_of_guides_with_different_sites(comparison):
