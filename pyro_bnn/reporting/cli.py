@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from ..contract.guide import registered_guides
-from ..data import datasets
 from ..curvature.marglik import MarglikOptions
+from ..data import datasets
 from ..model.bnn import BNN
 from .comparison import MAX_SEED, ComparisonInterrupted, caused_by_interrupt, check_device, compare
 from .report import markdown_table, report_info, write_report
