@@ -103,14 +103,24 @@ def test_general_path_outside_module_local_mode_and_under_handlers():
             assert not direct_calls_allowed()
 
 
+def _spy_on_plans(monkeypatch) -> list:
+    """Record every plan the Hypernet objective builds (``None``: the general path)."""
+    plans = []
+    build = hypernet_module.weight_norm_plan
+
+    def spy(*args):
+        plans.append(build(*args))
+        return plans[-1]
+    monkeypatch.setattr(hypernet_module, "weight_norm_plan", spy)
+    return plans
+
+
 def test_svi_still_trains_the_directions(monkeypatch):
     """Under SVI the general path runs (its parameter capture needs the model's statements)."""
     x, y = _data()
     model = _model()
     guide = pb.guides.Hypernet(model, num_flows=0)
-    calls = []
-    plan = hypernet_module.weight_norm_plan
-    monkeypatch.setattr(hypernet_module, "weight_norm_plan", lambda *a: calls.append(1) or plan(*a))
+    calls = _spy_on_plans(monkeypatch)
     pyro.clear_param_store()
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss=guide.make_objective())
     svi.step(x, y)   # set-up
@@ -124,12 +134,10 @@ def test_fit_takes_the_functional_forward(monkeypatch):
     x, y = _data()
     model = _model()
     guide = pb.guides.Hypernet(model, num_flows=0)
-    used = []
-    plan = hypernet_module.weight_norm_plan
-    monkeypatch.setattr(hypernet_module, "weight_norm_plan", lambda *a: used.append(plan(*a) is not None) or plan(*a))
+    used = _spy_on_plans(monkeypatch)
     with pytest.warns(pb.ConvergenceWarning):
         pb.fit(model, guide, (x, y), epochs=1, batch_size=10, progress=False)
-    assert used and all(used)
+    assert used and all(plan is not None for plan in used)
 
 
 def test_weight_norm_weight_keeps_zero_row_safety():
