@@ -25,7 +25,7 @@ Rows (``--rows``, comma separated):
   (``pb.fit(..., marglik=MARGLIK_SCHEDULE)``), same predictive; side by side with
   laplace-torch: ``benchmarks/fmnist_laplace_torch.py``;
 * ``hypernet``, ``symmetrized`` — the registry's guides under ``pb.fit`` defaults;
-* ``autonormal`` — Pyro's ``AutoNormal`` under plain ``SVI`` (``Trace_ELBO``, Adam 1e-3).
+* ``autonormal`` — Pyro's ``AutoNormal`` under plain ``SVI`` (``Trace_ELBO``, constant Adam, lr ``--an-lr``, default 1e-3).
 
 Architectures (``--arch``): ``mlp`` 784-200-200-10 ReLU; ``cnn`` LeNet-5 style: conv 1→6 5×5,
 max-pool 2, conv 6→16 5×5, max-pool 2, fc 256→120→84→10, ReLU.
@@ -354,7 +354,7 @@ def row_autonormal(args, data):
     guide = AutoNormal(model, init_scale=0.01)
     pyro.clear_param_store()
     pyro.set_rng_seed(args.seed)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": args.an_lr}), Trace_ELBO())
     losses, secs = [], []
     for _ in range(args.epochs):
         t0, total = time.perf_counter(), 0.0
@@ -364,7 +364,7 @@ def row_autonormal(args, data):
             total += svi.step(x[idx], y[idx], len(x)) * len(idx) / len(x)
         losses.append(total)
         secs.append(time.perf_counter() - t0)
-    row = dict(loss_curve=[round(v, 1) for v in losses], seconds_per_epoch=sum(secs) / len(secs),
+    row = dict(lr=args.an_lr, loss_curve=[round(v, 1) for v in losses], seconds_per_epoch=sum(secs) / len(secs),
                convergence=convergence_of(diagnose([-v for v in losses], lr_decayed=False)),
                bound_name="ELBO (Trace_ELBO, last epoch's mean of minibatch estimates)",
                bound_full_data=-losses[-1], elbo_full_data=-losses[-1])
@@ -442,6 +442,7 @@ def main(argv=None):
                         help="Hypernet: comma-separated prior precision of the scales g, one per layer "
                              "(default: N(0, 1) for every layer)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
+    parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI, constant)")
     parser.add_argument("--out", default=None, help="append one JSON line per row to this file")
     args = parser.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
