@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny smoke run (500 images, 2 epochs)")
     p.add_argument("--progress", default=None, help="JSON-lines file: one line per epoch and method")
     p.add_argument("--out", default=None, help="JSON-lines file the result rows are appended to")
+    p.add_argument("--plot", nargs=2, metavar=("JSONL", "PNG"), default=None,
+                   help="no training: print the table of the rows in JSONL and plot their extent and "
+                        "evidence trajectories to PNG")
     return p.parse_args(argv)
 
 
@@ -135,8 +138,39 @@ def print_table(rows):
               f"| {ep:.1f} | {hs:.1f} | {r['seconds']:.0f} |")
 
 
+def plot_rows(rows, path):
+    """Extents of the six generators (top) and log evidence / N (bottom) per epoch, one column per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(rows), figsize=(4.2 * len(rows), 5.4), squeeze=False, sharex="col")
+    for k, r in enumerate(rows):
+        ext = torch.tensor(r["extent_history"])
+        for j, name in enumerate(GENERATORS):
+            axes[0][k].plot(range(1, len(ext) + 1), ext[:, j], label=name)
+        axes[0][k].axhline(math.pi, color="grey", ls=":", lw=1)
+        axes[0][k].set_title(f"{r['method']} (S = {r['samples']}, acc {100 * r['accuracy']:.1f} %)")
+        axes[0][k].set_ylabel("extent η")
+        axes[1][k].plot(r["evidence_epoch"], r["log_evidence_history"], ".-")
+        axes[1][k].set_ylabel("log evidence / N")
+        axes[1][k].set_xlabel("epoch")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"rotated Fashion-MNIST (±π), {rows[0]['num_train']} train images")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot:
+        with open(args.plot[0]) as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        print_table(rows)
+        plot_rows(rows, args.plot[1])
+        return rows
     if args.quick:
         args.subset, args.num_test, args.epochs, args.burnin, args.samples, args.hidden = 500, 500, 2, 1, 2, 32
     torch.set_num_threads(args.threads)
