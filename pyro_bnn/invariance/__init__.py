@@ -12,7 +12,8 @@ are chosen by the Laplace marginal likelihood (Immer, van der Ouderaa et al. 202
   with a Laplace guide, reusing the guide's curvature.
 * :mod:`~pyro_bnn.invariance.learning` — ``learn_invariance(model, data, method=...)``:
   LILA, Augerino and no-invariance in one loop.
-* :mod:`~pyro_bnn.invariance.datasets` — rotated/translated/scaled digits and MNIST.
+* :mod:`~pyro_bnn.invariance.datasets` — rotated/translated/scaled digits, MNIST and
+  Fashion-MNIST.
 
 May import: :mod:`pyro_bnn.model`, :mod:`pyro_bnn.contract`, :mod:`pyro_bnn.data`,
 :mod:`pyro_bnn.curvature`, :mod:`pyro_bnn.training`, :mod:`pyro_bnn.arguments`.
@@ -28,7 +29,7 @@ from .augmentation import (
                            apply_affine,
                            infer_image_shape,
 )
-from .datasets import transform_images, transformed_digits, transformed_mnist
+from .datasets import transform_images, transformed_digits, transformed_fashion_mnist, transformed_mnist
 from .evidence import eta_surrogate, invariant_curvature
 from .learning import METHODS, InvarianceResult, learn_invariance, map_predict
 from .step import evidence_step
@@ -36,5 +37,5 @@ from .step import evidence_step
 __all__ = ["AffineAugmentation", "Affine1dAugmentation", "GENERATORS", "GENERATORS_1D",
            "affine_generators", "affine_matrices", "apply_affine", "infer_image_shape",
            "learn_invariance", "evidence_step", "map_predict", "InvarianceResult", "METHODS",
-           "transform_images", "transformed_digits", "transformed_mnist",
+           "transform_images", "transformed_digits", "transformed_mnist", "transformed_fashion_mnist",
            "invariant_curvature", "eta_surrogate"]

@@ -1,4 +1,5 @@
-"""Transformed digits and MNIST: each example gets one fixed, seeded random transform.
+"""Transformed digits, MNIST and Fashion-MNIST: each example gets one fixed, seeded random
+transform.
 
 As in the LILA paper: "rotated" data have every image rotated by an angle drawn uniformly
 from ``[−extent, extent]`` (``extent = π``: fully rotated), "translated" by uniform shifts,
@@ -16,7 +17,8 @@ import torch
 from ..data import datasets as _datasets
 from .augmentation import GENERATORS, affine_generators, affine_matrices, apply_affine
 
-__all__ = ["transform_images", "transformed_digits", "transformed_mnist", "TRANSFORMS"]
+__all__ = ["transform_images", "transformed_digits", "transformed_mnist", "transformed_fashion_mnist",
+           "TRANSFORMS"]
 
 #: Kind of transform → generators it draws (with the same extent each).
 TRANSFORMS: dict[str, tuple[str, ...]] = {
@@ -102,3 +104,58 @@ def transformed_mnist(root: str | os.PathLike, kind: str = "rotate", extent: flo
                                d.y_train,
                                transform_images(d.x_test, kind, extent, seed=seed + 2),
                                d.y_test)
+
+
+def transformed_fashion_mnist(root: str | os.PathLike | None = None, kind: str = "rotate",
+                              extent: float = math.pi, num_train: int | None = None,
+                              num_test: int | None = None, seed: int = 0,
+                              flatten: bool = True) -> _datasets.DataSplit:
+    """Fashion-MNIST (:func:`pyro_bnn.data.datasets.fashion_mnist`) with one fixed random
+    transform per image: ``kind="rotate"``, ``extent=π`` is fully rotated Fashion-MNIST
+    (every image rotated by its own angle from U[−π, π], bilinear, zero padding).
+
+    Parameters
+    ----------
+    root : path, optional
+        Folder of the four IDX files; default as :func:`~pyro_bnn.data.datasets.fashion_mnist`
+        (``$PYRO_BNN_FASHION_MNIST``, else Debian's ``dataset-fashion-mnist`` folder).
+    kind, extent : see :func:`transform_images`.
+    num_train : int, optional
+        Train on a seeded random subset of this many of the 60,000 training images (the
+        subset depends on ``seed`` only, not on ``kind``); default all of them.
+    num_test : int, optional
+        The first ``num_test`` test images; default all 10,000.
+    seed : int
+        Seeds the subset (``seed``) and the transforms of train (``seed + 1``) and test
+        (``seed + 2``) images, drawn independently.
+    flatten : bool
+        ``(N, 784)`` vectors (default) or ``(N, 1, 28, 28)`` images.
+
+    Returns
+    -------
+    DataSplit
+        float32 inputs in [0, 1] (up to interpolation), int64 labels.
+
+    Raises
+    ------
+    FileNotFoundError
+        The files are not found (the message names the Debian package and ``root=``).
+    ValueError
+        ``num_train`` or ``num_test`` not in ``[1, available]``; a wrong ``kind``.
+    """
+    x, y = _datasets.fashion_mnist(root, "train", flatten=False)
+    xt, yt = _datasets.fashion_mnist(root, "test", flatten=False)
+    for name, value, size in (("num_train", num_train, len(x)), ("num_test", num_test, len(xt))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= size):
+            raise ValueError(f"{name} must be an int in [1, {size}], got {value!r}")
+    if num_train is not None and num_train < len(x):
+        idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[:num_train]
+        x, y = x[idx], y[idx]
+    if num_test is not None:
+        xt, yt = xt[:num_test], yt[:num_test]
+    x = transform_images(x, kind, extent, seed=seed + 1)
+    xt = transform_images(xt, kind, extent, seed=seed + 2)
+    if flatten:
+        x, xt = x.flatten(1), xt.flatten(1)
+    return _datasets.DataSplit(x, y, xt, yt)
