@@ -29,7 +29,7 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 from torch.distributions import kl_divergence
 
-from ..arguments import check_positive
+from ..arguments import check_bool, check_positive
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
@@ -118,9 +118,7 @@ class MeanField(BNNGuide, AutoNormal):
                  local_reparameterization: bool | str = "auto", kl_annealing: int = 0,
                  scale_parameterization: str = "exp", loc_lr_scaling: str | None = "fan_in",
                  learn_prior_scale: bool = False):
-        if not isinstance(learn_prior_scale, bool):
-            raise TypeError(f"learn_prior_scale must be True or False, got {learn_prior_scale!r}")
-        self.learn_prior_scale = learn_prior_scale
+        self.learn_prior_scale = check_bool("learn_prior_scale", learn_prior_scale)
         if loc_lr_scaling not in ("fan_in", None):
             raise ValueError(f"loc_lr_scaling must be 'fan_in' or None, got {loc_lr_scaling!r}")
         self.loc_lr_scaling = loc_lr_scaling
