@@ -8,6 +8,8 @@
   scale-mixture prior);
 * optional local reparameterisation (Kingma et al. 2015) for Linear/Conv layers: sample
   pre-activations ``N(x μ, x² σ²)`` instead of weights — lower-variance gradients.
+* optional empirical-Bayes prior scales (``learn_prior_scale``): each site's Normal prior
+  scale set to its closed-form ELBO optimum after every epoch (:mod:`.prior_scale`).
 
 For a :class:`pyro_bnn.BNN` the objective bypasses Pyro's tracing (the weights are put
 straight into the ``PyroModule`` sample cache); it computes the same ELBO as
