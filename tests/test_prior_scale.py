@@ -218,3 +218,21 @@ def test_learned_scales_raise_the_elbo_of_a_small_fit():
             pb.fit(model, guide, (x, y), epochs=300, batch_size=50, seed=0, progress=False)
         elbos[learn] = _full_elbo(model, guide, x, y)
     assert elbos[True] > elbos[False] + 5.0, elbos
+
+
+def test_a_resumed_fit_learns_the_same_scales(tmp_path):
+    """The learned scales live in the model's state_dict: a fit resumed from its checkpoint ends
+    where the uninterrupted one does."""
+    x, y = _data()
+    path = str(tmp_path / "fit.pt")
+    kw = dict(batch_size=20, seed=0, progress=False, lr_schedule="constant")
+    runs = []
+    for epochs, extra in ((3, dict(checkpoint=path)), (5, dict(checkpoint=path, resume=True)), (5, {})):
+        model = _mlp_model()
+        guide = pb.guides.MeanField(model, learn_prior_scale=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pb.ConvergenceWarning)
+            pb.fit(model, guide, (x, y), epochs=epochs, **kw, **extra)
+        runs.append({s: float(model.site_normal_prior(s)[1]) for s in model.site_names})
+    assert runs[1] == pytest.approx(runs[2], rel=1e-6)
+    assert runs[1] != pytest.approx(runs[0], rel=1e-3)
