@@ -233,8 +233,20 @@ def meanfield_prior(args):
 
 def row_meanfield(args, data):
     torch.manual_seed(args.seed)
-    model = pb.BNN(make_net(args.arch), "categorical", prior=meanfield_prior(args))
+    net, warm = make_net(args.arch), {}
+    if args.warm_start_epochs:  # the means start at a short MAP fit (N(0, 1) prior: weight decay 1/N)
+        x, y = data["train"]
+        net, loss, sec = train_map_net(args.arch, x, y, epochs=args.warm_start_epochs, seed=args.seed,
+                                       weight_decay=1.0 / len(x))
+        warm = dict(warm_start_epochs=args.warm_start_epochs, warm_start_loss=[round(v, 5) for v in loss],
+                    warm_start_seconds=sum(sec))
+        torch.manual_seed(args.seed)
+    model = pb.BNN(net, "categorical", prior=meanfield_prior(args))
     opts = {} if args.init_scale is None else {"init_scale": args.init_scale}
+    if args.kl_annealing:
+        opts["kl_annealing"] = args.kl_annealing
+    if args.learn_prior_scale:
+        opts["learn_prior_scale"] = True
     if args.loc_lr_scaling is not None:
         opts["loc_lr_scaling"] = None if args.loc_lr_scaling == "none" else args.loc_lr_scaling
     guide = pb.guides.MeanField(model, **opts)
@@ -256,7 +268,8 @@ def row_meanfield(args, data):
                                   for s in model.site_names}
     row.update(prior=repr(model.priors[model.site_names[0].replace(".", "__")]), prior_scale=args.prior_scale,
                prior_gain=args.prior_gain, kl_weight=args.kl_weight, lr=res.lr,
-               init_scale=args.init_scale, loc_lr_scaling=guide.loc_lr_scaling)
+               init_scale=args.init_scale, loc_lr_scaling=guide.loc_lr_scaling,
+               kl_annealing=args.kl_annealing, learn_prior_scale=args.learn_prior_scale, **warm)
     return row
 
 
@@ -438,6 +451,12 @@ def main(argv=None):
     parser.add_argument("--init-scale", type=float, default=None, help="MeanField init_scale")
     parser.add_argument("--kl-weight", type=float, default=1.0,
                         help="MeanField KL weight β (num_data = N/β: the likelihood is upweighted)")
+    parser.add_argument("--warm-start-epochs", type=int, default=0,
+                        help="MeanField: start the means at a MAP net trained this many epochs (0: off)")
+    parser.add_argument("--kl-annealing", type=int, default=0,
+                        help="MeanField kl_annealing (KL weight epoch/E over the first E epochs; 0: off)")
+    parser.add_argument("--learn-prior-scale", action="store_true",
+                        help="MeanField(learn_prior_scale=True): per-site prior scales by empirical Bayes")
     parser.add_argument("--hn-prior-precision", default=None,
                         help="Hypernet: comma-separated prior precision of the scales g, one per layer "
                              "(default: N(0, 1) for every layer)")

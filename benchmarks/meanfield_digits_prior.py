@@ -8,15 +8,19 @@ estimate at the end), test accuracy / NLL / ECE (100 draws), the convergence dia
 Example::
 
     PYTHONPATH=$PWD python benchmarks/meanfield_digits_prior.py --priors default normal:1 fanin:1
+    PYTHONPATH=$PWD python benchmarks/meanfield_digits_prior.py --learn-prior-scale   # also --kl-annealing E,
+                                                                                      # --warm-start-epochs K
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 
 import torch
+import torch.nn.functional as F
 from _common import emit_row  # benchmarks/_common.py (on sys.path when run as a script)
 from torch import nn
 
@@ -38,13 +42,34 @@ def make_prior(spec: str):
     raise ValueError(f"expected default, normal:S or fanin:G, got {spec!r}")
 
 
-def run(spec: str, *, epochs: int, seed: int) -> dict:
+def train_map(net, x, y, *, epochs: int, seed: int, lr: float = 1e-3, batch_size: int = 64):
+    """A warm start: Adam (cosine decay) on mean cross-entropy + weight decay 1/N (the N(0, 1) MAP)."""
+    opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=1.0 / len(x))
+    steps = epochs * -(-len(x) // batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), generator=g)
+        for i in range(0, len(x), batch_size):
+            idx = perm[i:i + batch_size]
+            loss = F.cross_entropy(net(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    return net
+
+
+def run(spec: str, *, epochs: int, seed: int, learn_prior_scale: bool = False, kl_annealing: int = 0,
+        warm_start_epochs: int = 0) -> dict:
     data = pb.datasets.digits()
     (x, y), (xt, yt) = data.train, data.test
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(64, 100), nn.ReLU(), nn.Linear(100, 10))
+    if warm_start_epochs:
+        net = train_map(net, x, y, epochs=warm_start_epochs, seed=seed)
     model = pb.BNN(net, "categorical", prior=make_prior(spec))
-    guide = pb.guides.MeanField(model)
+    guide = pb.guides.MeanField(model, learn_prior_scale=learn_prior_scale, kl_annealing=kl_annealing)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = pb.fit(model, guide, (x, y), epochs=epochs, seed=seed, progress=False)
@@ -57,7 +82,10 @@ def run(spec: str, *, epochs: int, seed: int) -> dict:
     row.update(prior=spec, epochs=epochs, seed=seed, elbo_20_draws=elbo,
                objective_end=diag.measures.get("objective_end"), converged=diag.converged,
                objective_gain=diag.measures.get("objective_gain"),
-               seconds=sum(res.history["epoch_seconds"]))
+               seconds=sum(res.history["epoch_seconds"]), learn_prior_scale=learn_prior_scale,
+               kl_annealing=kl_annealing, warm_start_epochs=warm_start_epochs,
+               prior_scale_by_site={s: float(model.site_normal_prior(s)[1]) for s in model.site_names},
+               mean_sigma_by_site={s: float(guide.loc_and_scale(s)[1].mean()) for s in model.site_names})
     return row
 
 
@@ -67,11 +95,15 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--learn-prior-scale", action="store_true", help="MeanField(learn_prior_scale=True)")
+    parser.add_argument("--kl-annealing", type=int, default=0, help="MeanField(kl_annealing=E)")
+    parser.add_argument("--warm-start-epochs", type=int, default=0, help="MAP epochs before MeanField (0: off)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     for spec in args.priors:
-        emit_row(run(spec, epochs=args.epochs, seed=args.seed), args.out)
+        emit_row(run(spec, epochs=args.epochs, seed=args.seed, learn_prior_scale=args.learn_prior_scale,
+                     kl_annealing=args.kl_annealing, warm_start_epochs=args.warm_start_epochs), args.out)
 
 
 if __name__ == "__main__":

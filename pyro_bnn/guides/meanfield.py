@@ -8,6 +8,8 @@
   scale-mixture prior);
 * optional local reparameterisation (Kingma et al. 2015) for Linear/Conv layers: sample
   pre-activations ``N(x μ, x² σ²)`` instead of weights — lower-variance gradients.
+* optional empirical-Bayes prior scales (``learn_prior_scale``): each site's Normal prior
+  scale set to its closed-form ELBO optimum after every epoch (:mod:`.prior_scale`).
 
 For a :class:`pyro_bnn.BNN` the objective bypasses Pyro's tracing (the weights are put
 straight into the ``PyroModule`` sample cache); it computes the same ELBO as
@@ -29,13 +31,14 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 from torch.distributions import kl_divergence
 
-from ..arguments import check_positive
+from ..arguments import check_bool, check_positive
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
 from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
 from ._fused_gaussian import can_fuse, sample_and_kl
+from .prior_scale import own_normal_priors_, update_prior_scales_
 
 __all__ = ["MeanField", "MeanFieldELBO"]
 
@@ -84,6 +87,19 @@ class MeanField(BNNGuide, AutoNormal):
         −7,447 (91 %), 0.5 % below an 800-epoch fit (``docs/results/convergence.md``).
         ``None``: every parameter at ``lr``.  For ``pyro.infer.SVI`` use
         :meth:`optim_args`.
+    learn_prior_scale : bool
+        Empirical Bayes for the prior's scale, one per site (each layer's weights and its
+        biases apart): after every epoch of :func:`pyro_bnn.fit` each site's prior
+        ``N(m, s²)`` gets the scale that maximises the ELBO at the current ``q``,
+        ``s² = mean((μ − m)² + σ²)`` (:func:`~pyro_bnn.guides.prior_scale.optimal_normal_scale`),
+        so the fit is coordinate ascent on the ELBO in ``(q, s)`` and the reported bound is
+        that of the model with the learned scales.  Every site's prior must be an i.i.d.
+        Normal (``IIDNormal`` or ``FanInNormal``; its value is the starting point); at the
+        start of the fit each site gets its own ``IIDNormal`` in the model
+        (:meth:`pyro_bnn.BNN.set_prior_`), so the model's priors change in place.  Under plain
+        ``pyro.infer.SVI`` nothing is learned automatically: call
+        :meth:`update_prior_scales_` yourself (e.g. after each epoch); ``Predictive`` and
+        ``Trace_ELBO`` then use the learned priors.  Default ``False``.
 
     Examples
     --------
@@ -102,7 +118,9 @@ class MeanField(BNNGuide, AutoNormal):
 
     def __init__(self, model, *, init_scale: float = 1e-2, init_loc_fn=None,
                  local_reparameterization: bool | str = "auto", kl_annealing: int = 0,
-                 scale_parameterization: str = "exp", loc_lr_scaling: str | None = "fan_in"):
+                 scale_parameterization: str = "exp", loc_lr_scaling: str | None = "fan_in",
+                 learn_prior_scale: bool = False):
+        self.learn_prior_scale = check_bool("learn_prior_scale", learn_prior_scale)
         if loc_lr_scaling not in ("fan_in", None):
             raise ValueError(f"loc_lr_scaling must be 'fan_in' or None, got {loc_lr_scaling!r}")
         self.loc_lr_scaling = loc_lr_scaling
@@ -139,6 +157,8 @@ class MeanField(BNNGuide, AutoNormal):
         except (RuntimeError, AttributeError):  # not set up: the setting cannot be resolved
             local = None
         parts = [f"init_scale={self._init_scale:g}", *self._objective_settings()]
+        if self.learn_prior_scale:
+            parts.append("learned prior scales")
         if local is not None:
             parts.append(f"local reparameterisation {'on' if local else 'off'}")
         return ", ".join(parts)
@@ -146,6 +166,39 @@ class MeanField(BNNGuide, AutoNormal):
     def _objective_settings(self) -> list[str]:
         """Settings of the training objective for :meth:`settings_description` (none here)."""
         return []
+
+    def on_fit_start(self, ctx) -> None:
+        """With ``learn_prior_scale``: give every site its own Normal prior module (before the
+        fit remembers any state, so a restored state has the same prior modules)."""
+        if self.learn_prior_scale:
+            own_normal_priors_(self.approximated_model())
+
+    def on_epoch_end(self, ctx) -> None:
+        """With ``learn_prior_scale``: set the prior scales to their ELBO optimum at ``q``."""
+        if self.learn_prior_scale:
+            self.update_prior_scales_()
+
+    def update_prior_scales_(self) -> dict[str, float]:
+        """Set each site's prior scale to its ELBO optimum at the current ``q``,
+        ``s = sqrt(mean((μ − m)² + σ²))`` (in place, on the model; the prior means stay).
+
+        What :func:`pyro_bnn.fit` does after every epoch with ``learn_prior_scale=True``; under
+        plain ``pyro.infer.SVI`` call it yourself, e.g. once per epoch.  Every site's prior
+        must be an i.i.d. Normal; the first call gives each site its own ``IIDNormal``.
+
+        Returns
+        -------
+        dict
+            ``{site: new prior scale}``.
+
+        Raises
+        ------
+        ValueError
+            The model is not a :class:`pyro_bnn.BNN`, or a site's prior is not an i.i.d. Normal.
+        RuntimeError
+            The guide is not set up yet (call ``guide(x, y)`` once).
+        """
+        return update_prior_scales_(self.approximated_model(), self)
 
     def on_epoch_start(self, ctx) -> None:
         """Set the KL weight for the coming epoch (KL annealing)."""

@@ -468,6 +468,37 @@ class BNN(PyroModule):
         """The prior distribution of one site (on the prior's current device)."""
         return self.priors[site.replace(".", "__")](self._initial_values[site].shape, self._fan_in[site])
 
+    def set_prior_(self, site: str, prior: Prior) -> None:
+        """Give one site its own prior module (in place): the Pyro model, ``site_prior`` and
+        ``site_normal_prior`` use it from now on; the other sites keep theirs.
+
+        Parameters
+        ----------
+        site : str
+            A random site (``"net.0.weight"``).
+        prior : Prior
+            Moved to the dtype and device of the site's weights (a copy if they differ).
+
+        Raises
+        ------
+        KeyError
+            ``site`` is not a random site of this model.
+        TypeError
+            ``prior`` is not a :class:`~pyro_bnn.model.priors.Prior`.
+        """
+        if site not in self._fan_in:
+            raise KeyError(f"{site!r} is not a random site of this model; its sites are {self.site_names}")
+        if not isinstance(prior, Prior):
+            raise TypeError(f"prior for {site!r} must be a pyro_bnn.model.priors.Prior, got {type(prior).__name__}")
+        key = site.replace(".", "__")
+        # the old prior's tensors follow model.to(); the initial values are kept where they were
+        reference = next((t for t in self.priors[key].buffers() if t.is_floating_point()),
+                         self._initial_values[site])
+        prior = _like(prior, reference, {})
+        self.priors[key] = prior
+        module, attr = site_module(self, site)
+        setattr(module, attr, PyroSample(_SitePrior(prior, self._initial_values[site].shape, self._fan_in[site])))
+
     def extra_repr(self) -> str:
         return f"likelihood={self.likelihood.name!r}, sites={len(self.site_names)}"
 
