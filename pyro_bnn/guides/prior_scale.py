@@ -101,9 +101,10 @@ def update_prior_scales_(model, guide) -> dict[str, float]:
     dict
         ``{site: new scale}``.
     """
-    if getattr(guide, "prototype_trace", None) is None:
-        raise RuntimeError("update_prior_scales_ needs the guide set up first: call guide(x, y) once "
-                           "(or pyro_bnn.fit), so its sites are known")
+    problem = guide.prediction_problem()  # None once the guide's sites and parameters exist
+    if problem is not None:
+        raise RuntimeError(f"update_prior_scales_ needs the guide set up first (call guide(x, y) once "
+                           f"or pyro_bnn.fit, so its sites are known): {problem}")
     own_normal_priors_(model)
     modules = site_prior_modules(model)
     new = {}
