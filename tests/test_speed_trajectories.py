@@ -1,10 +1,15 @@
 """Speed work on the guides' step code changes no number (issue 27): loss trajectories of a few
-Adam steps under fixed seeds, recorded (``float.hex``) before the changes, must come out
-bit-identical on the CPU.
+Adam steps under fixed seeds, recorded (``float.hex``) before the changes, must come out again.
 
-The recorded values are those of this machine's torch build (2.14.1, CPU, one thread);
-regenerate them with ``python tests/test_speed_trajectories.py`` only for a change that is
-*meant* to change the numbers (and say so).
+The values were recorded with torch 2.14.1 on one CPU, one thread.  On another CPU model the
+same code rounds differently (measured: on an AMD EPYC every one of the 8 trajectories differs
+from the Intel-recorded values, by at most 4.1e-7 relative, float32 rounding of the BLAS
+kernels), so the test compares to ``RTOL = 1e-5`` relative: 25× that rounding, and far below
+what any change to the algorithm does (a different draw, term or order of sampling moves the
+losses by 1e-3 or more).  Bit-identity of a code change is checked on one machine by running
+``python tests/test_speed_trajectories.py`` on the code before and after and comparing the
+printed hex values.  Regenerate ``RECORDED`` only for a change that is *meant* to change the
+numbers (and say so).
 """
 
 from __future__ import annotations
@@ -82,9 +87,16 @@ RECORDED = {
 }
 
 
+RTOL = 1e-5
+
+
 @pytest.mark.parametrize("kind", sorted(RECORDED))
-def test_trajectory_bit_identical(kind):
-    assert trajectory(kind) == RECORDED[kind]
+def test_trajectory_as_recorded(kind):
+    got = [float.fromhex(v) for v in trajectory(kind)]
+    want = [float.fromhex(v) for v in RECORDED[kind]]
+    assert len(got) == len(want) == STEPS
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+    assert worst <= RTOL, f"{kind}: the loss trajectory moved by {worst:.2e} relative (> {RTOL:g}): {got} vs {want}"
 
 
 if __name__ == "__main__":
