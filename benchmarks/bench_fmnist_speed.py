@@ -49,10 +49,16 @@ import warnings
 import torch
 import torch.nn.functional as F
 from _common import sync  # benchmarks/_common.py (on sys.path when run as a script)
-from bench_reference import (_perturb_flow, hypernet_reference_leaves,
-                             hypernet_reference_loss, hypernet_reference_params, run_checks,
-                             symmetrized_reference_loss, symmetrized_reference_optimizer,
-                             symmetrized_reference_params)
+from bench_reference import (
+    _perturb_flow,
+    hypernet_reference_leaves,
+    hypernet_reference_loss,
+    hypernet_reference_params,
+    run_checks,
+    symmetrized_reference_loss,
+    symmetrized_reference_optimizer,
+    symmetrized_reference_params,
+)
 from fashion_mnist import make_net
 from torch import nn
 
@@ -333,7 +339,8 @@ def main(argv=None):
         methods.update(ms)
         if not args.no_fit_setup:   # pb.fit's per-call set-up on the full data set
             run_fit((x, y), 0)
-            fit_setup[name] = statistics.median(measure(lambda: run_fit((x, y), 0), device)[0] for _ in range(3))
+            fit_setup[name] = statistics.median(measure(lambda f=run_fit: f((x, y), 0), device)[0]
+                                                for _ in range(3))
     for run in methods.values():   # warm-up
         run()
     res = {k: {"cpu": [], "wall": [], "peak_mib": []} for k in methods}
