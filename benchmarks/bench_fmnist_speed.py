@@ -300,7 +300,12 @@ def main(argv=None):
     ap.add_argument("--no-fit-setup", action="store_true", help="skip the full-data pb.fit set-up measurement")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--out", default=None, help="append the result as one JSON line here")
+    ap.add_argument("--memory", action="store_true",
+                    help="instead of timing: each method's peak memory, one fresh process per method")
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)   # (one method, for --memory)
     args = ap.parse_args(argv)
+    if args.memory:
+        return memory_table(args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     x, y = pb.datasets.fashion_mnist(split="train", flatten=args.arch == "mlp")
@@ -311,7 +316,10 @@ def main(argv=None):
     xs, ys = x[perm], y[perm]
     batches = TensorBatches(xs, ys, args.batch_size, shuffle=False)
     checks = {}
-    for name in args.guides:
+    if args.only is not None:   # one method in this process: no checks, no full-data set-up timing
+        args.guides = [g for g in args.guides if args.only.startswith(g + ":")]
+        args.no_fit_setup = True
+    for name in args.guides if args.only is None else ():
         model, guide, kind = build(name, args.arch, device=device)
         if kind is None:
             print(f"  {name} on {args.arch}: no plain-PyTorch reference for this architecture (loop and fit only)")
@@ -341,6 +349,10 @@ def main(argv=None):
             run_fit((x, y), 0)
             fit_setup[name] = statistics.median(measure(lambda f=run_fit: f((x, y), 0), device)[0]
                                                 for _ in range(3))
+    if args.only is not None:   # the first measurement, from a fresh state: Adam's moments are created in it
+        cpu, wall, peak = measure(methods[args.only], device)
+        print(json.dumps({"method": args.only, "peak_mib": peak}))
+        return peak
     for run in methods.values():   # warm-up
         run()
     res = {k: {"cpu": [], "wall": [], "peak_mib": []} for k in methods}
@@ -370,6 +382,30 @@ def main(argv=None):
         with open(args.out, "a") as fh:
             fh.write(json.dumps(row) + "\n")
     return row
+
+
+def memory_table(args) -> dict:
+    """Peak memory per method: each in a fresh process (``--only``) over ``--steps`` steps from
+    its initial state, data and model loaded first: on the CPU the growth of the peak RSS over
+    the RSS before the steps (what the step's activations, gradients and optimiser state add),
+    on CUDA ``max_memory_allocated`` over ``memory_allocated``."""
+    import subprocess
+    import sys
+    keys = ["map"]
+    for name in args.guides:
+        kind = build(name, args.arch)[2]
+        keys += ([f"{name}:ref"] if kind is not None else []) + [f"{name}:loop", f"{name}:fit"]
+    out = {}
+    for key in keys:
+        cmd = [sys.executable, __file__, "--arch", args.arch, "--threads", str(args.threads), "--device",
+               args.device, "--steps", str(args.steps), "--only", key]
+        line = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        out[key] = json.loads(line)["peak_mib"]
+        print(f"  {key:22s} peak memory over the start: {out[key]:8.1f} MiB", flush=True)
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.write(json.dumps({"args": vars(args), "peak_mib": out}) + "\n")
+    return out
 
 
 if __name__ == "__main__":
