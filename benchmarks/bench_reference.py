@@ -79,8 +79,9 @@ def hypernet_reference_params(model, guide) -> dict:
         made = block.arn
         w_in, b_in, w_out, b_out = made.dense_weights()         # effective weights, original order
         rank = torch.empty_like(made.permutation)
-        rank[made.permutation] = torch.arange(made.dim) + 1     # 1-based autoregressive rank
-        deg = 1 + (torch.arange(made.hidden_units) * (made.dim - 1)) // made.hidden_units
+        dev = made.permutation.device
+        rank[made.permutation] = torch.arange(made.dim, device=dev) + 1     # 1-based autoregressive rank
+        deg = 1 + (torch.arange(made.hidden_units, device=dev) * (made.dim - 1)) // made.hidden_units
         m_in = (rank[None, :] <= deg[:, None]).to(w_in)          # hidden k sees inputs of rank <= deg_k
         m_out_half = (rank[:, None] > deg[None, :]).to(w_in)     # output i sees hidden units of degree < rank_i
         m_out = torch.cat([m_out_half, m_out_half])
@@ -99,7 +100,7 @@ def hypernet_reference_loss(p: dict, x, y, num_data: int, eps=None, parts: bool 
     (``parts``: also ``{"nll", "kl"}``, ``kl = log q − log p``)."""
     dim = p["loc"].shape[0]
     if eps is None:
-        eps = torch.randn(1, dim)
+        eps = torch.randn(1, dim, device=p["loc"].device)
     z = eps
     log_q = -0.5 * eps.square().sum(-1) - dim * HALF_LOG_2PI
     bound = p["bound"]
@@ -268,7 +269,7 @@ def _log_identity_probability(log_w, iterations: int = 3, floor: float = 1e-3, c
     after = later.sum(1, keepdim=True) - later.cumsum(1)
     lam = log_s + after
     d = lam.shape[0]
-    upper = torch.ones(d, d, dtype=torch.bool).triu(1)   # slot r chooses among units s >= r
+    upper = torch.ones(d, d, dtype=torch.bool, device=lam.device).triu(1)   # slot r chooses among units s >= r
     return torch.log_softmax(lam.masked_fill(upper, -math.inf), 0).diagonal().sum()
 
 

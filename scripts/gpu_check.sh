@@ -1,27 +1,61 @@
 #!/usr/bin/env bash
 # One prepared CUDA check for a session that is lent a GPU (see README "What works"):
-# the CUDA tests, then the core speed benchmark on the device. Writes logs to ${OUT:-gpu-check}/.
+# the CUDA tests, the core and Hypernet speed benchmarks on the device, the full Fashion-MNIST
+# speed rows (MLP and CNN: MAP, references, guides; benchmarks/bench_fmnist_speed.py), then the
+# whole suite on the CPU. Writes logs to ${OUT:-gpu-check}/.
 # Usage (repository root; .venv from `make test`, or python3 + wheels from scripts/gpu_wheels.sh):
 #   scripts/gpu_check.sh [MNIST_DIR]
-# At most about 9 minutes (three steps of at most 3 minutes each).
+# Environment: OUT (log folder), PY (python), FMNIST_DIR (Fashion-MNIST IDX files; default
+# $PYRO_BNN_FASHION_MNIST, else /usr/share/datasets/fashion-mnist), STEPS (the steps to run, any of
+# "tests core hypernet fmnist suite"; default all).
+# Each step has its own timeout; all five take up to ~14 minutes, more than one 10-minute device
+# call: run them as two calls, e.g. STEPS="tests core hypernet" then STEPS="fmnist suite".
+# Without a CUDA device the CUDA steps say so and are skipped; the suite step still runs.
 set -uo pipefail
 MNIST_DIR=${1:-../shared/data/mnist}
 OUT=${OUT:-gpu-check}
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+FMNIST_DIR=${FMNIST_DIR:-${PYRO_BNN_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}}
+STEPS=${STEPS:-tests core hypernet fmnist suite}
 mkdir -p "$OUT"
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/device.txt"
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then CUDA=1; else CUDA=0; fi
+[ "$CUDA" = 1 ] || echo "no CUDA device: the CUDA steps are skipped" | tee "$OUT/no_cuda.txt"
 # every test that names CUDA (they skip without a device; here they must run)
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs -k "cuda" 2>&1 | tee "$OUT/tests_cuda.txt" | tail -5
-if [ -d "$MNIST_DIR" ]; then
-  timeout 150 "$PY" benchmarks/bench_core.py --device cuda --data-dir "$MNIST_DIR" --block 3 --repeats 3 \
-    2>&1 | tee "$OUT/bench_core_cuda.txt" | tail -16
-else
-  echo "no MNIST at $MNIST_DIR: bench_core skipped" | tee "$OUT/bench_core_cuda.txt"
+if want tests && [ "$CUDA" = 1 ]; then
+  timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs -k "cuda" 2>&1 | tee "$OUT/tests_cuda.txt" | tail -5
 fi
-if [ -d "$MNIST_DIR" ]; then
-  timeout 120 "$PY" benchmarks/bench_hypernet.py --task speed --device cuda --data-dir "$MNIST_DIR" --epochs 3 --fused \
-    --num-flows 0 8 2>&1 | tee "$OUT/bench_hypernet_cuda.txt" | tail -8
+if want core && [ "$CUDA" = 1 ]; then
+  if [ -d "$MNIST_DIR" ]; then
+    timeout 150 "$PY" benchmarks/bench_core.py --device cuda --data-dir "$MNIST_DIR" --block 3 --repeats 3 \
+      2>&1 | tee "$OUT/bench_core_cuda.txt" | tail -16
+  else
+    echo "no MNIST at $MNIST_DIR: bench_core skipped" | tee "$OUT/bench_core_cuda.txt"
+  fi
+fi
+if want hypernet && [ "$CUDA" = 1 ]; then
+  if [ -d "$MNIST_DIR" ]; then
+    timeout 120 "$PY" benchmarks/bench_hypernet.py --task speed --device cuda --data-dir "$MNIST_DIR" --epochs 3 --fused \
+      --num-flows 0 8 2>&1 | tee "$OUT/bench_hypernet_cuda.txt" | tail -8
+  else
+    echo "no MNIST at $MNIST_DIR: bench_hypernet skipped" | tee "$OUT/bench_hypernet_cuda.txt"
+  fi
+fi
+# full Fashion-MNIST speed rows (issue 27): MAP, plain-PyTorch references, guide loop, pb.fit
+if want fmnist && [ "$CUDA" = 1 ]; then
+  if [ -d "$FMNIST_DIR" ]; then
+    for arch in mlp cnn; do
+      PYRO_BNN_FASHION_MNIST="$FMNIST_DIR" timeout 120 "$PY" benchmarks/bench_fmnist_speed.py --device cuda \
+        --arch "$arch" --steps 200 --repeats 3 --out "$OUT/fmnist_speed_cuda.jsonl" \
+        2>&1 | tee "$OUT/fmnist_speed_${arch}_cuda.txt" | tail -16
+    done
+  else
+    echo "no Fashion-MNIST at $FMNIST_DIR: the Fashion-MNIST speed rows skipped" | tee "$OUT/fmnist_speed_cuda.txt"
+  fi
 fi
 # the whole suite on this machine's torch (CPU paths; pytest-xdist where installed)
-XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider $XDIST 2>&1 | tee "$OUT/tests_all.txt" | tail -5
+if want suite; then
+  XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+  timeout 120 "$PY" -m pytest -q -p no:cacheprovider $XDIST 2>&1 | tee "$OUT/tests_all.txt" | tail -5
+fi

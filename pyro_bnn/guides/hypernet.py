@@ -257,23 +257,35 @@ class Hypernet(BNNGuide, AutoContinuous):
     def unpack(self, latent: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a packed vector ``(…, D)`` into ``{site: value}`` with the sites' shapes.
 
-        The same views as Pyro's ``AutoContinuous._unpack_latent``, from a layout read once
-        per prototype trace (the training step's hot path)."""
+        The same values as Pyro's ``AutoContinuous._unpack_latent`` (views of ``latent``),
+        from a layout read once per prototype trace (the training step's hot path): one
+        ``split`` of the last axis (one autograd node, where a slice per site makes one each
+        and a zero-filled gradient per site) and the sites' broadcast shapes cached per
+        batch shape."""
         batch = latent.shape[:-1]
         layout = self._latent_layout()
         total = layout[-1][1] + layout[-1][2] if layout else 0
         if latent.shape[-1] != total:
             raise ValueError(f"expected a packed latent of {total} values (last axis), got shape "
                              f"{tuple(latent.shape)}")
-        out = {}
-        for name, start, size, shape, event_dim in layout:
-            full = torch.broadcast_shapes(shape, batch + (1,) * event_dim)
-            out[name] = latent[..., start:start + size].view(full)
-        return out
+        shapes = self._unpacked_shapes(batch, layout)
+        parts = latent.split([size for _, _, size, _, _ in layout], -1) if layout else ()
+        return {entry[0]: part.view(full) for entry, part, full in zip(layout, parts, shapes)}
+
+    def _unpacked_shapes(self, batch: torch.Size, layout: list) -> tuple:
+        """``broadcast_shapes(shape, batch + (1,) * event_dim)`` per site of ``layout``, as
+        ``_unpack_latent`` computes them, cached with the layout per batch shape."""
+        cache = self.__dict__["_layout_cache"][2]
+        shapes = cache.get(batch)
+        if shapes is None:
+            shapes = cache[batch] = tuple(torch.broadcast_shapes(shape, batch + (1,) * event_dim)
+                                          for _, _, _, shape, event_dim in layout)
+        return shapes
 
     def _latent_layout(self) -> list[tuple]:
         """``[(site, start, size, unconstrained shape, event dim)]`` in packing order, as
-        ``_unpack_latent`` computes them (cached with the prototype trace it was read from)."""
+        ``_unpack_latent`` computes them (cached with the prototype trace it was read from,
+        with the sites' unpacked shapes per batch shape: :meth:`_unpacked_shapes`)."""
         cached = self.__dict__.get("_layout_cache")
         if cached is not None and cached[0] is self.prototype_trace:
             return cached[1]
@@ -284,7 +296,7 @@ class Hypernet(BNNGuide, AutoContinuous):
             event_dim = site["fn"].event_dim + len(shape) - len(site["value"].shape)
             layout.append((name, pos, size, shape, event_dim))
             pos += size
-        self.__dict__["_layout_cache"] = (self.prototype_trace, layout)
+        self.__dict__["_layout_cache"] = (self.prototype_trace, layout, {})
         return layout
 
     def sample_with_log_prob(self, num_samples: int = 1):
@@ -433,10 +445,13 @@ class HypernetELBO(GuideObjective):
         log_w, nll, kl = log_weights(model, values, log_q, x, y, num_data, self.prob_clip,
                                      run=None if plan is None else functools.partial(run_plan, plan))
         if self.alpha == 1.0:
-            loss = -log_w.mean()
+            # the mean of one value is that value (sum, then ÷ 1: exact, and so its gradient)
+            loss = -(log_w.mean() if len(log_w) > 1 else log_w.reshape(()))
         else:
             a = 1.0 - self.alpha
             loss = -(torch.logsumexp(a * log_w, 0) - math.log(len(log_w))) / a
+        if len(log_w) == 1:
+            return loss, {"nll": nll.detach().reshape(()), "kl": kl.detach().reshape(())}
         return loss, {"nll": nll.mean().detach(), "kl": kl.mean().detach()}
 
 
@@ -452,10 +467,13 @@ def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, p
     run = model.run_with if run is None else run
     nll = []
     for s in range(len(log_q)):
-        sample = {name: v[s] for name, v in values.items()}
+        # one draw: ``v.squeeze(0)`` is ``v[0]`` (the same view), with a view's backward
+        # instead of a zero-filled gradient per site
+        sample = ({name: v.squeeze(0) for name, v in values.items()} if len(log_q) == 1 else
+                  {name: v[s] for name, v in values.items()})
         f = run(sample, x)
         nll.append(-clipped_log_likelihood(model.likelihood, f, y, prob_clip).sum() * scale)
-    nll = torch.stack(nll)
+    nll = torch.stack(nll) if len(nll) > 1 else nll[0].reshape(1)   # (one draw: a view, not a copy)
     log_p = None
     for name, v in values.items():   # (no leading ``0 +``: one operation less, same values)
         lp = _prior_log_prob(model, name, v)
@@ -474,12 +492,14 @@ def _prior_log_prob(model, name: str, value: torch.Tensor) -> torch.Tensor:
     if normal is None:
         return torch.stack([model.site_prior(name).log_prob(v) for v in value])
     loc, s = normal
-    if _is_cpu_number(loc, 0.0) and _is_cpu_number(s, 1.0):
+    zero_mean = _is_cpu_number(loc, 0.0)
+    if zero_mean and _is_cpu_number(s, 1.0):
         # N(0, 1): the general formula's ``− 0``, ``/ 1`` and ``− log 1`` are exact identities
         # (values and gradients bit for bit), so they are left out: fewer operations per step
         lp = -0.5 * value.square() - _HALF_LOG_2PI
-    else:
-        lp = -0.5 * ((value - loc) / s).square() - torch.as_tensor(s).log() - _HALF_LOG_2PI
+    else:   # (``θ − 0`` is ``θ`` exactly, values and gradients: left out for a zero mean)
+        centred = value if zero_mean else value - loc
+        lp = -0.5 * (centred / s).square() - torch.as_tensor(s).log() - _HALF_LOG_2PI
     return lp.reshape(len(value), -1).sum(-1)
 
 
