@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import time
 
 import pyro
 import pyro.distributions as dist
@@ -71,3 +73,38 @@ class PlainPyroMLP(PyroModule):
         with pyro.plate("data", self.num_data, subsample_size=len(x)):
             pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
         return logits
+
+
+def train_map_(net: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int, seed: int,
+               weight_decay: float, lr: float = 1e-3, batch_size: int = 64) -> tuple[list, list]:
+    """Train ``net`` in place as a plain PyTorch MAP classifier: Adam with weight decay, a
+    per-step cosine decay of the lr to 0, mean cross-entropy, minibatches from a permutation
+    seeded by ``seed``.
+
+    Returns
+    -------
+    (losses, seconds)
+        Per epoch: the MAP objective per data point (mean NLL + ``weight_decay``·‖w‖²/2 at the
+        epoch's end) and the epoch's wall seconds.
+    """
+    opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
+    steps = epochs * math.ceil(len(x) / batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))
+    g = torch.Generator().manual_seed(seed)
+    losses, seconds = [], []
+    for _ in range(epochs):
+        t0, total = time.perf_counter(), 0.0
+        perm = torch.randperm(len(x), generator=g)
+        for i in range(0, len(x), batch_size):
+            idx = perm[i:i + batch_size]
+            loss = F.cross_entropy(net(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += loss.item() * len(idx)
+        with torch.no_grad():
+            reg = 0.5 * weight_decay * sum(float((p ** 2).sum()) for p in net.parameters())
+        losses.append(total / len(x) + reg)
+        seconds.append(time.perf_counter() - t0)
+    return losses, seconds

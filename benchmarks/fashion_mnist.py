@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import math
 import resource
 import sys
 import time
@@ -51,8 +50,7 @@ import warnings
 
 import pyro
 import torch
-import torch.nn.functional as F
-from _common import emit_row  # benchmarks/_common.py (on sys.path when run as a script)
+from _common import emit_row, train_map_  # benchmarks/_common.py (on sys.path when run as a script)
 from torch import nn
 
 import pyro_bnn as pb
@@ -113,27 +111,8 @@ def train_map_net(arch, x, y, *, epochs, seed, weight_decay, lr=1e-3, batch_size
     """Adam + cosine schedule, mean cross-entropy; returns net, per-epoch losses and seconds."""
     torch.manual_seed(seed)
     net = make_net(arch)
-    opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
-    steps = epochs * math.ceil(len(x) / batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))
-    g = torch.Generator().manual_seed(seed)
-    losses, seconds = [], []
-    for _ in range(epochs):
-        t0, total = time.perf_counter(), 0.0
-        perm = torch.randperm(len(x), generator=g)
-        for i in range(0, len(x), batch_size):
-            idx = perm[i:i + batch_size]
-            loss = F.cross_entropy(net(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            total += loss.item() * len(idx)
-        # the MAP objective per data point: mean NLL + ||w||^2 wd / 2
-        with torch.no_grad():
-            reg = 0.5 * weight_decay * sum(float((p ** 2).sum()) for p in net.parameters())
-        losses.append(total / len(x) + reg)
-        seconds.append(time.perf_counter() - t0)
+    losses, seconds = train_map_(net, x, y, epochs=epochs, seed=seed, weight_decay=weight_decay, lr=lr,
+                                 batch_size=batch_size)
     return net, losses, seconds
 
 

@@ -15,13 +15,11 @@ Example::
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import warnings
 
 import torch
-import torch.nn.functional as F
-from _common import emit_row  # benchmarks/_common.py (on sys.path when run as a script)
+from _common import emit_row, train_map_  # benchmarks/_common.py (on sys.path when run as a script)
 from torch import nn
 
 import pyro_bnn as pb
@@ -44,19 +42,7 @@ def make_prior(spec: str):
 
 def train_map(net, x, y, *, epochs: int, seed: int, lr: float = 1e-3, batch_size: int = 64):
     """A warm start: Adam (cosine decay) on mean cross-entropy + weight decay 1/N (the N(0, 1) MAP)."""
-    opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=1.0 / len(x))
-    steps = epochs * -(-len(x) // batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        perm = torch.randperm(len(x), generator=g)
-        for i in range(0, len(x), batch_size):
-            idx = perm[i:i + batch_size]
-            loss = F.cross_entropy(net(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
+    train_map_(net, x, y, epochs=epochs, seed=seed, weight_decay=1.0 / len(x), lr=lr, batch_size=batch_size)
     return net
 
 
