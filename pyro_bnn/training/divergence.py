@@ -159,10 +159,13 @@ class DivergenceGuard:
         ``distributed`` the loss is the mean over ranks (the gradients are already
         all-reduced, so every rank decides alike).
         """
+        norms = self.gradient_norms()
         loss = loss.detach()
         if distributed is not None:
             loss = _dist.all_reduce_mean_(loss.clone())
-        value, *norm_values = self._loss_and_norms(loss)
+        if norms.dtype != loss.dtype or norms.device != loss.device:
+            norms = norms.to(device=loss.device, dtype=loss.dtype)
+        value, *norm_values = torch.cat((loss.reshape(1), norms)).tolist()
         if not math.isfinite(value):
             self.fail(f"the loss became {value}", epoch, step)
         if not all(math.isfinite(v) for v in norm_values):
@@ -172,21 +175,6 @@ class DivergenceGuard:
             self.fail(f"a gradient norm became {max(norm_values):.4g}, so large that its square overflows "
                       f"(> {self._max_norm:.3g}), while the loss was finite ({value:.6g})", epoch, step)
         return value
-
-    def _loss_and_norms(self, loss: torch.Tensor) -> list[float]:
-        """``[loss, *gradient_norms()]`` as Python floats, read in one synchronisation.
-
-        The usual case (fused norms, no clipping, gradients of the loss's dtype and device)
-        stacks the loss with the per-tensor norms directly: one operation where
-        ``stack`` + ``reshape`` + ``cat`` are three, the same numbers."""
-        if self._fused_norms and self.clip_norm is None and loss.numel() == 1:
-            grads = [p.grad for p in self.grads_of if p.grad is not None]
-            if grads and grads[0].dtype == loss.dtype and grads[0].device == loss.device:
-                return torch.stack([loss.reshape(()), *torch._foreach_norm(grads)]).tolist()
-        norms = self.gradient_norms()
-        if norms.dtype != loss.dtype or norms.device != loss.device:
-            norms = norms.to(device=loss.device, dtype=loss.dtype)
-        return torch.cat((loss.reshape(1), norms)).tolist()
 
     def check_final(self, loss: torch.Tensor, epoch: int, distributed=None) -> None:
         """The loss evaluated at the state after the last epoch (which no further step
