@@ -133,6 +133,19 @@ def test_dataset_defaults_override_guide_defaults():
     assert cli.guide_defaults("digits", "meanfield") == cli.GUIDE_DEFAULTS["meanfield"]
 
 
+def test_cnn_on_fashion_mnist_trains_meanfield_at_its_measured_lr():
+    # ARCH_DEFAULTS goes over the dataset's defaults for that architecture only
+    cnn = cli.guide_defaults("fashion-mnist", "meanfield", arch="cnn")
+    mlp = cli.guide_defaults("fashion-mnist", "meanfield", arch="mlp")
+    assert cnn == {**mlp, "lr": 1e-2} and "lr" not in mlp
+    args = cli.build_parser().parse_args(["--dataset", "fashion-mnist", "--arch", "cnn"])
+    epochs, lr, *_ = cli._settings(args, ["meanfield", "laplace_all"])
+    assert lr["meanfield"] == 1e-2 and epochs["meanfield"] == mlp["epochs"]
+    assert lr["laplace_all"] == cli.guide_defaults("fashion-mnist", "laplace_all")["lr"]
+    args = cli.build_parser().parse_args(["--dataset", "fashion-mnist"])
+    assert cli._settings(args, ["meanfield"])[1]["meanfield"] is None   # the MLP: the guide's own lr
+
+
 def test_fashion_mnist_laplace_all_is_online_marglik_with_layerwise_delta():
     # the "guide" key of a dataset's defaults reaches the guide's constructor (compare's
     # guide_options), the "fit" key pb.fit (marglik= for Immer et al.'s online schedule)
