@@ -271,6 +271,8 @@ def row_registry(args, data, name):
         opts = {} if args.hn_flows is None else {"num_flows": args.hn_flows}
     else:
         model, opts = bnn(args), {}
+        if name == "symmetrized" and args.sym_local_reparam:
+            opts = {"local_reparameterization": True}
     guide = registered_guides()[name](model, **opts)
     res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples)
     row = fit_summary(res)
@@ -292,7 +294,8 @@ def row_registry(args, data, name):
             row["bound_name"] = "ELBO of the weight-norm model (g random; v, b point estimates)"
             row["bound_full_data"], row["bound_full_data_se"] = elbo, se
             row["elbo_full_data"] = elbo
-    row["guide"] = f"{type(guide).__name__}({guide.extra_repr()})" if name == "hypernet" else "Symmetrized"
+    row["guide"] = (f"{type(guide).__name__}({guide.extra_repr()})" if name == "hypernet"
+                    else f"Symmetrized({guide.settings_description()})")
     if name == "hypernet":
         row["prior_scale_by_site"] = {s: float(model.site_normal_prior(s)[1]) for s in model.site_names}
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
@@ -428,6 +431,8 @@ def main(argv=None):
                         help="MeanField loc_lr_scaling (default: the guide's)")
     parser.add_argument("--lr", type=float, default=None, help="MeanField lr (default: the guide's)")
     parser.add_argument("--init-scale", type=float, default=None, help="MeanField init_scale")
+    parser.add_argument("--sym-local-reparam", action="store_true",
+                        help="Symmetrized with local reparameterisation for the data term (the gap on its own draw)")
     parser.add_argument("--kl-weight", type=float, default=1.0,
                         help="MeanField KL weight β (num_data = N/β: the likelihood is upweighted)")
     parser.add_argument("--warm-start-epochs", type=int, default=0,
