@@ -37,7 +37,7 @@ from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
 from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
-from ._fused_gaussian import can_fuse, sample_and_kl
+from ._fused_gaussian import can_fuse, can_fuse_kl, normal_kl_node, sample_and_kl
 from .prior_scale import own_normal_priors_, update_prior_scales_
 
 __all__ = ["MeanField", "MeanFieldELBO"]
@@ -424,7 +424,9 @@ def closed_form_kl(model, qs: dict) -> tuple[torch.Tensor | float, list[str]]:
     for name, (loc, scale) in qs.items():
         params = normal_prior_params(model, name)
         if params is not None:
-            kl = kl + normal_kl(loc, scale, *params)
+            # one autograd node with normal_kl's values and gradients where the prior allows it
+            kl = kl + (normal_kl_node(loc, scale, *params) if can_fuse_kl(loc, scale, *params)
+                       else normal_kl(loc, scale, *params))
             continue
         try:
             kl = kl + kl_divergence(dist.Normal(loc, scale, validate_args=False).to_event(loc.dim()),
