@@ -34,7 +34,7 @@ from ..contract.local_params import GlobalParamBridge
 from ..model.bnn import BNN, augmentation_of, network_of
 from ..model.weight_norm import WeightNormLinear, weight_norm_weight
 
-__all__ = ["weight_norm_plan", "run_plan", "direct_calls_allowed"]
+__all__ = ["weight_norm_plan", "run_plan", "direct_calls_allowed", "has_hooks"]
 
 
 def weight_norm_plan(model, site_names) -> tuple | None:
@@ -60,12 +60,12 @@ def weight_norm_plan(model, site_names) -> tuple | None:
         return None
     net = network_of(model)
     if not isinstance(net, nn.Sequential) or type(net).forward is not nn.Sequential.forward \
-            or _has_hooks(net) or net.__dict__.get("_pyro_samples") or net.__dict__.get("_pyro_params"):
+            or has_hooks(net) or net.__dict__.get("_pyro_samples") or net.__dict__.get("_pyro_params"):
         return None
     sites = set(site_names)
     steps, seen = [], set()
     for name, layer in net.named_children():
-        if _has_hooks(layer):
+        if has_hooks(layer):
             return None
         if isinstance(layer, WeightNormLinear):
             site = f"net.{name}.weight_g"
@@ -115,7 +115,7 @@ def direct_calls_allowed() -> bool:
         type(frame) is GlobalParamBridge for frame in _PYRO_STACK)
 
 
-def _has_hooks(module: nn.Module) -> bool:
+def has_hooks(module: nn.Module) -> bool:
     """Whether ``module`` (or a global registration) has forward hooks a direct call would skip."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or _nn_module._global_forward_hooks

@@ -38,6 +38,8 @@ from ..contract.pyro_objective import PyroObjective
 from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
 from ._fused_gaussian import can_fuse, can_fuse_kl, normal_kl_node, sample_and_kl
+from .hypernet_forward import direct_calls_allowed
+from .local_reparam_forward import local_reparam_plan, run_local_reparam
 from .prior_scale import own_normal_priors_, update_prior_scales_
 
 __all__ = ["MeanField", "MeanFieldELBO"]
@@ -457,6 +459,9 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
     kl_closed, mc_sites = closed_form_kl(model, qs)
     priors = {name: model.site_prior(name) for name in mc_sites}
     kl_weight = guide.kl_weight
+    # a plain Linear/Conv net runs as direct functional calls (the hooks' operations, the same
+    # values) where the model's param statements have no effect (pb.fit's module-local mode)
+    plan = local_reparam_plan(model, qs) if local and direct_calls_allowed() else None
     nll = 0.0
     for _ in range(num_particles):
         values, hooks = {}, []
@@ -466,13 +471,16 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
             kl_closed = kl_closed + kl / num_particles
         for name, (loc, scale) in qs.items():
             values[name] = loc if local else loc + scale * standard_normal_like(loc)
-        if local:
-            hooks = _install_local_reparam(model, qs)
-        try:
-            f = model.run_with(values, x)
-        finally:
-            for h in hooks:
-                h.remove()
+        if plan is not None:
+            f = run_local_reparam(plan, qs, x, standard_normal_like)
+        else:
+            if local:
+                hooks = _install_local_reparam(model, qs)
+            try:
+                f = model.run_with(values, x)
+            finally:
+                for h in hooks:
+                    h.remove()
         nll = nll - log_likelihood(model.likelihood, f, y).sum() * scale_factor
         if on_draw is not None:
             on_draw(values)
