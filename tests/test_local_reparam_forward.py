@@ -150,3 +150,17 @@ def test_fit_takes_the_functional_forward(monkeypatch):
     monkeypatch.setattr(meanfield, "local_reparam_plan", plan)
     pb.fit(model, guide, (x, y), epochs=2, batch_size=4, progress=False, num_data=100, lr_schedule="constant")
     assert used and all(used)
+
+
+@pytest.mark.parametrize("setting", ["auto", True, False])
+def test_the_plan_settles_the_setting_as_the_guide_does(setting, monkeypatch):
+    """Where the plan applies the objective reparameterises locally exactly when the guide's
+    ``local_reparameterization`` says so (``False``: weight noise, no plan)."""
+    model, guide, x, y = _setup("mlp")
+    guide.local_reparameterization_setting = setting
+    used = []
+    monkeypatch.setattr(meanfield, "local_reparam_plan",
+                        lambda m, sites: used.append(1) or local_reparam_plan(m, sites))
+    with local_params(model, guide):
+        meanfield.meanfield_loss(model, guide, x, y, 100)
+    assert bool(used) == (setting is not False) == guide.local_reparameterization

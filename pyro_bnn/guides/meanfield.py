@@ -452,16 +452,18 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
         raise ValueError("on_draw needs weight draws, but local reparameterisation draws none")
     scale_factor = (num_data or len(x)) / len(x)
     sites = model.site_names
-    local = guide.local_reparameterization
+    # a plain Linear/Conv net runs as direct functional calls (the hooks' operations, the same
+    # values) where the model's param statements have no effect (pb.fit's module-local mode);
+    # such a net is one local reparameterisation applies to, so its plan settles the setting
+    plan = (local_reparam_plan(model, sites) if on_draw is None and _may_reparameterize_locally(guide, model)
+            and direct_calls_allowed() else None)
+    local = plan is not None or guide.local_reparameterization
     fused = {} if local else _fusable_sites(model, guide, sites)
     positive = guide.scale_parameterization
     qs = {name: guide.loc_and_scale(name) for name in sites if name not in fused}
     kl_closed, mc_sites = closed_form_kl(model, qs)
     priors = {name: model.site_prior(name) for name in mc_sites}
     kl_weight = guide.kl_weight
-    # a plain Linear/Conv net runs as direct functional calls (the hooks' operations, the same
-    # values) where the model's param statements have no effect (pb.fit's module-local mode)
-    plan = local_reparam_plan(model, qs) if local and direct_calls_allowed() else None
     nll = 0.0
     for _ in range(num_particles):
         values, hooks = {}, []
@@ -490,6 +492,14 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
             nll = nll + kl_weight * (dist.Normal(loc, scale, validate_args=False).log_prob(w).sum()
                                      - priors[name].log_prob(w))
     return nll / num_particles + (kl_closed if kl_weight == 1.0 else kl_weight * kl_closed)
+
+
+def _may_reparameterize_locally(guide, model) -> bool:
+    """Whether ``guide.local_reparameterization`` is ``True`` for ``model`` if local
+    reparameterisation applies to it (setting ``True``, or ``"auto"`` for the guide's own model)."""
+    setting = guide.local_reparameterization_setting
+    return setting is True or (setting == "auto" and guide.auto_local_reparameterization
+                               and guide.given_model() is model)
 
 
 def _fusable_sites(model, guide, sites) -> dict:
