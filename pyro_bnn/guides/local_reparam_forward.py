@@ -6,7 +6,8 @@ Linear/Conv output through forward hooks, installed and removed every step, arou
 ``model.run_with`` (which goes through ``PyroModule.__call__`` and ``PyroModule.__getattr__``
 per layer).  For a :class:`~pyro_bnn.BNN` whose network is a plain ``nn.Sequential`` of
 Linear/zero-padded Conv layers (each weight random, the bias random, absent or a plain
-parameter) and parameter-free torch layers (activations, pooling, ``Flatten``, ``Dropout``),
+parameter) and parameter-free torch layers (activations, pooling, ``Flatten``, ``Dropout``:
+:data:`~pyro_bnn.guides.direct_forward.PARAMETER_FREE_LAYERS`),
 :func:`local_reparam_plan` reads the layers once per step and :func:`run_local_reparam` makes
 the calls the layers and hooks make — ``F.linear``/``F.conv*d`` of the input with the means,
 the same of ``x²`` with ``σ²``, ``out + var.clamp_min(1e-30).sqrt() · ε`` — on the same
@@ -15,7 +16,7 @@ the noise drawn layer by layer), so outputs and gradients are bit-identical
 (``tests/test_local_reparam_forward.py``).
 
 It is taken only where skipping the model's Pyro statements changes nothing
-(:func:`~pyro_bnn.guides.hypernet_forward.direct_calls_allowed`: :func:`pyro_bnn.fit`'s
+(:func:`~pyro_bnn.guides.direct_forward.direct_calls_allowed`: :func:`pyro_bnn.fit`'s
 module-local mode); any other network, hook, augmentation, subclass with its own
 ``function``/``run_with``, PyroParam or site gets ``None`` and the hooks.
 """
@@ -29,16 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.bnn import BNN, augmentation_of, network_of
-from .hypernet_forward import has_hooks
+from .direct_forward import has_hooks, is_plain_parameter_free
 
-__all__ = ["local_reparam_plan", "run_local_reparam", "PARAMETER_FREE_LAYERS"]
-
-#: torch layers without parameters or Pyro sites that the plan calls through their own
-#: ``forward`` (exactly what ``Module.__call__`` does for a layer without hooks)
-PARAMETER_FREE_LAYERS = (nn.ReLU, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Softplus,
-                         nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-                         nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.Flatten,
-                         nn.Identity, nn.Dropout)
+__all__ = ["local_reparam_plan", "run_local_reparam"]
 
 _CONVOLUTIONS = ((nn.Conv1d, F.conv1d), (nn.Conv2d, F.conv2d), (nn.Conv3d, F.conv3d))
 
@@ -86,10 +80,7 @@ def _layer_step(name: str, layer: nn.Module, sites) -> tuple | None:
     samples = set(layer.__dict__.get("_pyro_samples", ()))
     function = _layer_function(layer)
     if function is None:
-        plain = isinstance(layer, PARAMETER_FREE_LAYERS) and _own_forward(layer, PARAMETER_FREE_LAYERS)
-        if not plain or samples or layer._parameters or layer._buffers or layer._modules:
-            return None
-        return layer, None, None, None
+        return (layer, None, None, None) if is_plain_parameter_free(layer) else None
     weight, bias = f"net.{name}.weight", f"net.{name}.bias"
     bias_random = "bias" in samples
     if (weight not in sites or "weight" not in samples or samples - {"weight", "bias"} or layer._buffers
@@ -109,11 +100,6 @@ def _layer_function(layer: nn.Module):
                      and layer.padding_mode == "zeros")
             return function if plain else None
     return None
-
-
-def _own_forward(layer: nn.Module, classes) -> bool:
-    """Whether ``layer`` runs the ``forward`` of the torch class it is an instance of."""
-    return any(isinstance(layer, cls) and type(layer).forward is cls.forward for cls in classes)
 
 
 def run_local_reparam(plan: tuple, qs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],

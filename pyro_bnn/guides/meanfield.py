@@ -38,7 +38,7 @@ from ..contract.pyro_objective import PyroObjective
 from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
 from ._fused_gaussian import can_fuse, can_fuse_kl, normal_kl_node, sample_and_kl
-from .hypernet_forward import direct_calls_allowed
+from .direct_forward import direct_calls_allowed
 from .local_reparam_forward import local_reparam_plan, run_local_reparam
 from .prior_scale import own_normal_priors_, update_prior_scales_
 
