@@ -13,9 +13,11 @@ architecture and guide, each method trains its own copy from the same initial st
 Guides: ``meanfield`` (``MeanField``, local reparameterisation: the default for both nets),
 ``hypernet0`` / ``hypernet8`` (``Hypernet`` over the weight-norm scales, 0 or 8 IAF blocks),
 ``symmetrized`` (``Symmetrized``, local bound, K = 1).  References: MeanField for both nets
-(:func:`meanfield_reference_loss`, a functional pass over the ``nn.Sequential``); Hypernet and
-Symmetrized for the MLP only (``benchmarks/bench_reference.py``'s, written for MLPs) — on the
-CNN those guides get ``loop`` and ``fit`` rows without a reference.
+(:func:`meanfield_reference_loss`, a functional pass over the ``nn.Sequential``); Hypernet for
+both (``benchmarks/bench_reference.py``'s: ``torch._weight_norm`` then ``F.linear`` on the MLP,
+``F.conv2d``/``F.linear`` and the net's parameter-free layers on the CNN); Symmetrized for the
+MLP only (its reference is written for MLPs) — on the CNN it gets ``loop`` and ``fit`` rows
+without a reference.
 
 Every reference is checked against the library's loss and gradients on the same parameters
 and noise before timing (the benchmark stops on a mismatch).
@@ -181,7 +183,7 @@ def build(name: str, arch: str, seed: int = 0, device="cpu"):
     if name.startswith("hypernet"):
         model = pb.BNN(net, "categorical", weight_norm=True)
         guide = pb.guides.Hypernet(model, flow="iaf", num_flows=int(name[len("hypernet"):]), hidden=200)
-        return model, guide, "hypernet" if arch == "mlp" else None
+        return model, guide, "hypernet"
     model = pb.BNN(net, "categorical")
     return model, pb.guides.Symmetrized(model), "symmetrized" if arch == "mlp" else None
 

@@ -89,9 +89,58 @@ def hypernet_reference_params(model, guide) -> dict:
         blocks.append({"w_in": leaf(w_in * n_in[:, None]), "m_in": m_in, "inv_in": 1 / n_in,
                        "b_in": leaf(b_in), "w_out": leaf(w_out * n_out[:, None]), "m_out": m_out,
                        "inv_out": 1 / n_out, "b_out": leaf(b_out)})
-    return {"layers": layers, "sizes": sizes, "prior_scale": float(prior[0][1]),
-            "loc": leaf(flow.affine.loc), "rho": leaf(flow.affine.rho), "blocks": blocks,
-            "bound": flow.log_scale_bound}
+    out = {"layers": layers, "sizes": sizes, "prior_scale": float(prior[0][1]),
+           "loc": leaf(flow.affine.loc), "rho": leaf(flow.affine.rho), "blocks": blocks,
+           "bound": flow.log_scale_bound}
+    if any(isinstance(m, torch.nn.Conv2d) for m in model.net.modules()):
+        out["steps"] = _network_steps(model)
+    return out
+
+
+def _network_steps(model) -> list:
+    """A convolutional net for :func:`_network_forward`: per child of the ``nn.Sequential``,
+    ``("conv", (stride, padding, dilation, groups))`` or ``("linear", None)`` for a weight-norm
+    layer (in site order), else ``("module", a copy of the parameter-free torch layer)``."""
+    net = model.net
+    if not isinstance(net, torch.nn.Sequential):
+        raise ValueError("the convolutional reference runs an nn.Sequential")
+    steps = []
+    for module in net:
+        if isinstance(module, torch.nn.Conv2d):
+            if module.padding_mode != "zeros":
+                raise ValueError("the reference covers zero-padded convolutions")
+            steps.append(("conv", (module.stride, module.padding, module.dilation, module.groups)))
+        elif isinstance(module, torch.nn.Linear):
+            steps.append(("linear", None))
+        elif any(True for _ in module.parameters()):
+            raise ValueError(f"a parametrised {type(module).__name__} is not covered")
+        else:   # a plain torch layer of the same class and settings (no Pyro module in the step)
+            steps.append(("module", _plain_copy(module)))
+    return steps
+
+
+def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """The torch class of a ``PyroModule``-converted parameter-free layer, with its settings."""
+    cls = next(c for c in type(module).__mro__ if c.__module__.startswith("torch.nn"))
+    plain = cls.__new__(cls)
+    torch.nn.Module.__init__(plain)
+    plain.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith("_")})
+    return plain
+
+
+def _network_forward(p: dict, scales, x):
+    """The convolutional net's output with the weight-norm scales ``scales`` (one tensor per
+    layer): ``torch._weight_norm`` per layer, then ``F.conv2d``/``F.linear``; other layers as they are."""
+    f, layer = x, 0
+    for kind, item in p["steps"]:
+        if kind == "module":
+            f = item(f)
+            continue
+        (v, b), g = p["layers"][layer], scales[layer]
+        w = torch._weight_norm(v, g.reshape((-1,) + (1,) * (v.dim() - 1)), 0)
+        f = F.linear(f, w, b) if kind == "linear" else F.conv2d(f, w, b, *item)
+        layer += 1
+    return f
 
 
 def hypernet_reference_loss(p: dict, x, y, num_data: int, eps=None, parts: bool = False):
@@ -115,12 +164,15 @@ def hypernet_reference_loss(p: dict, x, y, num_data: int, eps=None, parts: bool 
     log_q = log_q - torch.log(sigma).sum()
     s = p["prior_scale"]
     log_p = (-0.5 * (g / s).square() - math.log(s) - HALF_LOG_2PI).sum(-1)
-    f = x
-    for i, (scales, (v, b)) in enumerate(zip(g[0].split(p["sizes"]), p["layers"])):
-        # torch's weight-norm kernel, as torch.nn.utils.parametrizations.weight_norm calls it
-        f = F.linear(f, torch._weight_norm(v, scales[:, None], 0), b)
-        if i < len(p["layers"]) - 1:
-            f = torch.relu(f)
+    if "steps" in p:   # a convolutional net
+        f = _network_forward(p, g[0].split(p["sizes"]), x)
+    else:
+        f = x
+        for i, (scales, (v, b)) in enumerate(zip(g[0].split(p["sizes"]), p["layers"])):
+            # torch's weight-norm kernel, as torch.nn.utils.parametrizations.weight_norm calls it
+            f = F.linear(f, torch._weight_norm(v, scales[:, None], 0), b)
+            if i < len(p["layers"]) - 1:
+                f = torch.relu(f)
     nll = F.cross_entropy(f, y, reduction="sum") * (num_data / len(x))
     loss = (nll + log_q - log_p).squeeze(0)
     return (loss, {"nll": nll, "kl": (log_q - log_p).squeeze(0)}) if parts else loss

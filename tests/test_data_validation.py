@@ -364,3 +364,25 @@ def test_mnist_reader_rejects_a_truncated_gzip_stream(tmp_path):
 def test_mnist_reader_reads_good_files(tmp_path):
     x, y = pb.datasets.mnist(_mnist_folder(tmp_path, _idx_bytes(_IMAGES), _idx_bytes(_LABELS)), "test")
     assert x.shape == (10, 784) and torch.equal(y, torch.from_numpy(_LABELS).long())
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+def test_shuffled_tensor_batches_are_the_indexed_rows(layout):
+    """``TensorBatches`` yields ``x[perm[batch]]`` exactly (values, strides) whatever the layout
+    (contiguous data takes ``index_select``, other layouts ``x[idx]``)."""
+    from pyro_bnn.data.batches import TensorBatches
+
+    x = torch.randn(10, 3, 4, 5)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        x = torch.randn(3, 10).t()
+    y = torch.arange(10)
+    gen = torch.Generator().manual_seed(0)
+    batches = list(TensorBatches(x, y, 4, generator=gen))
+    perm = torch.randperm(10, generator=torch.Generator().manual_seed(0))
+    assert len(batches) == 3
+    for i, (xb, yb) in enumerate(batches):
+        idx = perm[4 * i:4 * (i + 1)]
+        assert torch.equal(xb, x[idx]) and xb.stride() == x[idx].stride()
+        assert torch.equal(yb, y[idx])

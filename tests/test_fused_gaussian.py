@@ -1,4 +1,6 @@
-"""The fused mean-field sample-and-KL node against plain autograd and finite differences."""
+"""The fused mean-field nodes against plain autograd and finite differences."""
+
+import contextlib
 
 import pytest
 import torch
@@ -6,7 +8,7 @@ import torch.nn.functional as F
 from torch.distributions import Normal, kl_divergence
 
 from pyro_bnn.guides import _fused_gaussian as fused
-from pyro_bnn.guides._fused_gaussian import can_fuse, sample_and_kl
+from pyro_bnn.guides._fused_gaussian import can_fuse, can_fuse_kl, normal_kl_node, sample_and_kl
 
 
 @pytest.fixture
@@ -82,3 +84,106 @@ def test_can_fuse():
     assert not can_fuse(loc, torch.zeros(5), torch.tensor(1.0))            # does not broadcast
     assert not can_fuse(loc, torch.zeros(2, 3, 4), torch.tensor(1.0))      # would grow the site
     assert not can_fuse(loc, torch.tensor(0.0), torch.tensor(1.0, requires_grad=True))
+
+
+# ------------------------------------------------ the closed-form KL node (local reparameterisation)
+KL_PRIORS = {
+    "standard": (0.0, 1.0),        # both exact identities (μ − 0, × 1) left out
+    "scaled": (0.0, 0.37),         # × s⁻² kept
+    "shifted": (0.25, 1.0),        # μ − m kept
+    "negative_zero_mean": (-0.0, 1.0),  # −0 is not left out (μ − (−0) turns −0 into +0)
+    "both": (-0.3, 2.5),
+}
+
+
+def _kl_graph(kl_fn, dtype, prior, kl_weight):
+    """A step's graph around the KL of one site: σ = exp(ρ) used three times (the KL's square
+    and log terms and the local reparameterisation's σ²), μ twice (the KL and the layer)."""
+    gen = torch.Generator().manual_seed(3)
+    loc = (0.1 * torch.randn(7, 5, generator=gen, dtype=dtype)).requires_grad_()
+    rho = (torch.randn(7, 5, generator=gen, dtype=dtype) - 3.0).requires_grad_()
+    x = torch.randn(4, 5, generator=gen, dtype=dtype)
+    m, s = (torch.tensor(v, dtype=dtype) for v in prior)
+    scale = rho.exp()
+    kl = kl_fn(loc, scale, m, s)
+    var = F.linear(x ** 2, scale ** 2)
+    f = F.linear(x, loc) + var.clamp_min(1e-30).sqrt() * torch.randn(4, 7, generator=gen, dtype=dtype)
+    loss = (f.log_softmax(-1)[:, 0].sum() * -3.0) / 1 + kl_weight * kl
+    return loss, torch.autograd.grad(loss, (loc, rho))
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["denormals", "flush_denormals"])
+@pytest.mark.parametrize("kl_weight", [1.0, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("prior", sorted(KL_PRIORS))
+def test_kl_node_is_bit_identical_to_the_autograd_formula(prior, dtype, kl_weight, flush):
+    """Values and gradients equal ``normal_kl``'s autograd graph bit for bit (``torch.equal``),
+    with σ's three gradient contributions summed in the same order."""
+    from pyro_bnn.guides.meanfield import normal_kl
+    from pyro_bnn.training.devices import flush_denormals
+
+    with flush_denormals() if flush else contextlib.nullcontext():
+        loss_node, grads_node = _kl_graph(normal_kl_node, dtype, KL_PRIORS[prior], kl_weight)
+        loss_ref, grads_ref = _kl_graph(normal_kl, dtype, KL_PRIORS[prior], kl_weight)
+    assert torch.equal(loss_node, loss_ref)
+    for got, want in zip(grads_node, grads_ref):
+        assert torch.equal(got, want)
+    assert grads_ref[1].abs().sum() > 0            # not vacuous: ρ gets a gradient
+
+
+def test_kl_node_value_and_double_backward(float64):
+    """The KL against torch's closed form; second derivatives by finite differences."""
+    torch.manual_seed(4)
+    loc = torch.randn(3, 2, requires_grad=True)
+    rho = torch.randn(3, 2, requires_grad=True)
+    m, s = torch.tensor(0.2), torch.tensor(0.9)
+    want = kl_divergence(Normal(loc, rho.exp()), Normal(m.expand(3, 2), s.expand(3, 2))).sum()
+    torch.testing.assert_close(normal_kl_node(loc, rho.exp(), m, s), want, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradgradcheck(lambda a, r: normal_kl_node(a, r.exp(), m, s), (loc, rho))
+
+
+def test_can_fuse_kl():
+    loc = torch.zeros(3, 4)
+    assert can_fuse_kl(loc, loc, torch.tensor(0.0), torch.tensor(1.0))
+    assert can_fuse_kl(loc, loc, torch.zeros(1, 1), torch.ones(1))
+    assert not can_fuse_kl(loc, loc, torch.zeros(3, 1), torch.tensor(1.0))              # a prior per row
+    assert not can_fuse_kl(loc, loc, torch.tensor(0.0), torch.tensor(1.0, requires_grad=True))  # learned
+    assert not can_fuse_kl(loc, loc, torch.zeros(1, 1, 1), torch.tensor(1.0))          # would grow the KL
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def test_meanfield_objective_unchanged_by_the_kl_node(arch, monkeypatch):
+    """The local-reparameterisation MeanField objective with the KL node equals the one with
+    the autograd formula, bit for bit, in the loss and every gradient."""
+    from torch import nn
+
+    import pyro_bnn as pb
+    from pyro_bnn.contract.local_params import local_params
+    from pyro_bnn.guides import meanfield
+    from pyro_bnn.training.loop import setup_guide
+
+    torch.manual_seed(0)
+    if arch == "mlp":
+        net, x = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), torch.randn(8, 6)
+    else:
+        net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+        x = torch.randn(8, 1, 6, 6)
+    y = torch.randint(0, 3, (8,))
+    model = pb.BNN(net, "categorical", prior=pb.priors.IIDNormal(0.8))
+    guide = pb.guides.MeanField(model, init_scale=0.1)
+    setup_guide(model, guide, x[:2], y[:2], 100)
+    calls = []
+    monkeypatch.setattr(meanfield, "normal_kl_node", lambda *args: calls.append(1) or normal_kl_node(*args))
+    results = []
+    for fuse in (True, False):
+        if not fuse:
+            monkeypatch.setattr(meanfield, "can_fuse_kl", lambda *args: False)
+        with local_params(model, guide):
+            params = [p for s in model.site_names for p in guide.loc_and_raw_scale(s)]
+            torch.manual_seed(1)
+            loss = meanfield.meanfield_loss(model, guide, x, y, 100)
+            results.append((loss, torch.autograd.grad(loss, params)))
+    assert len(calls) == len(model.site_names)     # the first run took the node for every site
+    (loss_node, grads_node), (loss_ref, grads_ref) = results
+    assert torch.equal(loss_node, loss_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads_node, grads_ref))

@@ -81,8 +81,19 @@ def test_plan_covers_plain_weight_norm_mlps_only():
     hooked.net.register_forward_pre_hook(lambda *a: None)
     assert weight_norm_plan(hooked, sites) is None
     torch.manual_seed(0)
-    other = pb.BNN(nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 3)), "categorical", weight_norm=True)
+    other = pb.BNN(nn.Sequential(nn.Linear(12, 10), nn.LayerNorm(10), nn.Linear(10, 3)), "categorical",
+                   weight_norm=True)
     assert weight_norm_plan(other, other.site_names) is None     # a layer the plan does not know
+
+    class OwnTanh(nn.Tanh):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    other = pb.BNN(nn.Sequential(nn.Linear(12, 10), OwnTanh(), nn.Linear(10, 3)), "categorical", weight_norm=True)
+    assert weight_norm_plan(other, other.site_names) is None     # a forward of its own
+    padded = pb.BNN(nn.Sequential(nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten(),
+                                  nn.Linear(2 * 16, 3)), "categorical", weight_norm=True)
+    assert weight_norm_plan(padded, padded.site_names) is None   # a padding mode that pads first
     ordinary = pb.BNN(nn.Sequential(nn.Linear(12, 3)), "categorical")
     assert weight_norm_plan(ordinary, ordinary.site_names) is None
 
@@ -154,3 +165,24 @@ def test_weight_norm_weight_keeps_zero_row_safety():
     v[4, 1] = float("nan")
     w = weight_norm_weight(g, v)
     assert torch.equal(w[2], torch.zeros(7)) and torch.isnan(w[4]).all()
+
+
+@pytest.mark.parametrize("options, particles", [({"num_flows": 0}, 1), ({"num_flows": 2, "hidden": 6}, 2)])
+def test_functional_forward_of_a_convolutional_net_is_bit_identical(options, particles, monkeypatch):
+    """Weight-norm Conv2d layers, pooling, other activations (their own forward), Flatten."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, stride=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 4, 3, padding=1),
+                        nn.Tanh(), nn.AvgPool2d(1), nn.Flatten(), nn.Linear(4 * 3 * 3, 5), nn.ReLU(), nn.Linear(5, 3))
+    model = pb.BNN(net, "categorical", weight_norm=True)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 1, 8, 8, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    guide = pb.guides.Hypernet(model, **options, alpha=0.5 if particles > 1 else 1.0)
+    setup_guide(model, guide, x[:2], y[:2], 200)
+    assert [kind for kind, *_ in weight_norm_plan(model, model.site_names)[2]][:6] == \
+        ["conv2d", "relu", "module", "conv2d", "module", "module"]
+    objective = guide.make_objective(particles)
+    fast = _loss_and_grads(model, guide, x, y, objective, True, monkeypatch)
+    slow = _loss_and_grads(model, guide, x, y, objective, False, monkeypatch)
+    assert fast[3] == [True] and slow[3] == [False]
+    assert torch.equal(fast[0], slow[0])
+    assert all(torch.equal(a, b) for a, b in zip(fast[2], slow[2]))

@@ -66,3 +66,29 @@ def test_symmetrized_reference_equals_guide_loss(bench):
     # the gap is not just log|G|: log ρ(e | ω) is part of it
     log_order = sum(torch.lgamma(torch.tensor(d + 1.0)).item() for d in (16, 12))
     assert res["entropy_gap_ref"] < log_order - 0.1
+
+
+@pytest.mark.parametrize("num_flows", [0, 2])
+def test_hypernet_reference_on_a_convolutional_net(bench, num_flows):
+    """The convolutional path of the Hypernet reference (``bench_fmnist_speed.py --arch cnn``):
+    weight-norm Conv2d and Linear layers with pooling and Flatten between them."""
+    from torch import nn
+
+    import pyro_bnn as pb
+    from pyro_bnn.training.loop import setup_guide
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(),
+                        nn.Flatten(), nn.Linear(4 * 3 * 3, 5), nn.ReLU(), nn.Linear(5, 4))
+    model = pb.BNN(net, "categorical", weight_norm=True)
+    guide = pb.guides.Hypernet(model, flow="iaf", num_flows=num_flows, hidden=8)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 1, 8, 8, generator=gen), torch.randint(0, 4, (24,), generator=gen)
+    setup_guide(model, guide, x[:2], y[:2], 240)
+    if num_flows:
+        bench._perturb_flow(guide, scale=0.2)
+    res = bench.check_hypernet(model, guide, x, y, 240)
+    assert "steps" in bench.hypernet_reference_params(model, guide)   # the convolutional path ran
+    assert res["rel_loss"] < 1e-5 and res["rel_kl"] < 1e-5, res
+    assert res["max_rel_grad"] < 1e-4, res
+    other = bench.check_hypernet(model, guide, x, y, 240, seed=7)
+    assert abs(other["loss_lib"] - res["loss_lib"]) > 1e-3 * abs(res["loss_lib"])

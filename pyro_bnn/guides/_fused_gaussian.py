@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["sample_and_kl", "can_fuse"]
+__all__ = ["sample_and_kl", "can_fuse", "normal_kl_node", "can_fuse_kl"]
 
 
 def can_fuse(loc: torch.Tensor, prior_loc: torch.Tensor, prior_scale: torch.Tensor) -> bool:
@@ -162,3 +162,94 @@ def sample_and_kl(loc: torch.Tensor, rho: torch.Tensor, eps: torch.Tensor,
         Scalar ``Σ KL`` over the site's weights.
     """
     return _FUNCTIONS[positive].apply(loc, rho, eps, prior_loc, prior_scale)
+
+
+# ================================================== the closed-form KL of given (μ, σ), bit for bit
+class _NormalKL(torch.autograd.Function):
+    """``normal_kl(μ, σ, m, s)`` of :mod:`.meanfield` as one autograd node, with the values and
+    gradients of the autograd graph that formula builds, bit for bit.
+
+    The formula is ``½ [Σ (σ² + (μ − m)²) s⁻² − 2 Σ log σ + n (2 log s − 1)]``.  Left to autograd
+    it makes some fourteen elementwise passes per weight tensor (forward and backward,
+    ``pow``'s backward alone three: ``x.pow(1)``, ``× 2``, ``× grad``); here the backward
+    is three passes, each the same floating-point operation autograd performs:
+
+    * ``∂/∂μ = G · 2(μ − m)`` and ``∂/∂σ (square term) = G · 2σ`` with ``G = ½ g s⁻²`` are
+      computed as ``(μ − m) · (2G)`` and ``σ · (2G)``: doubling is exact in binary floating
+      point, so both are the one rounding of the same product;
+    * ``∂/∂σ (log term) = (−2 · ½ g) / σ``, autograd's ``div`` of the same operands.
+
+    ``σ`` is passed twice (``scale`` for the log term, ``scale_again`` for the square): the
+    two contributions reach ``σ``'s gradient buffer as separate terms, in the order
+    autograd delivered them (log term, then square term), so a third use of ``σ``
+    elsewhere (the local reparameterisation's ``σ²``, a weight sample ``μ + σε``) is summed
+    with them in the same order as before.  The exact identities ``μ − 0 = μ`` and
+    ``x · 1 = x`` are left out where the CPU prior has mean +0 or ``s⁻² = 1``.
+
+    The backward is written with differentiable operations on the inputs, so a double
+    backward (``create_graph=True``) is correct too.
+    """
+
+    @staticmethod
+    def forward(ctx, loc, scale, scale_again, prior_loc, prior_scale):
+        inv_var = prior_scale.reciprocal() ** 2
+        zero_mean, unit_var = _exact_identities(prior_loc, inv_var)
+        diff = loc if zero_mean else loc - prior_loc
+        quad = scale ** 2 + diff ** 2
+        if not unit_var:
+            quad = quad * inv_var
+        kl = 0.5 * (quad.sum() - 2.0 * torch.log(scale).sum()
+                    + loc.numel() * (2.0 * torch.log(prior_scale) - 1.0))
+        ctx.save_for_backward(loc, scale, prior_loc)
+        ctx.inv_var = None if unit_var else inv_var
+        ctx.zero_mean = zero_mean
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad):
+        loc, scale, prior_loc = ctx.saved_tensors
+        half = grad * 0.5
+        g = half if ctx.inv_var is None else half * ctx.inv_var
+        twice_g = g * 2.0
+        diff = loc if ctx.zero_mean else loc - prior_loc
+        grad_log = (-half * 2.0) / scale
+        return diff * twice_g, grad_log, scale * twice_g, None, None
+
+
+def _exact_identities(prior_loc: torch.Tensor, inv_var: torch.Tensor) -> tuple[bool, bool]:
+    """``(m is +0, s⁻² is 1)`` for a one-number CPU prior (reading a CUDA value would
+    synchronise: there both are ``False`` and the general operations run)."""
+    if prior_loc.device.type != "cpu" or inv_var.device.type != "cpu":
+        return False, False
+    m, v = float(prior_loc), float(inv_var)
+    return m == 0.0 and math.copysign(1.0, m) > 0, v == 1.0
+
+
+def can_fuse_kl(loc: torch.Tensor, scale: torch.Tensor, prior_loc: torch.Tensor,
+                prior_scale: torch.Tensor) -> bool:
+    """Whether :func:`normal_kl_node` applies: one-number prior parameters without gradient
+    (a prior per weight, or one being learned by gradient, takes the autograd formula)."""
+    return (not prior_loc.requires_grad and not prior_scale.requires_grad
+            and prior_loc.numel() == 1 and prior_scale.numel() == 1
+            and prior_loc.dim() <= loc.dim() and prior_scale.dim() <= loc.dim()
+            and loc.shape == scale.shape)
+
+
+def normal_kl_node(loc: torch.Tensor, scale: torch.Tensor, prior_loc: torch.Tensor,
+                   prior_scale: torch.Tensor) -> torch.Tensor:
+    """``Σ KL(N(μ, σ²) ‖ N(m, s²))`` as :func:`pyro_bnn.guides.meanfield.normal_kl` computes it
+    (the same value and gradients, bit for bit), in one autograd node.
+
+    Parameters
+    ----------
+    loc, scale : Tensor
+        ``μ`` and ``σ`` (any graph behind them), same shape.
+    prior_loc, prior_scale : Tensor
+        One number each, no gradient (see :func:`can_fuse_kl`).
+
+    Returns
+    -------
+    Tensor
+        Scalar (0-dim).
+    """
+    return _NormalKL.apply(loc, scale, scale, prior_loc, prior_scale)

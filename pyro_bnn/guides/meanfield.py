@@ -37,7 +37,9 @@ from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
 from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
-from ._fused_gaussian import can_fuse, sample_and_kl
+from ._fused_gaussian import can_fuse, can_fuse_kl, normal_kl_node, sample_and_kl
+from .direct_forward import direct_calls_allowed
+from .local_reparam_forward import local_reparam_plan, run_local_reparam
 from .prior_scale import own_normal_priors_, update_prior_scales_
 
 __all__ = ["MeanField", "MeanFieldELBO"]
@@ -424,7 +426,9 @@ def closed_form_kl(model, qs: dict) -> tuple[torch.Tensor | float, list[str]]:
     for name, (loc, scale) in qs.items():
         params = normal_prior_params(model, name)
         if params is not None:
-            kl = kl + normal_kl(loc, scale, *params)
+            # one autograd node with normal_kl's values and gradients where the prior allows it
+            kl = kl + (normal_kl_node(loc, scale, *params) if can_fuse_kl(loc, scale, *params)
+                       else normal_kl(loc, scale, *params))
             continue
         try:
             kl = kl + kl_divergence(dist.Normal(loc, scale, validate_args=False).to_event(loc.dim()),
@@ -448,7 +452,12 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
         raise ValueError("on_draw needs weight draws, but local reparameterisation draws none")
     scale_factor = (num_data or len(x)) / len(x)
     sites = model.site_names
-    local = guide.local_reparameterization
+    # a plain Linear/Conv net runs as direct functional calls (the hooks' operations, the same
+    # values) where the model's param statements have no effect (pb.fit's module-local mode);
+    # such a net is one local reparameterisation applies to, so its plan settles the setting
+    plan = (local_reparam_plan(model, sites) if on_draw is None and _may_reparameterize_locally(guide, model)
+            and direct_calls_allowed() else None)
+    local = plan is not None or guide.local_reparameterization
     fused = {} if local else _fusable_sites(model, guide, sites)
     positive = guide.scale_parameterization
     qs = {name: guide.loc_and_scale(name) for name in sites if name not in fused}
@@ -464,13 +473,16 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
             kl_closed = kl_closed + kl / num_particles
         for name, (loc, scale) in qs.items():
             values[name] = loc if local else loc + scale * standard_normal_like(loc)
-        if local:
-            hooks = _install_local_reparam(model, qs)
-        try:
-            f = model.run_with(values, x)
-        finally:
-            for h in hooks:
-                h.remove()
+        if plan is not None:
+            f = run_local_reparam(plan, qs, x, standard_normal_like)
+        else:
+            if local:
+                hooks = _install_local_reparam(model, qs)
+            try:
+                f = model.run_with(values, x)
+            finally:
+                for h in hooks:
+                    h.remove()
         nll = nll - log_likelihood(model.likelihood, f, y).sum() * scale_factor
         if on_draw is not None:
             on_draw(values)
@@ -480,6 +492,14 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
             nll = nll + kl_weight * (dist.Normal(loc, scale, validate_args=False).log_prob(w).sum()
                                      - priors[name].log_prob(w))
     return nll / num_particles + (kl_closed if kl_weight == 1.0 else kl_weight * kl_closed)
+
+
+def _may_reparameterize_locally(guide, model) -> bool:
+    """Whether ``guide.local_reparameterization`` is ``True`` for ``model`` if local
+    reparameterisation applies to it (setting ``True``, or ``"auto"`` for the guide's own model)."""
+    setting = guide.local_reparameterization_setting
+    return setting is True or (setting == "auto" and guide.auto_local_reparameterization
+                               and guide.given_model() is model)
 
 
 def _fusable_sites(model, guide, sites) -> dict:
