@@ -37,7 +37,7 @@ from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
 from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
-from ._fused_gaussian import can_fuse, can_fuse_kl, normal_kl_node, sample_and_kl
+from ._fused_gaussian import can_fuse, can_fuse_kl, normal_kl_node, normal_kl_node_log_scale, sample_and_kl
 from .direct_forward import direct_calls_allowed
 from .local_reparam_forward import local_reparam_plan, run_local_reparam
 from .prior_scale import own_normal_priors_, update_prior_scales_
@@ -405,7 +405,7 @@ def normal_kl(loc, scale, prior_loc, prior_scale) -> torch.Tensor:
                   + loc.numel() * (2.0 * torch.log(prior_scale) - 1.0))
 
 
-def closed_form_kl(model, qs: dict) -> tuple[torch.Tensor | float, list[str]]:
+def closed_form_kl(model, qs: dict, log_scales: dict | None = None) -> tuple[torch.Tensor | float, list[str]]:
     """Closed-form ``KL(q‖p)`` over the sites whose prior allows it, and the other sites.
 
     Parameters
@@ -414,6 +414,9 @@ def closed_form_kl(model, qs: dict) -> tuple[torch.Tensor | float, list[str]]:
         Provides ``site_normal_prior`` (or ``site_prior`` for any registered closed form).
     qs : dict
         ``{site: (μ, σ)}``.
+    log_scales : dict, optional
+        ``{site: log σ}`` for sites whose ``log σ`` is at hand (``σ = exp(ρ)``: ``ρ``); their
+        closed-form KL reads it instead of taking ``log σ`` (the same KL up to ~1e-7 relative).
 
     Returns
     -------
@@ -423,12 +426,18 @@ def closed_form_kl(model, qs: dict) -> tuple[torch.Tensor | float, list[str]]:
         Sites that need a Monte Carlo estimate ``log q(w) − log p(w)``.
     """
     kl, mc_sites = 0.0, []
+    log_scales = log_scales or {}
     for name, (loc, scale) in qs.items():
         params = normal_prior_params(model, name)
         if params is not None:
-            # one autograd node with normal_kl's values and gradients where the prior allows it
-            kl = kl + (normal_kl_node(loc, scale, *params) if can_fuse_kl(loc, scale, *params)
-                       else normal_kl(loc, scale, *params))
+            # one autograd node where the prior allows it: with log σ given (σ = exp ρ) the log
+            # term reads ρ, else normal_kl's values and gradients bit for bit
+            if not can_fuse_kl(loc, scale, *params):
+                kl = kl + normal_kl(loc, scale, *params)
+            elif name in log_scales:
+                kl = kl + normal_kl_node_log_scale(loc, scale, log_scales[name], *params)
+            else:
+                kl = kl + normal_kl_node(loc, scale, *params)
             continue
         try:
             kl = kl + kl_divergence(dist.Normal(loc, scale, validate_args=False).to_event(loc.dim()),
@@ -460,8 +469,13 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
     local = plan is not None or guide.local_reparameterization
     fused = {} if local else _fusable_sites(model, guide, sites)
     positive = guide.scale_parameterization
-    qs = {name: guide.loc_and_scale(name) for name in sites if name not in fused}
-    kl_closed, mc_sites = closed_form_kl(model, qs)
+    if positive == "exp":  # σ = exp(ρ): the KL's log σ is ρ itself
+        raw = {name: guide.loc_and_raw_scale(name) for name in sites if name not in fused}
+        qs = {name: (loc, rho.exp()) for name, (loc, rho) in raw.items()}
+        log_scales = {name: rho for name, (_, rho) in raw.items()}
+    else:
+        qs, log_scales = {name: guide.loc_and_scale(name) for name in sites if name not in fused}, None
+    kl_closed, mc_sites = closed_form_kl(model, qs, log_scales)
     priors = {name: model.site_prior(name) for name in mc_sites}
     kl_weight = guide.kl_weight
     nll = 0.0
