@@ -218,8 +218,10 @@ def run_peer_marglik(args, data, net0, schedule):
 def mode_marglik(args, data):
     schedule = marglik_schedule(args)
     net0 = initial_net(args)
-    rows = [run_ours_marglik(args, data, net0, schedule["ours"])]
-    emit(args, rows[-1])
+    rows = []
+    if not args.skip_ours:
+        rows.append(run_ours_marglik(args, data, net0, schedule["ours"]))
+        emit(args, rows[-1])
     if not args.skip_peer:
         rows.append(run_peer_marglik(args, data, net0, schedule["peer"]))
         emit(args, rows[-1])
@@ -326,10 +328,14 @@ def main(argv=None):
                         help="pyro_bnn's δ structure: one per layer (default) or one per parameter tensor "
                              "with separate bias blocks (laplace-torch's 'layerwise')")
     parser.add_argument("--skip-peer", action="store_true", help="pyro_bnn only")
+    parser.add_argument("--skip-ours", action="store_true",
+                        help="marglik: laplace-torch only (same initial net and schedule as a full run)")
     parser.add_argument("--map-epochs", type=int, default=2, help="plain MAP epochs timed for the ratio (0: none)")
     parser.add_argument("--out", default=None, help="append one JSON line per row")
     args = parser.parse_args(argv)
     args.peer_limit = args.peer_limit or None
+    if args.skip_ours and (args.skip_peer or args.mode != "marglik"):
+        parser.error("--skip-ours needs --mode marglik and no --skip-peer")
     torch.set_num_threads(args.threads)
     if not args.skip_peer:
         import_laplace()
