@@ -93,6 +93,51 @@ def test_delta_equals_layerwise_laplace_of_the_mean_network(float64):
                 assert float(laplace.log_evidence(moved)) < best, (layer, factor)
 
 
+def _conv_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
+
+
+def _mlp_1(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 12), nn.Tanh(), nn.Linear(12, 1))
+
+
+@pytest.mark.parametrize("case", ["conv", "gaussian"])
+def test_delta_equals_layerwise_laplace_for_conv_layers_and_regression(float64, case):
+    """The same reference for a Conv2d layer (categorical) and for a Gaussian likelihood with a
+    fixed noise σ = 0.5 (the curvature scaled by 1/σ²); rtol 1e-9 in float64."""
+    d = pb.datasets.digits(image=case == "conv")
+    x = d.x_train[:100].double()
+    if case == "conv":
+        make_net, y, kind, options = _conv_net, d.y_train[:100], "categorical", {}
+    else:
+        make_net, kind, options = _mlp_1, "gaussian", {"noise": 0.5}
+        y = (x[:, 20:30].sum(-1, keepdim=True) - 2.0) / 2.0
+    model = pb.BNN(make_net(), kind, weight_norm=True, **options)
+    guide = _guide(model)
+    _fit(model, guide, (x, y), epochs=3, batch_size=25)
+    scales = guide.mean_scales()
+    net = make_net(seed=5)
+    with torch.no_grad():
+        for site, g in scales.items():
+            path = site[len("net."):-len(".weight_g")]
+            layer, plain = model.net.get_submodule(path), net.get_submodule(path)
+            v = layer.weight_v.detach()
+            plain.weight.copy_(g.reshape(-1, *[1] * (v.dim() - 1)) * v / v.flatten(1).norm(dim=1).reshape(
+                -1, *[1] * (v.dim() - 1)))
+            plain.bias.copy_(layer.bias.detach())
+    laplace = pb.guides.Laplace(pb.BNN(net, kind, **options), "kron", prior_structure="layerwise",
+                                prior_precision=1.0)
+    laplace.fit_curvature((x, y))
+    update = guide.update_prior_precision_((x, y), steps=150, lr=0.1)
+    reference = laplace.optimize_prior_precision(steps=150, lr=0.1, **({"learn_noise": False} if options else {}))
+    ours = torch.tensor(list(update.prior_precision.values()))
+    torch.testing.assert_close(ours, laplace.prior_precision.detach(), rtol=1e-9, atol=0)
+    assert update.log_evidence == pytest.approx(reference, rel=1e-9)
+    assert not torch.allclose(ours, torch.ones(2), rtol=0.05)
+
+
 def test_the_prior_of_each_layer_is_set(float64):
     x, y = _data()
     shared = pb.priors.IIDNormal(1.0)
