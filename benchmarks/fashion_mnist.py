@@ -274,12 +274,13 @@ def row_registry(args, data, name):
     else:
         model, opts = bnn(args), {}
     guide = registered_guides()[name](model, **opts)
-    fit_kw = {}
+    fit_kw = {} if name != "hypernet" or args.hn_lr is None else {"lr": args.hn_lr}
     if name == "hypernet" and args.hn_marglik:  # the g prior's precision by the Laplace evidence
         fit_kw["marglik"] = hn_marglik(args.hn_marglik)
     res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples, **fit_kw)
     row = fit_summary(res)
     h = res.history
+    row["lr"] = res.lr
     if "marglik" in fit_kw:
         row.update(marglik=dataclasses.asdict(fit_kw["marglik"]), settings=guide.settings_description(),
                    scale_prior_precision_curve=[[round(d, 3) for d in ds] for ds in h["scale_prior_precision"]],
@@ -461,6 +462,7 @@ def main(argv=None):
                         help="Hypernet: learn each layer's g-prior precision by the KFAC Laplace evidence of "
                              "the mean network, pb.fit(marglik=MarglikOptions(EVERY, BURNIN, STEPS, LR)), "
                              "e.g. 5,0,100,0.1 (the starting prior: --hn-prior-precision or N(0, 1))")
+    parser.add_argument("--hn-lr", type=float, default=None, help="Hypernet lr (default: the guide's 1e-2)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI, constant)")
     parser.add_argument("--out", default=None, help="append one JSON line per row to this file")
