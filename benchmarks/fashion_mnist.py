@@ -271,6 +271,8 @@ def row_registry(args, data, name):
         torch.manual_seed(args.seed)
         model = pb.BNN(make_net(args.arch), "categorical", weight_norm=True, prior=prior)
         opts = {} if args.hn_flows is None else {"num_flows": args.hn_flows}
+        if args.hn_prior_structure is not None:
+            opts["prior_structure"] = args.hn_prior_structure
     else:
         model, opts = bnn(args), {}
     guide = registered_guides()[name](model, **opts)
@@ -462,6 +464,9 @@ def main(argv=None):
                         help="Hypernet: learn each layer's g-prior precision by the KFAC Laplace evidence of "
                              "the mean network, pb.fit(marglik=MarglikOptions(EVERY, BURNIN, STEPS, LR)), "
                              "e.g. 5,0,100,0.1 (the starting prior: --hn-prior-precision or N(0, 1))")
+    parser.add_argument("--hn-prior-structure", choices=["layerwise", "scalar"], default=None,
+                        help="Hypernet prior_structure with --hn-marglik: one δ per layer (the guide's "
+                             "default) or one for all layers")
     parser.add_argument("--hn-lr", type=float, default=None, help="Hypernet lr (default: the guide's 1e-2)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI, constant)")

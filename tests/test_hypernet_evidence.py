@@ -54,15 +54,21 @@ def _fit(model, guide, data, **kw):
         return pb.fit(model, guide, data, **{"batch_size": 40, "seed": 0, "progress": False, **kw})
 
 
-def _plain_laplace(model, scales, x, y):
-    """A plain BNN with the weight-norm model's mean network as its weights, under Laplace with
-    one δ per layer starting at the model's current scale-prior precisions."""
+def _mean_net(model, scales):
+    """A plain network with the weight-norm model's mean network g·v/‖v‖ (and biases) as weights."""
     net = _net(seed=5)
     with torch.no_grad():
         for i in (0, 2):
             v = model.net[i].weight_v.detach()
             net[i].weight.copy_(scales[f"net.{i}.weight_g"][:, None] * v / v.norm(dim=1, keepdim=True))
             net[i].bias.copy_(model.net[i].bias.detach())
+    return net
+
+
+def _plain_laplace(model, scales, x, y):
+    """A plain BNN with the weight-norm model's mean network as its weights, under Laplace with
+    one δ per layer starting at the model's current scale-prior precisions."""
+    net = _mean_net(model, scales)
     start = torch.tensor([float(model.site_normal_prior(s)[1]) ** -2 for s in SITES])
     laplace = pb.guides.Laplace(pb.BNN(net, "categorical"), "kron", prior_structure="layerwise",
                                 prior_precision=start)
@@ -136,6 +142,28 @@ def test_delta_equals_layerwise_laplace_for_conv_layers_and_regression(float64, 
     torch.testing.assert_close(ours, laplace.prior_precision.detach(), rtol=1e-9, atol=0)
     assert update.log_evidence == pytest.approx(reference, rel=1e-9)
     assert not torch.allclose(ours, torch.ones(2), rtol=0.05)
+
+
+def test_scalar_structure_equals_the_scalar_laplace(float64):
+    """``prior_structure="scalar"``: one δ for every layer, equal (rtol 1e-9) to Laplace's
+    ``prior_structure="scalar"`` evidence steps from the geometric mean of the layers' δ."""
+    x, y = _data()
+    model = _model(prior={SITES[0]: pb.priors.IIDNormal(0.5), SITES[1]: pb.priors.IIDNormal(2.0)})
+    guide = _guide(model, prior_structure="scalar")
+    _fit(model, guide, (x, y), epochs=3)
+    net = _mean_net(model, guide.mean_scales())
+    laplace = pb.guides.Laplace(pb.BNN(net, "categorical"), "kron", prior_structure="scalar",
+                                prior_precision=1.0)   # (4 · 0.25)^(1/2): the geometric mean
+    laplace.fit_curvature((x, y))
+    update = guide.update_prior_precision_((x, y), steps=200, lr=0.1)
+    reference = laplace.optimize_prior_precision(steps=200, lr=0.1)
+    deltas = [update.prior_precision[s] for s in SITES]
+    assert deltas[0] == deltas[1] == pytest.approx(float(laplace.prior_precision), rel=1e-9)
+    assert update.log_evidence == pytest.approx(reference, rel=1e-9)
+    assert deltas[0] != pytest.approx(1.0, rel=0.05)
+    assert "(scalar)" in guide.settings_description()
+    with pytest.raises(ValueError, match="prior_structure"):
+        _guide(model, prior_structure="sitewise")
 
 
 def test_the_prior_of_each_layer_is_set(float64):

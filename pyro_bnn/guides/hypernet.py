@@ -45,6 +45,7 @@ from .hypernet_evidence import (
     CURVATURE_BATCH_SIZE,
     MEAN_DRAWS,
     MEAN_SEED,
+    PRIOR_STRUCTURES,
     EvidenceUpdate,
     ScalePriorSchedule,
     check_evidence_model,
@@ -122,6 +123,9 @@ class Hypernet(BNNGuide, AutoContinuous):
         ``REFINE_LR`` = 3e-4: on digits 64-50-10 (MeanField converged in 1,000 epochs, +300
         epochs of the flow) it ended 1.7–9.1 nats above MeanField's ELBO in 3 of 3 seeds,
         where 1e-2 ended up to 35 nats below it (``docs/results/hypernet.md``).
+    prior_structure : {"layerwise", "scalar"}
+        With ``pb.fit(..., marglik=)`` or :meth:`update_prior_precision_`: one evidence-learned
+        precision δ_l per weight-norm layer (default), or one δ shared by all layers (see Notes).
     seed : int
         Seed of the flow's fixed permutations.
 
@@ -133,9 +137,10 @@ class Hypernet(BNNGuide, AutoContinuous):
     epoch ``e`` with ``marglik_due(e)`` (every ``every`` epochs after ``burnin``), before epoch
     ``e + 1`` trains, :meth:`update_prior_precision_` takes the mean network
     ``E_q[g]·v/‖v‖`` (with the biases), runs ``steps`` Adam steps (rate ``lr``) on the KFAC
-    Laplace evidence of that network under one Gaussian prior ``N(0, 1/δ_l)`` per layer — what
-    ``pb.guides.Laplace(..., prior_structure="layerwise").optimize_prior_precision()`` does for
-    a plain network with those weights — and sets each layer's scale prior to ``N(0, 1/δ_l)``
+    Laplace evidence of that network under one Gaussian prior ``N(0, 1/δ_l)`` per layer (or one
+    shared δ, ``prior_structure="scalar"``) — what ``pb.guides.Laplace(...,
+    prior_structure=...).optimize_prior_precision()`` does for a plain network with those
+    weights — and sets each layer's scale prior to ``N(0, 1/δ_l)``
     (:mod:`pyro_bnn.guides.hypernet_evidence`).  No update follows the fit's last epoch, so the
     final ``q`` is trained under the final prior.  The ELBO that ``fit`` reports for an epoch
     (``history["elbo"]``, the convergence diagnosis) is that of the model with the prior in
@@ -168,8 +173,10 @@ class Hypernet(BNNGuide, AutoContinuous):
                  full: bool = False, init_scale: float | None = None,
                  init_gain: float | None = None, layout: str = "stable",
                  prob_clip: tuple[float, float] | None = None, alpha: float = 1.0,
-                 init_loc_fn=None, init_from=None, directions: str = DEFAULT_DIRECTIONS, seed: int = 0):
+                 init_loc_fn=None, init_from=None, directions: str = DEFAULT_DIRECTIONS,
+                 prior_structure: str = "layerwise", seed: int = 0):
         flow = check_choice("flow", flow, FLOW_TYPES)
+        prior_structure = check_choice("prior_structure", prior_structure, PRIOR_STRUCTURES)
         directions = check_choice("directions", directions, DIRECTIONS)
         layout = check_choice("layout", layout, sorted(_LAYOUTS))
         full = check_bool("full", full)
@@ -208,6 +215,7 @@ class Hypernet(BNNGuide, AutoContinuous):
         self.alpha = float(alpha)
         self.layout = layout
         self.directions = directions
+        self.prior_structure = prior_structure
         self.flow = None
         # during a fit with marglik=: its schedule (a MarglikOptions, not a scalar: not a guide option)
         self._evidence_schedule = None
@@ -369,7 +377,7 @@ class Hypernet(BNNGuide, AutoContinuous):
         text = f"{self.extra_repr()}, init_scale={self.init_scale:g}"
         if self._evidence_precisions:
             shown = " / ".join(f"{d:.3g}" for d in self._evidence_precisions.values())
-            text += f", g prior precision by the Laplace evidence {shown}"
+            text += f", g prior precision by the Laplace evidence ({self.prior_structure}) {shown}"
         return text
 
     # --------------------------------------------- the scales' prior by the Laplace evidence
@@ -437,7 +445,8 @@ class Hypernet(BNNGuide, AutoContinuous):
         model = self.evidence_model()
         batches = curvature_batches(data, model, batch_size=batch_size,
                                     where="Hypernet.update_prior_precision_")
-        update = update_scale_priors_(model, self.mean_scales(num_samples), batches, steps=steps, lr=lr)
+        update = update_scale_priors_(model, self.mean_scales(num_samples), batches, steps=steps, lr=lr,
+                                      structure=self.prior_structure)
         self._evidence_precisions = dict(update.prior_precision)
         return update
 

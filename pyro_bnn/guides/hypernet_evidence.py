@@ -48,7 +48,7 @@ from ..model.devices import module_device
 from ..model.weight_norm import is_weight_norm_layer, weight_norm_weight
 from .prior_scale import own_normal_priors_
 
-__all__ = ["EvidenceUpdate", "ScalePriorSchedule", "MEAN_DRAWS", "MEAN_SEED", "CURVATURE_BATCH_SIZE",
+__all__ = ["EvidenceUpdate", "ScalePriorSchedule", "PRIOR_STRUCTURES", "MEAN_DRAWS", "MEAN_SEED", "CURVATURE_BATCH_SIZE",
            "check_evidence_model", "flow_mean", "scale_layers", "mean_network_values",
            "evidence_prior_precisions", "update_scale_priors_", "scale_prior_precisions",
            "set_scale_prior_precisions_", "curvature_batches"]
@@ -57,6 +57,8 @@ __all__ = ["EvidenceUpdate", "ScalePriorSchedule", "MEAN_DRAWS", "MEAN_SEED", "C
 MEAN_DRAWS = 1000
 #: Seed of the generator of those draws (their own generator: no global random stream is used)
 MEAN_SEED = 20_261_203
+#: ``Hypernet(prior_structure=)``: one δ per weight-norm layer, or one for all of them
+PRIOR_STRUCTURES = ("layerwise", "scalar")
 #: Inputs per forward pass of the curvature pass over the training data
 CURVATURE_BATCH_SIZE = 1024
 #: Draws per pass of the flow in :func:`flow_mean` (its activations grow with the draws)
@@ -142,9 +144,10 @@ def mean_network_values(pairs: list[tuple[str, Layer]], scales: dict[str, torch.
 
 
 def evidence_prior_precisions(model, scales: dict[str, torch.Tensor], data, initial: dict[str, float], *,
-                              steps: int = 100, lr: float = 0.1, device=None) -> EvidenceUpdate:
-    """The layer-wise prior precisions ``δ`` that maximise the KFAC Laplace evidence of the
-    weight-norm network at the scales ``scales`` (module docstring).
+                              steps: int = 100, lr: float = 0.1, structure: str = "layerwise",
+                              device=None) -> EvidenceUpdate:
+    """The prior precisions ``δ`` that maximise the KFAC Laplace evidence of the weight-norm
+    network at the scales ``scales`` (module docstring): one per layer, or one for all layers.
 
     Parameters
     ----------
@@ -158,6 +161,9 @@ def evidence_prior_precisions(model, scales: dict[str, torch.Tensor], data, init
         ``{scale site: δ}`` where the Adam steps start (e.g. the current prior precisions).
     steps, lr : int, float
         Adam steps on ``log δ`` and their learning rate.
+    structure : {"layerwise", "scalar"}
+        One δ per layer (``Laplace(prior_structure="layerwise")``) or one δ shared by every layer
+        (``"scalar"``; it starts at the geometric mean of ``initial``).
     device : torch.device, optional
         Where the batches are moved.
 
@@ -185,14 +191,18 @@ def evidence_prior_precisions(model, scales: dict[str, torch.Tensor], data, init
     weights = mean_network_values(pairs, scales)
     theta = [layer.flatten(weights).reshape(-1) for layer in layers]
     ref = theta[0]
-    log_delta = torch.tensor([float(initial[site]) for site, _ in pairs], dtype=ref.dtype,
-                             device=ref.device).log().requires_grad_()
+    log_delta = torch.tensor([float(initial[site]) for site, _ in pairs], dtype=ref.dtype, device=ref.device).log()
+    if structure == "scalar":
+        log_delta = log_delta.mean()
+    log_delta.requires_grad_()
 
     def evidence():
-        return ml.log_evidence(log_lik, fit.blocks, theta, list(log_delta.exp().unbind()), scale)
+        delta = log_delta.exp()
+        per_layer = [delta] * len(layers) if delta.dim() == 0 else list(delta.unbind())
+        return ml.log_evidence(log_lik, fit.blocks, theta, per_layer, scale)
 
     value = ml.maximize_evidence(evidence, [log_delta], steps, lr)
-    deltas = log_delta.detach().exp().tolist()
+    deltas = log_delta.detach().exp().expand(len(layers)).tolist()
     return EvidenceUpdate({site: d for (site, _), d in zip(pairs, deltas)}, value)
 
 
@@ -244,15 +254,15 @@ def flow_mean(flow, num_samples: int = MEAN_DRAWS, seed: int = MEAN_SEED) -> tor
     return total / num_samples
 
 
-def update_scale_priors_(model, scales: dict[str, torch.Tensor], batches, *, steps: int, lr: float
-                         ) -> EvidenceUpdate:
+def update_scale_priors_(model, scales: dict[str, torch.Tensor], batches, *, steps: int, lr: float,
+                         structure: str = "layerwise") -> EvidenceUpdate:
     """One update: :func:`evidence_prior_precisions` from the current prior precisions (in eval
     mode, the global random streams kept: a ``DataLoader``'s shuffling draws from them), then
     :func:`set_scale_prior_precisions_`."""
     device = module_device(model)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), evaluation_mode(model):
         update = evidence_prior_precisions(model, scales, batches, scale_prior_precisions(model, list(scales)),
-                                           steps=steps, lr=lr, device=device)
+                                           steps=steps, lr=lr, structure=structure, device=device)
     set_scale_prior_precisions_(model, update.prior_precision)
     return update
 
