@@ -465,8 +465,8 @@ def main(argv=None):
                              "the mean network, pb.fit(marglik=MarglikOptions(EVERY, BURNIN, STEPS, LR)), "
                              "e.g. 5,0,100,0.1 (the starting prior: --hn-prior-precision or N(0, 1))")
     parser.add_argument("--hn-prior-structure", choices=["layerwise", "scalar"], default=None,
-                        help="Hypernet prior_structure with --hn-marglik: one δ per layer (the guide's "
-                             "default) or one for all layers")
+                        help="Hypernet prior_structure with --hn-marglik: one δ for all layers (the guide's "
+                             "default since 2026-12-03) or one per layer")
     parser.add_argument("--hn-lr", type=float, default=None, help="Hypernet lr (default: the guide's 1e-2)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI, constant)")

@@ -80,7 +80,7 @@ def test_delta_equals_layerwise_laplace_of_the_mean_network(float64):
     maximum of Laplace's own evidence: ±1 % on either layer's δ lowers it."""
     x, y = _data()
     model = _model(prior={SITES[0]: pb.priors.IIDNormal(0.5), SITES[1]: pb.priors.IIDNormal(2.0)})
-    guide = _guide(model)
+    guide = _guide(model, prior_structure="layerwise")
     _fit(model, guide, (x, y), epochs=3)
     scales = guide.mean_scales()
     laplace = _plain_laplace(model, scales, x, y)
@@ -121,7 +121,7 @@ def test_delta_equals_layerwise_laplace_for_conv_layers_and_regression(float64, 
         make_net, kind, options = _mlp_1, "gaussian", {"noise": 0.5}
         y = (x[:, 20:30].sum(-1, keepdim=True) - 2.0) / 2.0
     model = pb.BNN(make_net(), kind, weight_norm=True, **options)
-    guide = _guide(model)
+    guide = _guide(model, prior_structure="layerwise")
     _fit(model, guide, (x, y), epochs=3, batch_size=25)
     scales = guide.mean_scales()
     net = make_net(seed=5)
@@ -149,7 +149,8 @@ def test_scalar_structure_equals_the_scalar_laplace(float64):
     ``prior_structure="scalar"`` evidence steps from the geometric mean of the layers' δ."""
     x, y = _data()
     model = _model(prior={SITES[0]: pb.priors.IIDNormal(0.5), SITES[1]: pb.priors.IIDNormal(2.0)})
-    guide = _guide(model, prior_structure="scalar")
+    guide = _guide(model)   # the default: one δ
+    assert guide.prior_structure == "scalar"
     _fit(model, guide, (x, y), epochs=3)
     net = _mean_net(model, guide.mean_scales())
     laplace = pb.guides.Laplace(pb.BNN(net, "categorical"), "kron", prior_structure="scalar",
@@ -170,7 +171,7 @@ def test_the_prior_of_each_layer_is_set(float64):
     x, y = _data()
     shared = pb.priors.IIDNormal(1.0)
     model = _model(prior=shared)
-    guide = _guide(model)
+    guide = _guide(model, prior_structure="layerwise")
     _fit(model, guide, (x, y), epochs=2)
     update = guide.update_prior_precision_((x, y), steps=100)
     deltas = update.prior_precision
@@ -211,7 +212,7 @@ def test_fit_learns_the_prior_between_epochs():
     history records the prior in force during each epoch; the objective uses the learned prior."""
     x, y = _data()
     model = _model()
-    guide = _guide(model)
+    guide = _guide(model, prior_structure="layerwise")
     options = pb.MarglikOptions(every=2, burnin=1, steps=50, lr=0.1)
     res = _fit(model, guide, (x, y), epochs=6, marglik=options)
     evidence = res.history["mean_network_log_evidence"]
@@ -235,7 +236,7 @@ def test_fit_learns_the_prior_between_epochs():
 def test_plain_svi_then_update():
     x, y = _data()
     model = _model()
-    guide = _guide(model)
+    guide = _guide(model, prior_structure="layerwise")
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss=guide.make_objective())
     for _ in range(3):
         svi.step(x, y)

@@ -57,8 +57,8 @@ __all__ = ["EvidenceUpdate", "ScalePriorSchedule", "PRIOR_STRUCTURES", "MEAN_DRA
 MEAN_DRAWS = 1000
 #: Seed of the generator of those draws (their own generator: no global random stream is used)
 MEAN_SEED = 20_261_203
-#: ``Hypernet(prior_structure=)``: one δ per weight-norm layer, or one for all of them
-PRIOR_STRUCTURES = ("layerwise", "scalar")
+#: ``Hypernet(prior_structure=)``: one δ for all weight-norm layers (its default), or one per layer
+PRIOR_STRUCTURES = ("scalar", "layerwise")
 #: Inputs per forward pass of the curvature pass over the training data
 CURVATURE_BATCH_SIZE = 1024
 #: Draws per pass of the flow in :func:`flow_mean` (its activations grow with the draws)
