@@ -24,7 +24,9 @@ Rows (``--rows``, comma separated):
 * ``laplace_marglik`` — all-layer KFAC Laplace with online marginal likelihood, layer-wise δ
   (``pb.fit(..., marglik=MARGLIK_SCHEDULE)``), same predictive; side by side with
   laplace-torch: ``benchmarks/fmnist_laplace_torch.py``;
-* ``hypernet``, ``symmetrized`` — the registry's guides under ``pb.fit`` defaults;
+* ``hypernet``, ``symmetrized`` — the registry's guides under ``pb.fit`` defaults
+  (``--hn-prior-precision``: fixed g-prior precisions; ``--hn-marglik``: learned by the Laplace
+  evidence of the mean network, ``pb.fit(..., marglik=)``);
 * ``autonormal`` — Pyro's ``AutoNormal`` under plain ``SVI`` (``Trace_ELBO``, constant Adam, lr ``--an-lr``, default 1e-3).
 
 Architectures (``--arch``): ``mlp`` 784-200-200-10 ReLU; ``cnn`` LeNet-5 style: conv 1→6 5×5,
@@ -269,14 +271,25 @@ def row_registry(args, data, name):
         torch.manual_seed(args.seed)
         model = pb.BNN(make_net(args.arch), "categorical", weight_norm=True, prior=prior)
         opts = {} if args.hn_flows is None else {"num_flows": args.hn_flows}
+        if args.hn_prior_structure is not None:
+            opts["prior_structure"] = args.hn_prior_structure
     else:
         model, opts = bnn(args), {}
         if name == "symmetrized" and args.sym_local_reparam:
             opts = {"local_reparameterization": True}
     guide = registered_guides()[name](model, **opts)
-    res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples)
+    fit_kw = {} if name != "hypernet" or args.hn_lr is None else {"lr": args.hn_lr}
+    if name == "hypernet" and args.hn_marglik:  # the g prior's precision by the Laplace evidence
+        fit_kw["marglik"] = hn_marglik(args.hn_marglik)
+    res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples, **fit_kw)
     row = fit_summary(res)
     h = res.history
+    row["lr"] = res.lr
+    if "marglik" in fit_kw:
+        row.update(marglik=dataclasses.asdict(fit_kw["marglik"]), settings=guide.settings_description(),
+                   scale_prior_precision_curve=[[round(d, 3) for d in ds] for ds in h["scale_prior_precision"]],
+                   mean_network_log_evidence_curve=[round(v, 1) for v in h["mean_network_log_evidence"]],
+                   seconds_per_epoch_with_updates=res.seconds / max(args.epochs, 1))
     for key in ("elbo", "symmetrized_elbo", "entropy_gap", "nll", "kl"):
         if key in h:
             row[f"train_{key}_last_epoch"] = h[key][-1]
@@ -300,6 +313,14 @@ def row_registry(args, data, name):
         row["prior_scale_by_site"] = {s: float(model.site_normal_prior(s)[1]) for s in model.site_names}
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     return row
+
+
+def hn_marglik(text: str) -> pb.MarglikOptions:
+    """``--hn-marglik EVERY,BURNIN,STEPS,LR`` as the options of ``pb.fit(..., marglik=)``."""
+    parts = text.split(",")
+    if len(parts) != 4:
+        raise SystemExit(f"--hn-marglik: expected EVERY,BURNIN,STEPS,LR (e.g. 5,0,100,0.1), got {text!r}")
+    return pb.MarglikOptions(every=int(parts[0]), burnin=int(parts[1]), steps=int(parts[2]), lr=float(parts[3]))
 
 
 def row_laplace_ll(args, data):
@@ -444,6 +465,14 @@ def main(argv=None):
     parser.add_argument("--hn-prior-precision", default=None,
                         help="Hypernet: comma-separated prior precision of the scales g, one per layer "
                              "(default: N(0, 1) for every layer)")
+    parser.add_argument("--hn-marglik", default=None,
+                        help="Hypernet: learn each layer's g-prior precision by the KFAC Laplace evidence of "
+                             "the mean network, pb.fit(marglik=MarglikOptions(EVERY, BURNIN, STEPS, LR)), "
+                             "e.g. 5,0,100,0.1 (the starting prior: --hn-prior-precision or N(0, 1))")
+    parser.add_argument("--hn-prior-structure", choices=["layerwise", "scalar"], default=None,
+                        help="Hypernet prior_structure with --hn-marglik: one δ for all layers (the guide's "
+                             "default since 2026-12-03) or one per layer")
+    parser.add_argument("--hn-lr", type=float, default=None, help="Hypernet lr (default: the guide's 1e-2)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI, constant)")
     parser.add_argument("--out", default=None, help="append one JSON line per row to this file")

@@ -52,7 +52,8 @@ class BNNGuide:
     ----------
     supports_marglik : bool
         Whether the guide learns hyperparameters online from ``fit(..., marglik=...)``
-        (the Laplace guide).  ``fit`` rejects ``marglik=`` for other guides.
+        (the Laplace guide: δ, a learned noise, LILA's η; the Hypernet: its weight-norm scales'
+        prior precisions).  ``fit`` rejects ``marglik=`` for other guides.
     default_lr : float or None
         Learning rate :func:`pyro_bnn.fit` uses when none is given (``None``: fit's own),
         through :meth:`learning_rate`, which a guide may override to adapt it to the data size.

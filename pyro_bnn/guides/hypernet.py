@@ -37,9 +37,22 @@ from ..arguments import check_bool, check_choice, check_int, check_positive
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import PyroObjective
+from ..curvature import marglik as ml
 from ..model.bnn import is_bnn, normal_prior_params, site_module, weight_norm_of
 from ..model.likelihoods import Categorical, log_likelihood
 from ..model.weight_norm import is_weight_norm_layer, normalize_directions_
+from .hypernet_evidence import (
+    CURVATURE_BATCH_SIZE,
+    MEAN_DRAWS,
+    MEAN_SEED,
+    PRIOR_STRUCTURES,
+    EvidenceUpdate,
+    ScalePriorSchedule,
+    check_evidence_model,
+    curvature_batches,
+    flow_mean,
+    update_scale_priors_,
+)
 from .hypernet_flows import FLOW_TYPES, HypernetFlow
 from .hypernet_forward import direct_calls_allowed, run_plan, weight_norm_plan
 from .meanfield import MeanField
@@ -110,25 +123,66 @@ class Hypernet(BNNGuide, AutoContinuous):
         ``REFINE_LR`` = 3e-4: on digits 64-50-10 (MeanField converged in 1,000 epochs, +300
         epochs of the flow) it ended 1.7–9.1 nats above MeanField's ELBO in 3 of 3 seeds,
         where 1e-2 ended up to 35 nats below it (``docs/results/hypernet.md``).
+    prior_structure : {"scalar", "layerwise"}
+        With ``pb.fit(..., marglik=)`` or :meth:`update_prior_precision_`: one evidence-learned
+        precision δ shared by every weight-norm layer (default), or one δ_l per layer.  The
+        layer-wise δ has no fixed point in a ReLU network: the fit moves scale between layers
+        along the rescaling symmetry (the penalty balances adjacent layers' δ_l‖w_l‖², the
+        evidence wants δ_l‖θ_l‖² = γ_l, the layer's effective number of parameters), so the
+        first layer's δ climbs and the output layer's falls for as long as the fit runs: on
+        Fashion-MNIST 60k (MLP 784-200-200-10, 60 epochs) 31.7 → 0.045 for the output layer,
+        with test NLL 0.324 → 0.394 from 30 to 60 epochs; one δ settled at 30 (``docs/results/fmnist_guides.md``).
     seed : int
         Seed of the flow's fixed permutations.
+
+    Notes
+    -----
+    *The scales' prior by the Laplace evidence* (weight-norm models, ``full=False``):
+    ``pb.fit(model, guide, data, marglik=pb.MarglikOptions(every, burnin, steps, lr))`` learns
+    the precision ``δ_l`` of each layer's prior ``g ~ N(0, 1/δ_l)`` during the fit.  After every
+    epoch ``e`` with ``marglik_due(e)`` (every ``every`` epochs after ``burnin``), before epoch
+    ``e + 1`` trains, :meth:`update_prior_precision_` takes the mean network
+    ``E_q[g]·v/‖v‖`` (with the biases), runs ``steps`` Adam steps (rate ``lr``) on the KFAC
+    Laplace evidence of that network under one Gaussian prior ``N(0, 1/δ)`` on all its weights
+    and biases (``prior_structure="scalar"``, the default) or one ``N(0, 1/δ_l)`` per layer
+    (``"layerwise"``) — what ``pb.guides.Laplace(..., prior_structure=...).optimize_prior_precision()``
+    does for a plain network with those weights — and sets each layer's scale prior to ``N(0, 1/δ_l)``
+    (:mod:`pyro_bnn.guides.hypernet_evidence`).  No update follows the fit's last epoch, so the
+    final ``q`` is trained under the final prior.  The ELBO that ``fit`` reports for an epoch
+    (``history["elbo"]``, the convergence diagnosis) is that of the model with the prior in
+    force during the epoch, ``history["scale_prior_precision"]`` (``δ`` per layer);
+    ``history["mean_network_log_evidence"]`` holds the evidence of the update before the epoch
+    (NaN where none).  After the fit the model keeps the learned priors (one
+    :class:`~pyro_bnn.model.priors.IIDNormal` per scale site, in its ``state_dict``: a resumed
+    fit continues with them), so ``pb.evaluate``, the ELBO estimates and ``pb.compare``'s bound
+    are those of the model with the learned prior.  Each scale site's prior must be a
+    zero-mean i.i.d. Normal (its value is the starting point).  Under plain ``pyro.infer.SVI``
+    call :meth:`update_prior_precision_` yourself.  Why: the Hypernet's own ELBO cannot see the
+    point-estimated directions' complexity and keeps the weak prior, under which the
+    directions memorise (``docs/results/fmnist_guides.md``).
 
     Examples
     --------
     >>> model = pb.BNN(net, "categorical", weight_norm=True)          # doctest: +SKIP
     >>> guide = pb.guides.Hypernet(model, flow="iaf", num_flows=8)     # doctest: +SKIP
     >>> pb.fit(model, guide, (x, y), epochs=20, clip_norm=10.0)         # doctest: +SKIP
+    >>> pb.fit(model, guide, (x, y), epochs=30,                         # doctest: +SKIP
+    ...        marglik=pb.MarglikOptions(every=5, burnin=0, steps=100, lr=0.1))
     """
 
     #: learning rate :func:`pyro_bnn.fit` uses when none is given (with the default layout)
     default_lr = 1e-2
+    #: ``pb.fit(..., marglik=)`` learns the scales' prior precisions by the Laplace evidence
+    supports_marglik = True
 
     def __init__(self, model, *, flow: str = "iaf", num_flows: int = 8, hidden: int = 200,
                  full: bool = False, init_scale: float | None = None,
                  init_gain: float | None = None, layout: str = "stable",
                  prob_clip: tuple[float, float] | None = None, alpha: float = 1.0,
-                 init_loc_fn=None, init_from=None, directions: str = DEFAULT_DIRECTIONS, seed: int = 0):
+                 init_loc_fn=None, init_from=None, directions: str = DEFAULT_DIRECTIONS,
+                 prior_structure: str = "scalar", seed: int = 0):
         flow = check_choice("flow", flow, FLOW_TYPES)
+        prior_structure = check_choice("prior_structure", prior_structure, PRIOR_STRUCTURES)
         directions = check_choice("directions", directions, DIRECTIONS)
         layout = check_choice("layout", layout, sorted(_LAYOUTS))
         full = check_bool("full", full)
@@ -167,7 +221,12 @@ class Hypernet(BNNGuide, AutoContinuous):
         self.alpha = float(alpha)
         self.layout = layout
         self.directions = directions
+        self.prior_structure = prior_structure
         self.flow = None
+        # during a fit with marglik=: its schedule (a MarglikOptions, not a scalar: not a guide option)
+        self._evidence_schedule = None
+        # {scale site: δ} set by the last evidence update (a dict: state, not a guide option)
+        self._evidence_precisions = None
         # plain dict of tensors (not a module): copied values, not a reference to the other guide
         self._init_from = None if init_from is None else _meanfield_values(init_from, layout, self.init_gain)
         if init_from is not None:
@@ -319,8 +378,109 @@ class Hypernet(BNNGuide, AutoContinuous):
                 f"full={self.full}, layout={self.layout!r}, directions={self.directions!r}")
 
     def settings_description(self) -> str:
-        """``extra_repr()`` and the flow's initial scale (``pb.compare``'s configuration)."""
-        return f"{self.extra_repr()}, init_scale={self.init_scale:g}"
+        """``extra_repr()``, the flow's initial scale (``pb.compare``'s configuration) and, once
+        learned, the scales' prior precisions by the Laplace evidence."""
+        text = f"{self.extra_repr()}, init_scale={self.init_scale:g}"
+        if self._evidence_precisions:
+            shown = " / ".join(f"{d:.3g}" for d in self._evidence_precisions.values())
+            text += f", g prior precision by the Laplace evidence ({self.prior_structure}) {shown}"
+        return text
+
+    # --------------------------------------------- the scales' prior by the Laplace evidence
+    def mean_scales(self, num_samples: int = MEAN_DRAWS, seed: int = MEAN_SEED) -> dict[str, torch.Tensor]:
+        """``E_q[θ]`` per site, ``{site: tensor}``, from ``num_samples`` draws of the flow made
+        with their own generator seeded by ``seed`` (no global random stream is used;
+        :func:`~pyro_bnn.guides.hypernet_evidence.flow_mean`).  For a weight-norm model the mean
+        network ``E_q[g]·v/‖v‖`` is the mean of the weights under ``q`` exactly (``w`` is linear in ``g``).
+
+        Raises
+        ------
+        RuntimeError
+            The guide is not set up yet.
+        """
+        if self.flow is None:
+            raise RuntimeError("mean_scales needs the guide set up first (call guide(x, y) once or "
+                               "pyro_bnn.fit, so its sites are known)")
+        return self.unpack(flow_mean(self.flow, num_samples, seed))
+
+    def update_prior_precision_(self, data, *, steps: int = 100, lr: float = 0.1,
+                                batch_size: int = CURVATURE_BATCH_SIZE,
+                                num_samples: int = MEAN_DRAWS) -> EvidenceUpdate:
+        """Set each weight-norm layer's scale prior to ``N(0, 1/δ_l)`` with ``δ_l`` by the KFAC
+        Laplace evidence of the mean network ``E_q[g]·v/‖v‖`` on ``data`` (in place, on the
+        model; see :mod:`pyro_bnn.guides.hypernet_evidence`).
+
+        What ``pb.fit(..., marglik=...)`` does between epochs; under plain ``pyro.infer.SVI``
+        call it yourself (e.g. every few epochs).  The Adam steps on ``log δ`` start from the
+        current prior precisions; the first call gives each scale site its own ``IIDNormal``.
+
+        Parameters
+        ----------
+        data : (x, y) tensors, Dataset or DataLoader
+            The training data (one pass, unshuffled tensors).
+        steps, lr : int, float
+            Adam steps on ``log δ`` and their learning rate.
+        batch_size : int
+            Inputs per forward pass of the curvature pass.
+        num_samples : int
+            Draws of the flow that estimate ``E_q[g]`` (:meth:`mean_scales`).
+
+        Returns
+        -------
+        EvidenceUpdate
+            ``prior_precision`` (``{scale site: δ_l}``) and ``log_evidence`` (nats, a total).
+
+        Raises
+        ------
+        ValueError
+            ``full=True``; the model is not a weight-norm ``pb.BNN``; a scale's prior is not a
+            zero-mean i.i.d. Normal.
+        RuntimeError
+            The guide is not set up yet.
+
+        Examples
+        --------
+        >>> svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}),   # doctest: +SKIP
+        ...                      loss=guide.make_objective())
+        >>> for epoch in range(30):                                             # doctest: +SKIP
+        ...     for xb, yb in batches: svi.step(xb, yb, num_data=len(x))
+        ...     if epoch % 5 == 4: guide.update_prior_precision_((x, y))
+        """
+        steps, lr = check_int("steps", steps, 0), check_positive("lr", lr)
+        batch_size = check_int("batch_size", batch_size, 1)
+        model = self.evidence_model()
+        batches = curvature_batches(data, model, batch_size=batch_size,
+                                    where="Hypernet.update_prior_precision_")
+        update = update_scale_priors_(model, self.mean_scales(num_samples), batches, steps=steps, lr=lr,
+                                      structure=self.prior_structure)
+        self._evidence_precisions = dict(update.prior_precision)
+        return update
+
+    def evidence_model(self):
+        """The model, checked for evidence-learned scale priors (a set-up guide, ``full=False``,
+        a weight-norm BNN with zero-mean Normal scale priors: ``ValueError``/``RuntimeError``)."""
+        if self.prototype_trace is None:
+            raise RuntimeError("update_prior_precision_ needs the guide set up first (call guide(x, y) once "
+                               "or pyro_bnn.fit, so its sites are known)")
+        if self.full:
+            raise ValueError("the scales' prior precision by the Laplace evidence is for a weight-norm model "
+                             "(full=False: the flow over the scales g); this guide has full=True")
+        model = _unwrap_model(self.model)
+        check_evidence_model(model, self.site_names())
+        return model
+
+    def on_fit_start(self, ctx) -> None:
+        """With ``marglik=``: the evidence schedule of this fit (:class:`ScalePriorSchedule`)."""
+        options = ml.check_marglik_options(ctx.options.get("marglik"))
+        self._evidence_schedule = None if options is None else ScalePriorSchedule(self, options, ctx)
+
+    def on_epoch_start(self, ctx) -> None:
+        """With ``marglik=``: the evidence update due after the previous epoch, before this one."""
+        if self._evidence_schedule is not None:
+            self._evidence_schedule.before_epoch(ctx)
+
+    def on_fit_end(self, ctx) -> None:
+        self._evidence_schedule = None
 
 
 #: ``default_lr`` of a flow started from a trained MeanField (``init_from``): it refines an optimum

@@ -279,7 +279,9 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         Start afresh even though a file exists at ``checkpoint``; it is replaced (atomically)
         at the first epoch's write.
     marglik : pyro_bnn.MarglikOptions, optional
-        Online marginal-likelihood schedule for guides that support it (Laplace), e.g.
+        Online marginal-likelihood schedule for guides that support it (Laplace: its prior
+        precision; Hypernet on a weight-norm model: its scales' prior precision per layer, by
+        the Laplace evidence of its mean network), e.g.
         ``marglik=pb.MarglikOptions(every=5, burnin=10, steps=50)``; ``None``: none.
     distributed : bool or pyro_bnn.training.distributed.DistributedOptions
         Data-parallel training under ``torchrun`` (see ``docs/distributed.md``): each rank
