@@ -14,6 +14,7 @@ from .model import BNN, likelihoods, priors
 from .posterior import evaluate, metrics, predict, predictive_samples, to_arviz
 from .reporting import compare
 from .training import (
+    CompileFallbackWarning,
     ConvergenceWarning,
     FitResult,
     LengthCheck,
@@ -23,7 +24,7 @@ from .training import (
     save_checkpoint,
 )
 
-__all__ = ["__version__", "BNN", "fit", "FitResult", "ConvergenceWarning", "check_convergence", "LengthCheck",
+__all__ = ["__version__", "BNN", "fit", "FitResult", "ConvergenceWarning", "CompileFallbackWarning", "check_convergence", "LengthCheck",
            "MarglikOptions", "predict",
            "predictive_samples", "evaluate", "save_checkpoint", "load_checkpoint", "priors", "guides",
            "likelihoods", "metrics", "datasets", "to_arviz", "compare", "analysis", "reporting", "invariance"]

@@ -36,6 +36,7 @@ from ..data.batches import dataset_size, make_loader, split_batch, validate_data
 from ..model.devices import module_device
 from . import distributed as _dist
 from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
+from .compiled import CompiledLoss
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
 from .devices import flush_denormals
 from .divergence import DivergenceGuard, is_invalid_parameter_error
@@ -69,6 +70,9 @@ class FitResult:
     lr : float or None
         The learning rate of the default optimiser: ``fit``'s ``lr``, else the guide's
         :meth:`~pyro_bnn.contract.BNNGuide.learning_rate` for this data size.
+    compiled : bool
+        Whether ``compile=True`` ran the fit's last step compiled (``False`` without it, or
+        after a fallback to eager execution).
     """
 
     history: dict[str, list[float]] = field(default_factory=dict)
@@ -76,6 +80,7 @@ class FitResult:
     convergence: ConvergenceDiagnosis | None = None
     resumed_from: int = 0
     lr: float | None = None
+    compiled: bool = False
 
     @property
     def final_loss(self) -> float:
@@ -212,7 +217,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         shuffle: bool = True, seed: int | None = None, clip_norm: float | None = None,
         num_data: int | None = None, objective=None, checkpoint: str | os.PathLike | None = None,
         resume: bool = False, overwrite: bool = False, marglik: MarglikOptions | None = None,
-        distributed: bool | _dist.DistributedOptions = False, **unknown) -> FitResult:
+        distributed: bool | _dist.DistributedOptions = False, compile: bool = False,
+        **unknown) -> FitResult:
     """Train ``model`` and ``guide`` by stochastic variational inference.
 
     Module modes are left as they were (a new network is in train mode, so BatchNorm
@@ -289,6 +295,13 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         ``batch_size``, the loss module is wrapped in ``DistributedDataParallel``, all ranks
         share the seed (so the guide noise), and only rank 0 shows progress and writes
         checkpoints.  The result equals one process training with the same ``batch_size``.
+    compile : bool
+        Run the objective's forward pass under ``torch.compile`` (:mod:`pyro_bnn.training.compiled`):
+        the same objective, its floating-point sums possibly reordered (losses agree to ~1e-6
+        relative, not bit for bit).  Where compilation is unavailable or fails, the fit trains
+        eagerly and warns :class:`pyro_bnn.training.compiled.CompileFallbackWarning`.  Default
+        ``False``: on the CPU the compiled step was measured slower than eager for every guide
+        (``docs/results/speed.md``).  Not supported with ``distributed``.
 
     Returns
     -------
@@ -318,7 +331,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                               lr_schedule=lr_schedule, num_particles=num_particles, seed=seed,
                               clip_norm=clip_norm, num_data=num_data, objective=objective,
                               checkpoint=checkpoint, resume=resume, overwrite=overwrite,
-                              distributed=distributed, shuffle=shuffle, progress=progress, marglik=marglik)
+                              distributed=distributed, shuffle=shuffle, progress=progress, marglik=marglik,
+                              compile=compile)
     with contextlib.ExitStack() as held:
         if checkpoint is not None and not distributed:
             held.enter_context(CheckpointLock(checkpoint))  # up front: no second fit on this path
@@ -332,7 +346,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         return _fit_prepared(run, data, t_start, epochs=epochs, batch_size=batch_size, lr=lr,
                              optimizer=optimizer, lr_schedule=lr_schedule, num_particles=num_particles,
                              shuffle=shuffle, seed=seed, clip_norm=clip_norm, marglik=marglik,
-                             objective=objective, resume=resume, progress=progress)
+                             objective=objective, resume=resume, progress=progress, compile=compile)
 
 
 def _cuda_devices(model) -> list:
@@ -344,7 +358,8 @@ def _cuda_devices(model) -> list:
 
 
 def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, optimizer, lr_schedule,
-                  num_particles, shuffle, seed, clip_norm, marglik, objective, resume, progress) -> FitResult:
+                  num_particles, shuffle, seed, clip_norm, marglik, objective, resume, progress,
+                  compile) -> FitResult:
     """The fit after :func:`_prepare`: optimisation set-up, resume, the epochs, the diagnosis."""
     model, guide = run.model, run.guide
     # before a resume loads anything; the random streams are kept as they were: describing
@@ -361,7 +376,7 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
                         objective="default" if objective is None else "callable")
     with local_params(model, guide), flush_denormals():
         run.contract.on_fit_start(run.ctx)
-        _prepare_optimisation(run, optimizer, lr, lr_schedule, clip_norm, epochs)
+        _prepare_optimisation(run, optimizer, lr, lr_schedule, clip_norm, epochs, compile)
         start = resume_fit(run) if resume else 0
         run.guard.check_initial(start)
         run.guard.start(start)
@@ -381,7 +396,8 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
     if not diagnosis.converged and epochs > 0 and (run.dstate is None or run.dstate.is_main):
         warnings.warn(diagnosis.message(), ConvergenceWarning, stacklevel=3)
     return FitResult(history=run.history, seconds=time.perf_counter() - t_start, convergence=diagnosis,
-                     resumed_from=start, lr=lr)
+                     resumed_from=start, lr=lr, compiled=isinstance(run.loss_module, CompiledLoss)
+                     and run.loss_module.compiled)
 
 
 def _judged_objective(history: dict) -> list[float]:
@@ -394,7 +410,7 @@ def _judged_objective(history: dict) -> list[float]:
 
 def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedule, num_particles, seed,
                          clip_norm, num_data, objective, checkpoint, resume, overwrite, distributed, shuffle,
-                         progress, marglik) -> float:
+                         progress, marglik, compile) -> float:
     """Validate ``fit``'s arguments; return the learning rate to use."""
     check_int("epochs", epochs, 0)
     check_int("batch_size", batch_size, 1)
@@ -404,7 +420,7 @@ def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedul
     check_positive("clip_norm", clip_norm, optional=True)
     check_positive("lr", lr, optional=True)
     for name, value in (("shuffle", shuffle), ("progress", progress), ("resume", resume),
-                        ("overwrite", overwrite)):
+                        ("overwrite", overwrite), ("compile", compile)):
         check_bool(name, value)
     probe_lr_schedule(lr_schedule)
     for name, value in (("optimizer", optimizer), ("objective", objective)):
@@ -424,6 +440,9 @@ def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedul
         raise ValueError("overwrite=True needs checkpoint=<path> (the file to replace)")
     if resume and overwrite:
         raise ValueError("resume=True continues the checkpoint and overwrite=True replaces it; pass one")
+    if compile and distributed:
+        raise NotImplementedError("compile=True is not supported with distributed= yet; train the "
+                                  "distributed fit eagerly (compile=False)")
     if resume and distributed:
         raise NotImplementedError("resume=True is not supported with distributed= yet; resume the fit in "
                                   "one process, or start the distributed fit afresh")
@@ -484,9 +503,10 @@ def _prepare(model, guide, data, *, batch_size, device, shuffle, seed, num_data,
                 None if checkpoint is None else os.fspath(checkpoint), history, (x0, y0), objective_given is None)
 
 
-def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epochs) -> None:
-    """Optimiser, schedule, loss module, divergence guard and convergence monitor (after the
-    guide's ``on_fit_start``, which may freeze parameters)."""
+def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epochs,
+                          compile: bool = False) -> None:
+    """Optimiser, schedule, loss module (compiled if asked), divergence guard and convergence
+    monitor (after the guide's ``on_fit_start``, which may freeze parameters)."""
     run.params = _parameters(run.model, run.guide)
     run.params += _global_params(run)  # the model's pyro.param values (pyro_bnn.contract.local_params)
     run.optimizer = optimizer(run.params) if optimizer is not None else default_optimizer(
@@ -496,6 +516,8 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     run.loss_module = _LossModule(run.model, run.guide, run.objective, run.ctx.num_data)
     if run.dstate is not None:
         run.loss_module = run.dstate.wrap(run.loss_module, *run.example)
+    elif compile:
+        run.loss_module = CompiledLoss(run.loss_module, _cuda_devices(run.model))
     run.guard = DivergenceGuard(run.model, run.guide, run.optimizer, run.scheduler, run.params,
                                 clip_norm=clip_norm, checkpoint=run.checkpoint)
     run.monitor = ConvergenceMonitor(run.optimizer, run.contract.scale_parameters())
