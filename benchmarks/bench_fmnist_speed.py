@@ -28,7 +28,10 @@ for one epoch over the first ``--steps`` × 128 images with ``num_data=60000``, 
 the full-data scaling and the call's set-up is included, amortised over those steps); seconds
 per epoch are the per-step median × 469 (= ⌈60000/128⌉).  ``pb.fit``'s set-up on the full
 60,000 images (``epochs=0``: validation, fingerprint, snapshot) is measured separately and
-reported per call.  Measurements of all methods are interleaved ``--repeats`` times; medians of
+reported per call.  With ``--fit-epoch`` each guide's ``pb.fit`` also runs 2 epochs in one call,
+and ``fit epoch`` = (2 epochs − 1 epoch) per repeat is what one more epoch of a fit costs, without
+the per-call set-up (which a real fit pays once); ``--compile`` adds the same for
+``pb.fit(compile=True)`` (``fitc``, ``fitc epoch``).  Measurements of all methods are interleaved ``--repeats`` times; medians of
 process CPU and wall time.  Peak memory: the growth of the process's peak RSS during a
 measurement over its RSS at the start (Linux ``/proc/self/clear_refs``; CPU), or
 ``torch.cuda.max_memory_allocated`` (CUDA).
@@ -242,14 +245,19 @@ def methods_for(name, arch, x, y, args, batches, fit_data):
     out[f"{name}:loop"] = run_loop
     store = {}
 
-    def run_fit(data=fit_data, epochs=1):
+    def run_fit(data=fit_data, epochs=1, compile=False):
         with warnings.catch_warnings():   # timed single epochs: nothing to judge
             warnings.simplefilter("ignore", pb.ConvergenceWarning)
             pb.fit(model, guide, data, epochs=epochs, batch_size=args.batch_size, num_data=NUM_TRAIN,
                    optimizer=lambda ps: store.setdefault("opt", default_optimizer(
                        ps, lr, pb.guides.guide_contract(guide).learning_rate_factors())),
-                   lr_schedule="constant", progress=False)
+                   lr_schedule="constant", progress=False, compile=compile)
     out[f"{name}:fit"] = run_fit
+    if args.fit_epoch:   # a second epoch in the same call: (fit2 − fit) is what an epoch costs in a fit
+        out[f"{name}:fit2"] = lambda: run_fit(epochs=2)
+    if args.compile:
+        out[f"{name}:fitc"] = lambda: run_fit(compile=True)
+        out[f"{name}:fitc2"] = lambda: run_fit(epochs=2, compile=True)
     return out, (model, guide, kind), run_fit
 
 
@@ -301,6 +309,11 @@ def main(argv=None):
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--no-fit-setup", action="store_true", help="skip the full-data pb.fit set-up measurement")
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--fit-epoch", action="store_true",
+                    help="also time pb.fit for 2 epochs: 'fit epoch' = (2 epochs − 1 epoch), an epoch of "
+                         "a fit without the per-call set-up")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time pb.fit(compile=True) (1 and 2 epochs; compiled during the warm-up)")
     ap.add_argument("--out", default=None, help="append the result as one JSON line here")
     ap.add_argument("--memory", action="store_true",
                     help="instead of timing: each method's peak memory, one fresh process per method")
@@ -366,12 +379,19 @@ def main(argv=None):
             res[key]["peak_mib"].append(peak)
     with open("/proc/loadavg") as fh:
         load = fh.read().split()[:3]
+    for key in [k for k in res if k.endswith((":fit2", ":fitc2"))]:   # the marginal epoch, per repeat
+        one = res[key[:-1]]
+        res[key[:-1] + " epoch"] = {m: [b - a for a, b in zip(one[m], res[key][m])] for m in ("cpu", "wall")}
+        res[key[:-1] + " epoch"]["peak_mib"] = res[key]["peak_mib"]
+        methods[key[:-1] + " epoch"] = None
     med = {k: {m: statistics.median(v[m]) for m in v} for k, v in res.items()}
     print(f"Fashion-MNIST {len(x)} train, {args.arch}, batch {args.batch_size}, {args.device}, torch threads "
           f"{torch.get_num_threads()}, {args.repeats} measurements of {args.steps} steps per method, load "
           f"{' '.join(load)}; s/epoch = per-step median x {n_steps}")
     print(f"  {'method':22s} {'cpu s/ep':>9s} {'wall s/ep':>9s} {'/ref cpu':>8s} {'/map cpu':>8s} {'peak MiB':>9s}")
     for key in methods:
+        if key.endswith("2"):   # the 2-epoch calls: shown as their difference, "... epoch"
+            continue
         ref = key.split(":")[0] + ":ref"
         r_ref = med[key]["cpu"] / med[ref]["cpu"] if ref in med else float("nan")
         print(f"  {key:22s} {med[key]['cpu'] * n_steps:9.2f} {med[key]['wall'] * n_steps:9.2f} {r_ref:8.2f} "
