@@ -17,6 +17,15 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def float64():
+    """Float64 as the default dtype for comparisons at ~1e-9; the old default is restored."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
 @pytest.fixture(scope="session")
 def digits_small():
     import pyro_bnn as pb

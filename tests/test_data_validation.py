@@ -238,13 +238,6 @@ def test_float64_model_trains_on_float64_data(float64):
         _fit(model, (x.float(), y))
 
 
-@pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
 
 def test_check_inputs():
     check_inputs(torch.zeros(2, 3))

@@ -11,14 +11,6 @@ from pyro_bnn.guides import _fused_gaussian as fused
 from pyro_bnn.guides._fused_gaussian import can_fuse, can_fuse_kl, normal_kl_node, sample_and_kl
 
 
-@pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 def _reference(loc, rho, eps, prior_loc, prior_scale, positive):
     sigma = rho.exp() if positive == "exp" else F.softplus(rho)
     kl = kl_divergence(Normal(loc, sigma), Normal(prior_loc.expand(loc.shape), prior_scale.expand(loc.shape)))

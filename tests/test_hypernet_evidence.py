@@ -21,14 +21,6 @@ from pyro_bnn.guides.hypernet import log_weights
 SITES = ["net.0.weight_g", "net.2.weight_g"]
 
 
-@pytest.fixture
-def float64():
-    """Float64 for the comparisons at 1e-9; the default dtype is restored afterwards."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
 
 def _data(n=120):
     d = pb.datasets.digits()
