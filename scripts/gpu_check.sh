@@ -7,16 +7,18 @@
 #   scripts/gpu_check.sh [MNIST_DIR]
 # Environment: OUT (log folder), PY (python), FMNIST_DIR (Fashion-MNIST IDX files; default
 # $PYRO_BNN_FASHION_MNIST, else /usr/share/datasets/fashion-mnist), STEPS (the steps to run, any of
-# "tests core hypernet fmnist suite"; default all).
-# Each step has its own timeout; all five take up to ~14 minutes, more than one 10-minute device
-# call: run them as two calls, e.g. STEPS="tests core hypernet" then STEPS="fmnist suite".
+# "tests core hypernet fmnist compile suite"; default all).
+# Each step has its own timeout; all six take up to ~18 minutes, more than one 10-minute device
+# call: run them as two calls, e.g. STEPS="tests core hypernet compile" then STEPS="fmnist suite".
+# "compile": pb.fit(compile=True) against eager on CUDA (MLP, MeanField and Hypernet-8), an epoch
+# of a fit without its set-up ("fit epoch", "fitc epoch").
 # Without a CUDA device the CUDA steps say so and are skipped; the suite step still runs.
 set -uo pipefail
 MNIST_DIR=${1:-../shared/data/mnist}
 OUT=${OUT:-gpu-check}
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 FMNIST_DIR=${FMNIST_DIR:-${PYRO_BNN_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}}
-STEPS=${STEPS:-tests core hypernet fmnist suite}
+STEPS=${STEPS:-tests core hypernet fmnist compile suite}
 mkdir -p "$OUT"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/device.txt"
@@ -52,6 +54,16 @@ if want fmnist && [ "$CUDA" = 1 ]; then
     done
   else
     echo "no Fashion-MNIST at $FMNIST_DIR: the Fashion-MNIST speed rows skipped" | tee "$OUT/fmnist_speed_cuda.txt"
+  fi
+fi
+# the compiled step on CUDA (issue 27): pb.fit(compile=True) beside the eager fit and the references
+if want compile && [ "$CUDA" = 1 ]; then
+  if [ -d "$FMNIST_DIR" ]; then
+    PYRO_BNN_FASHION_MNIST="$FMNIST_DIR" timeout 240 "$PY" benchmarks/bench_fmnist_speed.py --device cuda \
+      --arch mlp --guides meanfield hypernet8 --steps 200 --repeats 3 --fit-epoch --compile --no-fit-setup \
+      --out "$OUT/fmnist_compile_cuda.jsonl" 2>&1 | grep -v "^W" | tee "$OUT/fmnist_compile_cuda.txt" | tail -14
+  else
+    echo "no Fashion-MNIST at $FMNIST_DIR: the compile rows skipped" | tee "$OUT/fmnist_compile_cuda.txt"
   fi
 fi
 # the whole suite on this machine's torch (CPU paths; pytest-xdist where installed)

@@ -9,7 +9,7 @@ import torch
 import pyro_bnn as pb
 
 
-def _fit(data, *, compile, epochs=2, objective=None):
+def _fit(data, *, compile, epochs=2, objective=None, device="cpu"):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
     model = pb.BNN(net, "categorical")
@@ -17,8 +17,23 @@ def _fit(data, *, compile, epochs=2, objective=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pb.ConvergenceWarning)
         res = pb.fit(model, guide, data, epochs=epochs, batch_size=100, seed=0, progress=False,
-                     compile=compile, objective=objective)
+                     compile=compile, objective=objective, device=device)
     return res, {**model.state_dict(), **guide.state_dict()}
+
+
+def _check_compiled_matches_eager(data, device):
+    eager, eager_state = _fit(data, compile=False, device=device)
+    with warnings.catch_warnings():
+        # Dynamo's own tracing warnings (raised as errors under this suite's filters) are not
+        # the fit's; a fallback is a failure here
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("error", pb.CompileFallbackWarning)
+        compiled, compiled_state = _fit(data, compile=True, device=device)
+    assert compiled.compiled and not eager.compiled
+    torch.testing.assert_close(torch.tensor(compiled.history["loss"]), torch.tensor(eager.history["loss"]),
+                               rtol=1e-5, atol=0)
+    for name, value in eager_state.items():
+        torch.testing.assert_close(compiled_state[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -26,19 +41,12 @@ def _fit(data, *, compile, epochs=2, objective=None):
 def test_compiled_fit_matches_eager(digits_small):
     """Compiled (Inductor with the eager random streams), the fit draws the same noise and
     its losses and parameters agree with the eager fit's to float32 rounding."""
-    data = digits_small[:2]
-    eager, eager_state = _fit(data, compile=False)
-    with warnings.catch_warnings():
-        # Dynamo's own tracing warnings (raised as errors under this suite's filters) are not
-        # the fit's; a fallback is a failure here
-        warnings.simplefilter("ignore", UserWarning)
-        warnings.simplefilter("error", pb.CompileFallbackWarning)
-        compiled, compiled_state = _fit(data, compile=True)
-    assert compiled.compiled and not eager.compiled
-    torch.testing.assert_close(torch.tensor(compiled.history["loss"]), torch.tensor(eager.history["loss"]),
-                               rtol=1e-5, atol=0)
-    for name, value in eager_state.items():
-        torch.testing.assert_close(compiled_state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    _check_compiled_matches_eager(digits_small[:2], "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_fit_matches_eager_cuda(digits_small):
+    _check_compiled_matches_eager(digits_small[:2], "cuda")
 
 
 def _failing_compile(draw_first):
