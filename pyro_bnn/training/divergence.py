@@ -5,7 +5,11 @@ Three checks, from cheap to thorough:
 * every step, the loss and the gradient norms (one fused reduction over the gradients, or
   the norm ``clip_grad_norm_`` computes anyway), read together with the loss value the loop
   reads anyway, *before* the optimiser step, so a non-finite gradient never reaches the
-  parameters;
+  parameters.  With ``deferred=True`` (CUDA with a fused Adam: :func:`can_defer_checks`) the
+  same test runs on the device and reaches the optimiser as its ``found_inf`` flag, which
+  makes the fused step skip the update there, so no step waits for the device; the flags
+  are read once, at the epoch's end (and the first step of each epoch, whose loss confirms
+  the previous epoch's state, is still read at once);
 * every epoch end, after the guide's ``on_epoch_end`` hook (which may change parameters, as
   Laplace's evidence steps do), every floating tensor of the model and the guide (and of the
   optimiser state, unless it is Adam's, finite whenever the checked gradients are), before
@@ -29,7 +33,7 @@ import torch
 
 from . import distributed as _dist
 
-__all__ = ["DivergenceGuard", "EXPLOSION_FACTOR", "is_invalid_parameter_error"]
+__all__ = ["DivergenceGuard", "EXPLOSION_FACTOR", "can_defer_checks", "is_invalid_parameter_error"]
 
 _ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
 
@@ -37,6 +41,15 @@ _ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.opt
 EXPLOSION_FACTOR = 1e6
 
 _ADVICE = ("Try a smaller lr, clip_norm=..., a smaller init_scale or standardised inputs.")
+
+
+def can_defer_checks(optimizer, device: torch.device, distributed=None) -> bool:
+    """Whether the step checks can stay on the device: a CUDA fit, one process, and an
+    optimiser whose every group steps in torch's fused kernel, which skips its update on the
+    device when its ``found_inf`` flag is set (the flag ``torch.amp.GradScaler`` uses)."""
+    return (device.type == "cuda" and distributed is None
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and all(group.get("fused") for group in optimizer.param_groups))
 
 
 def is_invalid_parameter_error(exc: BaseException) -> bool:
@@ -60,9 +73,13 @@ class DivergenceGuard:
         Clip the total gradient norm to this value (the norm is then the clipping's own).
     checkpoint : path, optional
         Named in messages: the checkpoint holds the epoch restored.
+    deferred : bool
+        Check the steps on the device and read the result once per epoch (:meth:`check`,
+        :meth:`end_epoch`); needs an optimiser for which :func:`can_defer_checks` holds.
     """
 
-    def __init__(self, model, guide, optimizer, scheduler, params, clip_norm=None, checkpoint=None):
+    def __init__(self, model, guide, optimizer, scheduler, params, clip_norm=None, checkpoint=None,
+                 deferred: bool = False):
         self.modules = {name: m for name, m in (("model", model), ("guide", guide))
                         if isinstance(m, torch.nn.Module)}
         self.optimizer = optimizer
@@ -81,6 +98,9 @@ class DivergenceGuard:
         self.steps_taken = 0
         self.best_loss = math.inf
         self._warned_explosion = False
+        self.deferred = deferred
+        self._total = 0.0        # this epoch's loss sum (Python float: the steps read at once)
+        self._on_device = None   # the deferred steps' flags and loss sum, on the device
 
     # ------------------------------------------------------------ state
     def _snapshot(self) -> tuple:
@@ -119,6 +139,7 @@ class DivergenceGuard:
     def restore(self) -> None:
         """Put the state last verified finite back (model, guide, optimiser, schedule)."""
         self._pending = None
+        self.clear_device_flags()
         if self._good is None:
             return
         modules, opt_state, sched_state = self._good
@@ -175,6 +196,64 @@ class DivergenceGuard:
             self.fail(f"a gradient norm became {max(norm_values):.4g}, so large that its square overflows "
                       f"(> {self._max_norm:.3g}), while the loss was finite ({value:.6g})", epoch, step)
         return value
+
+    # ------------------------------------------------------------ one epoch's steps
+    def begin_epoch(self) -> None:
+        self._total, self._on_device = 0.0, None
+
+    def check(self, loss: torch.Tensor, epoch: int, step: int, distributed=None) -> None:
+        """Check one step before the optimiser step and add its loss to the epoch's sum: at
+        once (:meth:`check_step`), or on the device when the guard is ``deferred`` and no
+        state waits for its confirmation (the first step of an epoch is read at once)."""
+        if not self.deferred or self.pending or distributed is not None:
+            self._total += self.check_step(loss, epoch, step, distributed)
+            return
+        loss = loss.detach().reshape(())
+        norms = self.gradient_norms().to(device=loss.device, dtype=loss.dtype)
+        if norms.numel() == 0:
+            norms = loss.new_zeros(1)
+        bad = ~torch.isfinite(loss) | ~torch.isfinite(norms).all()
+        if self.clip_norm is None:
+            bad = bad | (norms.max() > self._max_norm)
+        if self._on_device is None:
+            zero = torch.zeros((), device=loss.device)
+            self._on_device = {"found": zero, "step": zero.double(), "loss": zero.double(),
+                               "norm": zero.double(), "max": zero.double(),
+                               "sum": torch.tensor(self._total, dtype=torch.float64, device=loss.device)}
+        flags = self._on_device
+        first = bad & (flags["found"] == 0)   # the first failing step's figures, for the message
+        flags["step"] = torch.where(first, float(step), flags["step"])   # a scalar argument: no copy to the device
+        for key, value in (("loss", loss), ("norm", torch.linalg.vector_norm(norms)), ("max", norms.max())):
+            flags[key] = torch.where(first, value.to(torch.float64), flags[key])
+        flags["found"] = torch.maximum(flags["found"], bad.to(flags["found"].dtype))
+        flags["sum"] = flags["sum"] + loss.to(torch.float64)
+        # the fused step skips its update on the device while the flag is set (GradScaler's protocol)
+        self.optimizer.grad_scale, self.optimizer.found_inf = None, flags["found"]
+
+    def end_epoch(self, epoch: int) -> float:
+        """Read the deferred steps' flags (one synchronisation) and return the epoch's loss
+        sum; a failed step restores the last good state and raises, as :meth:`check_step` does."""
+        flags, self._on_device = self._on_device, None
+        self.clear_device_flags()
+        if flags is None:
+            return self._total
+        found, step, value, norm, largest, total = torch.stack(
+            [flags[k].to(torch.float64) for k in ("found", "step", "loss", "norm", "max", "sum")]).tolist()
+        if found:
+            step = int(step)
+            if not math.isfinite(value):
+                self.fail(f"the loss became {value}", epoch, step)
+            if not math.isfinite(norm) or not math.isfinite(largest):
+                self.fail(f"the gradient norm became {norm} while the loss was finite ({value:.6g})", epoch, step)
+            self.fail(f"a gradient norm became {largest:.4g}, so large that its square overflows "
+                      f"(> {self._max_norm:.3g}), while the loss was finite ({value:.6g})", epoch, step)
+        return total
+
+    def clear_device_flags(self) -> None:
+        """Take the ``found_inf`` flag off the optimiser (it must not outlive the fit)."""
+        for name in ("found_inf", "grad_scale"):
+            if name in vars(self.optimizer):
+                delattr(self.optimizer, name)
 
     def check_final(self, loss: torch.Tensor, epoch: int, distributed=None) -> None:
         """The loss evaluated at the state after the last epoch (which no further step

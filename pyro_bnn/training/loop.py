@@ -40,6 +40,7 @@ from .compiled import CompiledLoss
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
 from .devices import flush_denormals
 from .divergence import DivergenceGuard, is_invalid_parameter_error
+from .divergence import can_defer_checks as defer_step_checks
 from .lr_schedule import make_lr_scheduler, probe_lr_schedule
 from .resume import StateOf, checkpoint_entries, fit_fingerprint, resume_fit
 
@@ -519,7 +520,8 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     elif compile:
         run.loss_module = CompiledLoss(run.loss_module, _cuda_devices(run.model))
     run.guard = DivergenceGuard(run.model, run.guide, run.optimizer, run.scheduler, run.params,
-                                clip_norm=clip_norm, checkpoint=run.checkpoint)
+                                clip_norm=clip_norm, checkpoint=run.checkpoint,
+                                deferred=defer_step_checks(run.optimizer, run.device, run.dstate))
     run.monitor = ConvergenceMonitor(run.optimizer, run.contract.scale_parameters())
 
 
@@ -545,36 +547,47 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[float, dict, int, float]:
         _dist.set_epoch(run.loader, epoch)
     run.contract.on_epoch_start(run.ctx)
     t0 = time.perf_counter()
-    opt, guard, device = run.optimizer, run.guard, run.device
-    total, steps, extras_sum = 0.0, 0, {}
-    for step, batch in enumerate(run.loader, 1):
-        xb, yb = split_batch(batch)
-        xb = xb.to(device, non_blocking=True)
-        yb = None if yb is None else yb.to(device, non_blocking=True)
-        try:
-            out = run.loss_module(xb, yb)
-            loss, extras = out if isinstance(out, tuple) else (out, {})
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-        except ValueError as exc:
-            if not is_invalid_parameter_error(exc):
-                raise
-            guard.invalid_parameter(exc, epoch, step)
-        value = guard.check_step(loss, epoch, step, run.dstate)  # before the step: nothing non-finite lands
-        if guard.pending:  # the loss at the last epoch's final state was finite: keep it, write it
-            _confirm_state(run)
-        opt.step()
-        run.scheduler.step()
-        guard.after_step()
-        run.monitor.after_step()
-        total += value
-        steps += 1
-        # extras are summed on the device in float64 (the same sum as of Python floats), so
-        # reading them costs no synchronisation per step
-        for k, v in extras.items():
-            v = v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else float(v)
-            extras_sum[k] = extras_sum.get(k, 0.0) + v
+    guard = run.guard
+    steps, extras_sum = 0, {}
+    guard.begin_epoch()
+    try:
+        for step, batch in enumerate(run.loader, 1):
+            _train_step(run, epoch, step, batch, extras_sum)
+            steps += 1
+        total = guard.end_epoch(epoch)   # deferred step checks are read here (one synchronisation)
+    finally:
+        guard.clear_device_flags()
     return total, {k: float(v) for k, v in extras_sum.items()}, steps, t0
+
+
+def _train_step(run: _Run, epoch: int, step: int, batch, extras_sum: dict) -> None:
+    """One minibatch: loss, backward, the guard's check, the optimiser and schedule steps;
+    the objective's extras are added to ``extras_sum``."""
+    opt, guard, device = run.optimizer, run.guard, run.device
+    xb, yb = split_batch(batch)
+    xb = xb.to(device, non_blocking=True)
+    yb = None if yb is None else yb.to(device, non_blocking=True)
+    try:
+        out = run.loss_module(xb, yb)
+        loss, extras = out if isinstance(out, tuple) else (out, {})
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+    except ValueError as exc:
+        if not is_invalid_parameter_error(exc):
+            raise
+        guard.invalid_parameter(exc, epoch, step)
+    guard.check(loss, epoch, step, run.dstate)  # before the step: nothing non-finite lands
+    if guard.pending:  # the loss at the last epoch's final state was finite: keep it, write it
+        _confirm_state(run)
+    opt.step()
+    run.scheduler.step()
+    guard.after_step()
+    run.monitor.after_step()
+    # extras are summed on the device in float64 (the same sum as of Python floats), so
+    # reading them costs no synchronisation per step
+    for k, v in extras.items():
+        v = v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else float(v)
+        extras_sum[k] = extras_sum.get(k, 0.0) + v
 
 
 def _end_epoch(run: _Run, epoch: int, total: float, extras_sum: dict, steps: int, t0: float) -> None:
