@@ -91,7 +91,7 @@ def test_deferred_checks_change_nothing_cuda(monkeypatch, tmp_path):
     assert all(torch.equal(deferred_state[k], v) for k, v in sync_state.items())
 
 
-def test_a_deferred_failure_restores_what_the_immediate_check_restores(monkeypatch, data):
+def test_a_deferred_failure_restores_what_the_immediate_check_restores(monkeypatch, data):  # noqa: F811
     """NaN loss at epoch 2, step 3 (a deferred step): the steps after it in that epoch do not
     move anything, the error names the step, and the state restored is the end of epoch 1."""
     x, y = data
