@@ -279,6 +279,8 @@ def row_registry(args, data, name):
             opts = {"local_reparameterization": True}
     guide = registered_guides()[name](model, **opts)
     fit_kw = {} if name != "hypernet" or args.hn_lr is None else {"lr": args.hn_lr}
+    if name == "symmetrized" and args.sym_lr is not None:
+        fit_kw["lr"] = args.sym_lr
     if name == "hypernet" and args.hn_marglik:  # the g prior's precision by the Laplace evidence
         fit_kw["marglik"] = hn_marglik(args.hn_marglik)
     res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples, **fit_kw)
@@ -453,6 +455,7 @@ def main(argv=None):
                         help="MeanField loc_lr_scaling (default: the guide's)")
     parser.add_argument("--lr", type=float, default=None, help="MeanField lr (default: the guide's)")
     parser.add_argument("--init-scale", type=float, default=None, help="MeanField init_scale")
+    parser.add_argument("--sym-lr", type=float, default=None, help="Symmetrized lr (default: the guide's)")
     parser.add_argument("--sym-local-reparam", action="store_true",
                         help="Symmetrized with local reparameterisation for the data term (the gap on its own draw)")
     parser.add_argument("--kl-weight", type=float, default=1.0,
