@@ -31,7 +31,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 
 import pyro_bnn as pb
 from pyro_bnn.data.batches import BatchCheck, CheckedBatches
-from pyro_bnn.training.loop import default_optimizer
+from pyro_bnn.training.optimizer import default_optimizer
 
 
 def mlp(d_in, hidden):

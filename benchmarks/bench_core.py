@@ -30,7 +30,7 @@ from pyro.infer.autoguide import AutoNormal
 
 import pyro_bnn as pb
 from pyro_bnn.data.batches import TensorBatches
-from pyro_bnn.training.loop import default_optimizer
+from pyro_bnn.training.optimizer import default_optimizer
 
 
 def main(argv=None):

@@ -28,7 +28,7 @@ import pyro_bnn as pb
 from pyro_bnn.data.batches import TensorBatches
 from pyro_bnn.training import loop as training
 from pyro_bnn.training.divergence import DivergenceGuard
-from pyro_bnn.training.loop import default_optimizer
+from pyro_bnn.training.optimizer import default_optimizer
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from time_to_elbo import elbo_bnn
 
 import pyro_bnn as pb
 from pyro_bnn.guides.meanfield import REFERENCE_FAN_IN
-from pyro_bnn.training.loop import default_optimizer
+from pyro_bnn.training.optimizer import default_optimizer
 
 
 def optimizer_for(guide, rule: str, lr: float):

@@ -27,3 +27,19 @@ class HandWritten(PyroModule):
 
 def mlp(d_in=64, d_hidden=16, d_out=10):
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(), nn.Linear(d_hidden, d_out))
+
+
+def spy_on_plan(monkeypatch, module, name: str, fast: bool) -> list:
+    """Replace ``module.<name>`` (a guide's fast-path planner, returning a plan or None) by a
+    spy that returns the real plan if ``fast`` else None (the general path); returns the list
+    that records, per call, whether a plan was used."""
+    real = getattr(module, name)
+    used = []
+
+    def spy(*args):
+        out = real(*args) if fast else None
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(module, name, spy)
+    return used

@@ -24,6 +24,7 @@ from test_training_reliability import (  # noqa: F401 -- fixtures and tests run 
 
 import pyro_bnn as pb
 from pyro_bnn.training import divergence, loop
+from pyro_bnn.training.optimizer import default_optimizer
 
 
 def _fusable(optimizer, device, distributed=None):
@@ -63,7 +64,7 @@ def _fit_states(monkeypatch, deferred, tmp_path, device="cpu", **kw):
     optimizers = []
 
     def optimizer(params):
-        optimizers.append(loop.default_optimizer(params, 1e-2))
+        optimizers.append(default_optimizer(params, 1e-2))
         return optimizers[-1]
     res = pb.fit(model, guide, (d.x_train[:300], d.y_train[:300]), epochs=4, batch_size=64, seed=0,
                  optimizer=optimizer, progress=False, checkpoint=tmp_path / f"{deferred}.pt", device=device, **kw)

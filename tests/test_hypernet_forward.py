@@ -7,6 +7,7 @@ from __future__ import annotations
 import pyro
 import pytest
 import torch
+from helpers import spy_on_plan
 from pyro.infer import SVI
 from torch import nn
 
@@ -31,15 +32,8 @@ def _data(flatten=False):
 
 
 def _loss_and_grads(model, guide, x, y, objective, fast: bool, monkeypatch):
-    calls = []
     plan = hypernet_module.weight_norm_plan
-
-    def spy(m, values):
-        out = plan(m, values) if fast else None
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(hypernet_module, "weight_norm_plan", spy)
+    calls = spy_on_plan(monkeypatch, hypernet_module, "weight_norm_plan", fast)
     with local_params(model, guide):
         torch.manual_seed(5)
         loss, extras = objective(model, guide, x, y, 200)

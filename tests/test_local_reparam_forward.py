@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import spy_on_plan
 from torch import nn
 
 import pyro_bnn as pb
@@ -37,14 +38,7 @@ def _setup(net_kind, stochastic=None, seed=0):
 
 
 def _loss_and_grads(model, guide, x, y, fast, monkeypatch, particles=1):
-    used = []
-
-    def plan(m, qs):
-        out = local_reparam_plan(m, qs) if fast else None
-        used.append(out is not None)
-        return out
-
-    monkeypatch.setattr(meanfield, "local_reparam_plan", plan)
+    used = spy_on_plan(monkeypatch, meanfield, "local_reparam_plan", fast)
     with local_params(model, guide):
         params = [p for p in list(model.parameters()) + list(guide.parameters()) if p.requires_grad]
         torch.manual_seed(3)

@@ -192,28 +192,13 @@ class _NormalKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loc, scale, scale_again, prior_loc, prior_scale):
-        inv_var = prior_scale.reciprocal() ** 2
-        zero_mean, unit_var = _exact_identities(prior_loc, inv_var)
-        diff = loc if zero_mean else loc - prior_loc
-        quad = scale ** 2 + diff ** 2
-        if not unit_var:
-            quad = quad * inv_var
-        kl = 0.5 * (quad.sum() - 2.0 * torch.log(scale).sum()
-                    + loc.numel() * (2.0 * torch.log(prior_scale) - 1.0))
-        ctx.save_for_backward(loc, scale, prior_loc)
-        ctx.inv_var = None if unit_var else inv_var
-        ctx.zero_mean = zero_mean
-        return kl
+        return _kl_forward(ctx, loc, scale, torch.log(scale).sum(), prior_loc, prior_scale)
 
     @staticmethod
     def backward(ctx, grad):
-        loc, scale, prior_loc = ctx.saved_tensors
-        half = grad * 0.5
-        g = half if ctx.inv_var is None else half * ctx.inv_var
-        twice_g = g * 2.0
-        diff = loc if ctx.zero_mean else loc - prior_loc
-        grad_log = (-half * 2.0) / scale
-        return diff * twice_g, grad_log, scale * twice_g, None, None
+        grad_loc, grad_square, half = _kl_square_backward(ctx, grad)
+        grad_log = (-half * 2.0) / ctx.saved_tensors[1]
+        return grad_loc, grad_log, grad_square, None, None
 
 
 class _NormalKLLogScale(torch.autograd.Function):
@@ -228,28 +213,38 @@ class _NormalKLLogScale(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loc, scale, log_scale, prior_loc, prior_scale):
-        inv_var = prior_scale.reciprocal() ** 2
-        zero_mean, unit_var = _exact_identities(prior_loc, inv_var)
-        diff = loc if zero_mean else loc - prior_loc
-        quad = scale ** 2 + diff ** 2
-        if not unit_var:
-            quad = quad * inv_var
-        kl = 0.5 * (quad.sum() - 2.0 * log_scale.sum()
-                    + loc.numel() * (2.0 * torch.log(prior_scale) - 1.0))
-        ctx.save_for_backward(loc, scale, prior_loc)
-        ctx.inv_var = None if unit_var else inv_var
-        ctx.zero_mean = zero_mean
         ctx.log_shape = log_scale.shape
-        return kl
+        return _kl_forward(ctx, loc, scale, log_scale.sum(), prior_loc, prior_scale)
 
     @staticmethod
     def backward(ctx, grad):
-        loc, scale, prior_loc = ctx.saved_tensors
-        half = grad * 0.5
-        g = half if ctx.inv_var is None else half * ctx.inv_var
-        twice_g = g * 2.0
-        diff = loc if ctx.zero_mean else loc - prior_loc
-        return diff * twice_g, scale * twice_g, (-grad).expand(ctx.log_shape), None, None
+        grad_loc, grad_square, _ = _kl_square_backward(ctx, grad)
+        return grad_loc, grad_square, (-grad).expand(ctx.log_shape), None, None
+
+
+def _kl_forward(ctx, loc, scale, log_scale_sum, prior_loc, prior_scale):
+    """The closed-form KL from ``Σ log σ``, with what the backward needs kept on ``ctx``."""
+    inv_var = prior_scale.reciprocal() ** 2
+    zero_mean, unit_var = _exact_identities(prior_loc, inv_var)
+    diff = loc if zero_mean else loc - prior_loc
+    quad = scale ** 2 + diff ** 2
+    if not unit_var:
+        quad = quad * inv_var
+    kl = 0.5 * (quad.sum() - 2.0 * log_scale_sum + loc.numel() * (2.0 * torch.log(prior_scale) - 1.0))
+    ctx.save_for_backward(loc, scale, prior_loc)
+    ctx.inv_var = None if unit_var else inv_var
+    ctx.zero_mean = zero_mean
+    return kl
+
+
+def _kl_square_backward(ctx, grad):
+    """``(∂/∂μ, ∂/∂σ of the square term, ½ g)`` of :func:`_kl_forward`."""
+    loc, scale, prior_loc = ctx.saved_tensors
+    half = grad * 0.5
+    g = half if ctx.inv_var is None else half * ctx.inv_var
+    twice_g = g * 2.0
+    diff = loc if ctx.zero_mean else loc - prior_loc
+    return diff * twice_g, scale * twice_g, half
 
 
 def _exact_identities(prior_loc: torch.Tensor, inv_var: torch.Tensor) -> tuple[bool, bool]:
