@@ -212,7 +212,11 @@ class MeanField(BNNGuide, AutoNormal):
     def loc_and_scale(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Posterior mean μ and standard deviation σ of site ``name``."""
         loc, rho = self.loc_and_raw_scale(name)
-        return loc, (rho.exp() if self.scale_parameterization == "exp" else F.softplus(rho))
+        return loc, self.scale_from_raw(rho)
+
+    def scale_from_raw(self, rho: torch.Tensor) -> torch.Tensor:
+        """σ from the unconstrained scale ρ: ``exp(ρ)`` or ``softplus(ρ)``."""
+        return rho.exp() if self.scale_parameterization == "exp" else F.softplus(rho)
 
     def loc_and_raw_scale(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Posterior mean μ and the unconstrained scale ρ (``σ = exp(ρ)`` or ``softplus(ρ)``)."""
@@ -469,12 +473,10 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
     local = plan is not None or guide.local_reparameterization
     fused = {} if local else _fusable_sites(model, guide, sites)
     positive = guide.scale_parameterization
-    if positive == "exp":  # σ = exp(ρ): the KL's log σ is ρ itself
-        raw = {name: guide.loc_and_raw_scale(name) for name in sites if name not in fused}
-        qs = {name: (loc, rho.exp()) for name, (loc, rho) in raw.items()}
-        log_scales = {name: rho for name, (_, rho) in raw.items()}
-    else:
-        qs, log_scales = {name: guide.loc_and_scale(name) for name in sites if name not in fused}, None
+    raw = {name: guide.loc_and_raw_scale(name) for name in sites if name not in fused}
+    qs = {name: (loc, guide.scale_from_raw(rho)) for name, (loc, rho) in raw.items()}
+    # σ = exp(ρ): the KL's log σ is ρ itself
+    log_scales = {name: rho for name, (_, rho) in raw.items()} if positive == "exp" else None
     kl_closed, mc_sites = closed_form_kl(model, qs, log_scales)
     priors = {name: model.site_prior(name) for name in mc_sites}
     kl_weight = guide.kl_weight

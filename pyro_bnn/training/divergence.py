@@ -187,6 +187,12 @@ class DivergenceGuard:
         if norms.dtype != loss.dtype or norms.device != loss.device:
             norms = norms.to(device=loss.device, dtype=loss.dtype)
         value, *norm_values = torch.cat((loss.reshape(1), norms)).tolist()
+        self._judge_step(value, norm_values, epoch, step)
+        return value
+
+    def _judge_step(self, value: float, norm_values: list[float], epoch: int, step: int) -> None:
+        """Fail (restore and raise) if a step's loss or gradient norms are non-finite, or a norm's
+        square would overflow (without clipping)."""
         if not math.isfinite(value):
             self.fail(f"the loss became {value}", epoch, step)
         if not all(math.isfinite(v) for v in norm_values):
@@ -195,7 +201,6 @@ class DivergenceGuard:
         if self.clip_norm is None and max(norm_values, default=0.0) > self._max_norm:
             self.fail(f"a gradient norm became {max(norm_values):.4g}, so large that its square overflows "
                       f"(> {self._max_norm:.3g}), while the loss was finite ({value:.6g})", epoch, step)
-        return value
 
     # ------------------------------------------------------------ one epoch's steps
     def begin_epoch(self) -> None:
@@ -218,12 +223,12 @@ class DivergenceGuard:
         if self._on_device is None:
             zero = torch.zeros((), device=loss.device)
             self._on_device = {"found": zero, "step": zero.double(), "loss": zero.double(),
-                               "norm": zero.double(), "max": zero.double(),
+                               "norms": torch.zeros_like(norms, dtype=torch.float64),
                                "sum": torch.tensor(self._total, dtype=torch.float64, device=loss.device)}
         flags = self._on_device
         first = bad & (flags["found"] == 0)   # the first failing step's figures, for the message
         flags["step"] = torch.where(first, float(step), flags["step"])   # a scalar argument: no copy to the device
-        for key, value in (("loss", loss), ("norm", torch.linalg.vector_norm(norms)), ("max", norms.max())):
+        for key, value in (("loss", loss), ("norms", norms)):
             flags[key] = torch.where(first, value.to(torch.float64), flags[key])
         flags["found"] = torch.maximum(flags["found"], bad.to(flags["found"].dtype))
         flags["sum"] = flags["sum"] + loss.to(torch.float64)
@@ -237,16 +242,11 @@ class DivergenceGuard:
         self.clear_device_flags()
         if flags is None:
             return self._total
-        found, step, value, norm, largest, total = torch.stack(
-            [flags[k].to(torch.float64) for k in ("found", "step", "loss", "norm", "max", "sum")]).tolist()
+        found, step, value, total, *norm_values = torch.cat(
+            [torch.stack([flags[k].to(torch.float64) for k in ("found", "step", "loss", "sum")]),
+             flags["norms"]]).tolist()
         if found:
-            step = int(step)
-            if not math.isfinite(value):
-                self.fail(f"the loss became {value}", epoch, step)
-            if not math.isfinite(norm) or not math.isfinite(largest):
-                self.fail(f"the gradient norm became {norm} while the loss was finite ({value:.6g})", epoch, step)
-            self.fail(f"a gradient norm became {largest:.4g}, so large that its square overflows "
-                      f"(> {self._max_norm:.3g}), while the loss was finite ({value:.6g})", epoch, step)
+            self._judge_step(value, norm_values, epoch, int(step))
         return total
 
     def clear_device_flags(self) -> None:
