@@ -159,6 +159,33 @@ def test_failed_report_write_keeps_the_previous_report(tmp_path, monkeypatch, ca
     assert _contents(out) == before and _siblings(out) == []
 
 
+class _SwallowedInterrupt:
+    """Sends SIGINT from ``__del__``, where Python prints and swallows the KeyboardInterrupt
+    (as when Ctrl-C lands in a weakref callback during garbage collection)."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_swallowed_sigint_still_keeps_the_previous_report(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "report"
+    before = _previous_report(out)
+    real = cli.write_report
+
+    def write_then_interrupt(*args, **kwargs):
+        written = real(*args, **kwargs)
+        _SwallowedInterrupt()   # collected at once: the interrupt is swallowed, the write returns
+        return written
+
+    monkeypatch.setattr(cli, "write_report", write_then_interrupt)
+    code = cli.main(["--smoke", "--guides", "meanfield", "--out", str(out), "--no-progress", "--loo-samples", "8"])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.strip().splitlines()[-1] == f"interrupted: no report written; the previous one in {out} is unchanged"
+    assert _contents(out) == before and _siblings(out) == []
+
+
 @pytest.mark.slow
 def test_sigint_while_the_report_is_written_keeps_the_previous_report(tmp_path):
     out = tmp_path / "report"

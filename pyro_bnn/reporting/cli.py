@@ -16,7 +16,9 @@ training; ``--out`` must be new, empty, or an earlier report (it holds the marke
 emptied.  The files are written into a temporary sibling folder that is renamed into place at
 the end; an error while writing leaves the previous report as it was.  A run in which every
 guide failed writes its errors to ``<out>.failed/``, and Ctrl-C keeps the guides that finished
-in ``<out>.partial/`` (marked PARTIAL); in both cases the report in ``<out>`` is unchanged.
+in ``<out>.partial/`` (marked PARTIAL); in both cases the report in ``<out>`` is unchanged.  A
+Ctrl-C is also recorded when it arrives: one that Python swallows (it landed in a weakref or
+``__del__`` callback) still stops the report from replacing ``<out>``.
 Exit codes: 0 done, 1 every guide failed or the report could not be written, 2 bad arguments
 or data, 130 interrupted.
 """
@@ -24,8 +26,11 @@ or data, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -320,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = f"the previous one in {args.out} is unchanged" if had_report else ""
     try:
         try:
-            return _run(args, names, staging, t_start, previous)
+            with _interrupts_recorded() as interrupted:
+                return _run(args, names, staging, t_start, previous, interrupted)
         except Exception as exc:
             if caused_by_interrupt(exc):
                 raise KeyboardInterrupt from exc
@@ -352,7 +358,28 @@ def _sibling(out: Path, kind: str) -> Path:
     return candidate
 
 
-def _run(args, names, staging: StagedFolder, t_start: float, previous: str) -> int:
+@contextlib.contextmanager
+def _interrupts_recorded():
+    """SIGINT raises ``KeyboardInterrupt`` as usual and is also recorded (in the yielded list):
+    an interrupt that lands in a weakref or ``__del__`` callback is printed and swallowed by
+    Python, so :func:`_run` checks the record before it replaces the previous report."""
+    record = []
+    if threading.current_thread() is not threading.main_thread():
+        yield record
+        return
+
+    def on_sigint(signum, frame):
+        record.append(signum)
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield record
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _run(args, names, staging: StagedFolder, t_start: float, previous: str, interrupted=()) -> int:
     torch.set_num_threads(args.threads)
     if args.arch == "cnn" and args.dataset not in IMAGE_DATASETS:
         print(f"error: --arch cnn needs 28x28 images (--dataset {' or '.join(IMAGE_DATASETS)}), "
@@ -387,6 +414,8 @@ def _run(args, names, staging: StagedFolder, t_start: float, previous: str) -> i
                                staged=False, ood=ood, ood_note=ood_note)
         wall = time.perf_counter() - t_start
         _add_wall_time(written["metrics_json"], wall)
+        if interrupted:   # a Ctrl-C that Python swallowed (in a callback) still stops the swap
+            raise KeyboardInterrupt
         staging.commit(info=report_info(result))
     except OSError as exc:
         state = "the previous one is unchanged" if previous else "no report written"
