@@ -52,7 +52,9 @@ def _model_and_guide(kind):
         # half batch cannot reproduce bit for bit (docs/distributed.md)
         return model, pb.guides.MeanField(model, init_scale=0.05, local_reparameterization=False)
     if kind == "symmetrized":      # K-1 random permutations per step: must agree across ranks
-        return model, pb.guides.Symmetrized(model, num_permutations=3, init_scale=0.05)
+        # (weight noise, as for MeanField above)
+        return model, pb.guides.Symmetrized(model, num_permutations=3, init_scale=0.05,
+                                            local_reparameterization=False)
     return model, pb.guides.Laplace(model, "kron")
 
 

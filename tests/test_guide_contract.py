@@ -54,8 +54,10 @@ def test_fit_predict_evaluate(name, digits_small):
     x, y, xt, yt = digits_small
     model = _bnn()
     guide = _make(name, model)
-    result = pb.fit(model, guide, (x, y), epochs=3, batch_size=64, lr=1e-2, progress=False)
-    assert len(result.history["loss"]) == 3
+    # 6 epochs of 5 steps: after 3, MeanField itself scored 0.24-0.43 across seeds (too near the
+    # bound below to tell a working guide from a broken one)
+    result = pb.fit(model, guide, (x, y), epochs=6, batch_size=64, lr=1e-2, progress=False)
+    assert len(result.history["loss"]) == 6
     assert all(torch.isfinite(torch.tensor(result.history["loss"])))
     probs = pb.predict(model, guide, xt, num_samples=5, batch_size=33)
     assert probs.shape == (5, len(xt), 10)

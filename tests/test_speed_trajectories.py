@@ -45,8 +45,12 @@ def _guide(kind):
         return model, pb.guides.Hypernet(model, init_gain=0.5, **options) if "paper" not in kind \
             else pb.guides.Hypernet(model, **options)
     model = pb.BNN(_mlp([12, 10, 8, 3]), "categorical")
+    # weight noise, as recorded (the guide's default became local reparameterisation later:
+    # ``symmetrized_local``, recorded then)
     options = {"symmetrized": {}, "symmetrized_k3": {"num_permutations": 3},
-               "symmetrized_uniform": {"estimator": "uniform", "num_permutations": 4}}[kind]
+               "symmetrized_uniform": {"estimator": "uniform", "num_permutations": 4},
+               "symmetrized_local": {"local_reparameterization": True}}[kind]
+    options.setdefault("local_reparameterization", False)
     return model, pb.guides.Symmetrized(model, init_scale=0.3, **options)
 
 
@@ -85,6 +89,9 @@ RECORDED = {
     'symmetrized': ['0x1.2acc680000000p+9', '0x1.4d73d00000000p+9', '0x1.55cf420000000p+9', '0x1.25083c0000000p+9', '0x1.6999420000000p+9', '0x1.45d6d20000000p+9', '0x1.68a2e60000000p+9', '0x1.08fe720000000p+9', '0x1.6a83ee0000000p+9', '0x1.58af160000000p+9', '0x1.235c160000000p+9', '0x1.21336e0000000p+9'],
     'symmetrized_k3': ['0x1.2a40000000000p+9', '0x1.45a1a20000000p+9', '0x1.186d620000000p+9', '0x1.14754a0000000p+9', '0x1.75640c0000000p+9', '0x1.8799400000000p+9', '0x1.19efc40000000p+9', '0x1.191f7e0000000p+9', '0x1.3785de0000000p+9', '0x1.76f1300000000p+9', '0x1.029bb80000000p+9', '0x1.194f6c0000000p+9'],
     'symmetrized_uniform': ['0x1.34b87a0000000p+9', '0x1.4fe6920000000p+9', '0x1.b226620000000p+9', '0x1.4550a00000000p+9', '0x1.2ec7f60000000p+9', '0x1.2ce0ec0000000p+9', '0x1.b988680000000p+9', '0x1.4fa8c40000000p+9', '0x1.5cb17a0000000p+9', '0x1.42d1940000000p+9', '0x1.1de0200000000p+9', '0x1.77ec720000000p+9'],
+    # recorded 2026-12-03 (seventh session) when local reparameterisation became Symmetrized's
+    # default: a regression record for later speed work, not a before/after check
+    'symmetrized_local': ['0x1.2b067e0000000p+9', '0x1.5f151a0000000p+9', '0x1.4a28a80000000p+9', '0x1.a6f8760000000p+9', '0x1.50dd740000000p+9', '0x1.2f219a0000000p+9', '0x1.190c380000000p+9', '0x1.3a0bbe0000000p+9', '0x1.4767f60000000p+9', '0x1.27bd6c0000000p+9', '0x1.424cd80000000p+9', '0x1.761a5a0000000p+9'],
 }
 
 
@@ -102,7 +109,7 @@ def test_trajectory_as_recorded(kind):
 
 if __name__ == "__main__":
     kinds = ["hypernet0", "hypernet2", "hypernet2_renyi", "hypernet2_realnvp", "hypernet2_paper",
-             "symmetrized", "symmetrized_k3", "symmetrized_uniform"]
+             "symmetrized", "symmetrized_k3", "symmetrized_uniform", "symmetrized_local"]
     print("RECORDED = {")
     for kind in kinds:
         print(f"    {kind!r}: {trajectory(kind)!r},")

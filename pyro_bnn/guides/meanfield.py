@@ -114,9 +114,6 @@ class MeanField(BNNGuide, AutoNormal):
     default_lr = 5e-2
     #: q is one Normal per site: :meth:`loc_and_scale` gives its exact moments
     normal_per_site = True
-    #: whether ``local_reparameterization="auto"`` may choose local reparameterisation (the
-    #: objective of a subclass may need the weights themselves)
-    auto_local_reparameterization = True
 
     def __init__(self, model, *, init_scale: float = 1e-2, init_loc_fn=None,
                  local_reparameterization: bool | str = "auto", kl_annealing: int = 0,
@@ -149,7 +146,7 @@ class MeanField(BNNGuide, AutoNormal):
         setting = self.local_reparameterization_setting
         if setting != "auto":
             return bool(setting)
-        return self.auto_local_reparameterization and supports_local_reparameterization(
+        return supports_local_reparameterization(
             self.given_model())  # not through handlers around the model: they must run
 
     def settings_description(self) -> str:
@@ -514,8 +511,7 @@ def _may_reparameterize_locally(guide, model) -> bool:
     """Whether ``guide.local_reparameterization`` is ``True`` for ``model`` if local
     reparameterisation applies to it (setting ``True``, or ``"auto"`` for the guide's own model)."""
     setting = guide.local_reparameterization_setting
-    return setting is True or (setting == "auto" and guide.auto_local_reparameterization
-                               and guide.given_model() is model)
+    return setting is True or (setting == "auto" and guide.given_model() is model)
 
 
 def _fusable_sites(model, guide, sites) -> dict:

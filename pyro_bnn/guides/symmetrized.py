@@ -11,8 +11,9 @@ The symmetrised guide is the mixture of all hidden-unit relabelings of a mean-fi
 Every mixture component computes the same functions as ``q``, so sampling and prediction
 use the base ``q`` (the inherited :class:`~pyro_bnn.guides.MeanField` ``forward``); only the
 objective changes.  The entropy gap ``H(q_G) − H(q)`` is replaced by a lower bound
-estimated at the same ω as the data term (:mod:`.symmetrized_entropy`,
-``docs/symmetrized_estimator.md``):
+estimated at a weight draw ω ∼ q (:mod:`.symmetrized_entropy`, ``docs/symmetrized_estimator.md``):
+the data term's own draw under weight noise, a draw of its own under local reparameterisation
+(the default wherever it is exact), which samples no weights for the data term:
 
 * ``estimator="local"`` (default): an equivariant assignment distribution ``ρ(g|ω)`` built
   from how well each of ω's hidden units fits each unit ``(μ_r, σ_r)`` of q.  With
@@ -111,6 +112,12 @@ class Symmetrized(MeanField):
         The entropy-gap bound (see the module docstring).
     **meanfield_kwargs
         ``init_scale``, ``init_loc_fn``, ``local_reparameterization`` of :class:`MeanField`.
+        Local reparameterisation (``"auto"``: wherever it is exact) samples the data term's
+        pre-activations and evaluates the entropy gap on a weight draw of its own; with weight
+        noise (``False``) the gap is taken on the data term's draw.  The bound is the same; on
+        Fashion-MNIST (MLP, 60 epochs) local reparameterisation reached a 4,000-nat higher
+        symmetrised bound, 1.5 points more accuracy and a lower NLL
+        (``docs/results/fashion_mnist.md``).
 
     Raises
     ------
@@ -125,10 +132,6 @@ class Symmetrized(MeanField):
     >>> result = pb.fit(model, guide, (x, y), epochs=10)                   # doctest: +SKIP
     >>> result.history["elbo"], result.history["symmetrized_elbo"]        # doctest: +SKIP
     """
-
-    #: "auto" keeps weight noise: the symmetrised objective evaluates its entropy gap at the
-    #: same weight draw ω as the data term (local reparameterisation draws no ω)
-    auto_local_reparameterization = False
 
     def __init__(self, model, num_permutations: int | None = None,
                  permutations: Sequence[Mapping[str, int]] | None = None, *,

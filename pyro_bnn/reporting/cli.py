@@ -89,12 +89,12 @@ DATASET_DEFAULTS: dict[str, dict[str, dict]] = {
         # ~1.3-2.3x a MAP epoch at 10k), so read their ``converged`` column.  The whole MLP job was
         # not timed as one run.
         "meanfield": {"epochs": 60},
-        # Symmetrized with local reparameterisation for its data term (the entropy gap on its own
-        # weight draw): 30 epochs end within 0.04 % of the 60-epoch bound (-34,058 vs -34,071;
+        # Symmetrized (local reparameterisation for its data term, the guide's default; the
+        # entropy gap on its own weight draw): 30 epochs end within 0.04 % of the 60-epoch bound (-34,058 vs -34,071;
         # 60 is converged by the diagnosis too, 30 is not: +9 % over its last 10 epochs) and its
         # epoch costs ~0.65x a weight-noise epoch; with weight noise 60 epochs ended at -38,101
         # and 1.5 points less accurate (docs/results/fashion_mnist.md, sixth session).
-        "symmetrized": {"epochs": 30, "guide": {"local_reparameterization": True}},
+        "symmetrized": {"epochs": 30},
         "hypernet": {"epochs": 15},
         # The Laplace MAP at Adam 1e-3 (not digits' 1e-2), chosen by the evidence at 60k: last
         # layer -10,452 (15 epochs, 55k) vs -14,080 at 1e-2 (30 epochs, 60k); all layers:
