@@ -12,11 +12,14 @@ architecture and guide, each method trains its own copy from the same initial st
 
 Guides: ``meanfield`` (``MeanField``, local reparameterisation: the default for both nets),
 ``hypernet0`` / ``hypernet8`` (``Hypernet`` over the weight-norm scales, 0 or 8 IAF blocks),
-``symmetrized`` (``Symmetrized``, local bound, K = 1).  References: MeanField for both nets
+``symmetrized`` (``Symmetrized``, local bound, K = 1, its default local reparameterisation: the
+gap on a weight draw of its own) and ``symmetrized_wn`` (the same with weight noise: one draw for
+the data term and the gap).  References: MeanField for both nets
 (:func:`meanfield_reference_loss`, a functional pass over the ``nn.Sequential``); Hypernet for
 both (``benchmarks/bench_reference.py``'s: ``torch._weight_norm`` then ``F.linear`` on the MLP,
 ``F.conv2d``/``F.linear`` and the net's parameter-free layers on the CNN); Symmetrized for the
-MLP only (its reference is written for MLPs) — on the CNN it gets ``loop`` and ``fit`` rows
+MLP only (its gap reference is written for MLPs; the default's is MeanField's reference plus
+that gap on a draw of its own) — on the CNN it gets ``loop`` and ``fit`` rows
 without a reference.
 
 Every reference is checked against the library's loss and gradients on the same parameters
@@ -59,7 +62,10 @@ from bench_reference import (
     hypernet_reference_leaves,
     hypernet_reference_loss,
     hypernet_reference_params,
+    mlp_layers,
+    mlp_permutation_groups,
     run_checks,
+    symmetrized_reference_gap,
     symmetrized_reference_loss,
     symmetrized_reference_optimizer,
     symmetrized_reference_params,
@@ -73,7 +79,7 @@ from pyro_bnn.data.batches import TensorBatches
 from pyro_bnn.training.loop import setup_guide
 from pyro_bnn.training.optimizer import default_optimizer
 
-GUIDES = ("meanfield", "hypernet0", "hypernet8", "symmetrized")
+GUIDES = ("meanfield", "hypernet0", "hypernet8", "symmetrized", "symmetrized_wn")
 NUM_TRAIN = 60_000
 
 
@@ -172,6 +178,56 @@ def check_meanfield(model, guide, x, y, num_data: int, seed: int = 1) -> dict:
             "rel_loss": abs(float(loss_lib) - float(loss_ref)) / abs(float(loss_ref)), "max_rel_grad": max(rel)}
 
 
+def symmetrized_local_reference_params(model, guide) -> dict:
+    """MeanField's local-reparameterisation reference leaves (:func:`meanfield_reference_params`)
+    plus the site order and the MLP's permutation groups, for ``Symmetrized``'s default path."""
+    if guide.estimator != "local" or guide.num_permutations != 1:
+        raise ValueError("the reference covers the default local bound with K = 1")
+    p = meanfield_reference_params(model, guide)
+    p["sites"] = guide.site_names()
+    p["leaves"] = {s: e[s] for e in p["layers"] for s in e.get("sites", ())}
+    if sorted(p["leaves"]) != sorted(p["sites"]) or any(e[s]["s"] != 1.0 for e in p["layers"]
+                                                         for s in e.get("sites", ())):
+        raise ValueError("the reference covers an MLP BNN with N(0, 1) priors on every weight and bias")
+    p["groups"] = mlp_permutation_groups(mlp_layers(p["sites"]))
+    return p
+
+
+def symmetrized_local_reference_loss(p: dict, x, y, num_data: int, parts: bool = False):
+    """``−ELBO − gap`` as ``Symmetrized``'s default computes it: the data term and KL of
+    :func:`meanfield_reference_loss` (pre-activation noise), then one weight draw
+    ``ω = μ + exp(ρ) ε`` of its own (sites in order) for the local gap bound."""
+    neg_elbo = meanfield_reference_loss(p, x, y, num_data)
+    locs = {s: p["leaves"][s]["mu"] for s in p["sites"]}
+    sigmas = {s: torch.exp(p["leaves"][s]["rho"]) for s in p["sites"]}
+    values = {s: locs[s] + sigmas[s] * torch.empty_like(locs[s]).normal_() for s in p["sites"]}
+    gap = symmetrized_reference_gap(values, locs, sigmas, p["groups"])
+    loss = neg_elbo - gap
+    return (loss, {"elbo": -neg_elbo, "entropy_gap": gap}) if parts else loss
+
+
+def check_symmetrized_local(model, guide, x, y, num_data: int, seed: int = 1) -> dict:
+    """Library loss, entropy gap and gradients vs the reference's (same parameters, same noise)."""
+    p = symmetrized_local_reference_params(model, guide)
+    if guide.symmetry() != p["groups"]:
+        raise AssertionError(f"the guide's groups {guide.symmetry()} are not the reference's {p['groups']}")
+    objective = guide.make_objective(1)
+    with local_params(model, guide):
+        torch.manual_seed(seed)
+        loss_lib, extras = objective(model, guide, x, y, num_data)
+        grads_lib = torch.autograd.grad(loss_lib, [t for s in p["sites"] for t in guide.loc_and_raw_scale(s)])
+    torch.manual_seed(seed)
+    loss_ref, parts = symmetrized_local_reference_loss(p, x, y, num_data, parts=True)
+    grads_ref = torch.autograd.grad(loss_ref, [p["leaves"][s][k] for s in p["sites"] for k in ("mu", "rho")])
+    rel = [float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads_lib, grads_ref)]
+    gap_lib, gap_ref = float(extras["entropy_gap"]), float(parts["entropy_gap"].detach())
+    loss_lib, loss_ref = float(loss_lib.detach()), float(loss_ref.detach())
+    return {"loss_lib": loss_lib, "loss_ref": loss_ref,
+            "rel_loss": abs(loss_lib - loss_ref) / abs(loss_ref), "max_rel_grad": max(rel),
+            "entropy_gap_lib": gap_lib, "entropy_gap_ref": gap_ref,
+            "rel_entropy_gap": abs(gap_lib - gap_ref) / max(abs(gap_ref), 1e-30)}
+
+
 def _leaf(t):
     return t.detach().clone().requires_grad_(True)
 
@@ -189,19 +245,25 @@ def build(name: str, arch: str, seed: int = 0, device="cpu"):
         guide = pb.guides.Hypernet(model, flow="iaf", num_flows=int(name[len("hypernet"):]), hidden=200)
         return model, guide, "hypernet"
     model = pb.BNN(net, "categorical")
-    return model, pb.guides.Symmetrized(model), "symmetrized" if arch == "mlp" else None
+    if name == "symmetrized_wn":   # weight noise: one draw ω for the data term and the gap
+        guide = pb.guides.Symmetrized(model, local_reparameterization=False)
+        return model, guide, "symmetrized" if arch == "mlp" else None
+    return model, pb.guides.Symmetrized(model), "symmetrized_local" if arch == "mlp" else None
 
 
 def check(name, kind, model, guide, x, y, tol):
-    if kind == "meanfield":
-        res = check_meanfield(model, guide, x, y, NUM_TRAIN)
-        ok = res["rel_loss"] <= tol and res["max_rel_grad"] <= 100 * tol
+    if kind in ("meanfield", "symmetrized_local"):
+        res = (check_meanfield if kind == "meanfield" else check_symmetrized_local)(model, guide, x, y, NUM_TRAIN)
+        ok = (res["rel_loss"] <= tol and res["max_rel_grad"] <= 100 * tol
+              and res.get("rel_entropy_gap", 0.0) <= 10 * tol)
+        gap = (f"entropy_gap lib {res['entropy_gap_lib']:.6f} ref {res['entropy_gap_ref']:.6f} "
+               f"(rel {res['rel_entropy_gap']:.1e}), " if "rel_entropy_gap" in res else "")
         print(f"  check {name}: loss lib {res['loss_lib']:.6f} ref {res['loss_ref']:.6f} (rel {res['rel_loss']:.1e}), "
-              f"max rel. gradient difference {res['max_rel_grad']:.1e} -> {'OK' if ok else 'MISMATCH'}", flush=True)
+              f"{gap}max rel. gradient difference {res['max_rel_grad']:.1e} -> {'OK' if ok else 'MISMATCH'}", flush=True)
         if not ok:
             raise SystemExit(f"{name}: the reference does not compute the library's loss")
         return res
-    return run_checks(name, model, guide, x, y, NUM_TRAIN, tol)
+    return run_checks("symmetrized" if kind == "symmetrized" else name, model, guide, x, y, NUM_TRAIN, tol)
 
 
 def methods_for(name, arch, x, y, args, batches, fit_data):
@@ -214,6 +276,9 @@ def methods_for(name, arch, x, y, args, batches, fit_data):
         if kind == "meanfield":
             p = meanfield_reference_params(model, guide)
             loss_fn, opt = meanfield_reference_loss, meanfield_reference_optimizer(p, lr)
+        elif kind == "symmetrized_local":
+            p = symmetrized_local_reference_params(model, guide)
+            loss_fn, opt = symmetrized_local_reference_loss, meanfield_reference_optimizer(p, lr)
         elif kind == "hypernet":
             p = hypernet_reference_params(model, guide)
             loss_fn = hypernet_reference_loss

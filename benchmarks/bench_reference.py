@@ -254,11 +254,19 @@ def symmetrized_reference_params(model, guide) -> dict:
         raise ValueError("the reference assumes N(0, 1) priors")
     locs = {n: leaf(guide.loc_and_raw_scale(n)[0]) for n in sites}
     rhos = {n: leaf(guide.loc_and_raw_scale(n)[1]) for n in sites}
-    layers = sorted({n.rsplit(".", 1)[0] for n in sites}, key=lambda s: int(s.rsplit(".", 1)[1]))
-    # hidden layer k permutes its weights' rows, its bias, and the next layer's columns
-    groups = [{f"{a}.weight": 0, f"{a}.bias": 0, f"{b}.weight": 1} for a, b in zip(layers[:-1], layers[1:])]
-    return {"sites": sites, "layers": layers, "locs": locs, "rhos": rhos, "groups": groups,
+    layers = mlp_layers(sites)
+    return {"sites": sites, "layers": layers, "locs": locs, "rhos": rhos, "groups": mlp_permutation_groups(layers),
             "lr_factors": guide.loc_lr_factors()}
+
+
+def mlp_layers(sites) -> list[str]:
+    """The Linear layers ``net.<i>`` of an MLP's weight and bias sites, in order."""
+    return sorted({n.rsplit(".", 1)[0] for n in sites}, key=lambda s: int(s.rsplit(".", 1)[1]))
+
+
+def mlp_permutation_groups(layers) -> list[dict]:
+    """Hidden layer k permutes its weights' rows, its bias, and the next layer's columns."""
+    return [{f"{a}.weight": 0, f"{a}.bias": 0, f"{b}.weight": 1} for a, b in zip(layers[:-1], layers[1:])]
 
 
 def symmetrized_reference_loss(p: dict, x, y, num_data: int, parts: bool = False):
@@ -278,18 +286,24 @@ def symmetrized_reference_loss(p: dict, x, y, num_data: int, parts: bool = False
             f = torch.relu(f)
     nll = F.cross_entropy(f, y, reduction="sum") * (num_data / len(x))
     sigmas = {n: torch.exp(r) for n, r in p["rhos"].items()}
-    gap = 0.0
-    last = {}
-    for k, group in enumerate(p["groups"]):
-        for site in group:
-            last[site] = k
-    for k, group in enumerate(p["groups"]):
-        sites = [s for s in group if last[s] == k]   # sites no later group moves
-        cost = sum(_unit_cost(*(_rows(t[s], group[s]) for t in (values, p["locs"], sigmas))) for s in sites)
-        d = cost.shape[0]
-        gap = gap + math.lgamma(d + 1) + _log_identity_probability(-0.5 * cost)
+    gap = symmetrized_reference_gap(values, p["locs"], sigmas, p["groups"])
     loss = nll + kl - gap
     return (loss, {"elbo": -(nll + kl), "entropy_gap": gap}) if parts else loss
+
+
+def symmetrized_reference_gap(values: dict, locs: dict, sigmas: dict, groups: list[dict]):
+    """The local entropy-gap bound ``Σ_k [log d_k! + log ρ_k(e | ω)]`` at the draw ``values``."""
+    gap = 0.0
+    last = {}
+    for k, group in enumerate(groups):
+        for site in group:
+            last[site] = k
+    for k, group in enumerate(groups):
+        sites = [s for s in group if last[s] == k]   # sites no later group moves
+        cost = sum(_unit_cost(*(_rows(t[s], group[s]) for t in (values, locs, sigmas))) for s in sites)
+        d = cost.shape[0]
+        gap = gap + math.lgamma(d + 1) + _log_identity_probability(-0.5 * cost)
+    return gap
 
 
 def _rows(t, axis):

@@ -68,6 +68,33 @@ def test_symmetrized_reference_equals_guide_loss(bench):
     assert res["entropy_gap_ref"] < log_order - 0.1
 
 
+def test_local_reparameterization_references_equal_the_guides(bench, monkeypatch):
+    """``bench_fmnist_speed.py``'s references of the local-reparameterisation paths: MeanField's
+    and Symmetrized's default (MeanField's data term, the gap on a weight draw of its own)."""
+    import pyro_bnn as pb
+    from pyro_bnn.training.loop import setup_guide
+    speed = importlib.import_module("bench_fmnist_speed")
+    x, y = _data()
+    torch.manual_seed(0)
+    model = pb.BNN(bench._mlp([20, 16, 12, 4]), "categorical", prior=pb.priors.IIDNormal(1.0))
+    guide = pb.guides.Symmetrized(model)
+    assert guide.local_reparameterization
+    setup_guide(model, guide, x[:2], y[:2], 480)
+    with torch.no_grad():
+        for name in guide.site_names():
+            guide.loc_and_raw_scale(name)[1].fill_(-0.5)
+    res = speed.check_symmetrized_local(model, guide, x, y, 480)
+    assert res["rel_loss"] < 1e-5 and res["rel_entropy_gap"] < 1e-5 and res["max_rel_grad"] < 1e-4, res
+    other = speed.check_symmetrized_local(model, guide, x, y, 480, seed=7)
+    assert abs(other["loss_lib"] - res["loss_lib"]) > 1e-3 * abs(res["loss_lib"])
+    torch.manual_seed(0)
+    model = pb.BNN(bench._mlp([20, 16, 12, 4]), "categorical")
+    guide = pb.guides.MeanField(model, init_scale=0.3)
+    setup_guide(model, guide, x[:2], y[:2], 480)
+    res = speed.check_meanfield(model, guide, x, y, 480)
+    assert res["rel_loss"] < 1e-5 and res["max_rel_grad"] < 1e-4, res
+
+
 @pytest.mark.parametrize("num_flows", [0, 2])
 def test_hypernet_reference_on_a_convolutional_net(bench, num_flows):
     """The convolutional path of the Hypernet reference (``bench_fmnist_speed.py --arch cnn``):
