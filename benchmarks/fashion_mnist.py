@@ -419,7 +419,8 @@ MARGLIK_SCHEDULE = pb.MarglikOptions(every=5, burnin=0, steps=100, lr=0.1)
 
 def row_laplace_marglik(args, data):
     model = bnn(args)
-    guide = pb.guides.Laplace(model, "kron", prior_precision=1.0, prior_structure=args.lap_prior_structure)
+    guide = pb.guides.Laplace(model, "kron", prior_precision=1.0, prior_structure=args.lap_prior_structure,
+                              kron_bias=args.lap_kron_bias)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = pb.fit(model, guide, data["train"], epochs=args.epochs, seed=args.seed, progress=False,
@@ -427,11 +428,11 @@ def row_laplace_marglik(args, data):
     row = fit_summary(res)
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples, predictive="glm"),
                      data["test"][1]))
-    row.update(prior_precision=[float(d) for d in guide.layer_prior_precisions()],
+    row.update(prior_precision=guide.prior_precision.tolist(),   # per layer, per tensor (sitewise) or one
                log_evidence=float(guide.log_evidence()), best_log_evidence=res.history.get("best_log_evidence", [None])[0],
                log_evidence_curve=[round(v, 1) for v in res.history["log_evidence"] if v == v],
                marglik=dataclasses.asdict(MARGLIK_SCHEDULE), predictive=f"glm-mc({args.num_samples})",
-               prior_structure=args.lap_prior_structure)
+               prior_structure=args.lap_prior_structure, kron_bias=args.lap_kron_bias)
     return row
 
 
@@ -476,9 +477,12 @@ def main(argv=None):
     parser.add_argument("--hn-prior-structure", choices=["layerwise", "scalar"], default=None,
                         help="Hypernet prior_structure with --hn-marglik: one δ for all layers (the guide's "
                              "default since 2026-12-03) or one per layer")
-    parser.add_argument("--lap-prior-structure", choices=["layerwise", "scalar"], default="layerwise",
-                        help="laplace_marglik: one δ per layer (Immer et al. 2021, the default) or one δ for "
-                             "the whole net (no drift along the ReLU rescaling symmetry)")
+    parser.add_argument("--lap-prior-structure", choices=["layerwise", "scalar", "sitewise"], default="layerwise",
+                        help="laplace_marglik: one δ per layer (Immer et al. 2021, the default), one δ for "
+                             "the whole net, or one per weight and bias tensor (laplace-torch's 'layerwise')")
+    parser.add_argument("--lap-kron-bias", choices=["joint", "separate"], default="joint",
+                        help="laplace_marglik: a layer's bias in its weights' Kronecker block or its own "
+                             "(laplace-torch's layout)")
     parser.add_argument("--hn-lr", type=float, default=None, help="Hypernet lr (default: the guide's 1e-2)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI, constant)")

@@ -124,7 +124,10 @@ def test_autonormal_lr10_is_restored_not_left_nan(data):
     torch.manual_seed(0)
     model = pb.BNN(mlp(64, 32, 10))
     guide = AutoNormal(model)
-    with pytest.warns(UserWarning, match="Encountered NaN"), pytest.raises(FloatingPointError, match="restored to"):
+    # the loss explodes (4.9e3 to 4.5e6 in epoch 2) before it becomes NaN: warned, then restored
+    with pytest.warns(UserWarning, match="Encountered NaN"), \
+            pytest.warns(RuntimeWarning, match="exploded in epoch 2"), \
+            pytest.raises(FloatingPointError, match="restored to"):
         pb.fit(model, guide, (x, y), epochs=15, batch_size=len(x), lr=10, lr_schedule="constant", seed=0,
                progress=False)
     assert _finite(model, guide)
@@ -181,6 +184,30 @@ def test_non_finite_parameter_from_an_epoch_hook(tmp_path, data):
         pb.fit(model, guide, (x, y), epochs=3, lr=1e-2, seed=0, checkpoint=path, progress=False)
     assert _finite(model, guide)
     assert torch.load(path, weights_only=True)["epoch"] == 1
+
+
+#: epoch losses of a Symmetrized fit of the Fashion-MNIST CNN that diverged to chance accuracy
+#: (2026-12-03; the same curve as tests/test_convergence.py's), first 6 epochs
+_DIVERGED_CNN_EPOCHS = [98181.8, 134512.6, 161470.0, 476190.5, 8881235.9, 228294.3]
+
+
+def test_explosion_warning_fires_on_a_real_divergence_and_not_on_a_slow_start():
+    from pyro_bnn.training.divergence import DivergenceGuard
+    param = torch.zeros(1, requires_grad=True)
+
+    def watch(losses):
+        guard = DivergenceGuard(None, None, None, None, [param])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for epoch, loss in enumerate(losses, 1):
+                guard.watch_loss(epoch, loss)
+        return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+    warned = watch(_DIVERGED_CNN_EPOCHS)
+    assert len(warned) == 1 and "exploded in epoch 5" in warned[0]
+    # a loss that rises by up to ten times its best (a KL warm-up, a bumpy start) is not an explosion
+    assert watch([1.0e5, 4.0e4, 3.0e4, 3.2e4, 2.9e5, 3.0e4]) == []
+    assert watch([-5.0, -2.0, 40.0]) == []   # near zero the scale is at least 1
 
 
 def test_exploding_finite_loss_warns(data):

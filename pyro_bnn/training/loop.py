@@ -277,7 +277,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     ConvergenceWarning
         The end-of-fit checks (:mod:`pyro_bnn.training.convergence`) could not confirm convergence.
     RuntimeWarning
-        The epoch loss exploded (grew a million-fold over its best) without becoming NaN.
+        The epoch loss exploded (rose more than ten times the magnitude of its best epoch's
+        above it) without becoming NaN.
     """
     reject_unknown_keywords("fit", unknown, _FIT_KEYWORDS)
     lr = _check_fit_arguments(guide, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
