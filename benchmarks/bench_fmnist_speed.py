@@ -263,7 +263,7 @@ def check(name, kind, model, guide, x, y, tol):
         if not ok:
             raise SystemExit(f"{name}: the reference does not compute the library's loss")
         return res
-    return run_checks("symmetrized" if kind == "symmetrized" else name, model, guide, x, y, NUM_TRAIN, tol)
+    return run_checks(name, model, guide, x, y, NUM_TRAIN, tol)
 
 
 def methods_for(name, arch, x, y, args, batches, fit_data):

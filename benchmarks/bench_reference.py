@@ -439,7 +439,7 @@ def build(name, hidden):
 
 
 def run_checks(name, model, guide, x, y, n, tol):
-    check = check_symmetrized if name == "symmetrized" else check_hypernet
+    check = check_symmetrized if name.startswith("symmetrized") else check_hypernet
     res = check(model, guide, x, y, n)
     terms = [k[4:] for k in res if k.startswith("rel_") and k not in ("rel_loss",)]
     ok = (res["rel_loss"] <= tol and res["max_rel_grad"] <= 100 * tol
