@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from _common import sync  # benchmarks/_common.py (on sys.path when run as a script)
 from bench_reference import (
     _perturb_flow,
+    check_symmetrized,
     hypernet_reference_leaves,
     hypernet_reference_loss,
     hypernet_reference_params,
@@ -207,25 +208,11 @@ def symmetrized_local_reference_loss(p: dict, x, y, num_data: int, parts: bool =
 
 
 def check_symmetrized_local(model, guide, x, y, num_data: int, seed: int = 1) -> dict:
-    """Library loss, entropy gap and gradients vs the reference's (same parameters, same noise)."""
-    p = symmetrized_local_reference_params(model, guide)
-    if guide.symmetry() != p["groups"]:
-        raise AssertionError(f"the guide's groups {guide.symmetry()} are not the reference's {p['groups']}")
-    objective = guide.make_objective(1)
-    with local_params(model, guide):
-        torch.manual_seed(seed)
-        loss_lib, extras = objective(model, guide, x, y, num_data)
-        grads_lib = torch.autograd.grad(loss_lib, [t for s in p["sites"] for t in guide.loc_and_raw_scale(s)])
-    torch.manual_seed(seed)
-    loss_ref, parts = symmetrized_local_reference_loss(p, x, y, num_data, parts=True)
-    grads_ref = torch.autograd.grad(loss_ref, [p["leaves"][s][k] for s in p["sites"] for k in ("mu", "rho")])
-    rel = [float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads_lib, grads_ref)]
-    gap_lib, gap_ref = float(extras["entropy_gap"]), float(parts["entropy_gap"].detach())
-    loss_lib, loss_ref = float(loss_lib.detach()), float(loss_ref.detach())
-    return {"loss_lib": loss_lib, "loss_ref": loss_ref,
-            "rel_loss": abs(loss_lib - loss_ref) / abs(loss_ref), "max_rel_grad": max(rel),
-            "entropy_gap_lib": gap_lib, "entropy_gap_ref": gap_ref,
-            "rel_entropy_gap": abs(gap_lib - gap_ref) / max(abs(gap_ref), 1e-30)}
+    """Library loss, entropy gap and gradients vs the local-reparameterisation reference's
+    (same parameters, same noise; ``bench_reference.check_symmetrized``)."""
+    return check_symmetrized(model, guide, x, y, num_data, seed, reference=(
+        symmetrized_local_reference_params, symmetrized_local_reference_loss,
+        lambda p: [p["leaves"][s][k] for s in p["sites"] for k in ("mu", "rho")]))
 
 
 def _leaf(t):

@@ -357,9 +357,14 @@ def make_symmetrized(hidden: int = 400, seed: int = 0, sizes=None):
     return model, pb.guides.Symmetrized(model, local_reparameterization=False)
 
 
-def check_symmetrized(model, guide, x, y, num_data: int, seed: int = 1) -> dict:
-    """As :func:`check_hypernet`: same μ, ρ and noise; also checks the symmetry groups agree."""
-    p = symmetrized_reference_params(model, guide)
+def check_symmetrized(model, guide, x, y, num_data: int, seed: int = 1, reference=None) -> dict:
+    """As :func:`check_hypernet`: same μ, ρ and noise; also checks the symmetry groups agree.
+    ``reference``: ``(params(model, guide), loss(p, x, y, n, parts), leaves(p))`` of another
+    Symmetrized reference (default: this weight-noise one)."""
+    make_params, reference_loss, leaves = reference or (
+        symmetrized_reference_params, symmetrized_reference_loss,
+        lambda p: [t for n in p["sites"] for t in (p["locs"][n], p["rhos"][n])])
+    p = make_params(model, guide)
     if guide.symmetry() != p["groups"]:
         raise AssertionError(f"the guide's groups {guide.symmetry()} are not the reference's {p['groups']}")
     objective = guide.make_objective(1)
@@ -369,8 +374,8 @@ def check_symmetrized(model, guide, x, y, num_data: int, seed: int = 1) -> dict:
         lib_leaves = [t for n in p["sites"] for t in guide.loc_and_raw_scale(n)]
         grads_lib = torch.autograd.grad(loss_lib, lib_leaves)
     torch.manual_seed(seed)
-    loss_ref, parts = symmetrized_reference_loss(p, x, y, num_data, parts=True)
-    grads_ref = torch.autograd.grad(loss_ref, [t for n in p["sites"] for t in (p["locs"][n], p["rhos"][n])])
+    loss_ref, parts = reference_loss(p, x, y, num_data, parts=True)
+    grads_ref = torch.autograd.grad(loss_ref, leaves(p))
     return _compare(loss_lib, loss_ref, grads_lib, grads_ref,
                     {"entropy_gap": (extras["entropy_gap"], parts["entropy_gap"])})
 
