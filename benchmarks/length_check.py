@@ -10,6 +10,7 @@ diagnosis (``pb.fit``'s ``converged`` label), so the two checks can be compared.
 
     python benchmarks/length_check.py --threads 1
     python benchmarks/length_check.py --guides meanfield hypernet --threads 1
+    python benchmarks/length_check.py --guides symmetrized --epochs 300 --draws 400   # another length
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main(argv=None):
     ap.add_argument("--draws", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=None,
+                    help="the shorter length, for every guide (default: each guide's main-job epochs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     data = pb.datasets.digits()
@@ -59,7 +62,7 @@ def main(argv=None):
         if "lr" in settings:
             fit_kw["lr"] = settings["lr"]
         t0 = time.perf_counter()
-        check = pb.check_convergence(make_pair(name), data.train, epochs=settings.get("epochs", 40),
+        check = pb.check_convergence(make_pair(name), data.train, epochs=args.epochs or settings.get("epochs", 40),
                                      factor=args.factor, tolerance=args.tolerance, seed=args.seed,
                                      num_samples=args.draws, warn=False, batch_size=64, **fit_kw)
         (e1, e2), (o1, o2) = check.epochs, check.objective

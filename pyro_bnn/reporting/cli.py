@@ -58,8 +58,9 @@ GUIDE_DEFAULTS: dict[str, dict] = {
     # MeanField defaults (init_scale 0.01, local reparameterisation, lr 5e-2): 300 epochs end within
     # 0.3 % of the 600-epoch ELBO on digits (docs/results/compare.md; docs/results/convergence.md).
     "meanfield": {"epochs": 300},
-    # Symmetrized (local estimator; weight draws, no local reparameterisation, so slower to
-    # converge): 300 epochs end ~6 % below 600, 600 within 0.6 % of 1,200 (docs/results/compare.md).
+    # Symmetrized (local estimator; local reparameterisation for the data term, the gap on a
+    # weight draw of its own): 300 epochs end 3.2 % below 600, 600 within 0.9 % of 1,200
+    # (docs/results/convergence.md; with weight noise, before: ~6 % and 0.6 %).
     "symmetrized": {"epochs": 600},
     # Hypernet, stable layout (flow over the 110 weight-norm scales, 8 IAF blocks of 200 units,
     # init_scale 0.1), default_lr 1e-2: 300 epochs end 5 % (7 nats) below 600, 600 4 % (5 nats)
