@@ -36,6 +36,7 @@ from pyro_bnn.guides.laplace import online
 
 def _rescale(guide, optimizer, two_log_c, inverse=False) -> None:
     """θ_l → (c_l / c_{l−1}) W_l, c_l b_l (``c_0 = c_L = 1``), Adam's moments with them."""
+    theta = guide.map_values()   # the trained leaves themselves (the MLP's sites are unconstrained)
     with torch.no_grad():
         for i, layer in enumerate(guide.layers):
             factors = ((layer.weight, math.exp(0.5 * (two_log_c[i + 1] - two_log_c[i]))),
@@ -44,7 +45,7 @@ def _rescale(guide, optimizer, two_log_c, inverse=False) -> None:
                 if site is None:
                     continue
                 f = 1.0 / f if inverse else f
-                p = guide.theta[site.replace(".", "__")]
+                p = theta[site]
                 p.mul_(f)
                 state = optimizer.state.get(p, {})
                 if "exp_avg" in state:

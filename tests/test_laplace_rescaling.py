@@ -55,9 +55,8 @@ def _rescaled_evidence(guide, data, delta_of=None):
     guide.fit_curvature(data)
     groups = guide.prior_precision_groups
     delta = guide.prior_precision.detach().clone()
-    if delta_of is None:
-        delta = torch.stack([d / factors[sites[0]] ** 2 for d, sites in zip(delta, groups)]) \
-            if delta.dim() else delta
+    if delta_of is None:   # one δ per group (layer or tensor), scaled as the group's first tensor
+        delta = torch.stack([d / factors[sites[0]] ** 2 for d, sites in zip(delta, groups)])
     else:
         delta = delta_of(delta)
     return float(guide.log_evidence(delta))
