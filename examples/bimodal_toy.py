@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.guides.hypernet import HypernetELBO, log_weights
+from pyro_bnn.guides.hypernet_objective import HypernetELBO, log_weights
 
 
 def toy_data(num_points: int = 64, noise: float = 0.1, seed: int = 0):

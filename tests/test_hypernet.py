@@ -15,7 +15,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
-from pyro_bnn.guides.hypernet import HypernetELBO, clipped_log_likelihood, log_weights
+from pyro_bnn.guides.hypernet_objective import HypernetELBO, clipped_log_likelihood, log_weights
 from pyro_bnn.guides.hypernet_flows import HypernetFlow
 from pyro_bnn.guides.made import MADE
 from pyro_bnn.guides.meanfield import MeanFieldELBO

@@ -16,7 +16,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.curvature.marglik import marglik_due
-from pyro_bnn.guides.hypernet import log_weights
+from pyro_bnn.guides.hypernet_objective import log_weights
 
 SITES = ["net.0.weight_g", "net.2.weight_g"]
 

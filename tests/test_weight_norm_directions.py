@@ -6,7 +6,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
-from pyro_bnn.guides.hypernet import HypernetELBO
+from pyro_bnn.guides.hypernet_objective import HypernetELBO
 from pyro_bnn.model.weight_norm import direction_radius, normalize_directions_, to_weight_norm
 from pyro_bnn.training import setup_guide
 

@@ -11,7 +11,8 @@ from ..contract.guide import (
            register_guide,
            registered_guides,
 )
-from .hypernet import Hypernet, HypernetELBO
+from .hypernet import Hypernet
+from .hypernet_objective import HypernetELBO
 from .laplace import Laplace
 from .meanfield import MeanField, MeanFieldELBO
 from .symmetrized import Symmetrized, SymmetrizedELBO
