@@ -269,14 +269,15 @@ def row_registry(args, data, name):
                 raise SystemExit(f"--hn-prior-precision: expected {len(names)} values ({names}), got {lams}")
             prior = {name: pb.priors.IIDNormal(lam ** -0.5) for name, lam in zip(names, lams)}
         torch.manual_seed(args.seed)
-        model = pb.BNN(make_net(args.arch), "categorical", weight_norm=True, prior=prior)
+        model = pb.BNN(make_net(args.arch), "categorical", weight_norm=True, prior=prior,
+                       random_directions=args.hn_random_directions)
         opts = {} if args.hn_flows is None else {"num_flows": args.hn_flows}
         if args.hn_prior_structure is not None:
             opts["prior_structure"] = args.hn_prior_structure
     else:
         model, opts = bnn(args), {}
-        if name == "symmetrized" and args.sym_local_reparam:
-            opts = {"local_reparameterization": True}
+        if name == "symmetrized" and args.sym_weight_noise:
+            opts = {"local_reparameterization": False}
     guide = registered_guides()[name](model, **opts)
     fit_kw = {} if name != "hypernet" or args.hn_lr is None else {"lr": args.hn_lr}
     if name == "symmetrized" and args.sym_lr is not None:
@@ -457,8 +458,8 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=None, help="MeanField lr (default: the guide's)")
     parser.add_argument("--init-scale", type=float, default=None, help="MeanField init_scale")
     parser.add_argument("--sym-lr", type=float, default=None, help="Symmetrized lr (default: the guide's)")
-    parser.add_argument("--sym-local-reparam", action="store_true",
-                        help="Symmetrized with local reparameterisation for the data term (the gap on its own draw)")
+    parser.add_argument("--sym-weight-noise", action="store_true",
+                        help="Symmetrized with weight noise (default: local reparameterisation, the gap on its own draw)")
     parser.add_argument("--kl-weight", type=float, default=1.0,
                         help="MeanField KL weight β (num_data = N/β: the likelihood is upweighted)")
     parser.add_argument("--warm-start-epochs", type=int, default=0,
@@ -467,6 +468,9 @@ def main(argv=None):
                         help="MeanField kl_annealing (KL weight epoch/E over the first E epochs; 0: off)")
     parser.add_argument("--learn-prior-scale", action="store_true",
                         help="MeanField(learn_prior_scale=True): per-site prior scales by empirical Bayes")
+    parser.add_argument("--hn-random-directions", action="store_true",
+                        help="Hypernet on pb.BNN(..., random_directions=True): the directions v random with "
+                             "an N(0, I) prior (a mean-field Gaussian in the guide), not point estimates")
     parser.add_argument("--hn-prior-precision", default=None,
                         help="Hypernet: comma-separated prior precision of the scales g, one per layer "
                              "(default: N(0, 1) for every layer)")

@@ -12,17 +12,17 @@ from pyro.infer import SVI
 from torch import nn
 
 import pyro_bnn as pb
-import pyro_bnn.guides.hypernet as hypernet_module
+import pyro_bnn.guides.hypernet_objective as hypernet_module
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.guides.hypernet_forward import direct_calls_allowed, weight_norm_plan
 from pyro_bnn.training.loop import setup_guide
 
 
-def _model(flatten=False, bias=True, seed=0):
+def _model(flatten=False, bias=True, seed=0, random_directions=False):
     torch.manual_seed(seed)
     layers = [nn.Flatten()] if flatten else []
     layers += [nn.Linear(12, 10, bias=bias), nn.ReLU(), nn.Linear(10, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)]
-    return pb.BNN(nn.Sequential(*layers), "categorical", weight_norm=True)
+    return pb.BNN(nn.Sequential(*layers), "categorical", weight_norm=True, random_directions=random_directions)
 
 
 def _data(flatten=False):
@@ -48,10 +48,13 @@ def _loss_and_grads(model, guide, x, y, objective, fast: bool, monkeypatch):
     ({"num_flows": 2, "hidden": 6, "init_gain": 0.5}, True, 1),
     ({"num_flows": 2, "hidden": 6, "alpha": 0.5}, False, 2),
     ({"num_flows": 1, "hidden": 6, "layout": "paper", "prob_clip": (1e-3, 0.999)}, False, 1),
+    ({"num_flows": 2, "hidden": 6, "init_gain": 0.5, "random_directions": True}, True, 1),
+    ({"num_flows": 1, "hidden": 6, "random_directions": True}, False, 2),
 ])
 def test_functional_forward_is_bit_identical(options, flatten, particles, monkeypatch):
     x, y = _data(flatten)
-    model = _model(flatten)
+    options = dict(options)
+    model = _model(flatten, random_directions=options.pop("random_directions", False))
     guide = pb.guides.Hypernet(model, **options)
     setup_guide(model, guide, x[:2], y[:2], 200)
     objective = guide.make_objective(particles)

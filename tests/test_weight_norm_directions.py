@@ -72,3 +72,83 @@ def test_directions_option_is_checked():
         pb.guides.Hypernet(model, directions="unit")
     with pytest.raises(ValueError, match="directions"):
         HypernetELBO(directions="sphere ")
+
+
+# ------------------------------------------------- random directions (pb.BNN(random_directions=True))
+def _random_directions_model(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(64, 30), nn.ReLU(), nn.Linear(30, 10))
+    return net, pb.BNN(net, "categorical", weight_norm=True, random_directions=True, **kwargs)
+
+
+def test_random_directions_model_sites_priors_radius_and_function():
+    net, model = _random_directions_model(weight_norm_precision=4.0)
+    assert sorted(model.site_names) == ["net.0.weight_g", "net.0.weight_v", "net.2.weight_g", "net.2.weight_v"]
+    for layer, fan_in in (("net.0", 64), ("net.2", 30)):
+        loc, scale = model.site_normal_prior(f"{layer}.weight_v")
+        assert float(loc) == 0.0 and float(scale) == 1.0        # isotropic: uniform direction
+        assert float(model.site_normal_prior(f"{layer}.weight_g")[1]) == 0.5   # λ = 4 on the scales
+        v = model.initial_values()[f"{layer}.weight_v"]
+        torch.testing.assert_close(_rows(v), torch.full((v.shape[0],), fan_in ** 0.5))
+    x = torch.randn(7, 64)
+    torch.testing.assert_close(model.run_with(model.initial_values(), x), net(x), rtol=1e-5, atol=1e-5)
+    # a prior dict for the scales; its '*' entry does not reach the directions
+    _, other = _random_directions_model(prior={"net.0.weight_g": pb.priors.IIDNormal(2.0), "*": pb.priors.IIDNormal(3.0)})
+    scales = {s: float(other.site_normal_prior(s)[1]) for s in other.site_names}
+    assert scales == {"net.0.weight_g": 2.0, "net.0.weight_v": 1.0, "net.2.weight_g": 3.0, "net.2.weight_v": 1.0}
+    with pytest.raises(ValueError, match="need weight_norm=True"):
+        pb.BNN(net, "categorical", random_directions=True)
+    with pytest.raises(TypeError, match="random_directions"):
+        pb.BNN(net, "categorical", weight_norm=True, random_directions="yes")
+
+
+def test_hypernet_puts_its_flow_on_the_scales_and_a_gaussian_on_random_directions(digits_small):
+    x, y, _, _ = digits_small
+    _, model = _random_directions_model()
+    guide = pb.guides.Hypernet(model, num_flows=2, hidden=16)
+    setup_guide(model, guide, x[:8], y[:8], len(x))
+    layout = {name: (start, size) for name, start, size, _, _ in guide._latent_layout()}
+    scales = torch.cat([torch.arange(start, start + size) for name, (start, size) in layout.items()
+                        if name.endswith("weight_g")])
+    assert torch.equal(guide.flow.flow_index, scales)
+    # the blocks are over the 40 scales; every other coordinate has the affine layer alone
+    assert sum(p.numel() for p in guide.flow.blocks.parameters()) == sum(
+        p.numel() for p in pb.guides.hypernet_flows.HypernetFlow(40, num_flows=2, hidden=16).blocks.parameters())
+    assert guide.latent_dim == 30 * 64 + 30 + 10 * 30 + 10
+    with pytest.raises(ValueError, match="directions are random"):
+        pb.guides.Hypernet(_random_directions_model()[1], directions="sphere")(x[:8], y[:8])
+    with pytest.raises(ValueError, match="directions are random"):
+        guide.update_prior_precision_((x, y))
+
+
+def test_random_directions_train_under_plain_svi_and_predict_through_predictive(digits_small, tmp_path):
+    """Plain SVI + Trace_ELBO trains the guide (loss falls, test accuracy well above chance),
+    ``Predictive`` and ``pb.predict`` agree, and the param store restores it exactly."""
+    import pyro
+    from pyro.infer import SVI, Predictive, Trace_ELBO
+
+    x, y, xt, yt = digits_small
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    _, model = _random_directions_model()
+    guide = pb.guides.Hypernet(model, num_flows=2, hidden=16)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
+    losses = [svi.step(x, y) for _ in range(150)]
+    assert sum(losses[-10:]) < 0.5 * sum(losses[:10]), (losses[:3], losses[-3:])
+    scores = pb.evaluate(model, guide, xt, yt, num_samples=32)
+    assert scores["accuracy"] > 0.6, scores
+    pyro.set_rng_seed(1)
+    logits = Predictive(model, guide=guide, num_samples=64, return_sites=["_RETURN"])(xt)["_RETURN"]
+    draws = pb.predict(model, guide, xt, num_samples=64)
+    # two independent 64-draw means: their difference has sd √2·se per probability
+    se = (draws.std(0) / 64 ** 0.5).sum(-1).mean()
+    assert (logits.softmax(-1).mean(0) - draws.mean(0)).abs().sum(-1).mean() <= 4 * 2 ** 0.5 * se
+    path = str(tmp_path / "store.pt")
+    pyro.get_param_store().save(path)
+    pyro.clear_param_store()
+    pyro.get_param_store().load(path)
+    _, model2 = _random_directions_model(seed=5)
+    guide2 = pb.guides.Hypernet(model2, num_flows=2, hidden=16)
+    guide2(x[:4], y[:4])
+    for key, value in guide.state_dict().items():
+        torch.testing.assert_close(guide2.state_dict()[key], value, msg=key)

@@ -237,7 +237,7 @@ class Hypernet(BNNGuide, AutoContinuous):
             init_loc, init_scale = self._pack_meanfield(init_loc)
         self.flow = HypernetFlow(self.latent_dim, self.flow_type, self.num_flows, self.hidden,
                                  init_loc=init_loc, init_scale=self.init_scale,
-                                 init_gain=self.init_gain, seed=self.seed,
+                                 init_gain=self.init_gain, seed=self.seed, flow_index=self._flow_index(),
                                  **_LAYOUTS[self.layout]["flow"]).to(init_loc.device)
         if init_scale is not None:
             self.flow.affine.set_scale_(init_scale)
@@ -260,6 +260,18 @@ class Hypernet(BNNGuide, AutoContinuous):
             scales.append(scale.reshape(-1))
         return (torch.cat(locs).to(like.device, like.dtype), torch.cat(scales).to(like.device, like.dtype))
 
+    def _flow_index(self) -> torch.Tensor | None:
+        """The packed coordinates of the scale sites when the model's directions are random
+        (the flow's blocks act on those; the directions are mean-field), else ``None``."""
+        if self.full:
+            return None
+        model = _unwrap_model(self.model)
+        directions = set(direction_sites(model, self.site_names()))
+        if not directions:
+            return None
+        return torch.cat([torch.arange(start, start + size) for name, start, size, _, _ in self._latent_layout()
+                          if name not in directions])
+
     def _check_sites(self) -> None:
         """Real-valued latent sites only; with ``full=False`` only weight-norm scales.
 
@@ -279,13 +291,20 @@ class Hypernet(BNNGuide, AutoContinuous):
             names.append(name)
         if self.full:
             return
-        other = non_scale_sites(_unwrap_model(self.model), names)
+        model = _unwrap_model(self.model)
+        directions = direction_sites(model, names)
+        if directions and self.directions == "sphere":
+            raise ValueError("directions='sphere' keeps point-estimated directions on the sphere, but this "
+                             f"model's directions are random (sites {directions[:2]}...; pb.BNN(..., "
+                             "random_directions=True)); use the default directions='free'")
+        other = [n for n in non_scale_sites(model, names) if n not in directions]
         if other:
             shown = ", ".join(repr(n) for n in other[:4]) + (" ..." if len(other) > 4 else "")
             raise ValueError(
-                "Hypernet(full=False) puts the flow over the weight-norm scales g only, but "
-                f"{len(other)} of the model's {len(names)} latent sites are not weight-norm "
-                f"scales ('weight_g' of a WeightNormLinear/WeightNormConv2d layer): {shown}. "
+                "Hypernet(full=False) puts the flow over the weight-norm scales g (and a mean-field Gaussian "
+                f"over random directions v), but {len(other)} of the model's {len(names)} latent sites are "
+                "neither ('weight_g' / 'weight_v' of a WeightNormLinear/WeightNormConv2d layer): "
+                f"{shown}. "
                 "Use pb.BNN(net, weight_norm=True), weight-norm layers from pyro_bnn.model.weight_norm "
                 "in a hand-written model, or full=True for a flow over every latent site "
                 "(small networks only).")
@@ -523,6 +542,17 @@ def non_scale_sites(model, names) -> list[str]:
     for name in names:
         module, leaf = site_module(model, name)
         if leaf != "weight_g" or not is_weight_norm_layer(module):
+            out.append(name)
+    return out
+
+
+def direction_sites(model, names) -> list[str]:
+    """The names among ``names`` that are the directions ``weight_v`` of a weight-norm layer of
+    ``model`` (random with ``pb.BNN(..., weight_norm=True, random_directions=True)``)."""
+    out = []
+    for name in names:
+        module, leaf = site_module(model, name)
+        if leaf == "weight_v" and is_weight_norm_layer(module):
             out.append(name)
     return out
 

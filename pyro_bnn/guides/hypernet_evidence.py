@@ -97,6 +97,10 @@ def check_evidence_model(model, sites: Iterable[str]) -> None:
                          f"{type(model).__name__}" + ("" if not is_bnn(model) else " with weight_norm=False"))
     for site in sites:
         module, leaf = site_module(model, site)
+        if leaf == "weight_v" and is_weight_norm_layer(module):
+            raise ValueError("the scales' prior precision by the Laplace evidence is for point-estimated "
+                             f"directions; this model's directions are random (site {site!r}: "
+                             "pb.BNN(..., random_directions=True))")
         if leaf != "weight_g" or not is_weight_norm_layer(module):
             raise ValueError(f"the scales' prior precision by the Laplace evidence applies to the scales g "
                              f"of weight-norm layers only; site {site!r} is not one")

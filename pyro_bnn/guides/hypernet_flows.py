@@ -34,6 +34,11 @@ The paper's layout (affine layer first with scale 0.002, then blocks starting ne
 identity; Pyro's clamp, plain conditioners) is ``HypernetFlow(..., affine_last=False,
 log_scale_bound=None, fan_in_scaled=False, init_gain=1e-2, init_scale=2e-3)``.
 
+With ``flow_index`` the blocks act on those coordinates only and the rest get the affine layer
+alone (a mean-field Gaussian): for a weight-norm network with random directions the flow is over
+the few hundred scales and the hundreds of thousands of direction entries are mean-field
+(:class:`CoordinateSubset`).
+
 Pyro's ``AutoRegressiveNN`` requires hidden width ≥ D; :class:`MADE` here allows any width
 (hidden degrees spread over 1..D−1, Germain et al. 2015), which the hypernetwork needs
 (D = hundreds of weight-norm scales, 200 hidden units).
@@ -54,7 +59,8 @@ from torch import nn
 
 from .made import MADE, soft_bound
 
-__all__ = ["ElementwiseAffine", "MADE", "CouplingNet", "HypernetFlow", "hypernet_flow", "FLOW_TYPES"]
+__all__ = ["ElementwiseAffine", "MADE", "CouplingNet", "CoordinateSubset", "HypernetFlow", "hypernet_flow",
+           "FLOW_TYPES"]
 
 FLOW_TYPES = ("iaf", "realnvp")
 
@@ -110,6 +116,40 @@ class ElementwiseAffine(TransformModule):
         return self.scale.log().sum(-1).expand(x.shape[:-1])
 
 
+class CoordinateSubset(dist.transforms.Transform):
+    """``parts`` (transforms of ``len(index)``-vectors, applied in order) on the coordinates
+    ``index`` of a vector; the other coordinates pass unchanged.  ``log|det|`` is that of the
+    parts (the Jacobian is block-diagonal with an identity block).
+
+    Parameters
+    ----------
+    parts : sequence of Transform
+        Bijections of ``real_vector`` on ``len(index)`` coordinates.
+    index : LongTensor, shape (d,)
+        The coordinates they act on (distinct).
+    """
+
+    domain = constraints.real_vector
+    codomain = constraints.real_vector
+    bijective = True
+
+    def __init__(self, parts, index: torch.Tensor, cache_size: int = 1):
+        super().__init__(cache_size=cache_size)
+        self.parts, self.index = list(parts), index
+
+    def _call(self, x):
+        return forward_with_log_det(self, x)[0]
+
+    def _inverse(self, y):
+        u = y.index_select(-1, self.index)
+        for t in reversed(self.parts):
+            u = t.inv(u)
+        return y.index_copy(-1, self.index, u)
+
+    def log_abs_det_jacobian(self, x, y):
+        return forward_with_log_det(self, x)[1]
+
+
 class HypernetFlow(nn.Module):
     """The hypernetwork ``z = h(ε)``: K IAF blocks or couplings, then an elementwise affine layer.
 
@@ -140,13 +180,20 @@ class HypernetFlow(nn.Module):
         clamp to [−5, 3] with straight-through gradients.
     fan_in_scaled : bool
         Fan-in scaled conditioners (see :class:`MADE`).
+    flow_index : LongTensor, optional
+        The coordinates the blocks act on (default all D); the others get the affine layer
+        only.  Needs ``affine_last`` (the blocks then work on standardised coordinates).
     """
 
     def __init__(self, dim: int, flow: str = "iaf", num_flows: int = 8, hidden: int = 200,
                  init_loc: torch.Tensor | None = None, init_scale: float = 0.1,
                  init_gain: float = 0.0, seed: int = 0, affine_last: bool = True,
-                 log_scale_bound: float | None = 3.0, fan_in_scaled: bool = True):
+                 log_scale_bound: float | None = 3.0, fan_in_scaled: bool = True,
+                 flow_index: torch.Tensor | None = None):
         super().__init__()
+        flow_index = _check_flow_index(flow_index, dim, affine_last)
+        # the blocks' width: D, or the coordinates of ``flow_index``
+        width = dim if flow_index is None else len(flow_index)
         self.affine_last = bool(affine_last)
         if log_scale_bound is not None and not log_scale_bound > 0:
             raise ValueError(f"log_scale_bound must be > 0 or None, got {log_scale_bound!r}")
@@ -156,8 +203,8 @@ class HypernetFlow(nn.Module):
             raise ValueError(f"flow must be one of {FLOW_TYPES}, got {flow!r}")
         if not isinstance(num_flows, int) or num_flows < 0:
             raise ValueError(f"num_flows must be an integer >= 0, got {num_flows!r}")
-        if num_flows > 0 and dim < 2:
-            raise ValueError(f"flow blocks need at least 2 latent dimensions, got {dim}; "
+        if num_flows > 0 and width < 2:
+            raise ValueError(f"flow blocks need at least 2 latent dimensions, got {width}; "
                              "use num_flows=0")
         if not isinstance(hidden, int) or hidden < 1:
             raise ValueError(f"hidden must be a positive integer, got {hidden!r}")
@@ -168,18 +215,22 @@ class HypernetFlow(nn.Module):
         self.affine = ElementwiseAffine(loc, init_scale)
         # saved with the parameters: they define this distribution in this layout only
         self.register_buffer("layout", _layout_code(self.affine_last, self.log_scale_bound))
+        if flow_index is not None:
+            self.register_buffer("flow_index", flow_index)
+        else:
+            self.flow_index = None
         gen = torch.Generator().manual_seed(seed)
-        perms = [_permutation(dim, i, gen) for i in range(num_flows)]
+        perms = [_permutation(width, i, gen) for i in range(num_flows)]
         blocks = []
         for i in range(num_flows):
             if flow == "iaf":
-                block = AffineAutoregressive(MADE(dim, hidden, perms[i],
+                block = AffineAutoregressive(MADE(width, hidden, perms[i],
                                                   log_scale_bound=self.log_scale_bound,
                                                   fan_in_scaled=self.fan_in_scaled))
                 block.arn.scale_output_(init_gain)
             else:
-                split = dim // 2
-                block = AffineCoupling(split, CouplingNet(split, hidden, dim - split,
+                split = width // 2
+                block = AffineCoupling(split, CouplingNet(split, hidden, width - split,
                                                           self.log_scale_bound,
                                                           self.fan_in_scaled))
                 block.nn.scale_output_(init_gain)
@@ -213,6 +264,8 @@ class HypernetFlow(nn.Module):
             if self.flow == "realnvp" and i > 0:
                 out.append(Permute(getattr(self, f"perm{i}")))
             out.append(block)
+        if self.flow_index is not None and out:   # the blocks on their coordinates only
+            out = [CoordinateSubset(out, self.flow_index)]
         return out + [self.affine] if self.affine_last else [self.affine] + out
 
     def base_dist(self) -> dist.TorchDistribution:
@@ -250,7 +303,7 @@ class HypernetFlow(nn.Module):
             log_q = self.base_dist().log_prob(eps)  # validates a given eps
         x = eps
         for t in self.transforms():
-            x, log_det = _forward_with_log_det(t, x)
+            x, log_det = forward_with_log_det(t, x)
             log_q = log_q - log_det
         return x, log_q
 
@@ -261,11 +314,18 @@ class HypernetFlow(nn.Module):
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))   # the constant of torch's Normal.log_prob
 
 
-def _forward_with_log_det(t, x):
+def forward_with_log_det(t, x):
     """``(t(x), log|det ∂t/∂x|)``.  The elementwise affine layer and IAF blocks are computed
     here with the same formulas as their Pyro ``_call`` / ``log_abs_det_jacobian``
     (``y = μ + exp(s) ⊙ x`` with Pyro's gradient-preserving clamp of s), without the
-    transform-call and cache overhead; other transforms go through Pyro."""
+    transform-call and cache overhead; a :class:`CoordinateSubset` gathers its coordinates once
+    for all its parts; other transforms go through Pyro."""
+    if type(t) is CoordinateSubset:
+        u, log_det = x.index_select(-1, t.index), 0.0
+        for part in t.parts:
+            u, part_log_det = forward_with_log_det(part, u)
+            log_det = log_det + part_log_det
+        return x.index_copy(-1, t.index, u), log_det
     if type(t) is ElementwiseAffine:
         scale = t.scale
         return t.loc + scale * x, scale.log().sum(-1).expand(x.shape[:-1])
@@ -314,6 +374,24 @@ class CouplingNet(nn.Module):
         self.out.weight.mul_(gain)
         self.out.bias.zero_()
         return self
+
+
+def _check_flow_index(index, dim: int, affine_last: bool) -> torch.Tensor | None:
+    """``index`` as distinct int64 coordinates in [0, dim), ``None`` for "all of them"."""
+    if index is None:
+        return None
+    index = torch.as_tensor(index)
+    if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"flow_index must be a 1-D integer tensor, got dtype {index.dtype}, shape {tuple(index.shape)}")
+    index = index.to(torch.int64)
+    if len(index) and (int(index.min()) < 0 or int(index.max()) >= dim or len(index.unique()) != len(index)):
+        raise ValueError(f"flow_index must hold distinct coordinates in [0, {dim}), got {len(index)} values "
+                         f"in [{int(index.min())}, {int(index.max())}]")
+    if len(index) == dim:
+        return None if bool((index == torch.arange(dim)).all()) else index
+    if not affine_last:
+        raise ValueError("flow_index (blocks on part of the coordinates) needs affine_last=True")
+    return index
 
 
 def _layout_code(affine_last: bool, log_scale_bound: float | None) -> torch.Tensor:

@@ -44,13 +44,15 @@ def weight_norm_plan(model, site_names) -> tuple | None:
     ----------
     model : pyro_bnn.BNN
     site_names : sequence of str
-        The random sites the guide samples (all must be the ``weight_g`` of the plan's layers,
-        and every weight-norm layer's ``weight_g`` must be one of them).
+        The random sites the guide samples (all must be the ``weight_g`` of the plan's layers, or
+        their ``weight_v`` where the directions are random, and every weight-norm layer's
+        ``weight_g`` must be one of them).
 
     Returns
     -------
     tuple or None
-        ``(model, net, steps)`` with ``steps`` a tuple of ``("linear" | "conv2d", layer, site)``,
+        ``(model, net, steps)`` with ``steps`` a tuple of ``("linear" | "conv2d", layer, (scale
+        site, direction site or None))``,
         ``("relu", inplace, None)``, ``("flatten", (start, end), None)`` or
         ``("module", layer, None)`` (a parameter-free layer); ``None`` when the model is
         anything else.
@@ -70,11 +72,17 @@ def weight_norm_plan(model, site_names) -> tuple | None:
             return None
         weight_norm = _weight_norm_kind(layer)
         if weight_norm is not None:
-            site = f"net.{name}.weight_g"
-            if (site not in sites or set(layer.__dict__.get("_pyro_samples", {})) != {"weight_g"}
-                    or layer.__dict__.get("_pyro_params") or "weight_v" not in layer._parameters):
+            site, direction = f"net.{name}.weight_g", f"net.{name}.weight_v"
+            random = set(layer.__dict__.get("_pyro_samples", {}))
+            if random == {"weight_g", "weight_v"} and direction in sites:   # random directions
+                seen.add(direction)
+            elif random != {"weight_g"} or "weight_v" not in layer._parameters:
                 return None
-            steps.append((weight_norm, layer, site))
+            else:
+                direction = None
+            if site not in sites or layer.__dict__.get("_pyro_params"):
+                return None
+            steps.append((weight_norm, layer, (site, direction)))
             seen.add(site)
         elif type(layer).forward is nn.ReLU.forward and isinstance(layer, nn.ReLU):
             steps.append(("relu", bool(layer.inplace), None))
@@ -100,10 +108,10 @@ def run_plan(plan: tuple, values: Mapping[str, torch.Tensor], x: torch.Tensor) -
     for kind, item, site in steps:
         if kind == "linear":
             params = item._parameters
-            f = F.linear(f, weight_norm_weight(values[site], params["weight_v"]), params["bias"])
+            f = F.linear(f, _weight(values, site, params), params["bias"])
         elif kind == "conv2d":   # nn.Conv2d._conv_forward with zero padding
             params = item._parameters
-            f = F.conv2d(f, weight_norm_weight(values[site], params["weight_v"]), params["bias"],
+            f = F.conv2d(f, _weight(values, site, params), params["bias"],
                          item.stride, item.padding, item.dilation, item.groups)
         elif kind == "relu":
             f = F.relu(f, inplace=item)
@@ -112,6 +120,12 @@ def run_plan(plan: tuple, values: Mapping[str, torch.Tensor], x: torch.Tensor) -
         else:
             f = item.forward(f)
     return f
+
+
+def _weight(values: Mapping[str, torch.Tensor], sites: tuple, params) -> torch.Tensor:
+    """``g v/‖v‖`` of a layer: ``g`` drawn, ``v`` drawn (random directions) or the parameter."""
+    scale, direction = sites
+    return weight_norm_weight(values[scale], params["weight_v"] if direction is None else values[direction])
 
 
 def _weight_norm_kind(layer: nn.Module) -> str | None:

@@ -245,6 +245,14 @@ class BNN(PyroModule):
         directions ``v`` and the biases are point estimates.
     weight_norm_precision : float, optional
         Prior precision λ of the scales, ``g ~ N(0, 1/λ)`` (default 1).
+    random_directions : bool
+        With ``weight_norm=True``: the directions ``v`` are random too (sites
+        ``"net.<path>.weight_v"``) with the isotropic prior ``v ~ N(0, I)``, under which the
+        direction ``v/‖v‖`` is uniform on the sphere and the weight's length is the scale's alone
+        (``prior=`` / ``weight_norm_precision`` apply to the scales).  Every row of ``v`` starts
+        rescaled to norm √fan_in (entries of order 1, the prior's typical length; the function is
+        unchanged).  Default ``False``: the directions are point estimates, as in the paper —
+        maximum-likelihood parameters that no ELBO term regularises (``docs/results/fmnist_guides.md``).
 
     Raises
     ------
@@ -280,19 +288,23 @@ class BNN(PyroModule):
         augmentation: nn.Module | None = None,
         weight_norm: bool = False,
         weight_norm_precision: float | None = None,
+        random_directions: bool = False,
     ):
         super().__init__()
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         weight_norm = check_bool("weight_norm", weight_norm)
+        random_directions = check_bool("random_directions", random_directions)
         likelihood_module = make_likelihood(likelihood, noise)
         _check_noise_option(likelihood, likelihood_module, noise)
         net = copy.deepcopy(net)
         self.weight_norm = weight_norm
-        if weight_norm:  # only the scales g of W_j = g_j v_j/|v_j| are random (Hypernet)
-            net, prior, stochastic = weight_norm_setup(net, prior, stochastic, weight_norm_precision)
-        elif weight_norm_precision is not None:
-            raise ValueError("weight_norm_precision= needs weight_norm=True")
+        if weight_norm:  # the scales g of W_j = g_j v_j/|v_j| are random (Hypernet), the directions v optionally
+            net, prior, stochastic = weight_norm_setup(net, prior, stochastic, weight_norm_precision,
+                                                       random_directions)
+        elif weight_norm_precision is not None or random_directions:
+            raise ValueError("weight_norm_precision= and random_directions= need weight_norm=True; got "
+                             f"weight_norm_precision={weight_norm_precision!r}, random_directions={random_directions!r}")
         prior = IIDNormal(1.0) if prior is None else prior
         select = _make_selector(stochastic, net)
 

@@ -26,11 +26,12 @@ Examples
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from .priors import IIDNormal, real_scalar
+from .priors import IIDNormal, Prior, real_scalar
 
 __all__ = ["WeightNormLinear", "WeightNormConv2d", "weight_norm_weight", "to_weight_norm",
            "is_weight_norm_layer", "weight_norm_setup", "normalize_directions_", "direction_radius"]
@@ -204,11 +205,20 @@ def to_weight_norm(net: nn.Module) -> nn.Module:
     return net
 
 
-def weight_norm_setup(net: nn.Module, prior, stochastic, precision: float | None):
+#: Scale of the directions' prior ``v ~ N(0, s² I)`` with ``random_directions=True``: any isotropic
+#: Normal makes ``v/‖v‖`` uniform on the sphere, so s only fixes the parametrisation (with rows
+#: started at norm √fan_in, entries of order 1)
+DIRECTION_PRIOR_SCALE = 1.0
+
+
+def weight_norm_setup(net: nn.Module, prior, stochastic, precision: float | None,
+                      random_directions: bool = False):
     """What :class:`pyro_bnn.BNN` does for ``weight_norm=True``.
 
     Returns the converted network, the prior (default ``N(0, 1/λ)`` with ``λ = precision``,
-    default 1) and the selection (default: the ``weight_g`` of every weight-norm layer).
+    default 1, for the scales; with ``random_directions`` ``N(0, I)`` for the directions
+    ``weight_v``, whose rows are rescaled to norm √fan_in) and the selection (default: the
+    ``weight_g`` of every weight-norm layer, and its ``weight_v`` with ``random_directions``).
     """
     if precision is not None and prior is not None:
         raise ValueError("give either prior= or weight_norm_precision=, not both "
@@ -217,7 +227,25 @@ def weight_norm_setup(net: nn.Module, prior, stochastic, precision: float | None
     net = to_weight_norm(net)
     if prior is None:
         prior = IIDNormal(lam ** -0.5)
+    leaves = ("weight_g", "weight_v") if random_directions else ("weight_g",)
     if stochastic is None:
         def stochastic(name, module, param):
-            return is_weight_norm_layer(module) and name.rsplit(".", 1)[-1] == "weight_g"
+            return is_weight_norm_layer(module) and name.rsplit(".", 1)[-1] in leaves
+    if random_directions:
+        normalize_directions_(net)
+        prior = _with_direction_priors(prior, net)
     return net, prior, stochastic
+
+
+def _with_direction_priors(prior, net: nn.Module):
+    """``prior`` for the scales, ``N(0, DIRECTION_PRIOR_SCALE² I)`` for every layer's ``weight_v``
+    (a dict entry of the user's for a direction site wins)."""
+    directions = {f"net.{name}.weight_v": IIDNormal(DIRECTION_PRIOR_SCALE)
+                  for name, module in net.named_modules() if is_weight_norm_layer(module)}
+    if isinstance(prior, Mapping):
+        return {**directions, **prior}
+    if callable(prior) and not isinstance(prior, (Prior, torch.distributions.Distribution)):
+        def chosen(name, param):
+            return directions[name] if name in directions else prior(name, param)
+        return chosen
+    return {"*": prior, **directions}
