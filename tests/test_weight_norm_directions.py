@@ -6,6 +6,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
+from pyro_bnn.guides.hypernet_flows import HypernetFlow
 from pyro_bnn.guides.hypernet_objective import HypernetELBO
 from pyro_bnn.model.weight_norm import direction_radius, normalize_directions_, to_weight_norm
 from pyro_bnn.training import setup_guide
@@ -96,6 +97,13 @@ def test_random_directions_model_sites_priors_radius_and_function():
     _, other = _random_directions_model(prior={"net.0.weight_g": pb.priors.IIDNormal(2.0), "*": pb.priors.IIDNormal(3.0)})
     scales = {s: float(other.site_normal_prior(s)[1]) for s in other.site_names}
     assert scales == {"net.0.weight_g": 2.0, "net.0.weight_v": 1.0, "net.2.weight_g": 3.0, "net.2.weight_v": 1.0}
+    from pyro_bnn.model.bnn import random_directions_of
+    from pyro_bnn.reporting.comparison import describe_configuration
+
+    assert random_directions_of(model) and not random_directions_of(pb.BNN(net, "categorical", weight_norm=True))
+    guide = pb.guides.Hypernet(model, num_flows=0)
+    assert "weight-norm model, random directions" in describe_configuration(model, guide, epochs=1, lr=None,
+                                                                            batch_size=8)
     with pytest.raises(ValueError, match="need weight_norm=True"):
         pb.BNN(net, "categorical", random_directions=True)
     with pytest.raises(TypeError, match="random_directions"):
@@ -113,7 +121,7 @@ def test_hypernet_puts_its_flow_on_the_scales_and_a_gaussian_on_random_direction
     assert torch.equal(guide.flow.flow_index, scales)
     # the blocks are over the 40 scales; every other coordinate has the affine layer alone
     assert sum(p.numel() for p in guide.flow.blocks.parameters()) == sum(
-        p.numel() for p in pb.guides.hypernet_flows.HypernetFlow(40, num_flows=2, hidden=16).blocks.parameters())
+        p.numel() for p in HypernetFlow(40, num_flows=2, hidden=16).blocks.parameters())
     assert guide.latent_dim == 30 * 64 + 30 + 10 * 30 + 10
     with pytest.raises(ValueError, match="directions are random"):
         pb.guides.Hypernet(_random_directions_model()[1], directions="sphere")(x[:8], y[:8])

@@ -70,6 +70,11 @@ class Hypernet(BNNGuide, AutoContinuous):
     model : pyro_bnn.BNN or PyroModule
         The model; for ``full=False`` a weight-norm :class:`~pyro_bnn.BNN`
         (``weight_norm=True``) or a hand-written model whose latent sites are the scales.
+        With ``pb.BNN(..., weight_norm=True, random_directions=True)`` the directions ``v`` are
+        latent too: the flow's blocks act on the scales only and the directions get the affine
+        layer alone (a mean-field Gaussian), so the guide stays a flow over a few hundred
+        coordinates; the directions are then under the posterior instead of maximum-likelihood
+        point estimates (``docs/results/fmnist_guides.md``).
     flow : {"iaf", "realnvp"}
         IAF/MADE blocks (the paper's better choice) or RealNVP couplings.
     num_flows : int

@@ -20,8 +20,8 @@ from .weight_norm import weight_norm_setup
 
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "augmentation_of", "example_input", "initial_values_of",
            "model_likelihood", "network_function_of", "network_of", "normal_prior_params",
-           "num_augmentations", "site_module", "site_prior_modules", "weight_norm_of", "BAYESIAN_LAYERS",
-           "default_stochastic", "fan_in_of"]
+           "num_augmentations", "random_directions_of", "site_module", "site_prior_modules", "weight_norm_of",
+           "BAYESIAN_LAYERS", "default_stochastic", "fan_in_of"]
 
 #: Layer types whose weights and biases are random by default.
 BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -146,6 +146,13 @@ def weight_norm_of(model) -> bool | None:
     model that does not say."""
     value = getattr(model, "weight_norm", None)  # the one read of a model's optional weight_norm
     return value if isinstance(value, bool) else None
+
+
+def random_directions_of(model) -> bool:
+    """Whether a weight-norm :class:`BNN`'s directions are random (``random_directions=True``);
+    ``False`` for any other model."""
+    value = getattr(model, "random_directions", False)  # the one read of this optional member
+    return value is True
 
 
 def normal_prior_params(model, site: str) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -299,6 +306,7 @@ class BNN(PyroModule):
         _check_noise_option(likelihood, likelihood_module, noise)
         net = copy.deepcopy(net)
         self.weight_norm = weight_norm
+        self.random_directions = random_directions
         if weight_norm:  # the scales g of W_j = g_j v_j/|v_j| are random (Hypernet), the directions v optionally
             net, prior, stochastic = weight_norm_setup(net, prior, stochastic, weight_norm_precision,
                                                        random_directions)

@@ -57,7 +57,7 @@ from ..arguments import check_int, check_positive, did_you_mean
 from ..contract.guide import guide_contract, registered_guides
 from ..data.batches import check_data
 from ..data.datasets import DataSplit
-from ..model.bnn import weight_norm_of
+from ..model.bnn import random_directions_of, weight_norm_of
 from ..posterior import metrics
 from ..posterior.arviz import default_predictive, loo_approximate, to_arviz
 from ..posterior.prediction import (
@@ -391,7 +391,8 @@ def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch
         training += f", clip_norm {fit_options['clip_norm']:g}"
     if fit_options.get("num_particles", 1) != 1:
         training += f", {fit_options['num_particles']} particles"
-    model_part = "weight-norm model" if weight_norm_of(model) else ""
+    model_part = ("" if not weight_norm_of(model) else
+                  "weight-norm model, random directions" if random_directions_of(model) else "weight-norm model")
     return "; ".join(p for p in (guide_contract(guide).settings_description(), model_part, training) if p)
 
 
