@@ -167,11 +167,12 @@ def _hypernet_rows(net, train, test, args, suffix=""):
     rows = []
     for k in args.num_flows:
         for h in args.hidden:
-            model = pb.BNN(net, "categorical", weight_norm=True)
+            model = pb.BNN(net, "categorical", weight_norm=True, random_directions=args.random_directions)
             guide = pb.guides.Hypernet(model, flow=args.flow, num_flows=k, hidden=h,
                                        layout=args.layout[0])
             clip = {"clip_norm": 10.0} if args.layout[0] == "paper" else {}
-            rows.append((f"Hypernet {args.flow} K={k} H={h}{suffix}",)
+            kind = " random v" if args.random_directions else ""
+            rows.append((f"Hypernet{kind} {args.flow} K={k} H={h}{suffix}",)
                         + _fit_eval(model, guide, train, test, args, lr=args.lr, **clip))
     return rows
 
@@ -297,6 +298,8 @@ def main(argv=None):
     ap.add_argument("--mlp-width", type=int, default=800, help="MLP hidden width (mnist)")
     ap.add_argument("--no-meanfield", action="store_true", help="skip MeanField (digits, full)")
     ap.add_argument("--no-hypernet", action="store_true", help="skip the Hypernet rows (digits)")
+    ap.add_argument("--random-directions", action="store_true",
+                    help="Hypernet rows on pb.BNN(..., random_directions=True): directions under the posterior")
     ap.add_argument("--json", default=None, help="digits, full: write every row (with convergence) here")
     ap.add_argument("--loop", action="store_true",
                     help="speed: Hypernet epochs as a plain loop like MAP's instead of pb.fit")

@@ -138,7 +138,7 @@ class CoordinateSubset(dist.transforms.Transform):
         self.parts, self.index = list(parts), index
 
     def _call(self, x):
-        return forward_with_log_det(self, x)[0]
+        return _forward_with_log_det(self, x)[0]
 
     def _inverse(self, y):
         u = y.index_select(-1, self.index)
@@ -147,7 +147,7 @@ class CoordinateSubset(dist.transforms.Transform):
         return y.index_copy(-1, self.index, u)
 
     def log_abs_det_jacobian(self, x, y):
-        return forward_with_log_det(self, x)[1]
+        return _forward_with_log_det(self, x)[1]
 
 
 class HypernetFlow(nn.Module):
@@ -303,7 +303,7 @@ class HypernetFlow(nn.Module):
             log_q = self.base_dist().log_prob(eps)  # validates a given eps
         x = eps
         for t in self.transforms():
-            x, log_det = forward_with_log_det(t, x)
+            x, log_det = _forward_with_log_det(t, x)
             log_q = log_q - log_det
         return x, log_q
 
@@ -314,7 +314,7 @@ class HypernetFlow(nn.Module):
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))   # the constant of torch's Normal.log_prob
 
 
-def forward_with_log_det(t, x):
+def _forward_with_log_det(t, x):
     """``(t(x), log|det ∂t/∂x|)``.  The elementwise affine layer and IAF blocks are computed
     here with the same formulas as their Pyro ``_call`` / ``log_abs_det_jacobian``
     (``y = μ + exp(s) ⊙ x`` with Pyro's gradient-preserving clamp of s), without the
@@ -323,7 +323,7 @@ def forward_with_log_det(t, x):
     if type(t) is CoordinateSubset:
         u, log_det = x.index_select(-1, t.index), 0.0
         for part in t.parts:
-            u, part_log_det = forward_with_log_det(part, u)
+            u, part_log_det = _forward_with_log_det(part, u)
             log_det = log_det + part_log_det
         return x.index_copy(-1, t.index, u), log_det
     if type(t) is ElementwiseAffine:
