@@ -307,7 +307,9 @@ def row_registry(args, data, name):
             row["entropy_gap_full_data"] = terms["entropy_gap"]
         else:
             elbo, se = estimate_objective(model, guide, data["train"], num_samples=4, eval_batch_size=4000)
-            row["bound_name"] = "ELBO of the weight-norm model (g random; v, b point estimates)"
+            row["bound_name"] = ("ELBO of the weight-norm model (g, v random; b point estimates)"
+                                 if args.hn_random_directions else
+                                 "ELBO of the weight-norm model (g random; v, b point estimates)")
             row["bound_full_data"], row["bound_full_data_se"] = elbo, se
             row["elbo_full_data"] = elbo
     row["guide"] = (f"{type(guide).__name__}({guide.extra_repr()})" if name == "hypernet"
