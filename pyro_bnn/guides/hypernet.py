@@ -271,7 +271,7 @@ class Hypernet(BNNGuide, AutoContinuous):
         if self.full:
             return None
         model = _unwrap_model(self.model)
-        directions = set(direction_sites(model, self.site_names()))
+        directions = set(weight_norm_sites(model, self.site_names(), "weight_v"))
         if not directions:
             return None
         return torch.cat([torch.arange(start, start + size) for name, start, size, _, _ in self._latent_layout()
@@ -297,12 +297,13 @@ class Hypernet(BNNGuide, AutoContinuous):
         if self.full:
             return
         model = _unwrap_model(self.model)
-        directions = direction_sites(model, names)
+        directions = weight_norm_sites(model, names, "weight_v")
         if directions and self.directions == "sphere":
             raise ValueError("directions='sphere' keeps point-estimated directions on the sphere, but this "
                              f"model's directions are random (sites {directions[:2]}...; pb.BNN(..., "
                              "random_directions=True)); use the default directions='free'")
-        other = [n for n in non_scale_sites(model, names) if n not in directions]
+        known = set(directions) | set(weight_norm_sites(model, names, "weight_g"))
+        other = [n for n in names if n not in known]
         if other:
             shown = ", ".join(repr(n) for n in other[:4]) + (" ..." if len(other) > 4 else "")
             raise ValueError(
@@ -539,25 +540,15 @@ def _meanfield_init_scale() -> float:
     return float(inspect.signature(MeanField).parameters["init_scale"].default)
 
 
-def non_scale_sites(model, names) -> list[str]:
-    """The names among ``names`` that are not the scale ``weight_g`` of a weight-norm layer
-    of ``model`` (site names are module paths, as in ``pb.BNN`` and ``PyroSample``
-    attributes of a hand-written ``PyroModule``)."""
+def weight_norm_sites(model, names, leaf: str) -> list[str]:
+    """The names among ``names`` that are the parameter ``leaf`` (``"weight_g"``: the scales,
+    ``"weight_v"``: the directions, random with ``pb.BNN(..., random_directions=True)``) of a
+    weight-norm layer of ``model`` (site names are module paths, as in ``pb.BNN`` and
+    ``PyroSample`` attributes of a hand-written ``PyroModule``)."""
     out = []
     for name in names:
-        module, leaf = site_module(model, name)
-        if leaf != "weight_g" or not is_weight_norm_layer(module):
-            out.append(name)
-    return out
-
-
-def direction_sites(model, names) -> list[str]:
-    """The names among ``names`` that are the directions ``weight_v`` of a weight-norm layer of
-    ``model`` (random with ``pb.BNN(..., weight_norm=True, random_directions=True)``)."""
-    out = []
-    for name in names:
-        module, leaf = site_module(model, name)
-        if leaf == "weight_v" and is_weight_norm_layer(module):
+        module, name_leaf = site_module(model, name)
+        if name_leaf == leaf and is_weight_norm_layer(module):
             out.append(name)
     return out
 
