@@ -127,6 +127,8 @@ def test_hypernet_puts_its_flow_on_the_scales_and_a_gaussian_on_random_direction
         pb.guides.Hypernet(_random_directions_model()[1], directions="sphere")(x[:8], y[:8])
     with pytest.raises(ValueError, match="directions are random"):
         guide.update_prior_precision_((x, y))
+    with pytest.raises(ValueError, match="use layout='stable'"):
+        pb.guides.Hypernet(_random_directions_model()[1], layout="paper")(x[:8], y[:8])
 
 
 def test_random_directions_train_under_plain_svi_and_predict_through_predictive(digits_small, tmp_path):

@@ -274,6 +274,10 @@ class Hypernet(BNNGuide, AutoContinuous):
         directions = set(weight_norm_sites(model, self.site_names(), "weight_v"))
         if not directions:
             return None
+        if not _LAYOUTS[self.layout]["flow"]["affine_last"]:
+            raise ValueError(f"layout={self.layout!r} puts the affine layer before the blocks; with random "
+                             "directions the blocks act on the scales only, on standardised coordinates: "
+                             "use layout='stable'")
         return torch.cat([torch.arange(start, start + size) for name, start, size, _, _ in self._latent_layout()
                           if name not in directions])
 
