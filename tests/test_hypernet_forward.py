@@ -164,13 +164,15 @@ def test_weight_norm_weight_keeps_zero_row_safety():
     assert torch.equal(w[2], torch.zeros(7)) and torch.isnan(w[4]).all()
 
 
-@pytest.mark.parametrize("options, particles", [({"num_flows": 0}, 1), ({"num_flows": 2, "hidden": 6}, 2)])
-def test_functional_forward_of_a_convolutional_net_is_bit_identical(options, particles, monkeypatch):
-    """Weight-norm Conv2d layers, pooling, other activations (their own forward), Flatten."""
+@pytest.mark.parametrize("options, particles, random_directions", [
+    ({"num_flows": 0}, 1, False), ({"num_flows": 2, "hidden": 6}, 2, False), ({"num_flows": 2, "hidden": 6}, 1, True)])
+def test_functional_forward_of_a_convolutional_net_is_bit_identical(options, particles, random_directions, monkeypatch):
+    """Weight-norm Conv2d layers, pooling, other activations (their own forward), Flatten; also
+    with the directions random (4-D filter directions drawn by the guide)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 3, 3, stride=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 4, 3, padding=1),
                         nn.Tanh(), nn.AvgPool2d(1), nn.Flatten(), nn.Linear(4 * 3 * 3, 5), nn.ReLU(), nn.Linear(5, 3))
-    model = pb.BNN(net, "categorical", weight_norm=True)
+    model = pb.BNN(net, "categorical", weight_norm=True, random_directions=random_directions)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 1, 8, 8, generator=gen), torch.randint(0, 3, (16,), generator=gen)
     guide = pb.guides.Hypernet(model, **options, alpha=0.5 if particles > 1 else 1.0)
