@@ -106,6 +106,8 @@ def test_random_directions_model_sites_priors_radius_and_function():
                                                                             batch_size=8)
     with pytest.raises(ValueError, match="need weight_norm=True"):
         pb.BNN(net, "categorical", random_directions=True)
+    with pytest.raises(ValueError, match="do not pass stochastic="):
+        pb.BNN(net, "categorical", weight_norm=True, random_directions=True, stochastic=["0.weight_g"])
     with pytest.raises(TypeError, match="random_directions"):
         pb.BNN(net, "categorical", weight_norm=True, random_directions="yes")
 

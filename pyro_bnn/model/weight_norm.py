@@ -223,6 +223,10 @@ def weight_norm_setup(net: nn.Module, prior, stochastic, precision: float | None
     if precision is not None and prior is not None:
         raise ValueError("give either prior= or weight_norm_precision=, not both "
                          f"(got prior={prior!r}, weight_norm_precision={precision!r})")
+    if random_directions and stochastic is not None:
+        raise ValueError("random_directions=True chooses the random parameters itself (every weight-norm "
+                         "layer's scales and directions); do not pass stochastic= with it "
+                         f"(got stochastic={stochastic!r})")
     lam = 1.0 if precision is None else real_scalar(precision, "weight_norm_precision", positive=True)
     net = to_weight_norm(net)
     if prior is None:
