@@ -136,9 +136,12 @@ class CoordinateSubset(dist.transforms.Transform):
     def __init__(self, parts, index: torch.Tensor, cache_size: int = 1):
         super().__init__(cache_size=cache_size)
         self.parts, self.index = list(parts), index
+        self._last = None   # (x, y, log|det|) of the last forward call: Pyro asks for both in turn
 
     def _call(self, x):
-        return _forward_with_log_det(self, x)[0]
+        y, log_det = _forward_with_log_det(self, x)
+        self._last = (x, y, log_det)
+        return y
 
     def _inverse(self, y):
         u = y.index_select(-1, self.index)
@@ -147,6 +150,8 @@ class CoordinateSubset(dist.transforms.Transform):
         return y.index_copy(-1, self.index, u)
 
     def log_abs_det_jacobian(self, x, y):
+        if self._last is not None and self._last[0] is x and self._last[1] is y:
+            return self._last[2]   # the forward pass that made y (a sample's log-density: no second pass)
         return _forward_with_log_det(self, x)[1]
 
 
