@@ -203,7 +203,7 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
         # One backward per column, each reduced over the copies before the K columns are
         # joined: vmapping the double backward through the augmentation's grid_sample took
         # 2.1× the loop's time (one η evidence step, 16×16 rotated digits, MLP 256-256-10,
-        # S = 16, CPU) and 3.3× on the LeNet CNN (512 rotated Fashion-MNIST images, S = 8),
+        # S = 16, CPU) and 3.4× on the LeNet CNN (512 rotated Fashion-MNIST images, S = 8),
         # and K columns of all M·S copies are S times the memory traffic.
         cols = [_pull_back_column(f, outs, L[..., k], create_graph) for k in range(L.shape[-1])]
         grads = [torch.cat([per_example(layer, c[i]) for c in cols]) for i, layer in enumerate(layers)]
