@@ -4,11 +4,12 @@ independent dense reference (conv + ReLU + max-pool + linear, rotations and more
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import check_evidence_step_against_dense
 from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.curvature import batch_kfac_factors
-from pyro_bnn.invariance import AffineAugmentation, evidence_step
+from pyro_bnn.invariance import AffineAugmentation
 from pyro_bnn.invariance.evidence import invariant_layers
 from pyro_bnn.model.bnn import num_augmentations
 from pyro_bnn.model.likelihoods import log_likelihood
@@ -110,30 +111,8 @@ def test_cnn_evidence_step_value_and_eta_gradient_match_dense_reference():
     """evidence_step on the CNN vs the dense reference: the log evidence, the batched
     η-gradient (two batches) and central finite differences of the reference."""
     model, values = _cnn_model()
-    aug = model.augmentation
     torch.manual_seed(4)
     x, y = torch.rand(7, 1, 8, 8, dtype=torch.float64), torch.randint(0, 3, (7,))
     batches = [(x[:4], y[:4]), (x[4:], y[4:])]
     delta = torch.tensor([0.5, 2.0], dtype=torch.float64)
-    aug.eta.requires_grad_(True)
-    ev_ref = _dense_evidence(model, values, batches, [7, 8], delta)
-    grad_ref, = torch.autograd.grad(ev_ref, aug.eta)
-    aug.eta.requires_grad_(False)
-    opt = torch.optim.SGD([aug.eta], lr=1.0)
-    eta0 = aug.eta.detach().clone()
-    value = evidence_step(model, values, batches, delta.log(), eta_optimizer=opt, seed=7)
-    grad = (eta0 - aug.eta.detach()) * -len(x)          # SGD on −ev/N: η ← η + ∂ev/∂η / N
-    ev_ref = ev_ref.detach()
-    assert abs(value - float(ev_ref)) < 1e-9 * abs(float(ev_ref))
-    assert torch.allclose(grad, grad_ref, rtol=1e-7, atol=1e-10)
-    assert grad.abs().min() > 1e-5                        # a non-trivial gradient
-    with torch.no_grad():
-        aug.eta.copy_(eta0)
-        eps = 1e-7           # bilinear resampling, ReLU and max-pool are piecewise smooth in η
-        for k in range(6):
-            aug.eta[k] += eps
-            up = _dense_evidence(model, values, batches, [7, 8], delta)
-            aug.eta[k] -= 2 * eps
-            down = _dense_evidence(model, values, batches, [7, 8], delta)
-            aug.eta[k] += eps
-            assert abs((up - down) / (2 * eps) - grad_ref[k]) < 1e-5 * (1 + abs(grad_ref[k]))
+    check_evidence_step_against_dense(model, values, batches, delta, _dense_evidence, atol=1e-10, min_grad=1e-5)
