@@ -2,8 +2,11 @@
 
 import pyro
 import pyro.distributions as dist
+import torch
 from pyro.nn import PyroModule, PyroSample
 from torch import nn
+
+from pyro_bnn.invariance import evidence_step
 
 
 class HandWritten(PyroModule):
@@ -53,10 +56,6 @@ def check_evidence_step_against_dense(model, values, batches, delta, dense_evide
     ``atol``: absolute tolerance of the gradient comparison (relative 1e-7); ``min_grad``: the
     smallest |∂ev/∂η_k| accepted as a non-trivial gradient.
     """
-    import torch
-
-    from pyro_bnn.invariance import evidence_step
-
     aug, seeds = model.augmentation, [7, 8]
     num_data = sum(len(x) for x, _ in batches)
     aug.eta.requires_grad_(True)

@@ -241,10 +241,8 @@ def _pull_back(f, outs, L, create_graph):
 
 def _pull_back_loop(f, outs, L, create_graph):
     """:func:`_pull_back` as a loop over the ``K`` columns (one backward pass each)."""
-    cols = [torch.autograd.grad(f, outs, grad_outputs=L[..., k], retain_graph=True,
-                                create_graph=create_graph, allow_unused=True) for k in range(L.shape[-1])]
-    return [torch.stack([torch.zeros_like(o) if c[i] is None else c[i] for c in cols])
-            for i, o in enumerate(outs)]
+    cols = [_pull_back_column(f, outs, L[..., k], create_graph) for k in range(L.shape[-1])]
+    return [torch.cat([c[i] for c in cols]) for i in range(len(outs))]
 
 
 def _pull_back_column(f, outs, column, create_graph):

@@ -140,7 +140,8 @@ class CoordinateSubset(dist.transforms.Transform):
 
     def _call(self, x):
         y, log_det = _forward_with_log_det(self, x)
-        self._last = (x, y, log_det)
+        if self._cache_size == 1:   # cached like Pyro's own (x, y) pair; cache_size=0 keeps nothing
+            self._last = (x, y, log_det)
         return y
 
     def _inverse(self, y):
