@@ -434,6 +434,10 @@ def row_laplace_marglik(args, data):
     row.update(prior_precision=guide.prior_precision.tolist(),   # per layer, per tensor (sitewise) or one
                log_evidence=float(guide.log_evidence()), best_log_evidence=res.history.get("best_log_evidence", [None])[0],
                log_evidence_curve=[round(v, 1) for v in res.history["log_evidence"] if v == v],
+               # the evidence's terms (fit, Occam factor, prior cost) at the kept state and per update
+               evidence_terms={k: round(float(v), 1) for k, v in guide.evidence_terms().items()},
+               evidence_terms_curve={k: [round(v, 1) for v in res.history[f"evidence_{k}"]]
+                                     for k in ("log_likelihood", "log_det_ratio", "scatter")},
                marglik=dataclasses.asdict(MARGLIK_SCHEDULE), predictive=f"glm-mc({args.num_samples})",
                prior_structure=args.lap_prior_structure, kron_bias=args.lap_kron_bias)
     return row

@@ -20,7 +20,7 @@ import torch
 
 from ..arguments import check_int, check_positive
 
-__all__ = ["log_evidence", "log_likelihood_from_stats", "maximize_evidence", "marglik_due",
+__all__ = ["log_evidence", "evidence_terms", "combine_evidence_terms", "log_likelihood_from_stats", "maximize_evidence", "marglik_due",
            "MarglikOptions", "check_marglik_options"]
 
 
@@ -72,9 +72,9 @@ def log_likelihood_from_stats(stats: dict, noise: torch.Tensor | None = None) ->
     return -0.5 * stats["sse"] / noise ** 2 - stats["count"] * (torch.log(noise) + 0.5 * math.log(2 * math.pi))
 
 
-def log_evidence(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torch.Tensor],
-                 prior_precision: Sequence[torch.Tensor], scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Laplace-GGN log evidence (a 0-d tensor).
+def evidence_terms(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torch.Tensor],
+                   prior_precision: Sequence[torch.Tensor], scale: torch.Tensor | float = 1.0) -> dict:
+    """The three terms of the Laplace-GGN log evidence (0-d tensors, differentiable in δ and σ).
 
     Parameters
     ----------
@@ -91,22 +91,46 @@ def log_evidence(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torch.
 
     Returns
     -------
-    Tensor, 0-d
-        ``log p(D|θ*) − ½ Σ_b [log det P_b − Σ log δ_b + Σ δ_b θ_b²]``: a **total** over
-        the data set in nats (not per datum), the unit of every ``log_evidence`` in the
-        library (``fit``'s history, :mod:`pyro_bnn.invariance`).
+    dict of str to Tensor
+        ``"log_likelihood"``: ``log p(D|θ*)`` (the fit); ``"log_det_ratio"``:
+        ``Σ_b [log det P_b − log det P₀_b]`` (the Occam factor: how much the data sharpened
+        the posterior over the prior); ``"scatter"``: ``Σ_b δ_b θ_b²`` (the prior's cost of
+        the weights).  The evidence is ``log_likelihood − ½ (log_det_ratio + scatter)``
+        (:func:`log_evidence`); laplace-torch names the last two terms the same way.
     """
     if not (len(blocks) == len(theta) == len(prior_precision)):
         raise ValueError(f"blocks, theta and prior_precision must have one entry per block, got "
                          f"{len(blocks)}, {len(theta)}, {len(prior_precision)}")
     _check_prior_precision(prior_precision)
-    total = log_lik
+    log_det_ratio = scatter = torch.zeros((), dtype=log_lik.dtype, device=log_lik.device)
     for block, th, delta in zip(blocks, theta, prior_precision):
         n = th.numel()
         log_det_prior = n * torch.log(delta) if delta.dim() == 0 else torch.log(delta).sum()
-        quad = (delta * th.reshape(-1) ** 2).sum()
-        total = total - 0.5 * (block.logdet(delta, scale) - log_det_prior + quad)
-    return total
+        log_det_ratio = log_det_ratio + (block.logdet(delta, scale) - log_det_prior)
+        scatter = scatter + (delta * th.reshape(-1) ** 2).sum()
+    return {"log_likelihood": log_lik, "log_det_ratio": log_det_ratio, "scatter": scatter}
+
+
+def log_evidence(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torch.Tensor],
+                 prior_precision: Sequence[torch.Tensor], scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Laplace-GGN log evidence (a 0-d tensor).
+
+    Parameters are those of :func:`evidence_terms`.
+
+    Returns
+    -------
+    Tensor, 0-d
+        ``log p(D|θ*) − ½ Σ_b [log det P_b − Σ log δ_b + Σ δ_b θ_b²]``: a **total** over
+        the data set in nats (not per datum), the unit of every ``log_evidence`` in the
+        library (``fit``'s history, :mod:`pyro_bnn.invariance`).
+    """
+    terms = evidence_terms(log_lik, blocks, theta, prior_precision, scale)
+    return combine_evidence_terms(terms)
+
+
+def combine_evidence_terms(terms: dict) -> torch.Tensor:
+    """``log_likelihood − ½ (log_det_ratio + scatter)`` of :func:`evidence_terms`' dict."""
+    return terms["log_likelihood"] - 0.5 * (terms["log_det_ratio"] + terms["scatter"])
 
 
 def _check_prior_precision(prior_precision) -> None:

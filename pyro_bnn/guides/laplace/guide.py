@@ -535,20 +535,38 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         """Laplace-GGN log marginal likelihood (0-d tensor, differentiable in δ and σ).
 
         ``log p(D) ≈ log p(D|θ*) − ½[log det P − log det P₀ + θ*ᵀP₀θ*]`` (see
-        :func:`pyro_bnn.curvature.marglik.log_evidence`), at the guide's δ and σ unless given.
+        :func:`pyro_bnn.curvature.marglik.log_evidence`), at the guide's δ and σ unless given;
+        its terms one by one: :meth:`evidence_terms`.
+        """
+        return ml.combine_evidence_terms(self.evidence_terms(prior_precision, noise))
+
+    def evidence_terms(self, prior_precision: torch.Tensor | None = None,
+                       noise: torch.Tensor | None = None) -> dict:
+        """The terms of :meth:`log_evidence` (0-d tensors, differentiable in δ and σ).
+
+        Returns
+        -------
+        dict of str to Tensor
+            ``"log_likelihood"`` (``log p(D|θ*)``), ``"log_det_ratio"`` (``log det P − log
+            det P₀``, the Occam factor) and ``"scatter"`` (``θ*ᵀP₀θ*``), as in
+            :func:`pyro_bnn.curvature.marglik.evidence_terms`; the log evidence is
+            ``log_likelihood − ½ (log_det_ratio + scatter)``.  Under a log-density scale of
+            the prior (``poutine.scale``) the normaliser's correction is part of
+            ``log_det_ratio``.
         """
         self._require_posterior()
         theta, deltas = self._block_inputs(prior_precision)
         kind, noise, scale = self._kind_and_scale(noise)
         log_lik = self._likelihood_scale * ml.log_likelihood_from_stats(self.posterior.loglik_stats, noise)
-        evidence = ml.log_evidence(log_lik, self.posterior.blocks, theta, deltas, scale)
+        terms = ml.evidence_terms(log_lik, self.posterior.blocks, theta, deltas, scale)
         if self._prior_scale != 1.0:
             # the Laplace of p(y, θ)^s: its prior term is s·log N(θ | 0, δ⁻¹), whose normaliser
-            # differs from that of N(θ | 0, (sδ)⁻¹) (the one ml.log_evidence includes)
+            # differs from that of N(θ | 0, (sδ)⁻¹) (the one ml.evidence_terms includes)
             unscaled = self.layer_prior_precisions(prior_precision)
-            evidence = evidence + self._prior_scale * gaussian_log_normalizer(self.layers, unscaled) \
+            correction = self._prior_scale * gaussian_log_normalizer(self.layers, unscaled) \
                 - gaussian_log_normalizer(self.layers, [self._prior_scale * d for d in unscaled])
-        return evidence
+            terms["log_det_ratio"] = terms["log_det_ratio"] - 2.0 * correction
+        return terms
 
 
 def _laplace_last_layer(model, **options):

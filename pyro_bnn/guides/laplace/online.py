@@ -79,6 +79,9 @@ class OnlineEvidence:
         history.setdefault("log_evidence", []).append(value)
         history.setdefault("log_evidence_noise", []).append(self.evidence_noise(ctx, value))
         history.setdefault("prior_precision", []).append(float(guide.prior_precision.mean()))
+        with torch.no_grad():   # the evidence's terms at the stepped δ (see Laplace.evidence_terms)
+            for name, term in guide.evidence_terms().items():
+                history.setdefault(f"evidence_{name}", []).append(float(term))
         if self.eta_optimizer is not None:
             # reuses the curvature of deterministic_curvature (same seed: its draws replayed)
             guide_online_eta_step(guide, ctx, self.eta_optimizer, seed=EVIDENCE_SEED)
