@@ -179,7 +179,8 @@ def run_ours_marglik(args, data, net0, schedule):
                convergence=fm.convergence_of(res.convergence),
                prior_precision=[float(d) for d in guide.prior_precision.detach().reshape(-1)],
                log_evidence=float(guide.log_evidence()), settings=dict(marglik=schedule, kron_bias=structure[1],
-                                                                         prior_structure=structure[0]))
+                                                                         prior_structure=structure[0]),
+               evidence_terms={k: float(v) for k, v in guide.evidence_terms().items()})
     row.update(ours_score(args, model, guide, data, args.num_samples, args.peer_limit))
     return row
 
@@ -208,7 +209,8 @@ def run_peer_marglik(args, data, net0, schedule):
                convergence=fm.convergence_of(diag),
                prior_precision=[float(d) for d in lap.prior_precision.reshape(-1)],
                log_evidence=float(lap.log_marginal_likelihood()),
-               settings=dict(schedule, hessian_structure="kron", backend="AsdlGGN", prior_structure="layerwise"))
+               settings=dict(schedule, hessian_structure="kron", backend="AsdlGGN", prior_structure="layerwise"),
+               evidence_terms={k: float(getattr(lap, k)) for k in ("log_likelihood", "log_det_ratio", "scatter")})
     delta = row["prior_precision"]
     row["scored_by_pyro_bnn"] = ours_on_peer(args, data, net, delta, args.peer_limit)
     row.update(peer_score(lap, data, args.num_samples, args.peer_limit))
