@@ -26,7 +26,9 @@ Every reference is checked against the library's loss and gradients on the same 
 and noise before timing (the benchmark stops on a mismatch).
 
 **Measured steps, extrapolated epochs.**  A measurement is ``--steps`` minibatch steps
-(``map``/``ref``/``loop``: steps over a fixed shuffled prefix of the data; ``fit``: ``pb.fit``
+(``map``/``ref``/``loop``: steps over a fixed shuffled prefix of the data, sliced in order,
+or with ``--shuffled`` gathered from a fresh permutation of it per measurement as ``pb.fit``
+does; ``fit``: ``pb.fit``
 for one epoch over the first ``--steps`` × 128 images with ``num_data=60000``, so the loss has
 the full-data scaling and the call's set-up is included, amortised over those steps); seconds
 per epoch are the per-step median × 469 (= ⌈60000/128⌉).  ``pb.fit``'s set-up on the full
@@ -314,6 +316,21 @@ def methods_for(name, arch, x, y, args, batches, fit_data):
     return out, (model, guide, kind), run_fit
 
 
+class ShuffledBatches:
+    """Minibatches of ``(x, y)`` from a fresh permutation at every pass, gathered with
+    ``index_select``: what any plain training loop that reshuffles each epoch does (and
+    ``pb.fit``), so the references pay the same gather per batch as the fit."""
+
+    def __init__(self, x, y, batch_size: int, seed: int = 0):
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __iter__(self):
+        perm = torch.randperm(len(self.x), generator=self.generator).to(self.x.device)
+        for idx in perm.split(self.batch_size):
+            yield torch.index_select(self.x, 0, idx), torch.index_select(self.y, 0, idx)
+
+
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -362,6 +379,9 @@ def main(argv=None):
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--no-fit-setup", action="store_true", help="skip the full-data pb.fit set-up measurement")
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--shuffled", action="store_true",
+                    help="map/ref/loop draw their minibatches from a fresh permutation per measurement "
+                         "(a gather per batch, as pb.fit does) instead of slicing a fixed prefix")
     ap.add_argument("--fit-epoch", action="store_true",
                     help="also time pb.fit for 2 epochs: 'fit epoch' = (2 epochs − 1 epoch), an epoch of "
                          "a fit without the per-call set-up")
@@ -382,7 +402,8 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(len(x), generator=gen)[: args.steps * args.batch_size].to(device)
     xs, ys = x[perm], y[perm]
-    batches = TensorBatches(xs, ys, args.batch_size, shuffle=False)
+    batches = ShuffledBatches(xs, ys, args.batch_size) if args.shuffled else \
+        TensorBatches(xs, ys, args.batch_size, shuffle=False)
     checks = {}
     if args.only is not None:   # one method in this process: no checks, no full-data set-up timing
         args.guides = [g for g in args.guides if args.only.startswith(g + ":")]
