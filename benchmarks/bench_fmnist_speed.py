@@ -462,22 +462,39 @@ def main(argv=None):
     print(f"Fashion-MNIST {len(x)} train, {args.arch}, batch {args.batch_size}, {args.device}, torch threads "
           f"{torch.get_num_threads()}, {args.repeats} measurements of {args.steps} steps per method, load "
           f"{' '.join(load)}; s/epoch = per-step median x {n_steps}")
-    print(f"  {'method':22s} {'cpu s/ep':>9s} {'wall s/ep':>9s} {'/ref cpu':>8s} {'/map cpu':>8s} {'peak MiB':>9s}")
+    paired = paired_ratios(res)
+    print(f"  {'method':22s} {'cpu s/ep':>9s} {'wall s/ep':>9s} {'/ref cpu':>8s} {'paired':>7s} {'/map cpu':>8s} "
+          f"{'peak MiB':>9s}")
     for key in methods:
         if key.endswith("2"):   # the 2-epoch calls: shown as their difference, "... epoch"
             continue
         ref = key.split(":")[0] + ":ref"
         r_ref = med[key]["cpu"] / med[ref]["cpu"] if ref in med else float("nan")
         print(f"  {key:22s} {med[key]['cpu'] * n_steps:9.2f} {med[key]['wall'] * n_steps:9.2f} {r_ref:8.2f} "
-              f"{med[key]['cpu'] / med['map']['cpu']:8.2f} {med[key]['peak_mib']:9.1f}")
+              f"{paired.get(key, float('nan')):7.2f} {med[key]['cpu'] / med['map']['cpu']:8.2f} "
+              f"{med[key]['peak_mib']:9.1f}")
+    print("  (/ref cpu: ratio of the medians; paired: median over the repeats of method / reference in the same "
+          "repeat, the figure that load changes between repeats disturbs least)")
     for name, secs in fit_setup.items():
         print(f"  pb.fit set-up per call on the 60,000 images ({name}): {secs:.3f} cpu s")
-    row = {"args": vars(args), "load": load, "steps_per_epoch": n_steps, "median": med, "all": res,
+    row = {"args": vars(args), "load": load, "steps_per_epoch": n_steps, "median": med, "paired_ratio": paired,
+           "all": res,
            "fit_setup_cpu_s": fit_setup, "checks": checks}
     if args.out:
         with open(args.out, "a") as fh:
             fh.write(json.dumps(row) + "\n")
     return row
+
+
+def paired_ratios(res: dict) -> dict:
+    """``{method: median over repeats of cpu(method) / cpu(its reference)}``, pairing the
+    measurements of one interleaved repeat (methods without a ``<guide>:ref`` are left out)."""
+    out = {}
+    for key, v in res.items():
+        ref = key.split(":")[0] + ":ref"
+        if ref in res and key != ref and not key.endswith("2"):
+            out[key] = statistics.median(a / b for a, b in zip(v["cpu"], res[ref]["cpu"]))
+    return out
 
 
 def memory_table(args) -> dict:

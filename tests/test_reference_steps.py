@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import pathlib
+import statistics
 
 import pytest
 import torch
@@ -119,3 +120,18 @@ def test_hypernet_reference_on_a_convolutional_net(bench, num_flows):
     assert res["max_rel_grad"] < 1e-4, res
     other = bench.check_hypernet(model, guide, x, y, 240, seed=7)
     assert abs(other["loss_lib"] - res["loss_lib"]) > 1e-3 * abs(res["loss_lib"])
+
+
+def test_paired_ratios_pair_the_measurements_of_one_repeat(bench):
+    """``bench_fmnist_speed.paired_ratios``: the median of per-repeat ratios, which a load change
+    between repeats (both measurements of a repeat slowed alike) leaves at the true ratio while
+    the ratio of the medians moves."""
+    speed = importlib.import_module("bench_fmnist_speed")
+    load = [1.0, 2.0, 2.0, 1.0, 1.0]   # repeats 2 and 3 ran at twice the load
+    ref = [1.0 * f for f in load]
+    loop = [1.1 * f for f in load[:3]] + [2.2, 2.2]   # the loop's last two caught the load instead
+    res = {"x:ref": {"cpu": ref}, "x:loop": {"cpu": loop}, "map": {"cpu": [0.5] * 5}, "x:fit2": {"cpu": ref}}
+    paired = speed.paired_ratios(res)
+    assert set(paired) == {"x:loop"}   # no reference for map, the reference itself and the 2-epoch calls left out
+    assert paired["x:loop"] == pytest.approx(1.1)
+    assert statistics.median(loop) / statistics.median(ref) == pytest.approx(2.2)   # what the medians' ratio says
