@@ -14,6 +14,8 @@ numbers (and say so).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -143,3 +145,34 @@ def test_unpack_equals_pyro_unpack_latent():
             assert ours[name].shape == pyros[name].shape and torch.equal(ours[name], pyros[name])
     with pytest.raises(ValueError, match="packed latent of"):
         guide.unpack(torch.randn(guide.latent_dim + 1))
+
+
+def test_unbounded_clamp_skipped_bit_for_bit(monkeypatch):
+    """IAF blocks whose MADE bounds the log-scales smoothly carry infinite clips; the fast path
+    skips Pyro's ``clamp_preserve_gradients`` for them (it adds ``(s − s).detach() = 0``):
+    draws, log-densities and gradients equal those with a finite, never-binding clamp applied."""
+    model, guide = _guide("hypernet2")
+    setup_guide(model, guide, torch.randn(2, 12), None, 40)
+    flow = guide.flow
+    blocks = [b for b in flow.transforms() if hasattr(b, "log_scale_min_clip")]
+    assert blocks and all(b.log_scale_min_clip == -math.inf and b.log_scale_max_clip == math.inf for b in blocks)
+    with torch.no_grad():   # off the near-identity start, so the log-scales are not ~0
+        for p in flow.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    eps = torch.randn(3, flow.dim)
+    import pyro_bnn.guides.hypernet_flows as flows
+    calls = []
+    clamp = flows.clamp_preserve_gradients
+    monkeypatch.setattr(flows, "clamp_preserve_gradients", lambda *a: calls.append(1) or clamp(*a))
+    results = []
+    for clip, clamps in ((math.inf, 0), (1e30, len(blocks))):
+        for b in blocks:
+            b.log_scale_min_clip, b.log_scale_max_clip = -clip, clip
+        calls.clear()
+        z, log_q = flow.rsample_with_log_prob(eps=eps)
+        assert len(calls) == clamps
+        grads = torch.autograd.grad((z.square().sum() + log_q.sum()), list(flow.parameters()))
+        results.append((z, log_q, grads))
+    (z1, q1, g1), (z2, q2, g2) = results
+    assert torch.equal(z1, z2) and torch.equal(q1, q2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))

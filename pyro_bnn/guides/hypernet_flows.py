@@ -337,8 +337,11 @@ def _forward_with_log_det(t, x):
         return t.loc + scale * x, scale.log().sum(-1).expand(x.shape[:-1])
     if type(t) is AffineAutoregressive and not t.stable:
         mean, log_scale = t.arn(x)
-        log_scale = clamp_preserve_gradients(log_scale, t.log_scale_min_clip,
-                                             t.log_scale_max_clip)
+        if t.log_scale_min_clip != -math.inf or t.log_scale_max_clip != math.inf:
+            # (an unbounded clamp adds ``(s − s).detach() = 0``: the same values and gradients,
+            # so the blocks whose MADE bounds s smoothly skip its four operations)
+            log_scale = clamp_preserve_gradients(log_scale, t.log_scale_min_clip,
+                                                 t.log_scale_max_clip)
         return torch.addcmul(mean, torch.exp(log_scale), x), log_scale.sum(-1)
     y = t(x)
     return y, t.log_abs_det_jacobian(x, y)
