@@ -20,8 +20,8 @@ import torch
 
 from ..arguments import check_int, check_positive
 
-__all__ = ["log_evidence", "evidence_terms", "combine_evidence_terms", "log_likelihood_from_stats", "maximize_evidence", "marglik_due",
-           "MarglikOptions", "check_marglik_options"]
+__all__ = ["log_evidence", "evidence_terms", "combine_evidence_terms", "log_likelihood_from_stats",
+           "maximize_evidence", "marglik_due", "MarglikOptions", "check_marglik_options"]
 
 
 @dataclass(frozen=True)
