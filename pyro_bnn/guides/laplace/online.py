@@ -13,7 +13,11 @@ compared on common random numbers.  For such a model a second pass with another 
 measures the estimate's own noise, recorded per evaluation in
 ``history["log_evidence_noise"]`` (0 where the pass is exact: no random augmentation).
 Differences between evaluations beyond that noise are real differences of the evidence
-between the SGD iterates θ_t (``docs/results/laplace.md``).
+between the SGD iterates θ_t (``docs/results/laplace.md``).  Its terms at each evaluation
+(:meth:`~pyro_bnn.guides.Laplace.evidence_terms`) are recorded beside it, as
+``history["evidence_log_likelihood"]``, ``["evidence_log_det_ratio"]`` and
+``["evidence_scatter"]``, so a change of the evidence between lengths of training can be read as
+a change of the fit or of the Occam factor.
 """
 
 from __future__ import annotations
