@@ -185,3 +185,59 @@ def test_functional_forward_of_a_convolutional_net_is_bit_identical(options, par
     assert fast[3] == [True] and slow[3] == [False]
     assert torch.equal(fast[0], slow[0])
     assert all(torch.equal(a, b) for a, b in zip(fast[2], slow[2]))
+
+
+def _objective_loss_and_grads(model, guide, x, y, particles):
+    objective = guide.make_objective(particles)
+    with local_params(model, guide):
+        torch.manual_seed(5)
+        loss, extras = objective(model, guide, x, y, 200)
+        params = list(model.parameters()) + list(guide.parameters())
+        grads = torch.autograd.grad(loss, params)
+    return loss, extras["kl"], grads
+
+
+@pytest.mark.parametrize("options, particles, random_directions", [
+    ({"num_flows": 0}, 1, False),
+    ({"num_flows": 2, "hidden": 6, "init_gain": 0.5}, 3, False),
+    ({"num_flows": 1, "hidden": 6, "init_gain": 0.5}, 2, True),
+])
+def test_packed_prior_is_the_per_site_prior_bit_for_bit(options, particles, random_directions, monkeypatch):
+    # the N(0, 1) prior computed once over the packed draws against the per-site terms
+    # (the packed path switched off), values and gradients; and the packed path really ran
+    x, y = _data()
+    model = _model(random_directions=random_directions)
+    guide = pb.guides.Hypernet(model, **options)
+    setup_guide(model, guide, x[:2], y[:2], 200)
+    per_site = hypernet_module._prior_log_prob
+    calls = []
+    monkeypatch.setattr(hypernet_module, "_prior_log_prob", lambda *a: calls.append(a[1]) or per_site(*a))
+    packed = _objective_loss_and_grads(model, guide, x, y, particles)
+    assert calls == []   # every site's prior came from the packed terms
+    monkeypatch.setattr(hypernet_module, "_packed_standard_normal_log_prob", lambda *a: None)
+    plain = _objective_loss_and_grads(model, guide, x, y, particles)
+    assert len(calls) == len(guide.site_names())
+    assert torch.equal(packed[0], plain[0]) and torch.equal(packed[1], plain[1])
+    assert all(torch.equal(a, b) for a, b in zip(packed[2], plain[2]))
+
+
+def test_packed_prior_only_for_a_standard_normal_prior():
+    # a prior other than N(0, 1) on the sites: no packed path (the per-site terms keep their scale)
+    x, y = _data()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 10), nn.ReLU(), nn.Linear(10, 3))
+    model = pb.BNN(net, "categorical", weight_norm=True, weight_norm_precision=4.0)
+    guide = pb.guides.Hypernet(model, num_flows=0)
+    setup_guide(model, guide, x[:2], y[:2], 200)
+    packed = torch.randn(2, guide.flow.dim)
+    values = guide.unpack(packed)
+    assert hypernet_module._packed_standard_normal_log_prob(model, values, packed) is None
+    # the same sites under N(0, 1): the packed terms are the closed form of N(0, I)
+    standard = pb.BNN(nn.Sequential(nn.Linear(12, 10), nn.ReLU(), nn.Linear(10, 3)), "categorical",
+                      weight_norm=True)
+    got = hypernet_module._packed_standard_normal_log_prob(standard, values, packed)
+    want = torch.distributions.Normal(0.0, 1.0).log_prob(packed).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    # values that do not cover the packed draws, or another number of draws: no packed path
+    assert hypernet_module._packed_standard_normal_log_prob(standard, values, packed[:, :-1]) is None
+    assert hypernet_module._packed_standard_normal_log_prob(standard, values, packed[:1]) is None

@@ -87,13 +87,15 @@ class HypernetELBO(GuideObjective):
             guide._setup_prototype(x, y, num_data=num_data)
         if self.directions == "sphere":  # a gauge: the loss and its value are unchanged
             normalize_directions_(model)
-        values, log_q = guide.sample_with_log_prob(self.num_particles)
+        packed, log_q = guide.flow.rsample_with_log_prob(self.num_particles)
+        values = guide.unpack(packed)   # (= guide.sample_with_log_prob: views of the packed draws)
         # a plain weight-norm MLP runs as direct functional calls (same operations, same values)
         # where the model's param statements have no effect (pb.fit's module-local mode); under
         # another Pyro handler (SVI's parameter capture, a trace) the model's own forward runs
         plan = weight_norm_plan(model, values) if direct_calls_allowed() else None
         log_w, nll, kl = log_weights(model, values, log_q, x, y, num_data, self.prob_clip,
-                                     run=None if plan is None else functools.partial(run_plan, plan))
+                                     run=None if plan is None else functools.partial(run_plan, plan),
+                                     packed=packed)
         if self.alpha == 1.0:
             # the mean of one value is that value (sum, then ÷ 1: exact, and so its gradient)
             loss = -(log_w.mean() if len(log_w) > 1 else log_w.reshape(()))
@@ -105,11 +107,16 @@ class HypernetELBO(GuideObjective):
         return loss, {"nll": nll.mean().detach(), "kl": kl.mean().detach()}
 
 
-def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, prob_clip=None, *, run=None):
+def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, prob_clip=None, *, run=None,
+                packed: torch.Tensor | None = None):
     """``w_s = (N/M) log p(y|θ_s) + log p(θ_s) − log q(θ_s)`` for S joint draws of a BNN.
 
     ``run(values, x)`` computes the network output (default ``model.run_with``; the objective
     passes the functional forward of :mod:`pyro_bnn.guides.hypernet_forward` where it applies).
+    ``packed`` (optional, shape (S, D)): the draws packed, with ``values`` its split into the
+    sites in order (``guide.unpack(packed)``); where every site's prior is N(0, 1) the prior's
+    elementwise terms are then computed once over the packed draws (the same values, summed per
+    site and added in the same order: bit for bit the per-site terms).
     Returns ``(log_w, nll, kl)``, each of shape ``(S,)`` (``nll`` the scaled negative
     log-likelihood, ``kl = log q − log p``).
     """
@@ -124,10 +131,11 @@ def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, p
         f = run(sample, x)
         nll.append(-clipped_log_likelihood(model.likelihood, f, y, prob_clip).sum() * scale)
     nll = torch.stack(nll) if len(nll) > 1 else nll[0].reshape(1)   # (one draw: a view, not a copy)
-    log_p = None
-    for name, v in values.items():   # (no leading ``0 +``: one operation less, same values)
-        lp = _prior_log_prob(model, name, v)
-        log_p = lp if log_p is None else log_p + lp
+    log_p = None if packed is None else _packed_standard_normal_log_prob(model, values, packed)
+    if log_p is None:
+        for name, v in values.items():   # (no leading ``0 +``: one operation less, same values)
+            lp = _prior_log_prob(model, name, v)
+            log_p = lp if log_p is None else log_p + lp
     kl = log_q - (0.0 if log_p is None else log_p)
     return -nll - kl, nll, kl
 
@@ -151,6 +159,34 @@ def _prior_log_prob(model, name: str, value: torch.Tensor) -> torch.Tensor:
         centred = value if zero_mean else value - loc
         lp = -0.5 * (centred / s).square() - torch.as_tensor(s).log() - _HALF_LOG_2PI
     return lp.reshape(len(value), -1).sum(-1)
+
+
+def _packed_standard_normal_log_prob(model, values: dict, packed: torch.Tensor) -> torch.Tensor | None:
+    """``Σ_sites log N(θ_site; 0, I)`` of S draws from their packed form ``packed`` (S, D), or
+    ``None`` unless every site's prior is N(0, 1) exactly and ``values`` covers ``packed``.
+
+    The elementwise terms ``−θ²/2 − ½ log 2π`` are computed once over ``packed`` (one operation
+    chain instead of one per site); each site's slice is summed and the sums are added in the
+    sites' order, as :func:`_prior_log_prob` does site by site, so the values and gradients are
+    the per-site computation's bit for bit."""
+    draws = len(packed) if packed.dim() == 2 else 0
+    if not draws or not values:
+        return None
+    sizes = []
+    for name, v in values.items():
+        normal = normal_prior_params(model, name)
+        if (normal is None or len(v) != draws
+                or not (_is_cpu_number(normal[0], 0.0) and _is_cpu_number(normal[1], 1.0))):
+            return None
+        sizes.append(v.numel() // draws)
+    if sum(sizes) != packed.shape[-1]:
+        return None
+    terms = -0.5 * packed.square() - _HALF_LOG_2PI
+    log_p = None
+    for part in terms.split(sizes, -1):
+        lp = part.sum(-1)
+        log_p = lp if log_p is None else log_p + lp
+    return log_p
 
 
 def _is_cpu_number(t, number: float) -> bool:
