@@ -241,3 +241,26 @@ def test_packed_prior_only_for_a_standard_normal_prior():
     # values that do not cover the packed draws, or another number of draws: no packed path
     assert hypernet_module._packed_standard_normal_log_prob(standard, values, packed[:, :-1]) is None
     assert hypernet_module._packed_standard_normal_log_prob(standard, values, packed[:1]) is None
+
+
+def test_objective_honours_an_overridden_sampler():
+    # a subclass that changes how draws are made: the objective uses its draws (no packed shortcut)
+    class Shifted(pb.guides.Hypernet):
+        def sample_with_log_prob(self, num_samples=1):
+            values, log_q = super().sample_with_log_prob(num_samples)
+            return {name: v + 1.0 for name, v in values.items()}, log_q
+
+    x, y = _data()
+    losses = []
+    for cls in (pb.guides.Hypernet, Shifted):
+        model = _model()
+        guide = cls(model, num_flows=0)
+        setup_guide(model, guide, x[:2], y[:2], 200)
+        losses.append(_objective_loss_and_grads(model, guide, x, y, 1)[0])
+    assert not torch.equal(losses[0], losses[1])
+    # and its values are those the objective scores: the same loss as log_weights of its draws
+    torch.manual_seed(5)
+    with local_params(model, guide):
+        values, log_q = guide.sample_with_log_prob(1)
+        want = -hypernet_module.log_weights(model, values, log_q, x, y, 200)[0].reshape(())
+    torch.testing.assert_close(losses[1], want, rtol=1e-6, atol=1e-4)

@@ -87,8 +87,7 @@ class HypernetELBO(GuideObjective):
             guide._setup_prototype(x, y, num_data=num_data)
         if self.directions == "sphere":  # a gauge: the loss and its value are unchanged
             normalize_directions_(model)
-        packed, log_q = guide.flow.rsample_with_log_prob(self.num_particles)
-        values = guide.unpack(packed)   # (= guide.sample_with_log_prob: views of the packed draws)
+        values, log_q, packed = _draws(guide, self.num_particles)
         # a plain weight-norm MLP runs as direct functional calls (same operations, same values)
         # where the model's param statements have no effect (pb.fit's module-local mode); under
         # another Pyro handler (SVI's parameter capture, a trace) the model's own forward runs
@@ -105,6 +104,17 @@ class HypernetELBO(GuideObjective):
         if len(log_w) == 1:
             return loss, {"nll": nll.detach().reshape(()), "kl": kl.detach().reshape(())}
         return loss, {"nll": nll.mean().detach(), "kl": kl.mean().detach()}
+
+
+def _draws(guide, num_samples: int):
+    """``(values, log_q, packed)``: ``guide.sample_with_log_prob(num_samples)`` and, where the guide
+    samples as :class:`~pyro_bnn.guides.Hypernet` does (the method not overridden), the flow's
+    packed draws whose split ``values`` is (else ``None``)."""
+    from .hypernet import Hypernet  # (imported here: hypernet imports this module)
+    if type(guide).sample_with_log_prob is not Hypernet.sample_with_log_prob:
+        return (*guide.sample_with_log_prob(num_samples), None)
+    packed, log_q = guide.flow.rsample_with_log_prob(num_samples)
+    return guide.unpack(packed), log_q, packed
 
 
 def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, prob_clip=None, *, run=None,
