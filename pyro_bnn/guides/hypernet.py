@@ -383,6 +383,10 @@ class Hypernet(BNNGuide, AutoContinuous):
         z, log_q = self.flow.rsample_with_log_prob(num_samples)
         return self.unpack(z), log_q
 
+    #: HypernetELBO may draw ``self.flow.rsample_with_log_prob`` and ``self.unpack`` directly (the same
+    #: draws, plus their packed form) only while this method is not overridden
+    sample_with_log_prob.packs_flow_draws = True
+
     def scale_parameters(self) -> list[torch.Tensor]:
         """The elementwise layer's unconstrained scales ``ρ`` (σ = softplus ρ), which
         :func:`pyro_bnn.fit` watches for scales limited by the learning rate; empty before

@@ -110,8 +110,8 @@ def _draws(guide, num_samples: int):
     """``(values, log_q, packed)``: ``guide.sample_with_log_prob(num_samples)`` and, where the guide
     samples as :class:`~pyro_bnn.guides.Hypernet` does (the method not overridden), the flow's
     packed draws whose split ``values`` is (else ``None``)."""
-    from .hypernet import Hypernet  # (imported here: hypernet imports this module)
-    if type(guide).sample_with_log_prob is not Hypernet.sample_with_log_prob:
+    # (Hypernet's own method carries the mark; a subclass's override does not)
+    if not getattr(type(guide).sample_with_log_prob, "packs_flow_draws", False):
         return (*guide.sample_with_log_prob(num_samples), None)
     packed, log_q = guide.flow.rsample_with_log_prob(num_samples)
     return guide.unpack(packed), log_q, packed
