@@ -142,10 +142,8 @@ def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, p
         nll.append(-clipped_log_likelihood(model.likelihood, f, y, prob_clip).sum() * scale)
     nll = torch.stack(nll) if len(nll) > 1 else nll[0].reshape(1)   # (one draw: a view, not a copy)
     log_p = None if packed is None else _packed_standard_normal_log_prob(model, values, packed)
-    if log_p is None:
-        for name, v in values.items():   # (no leading ``0 +``: one operation less, same values)
-            lp = _prior_log_prob(model, name, v)
-            log_p = lp if log_p is None else log_p + lp
+    if log_p is None and values:
+        log_p = _sum_in_order(_prior_log_prob(model, name, v) for name, v in values.items())
     kl = log_q - (0.0 if log_p is None else log_p)
     return -nll - kl, nll, kl
 
@@ -162,9 +160,7 @@ def _prior_log_prob(model, name: str, value: torch.Tensor) -> torch.Tensor:
     loc, s = normal
     zero_mean = _is_cpu_number(loc, 0.0)
     if zero_mean and _is_cpu_number(s, 1.0):
-        # N(0, 1): the general formula's ``− 0``, ``/ 1`` and ``− log 1`` are exact identities
-        # (values and gradients bit for bit), so they are left out: fewer operations per step
-        lp = -0.5 * value.square() - _HALF_LOG_2PI
+        lp = _standard_normal_terms(value)
     else:   # (``θ − 0`` is ``θ`` exactly, values and gradients: left out for a zero mean)
         centred = value if zero_mean else value - loc
         lp = -0.5 * (centred / s).square() - torch.as_tensor(s).log() - _HALF_LOG_2PI
@@ -191,12 +187,22 @@ def _packed_standard_normal_log_prob(model, values: dict, packed: torch.Tensor) 
         sizes.append(v.numel() // draws)
     if sum(sizes) != packed.shape[-1]:
         return None
-    terms = -0.5 * packed.square() - _HALF_LOG_2PI
-    log_p = None
-    for part in terms.split(sizes, -1):
-        lp = part.sum(-1)
-        log_p = lp if log_p is None else log_p + lp
-    return log_p
+    return _sum_in_order(part.sum(-1) for part in _standard_normal_terms(packed).split(sizes, -1))
+
+
+def _standard_normal_terms(value: torch.Tensor) -> torch.Tensor:
+    """``log N(θ; 0, 1)`` elementwise: the general formula's ``− 0``, ``/ 1`` and ``− log 1`` are
+    exact identities (values and gradients bit for bit), so they are left out."""
+    return -0.5 * value.square() - _HALF_LOG_2PI
+
+
+def _sum_in_order(terms) -> torch.Tensor:
+    """``t_1 + t_2 + …`` added left to right (no leading ``0 +``: one operation less, same values)."""
+    terms = iter(terms)
+    total = next(terms)
+    for term in terms:
+        total = total + term
+    return total
 
 
 def _is_cpu_number(t, number: float) -> bool:
