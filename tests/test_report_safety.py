@@ -120,20 +120,15 @@ def test_out_dot_that_is_an_earlier_report_is_updated_in_place(previous, monkeyp
     assert sorted(p.name for p in out.parent.iterdir()) == ["report"]
 
 
-def test_a_report_of_the_earlier_version_without_marker_is_replaced(previous):
+def test_a_report_folder_without_its_marker_is_refused(previous, monkeypatch, capsys):
+    """Only the marker says a folder is ours: a folder holding only report file names (as a
+    report would, had its marker been deleted) is not replaced."""
     out, before = previous
     (out / MARKER).unlink()
-    (out / "README.md").unlink()  # the earlier version wrote none of these three
-    (out / "index.html").unlink()
-    assert cli.main([*FAST, "--guides", "laplace", "--out", str(out)]) == 0
-    assert read_marker(out)["guides"] == ["laplace"]
-    # ... but not when a file of another name is in it
-    (out / MARKER).unlink()
-    (out / "README.md").unlink()
-    (out / "index.html").unlink()
-    (out / "mine.txt").write_text("mine")
     kept = _contents(out)
+    _no_training(monkeypatch)
     assert cli.main([*FAST, "--guides", "laplace", "--out", str(out)]) == 2
+    assert "was not written by pyro-bnn (it has no .pyro-bnn-report marker" in capsys.readouterr().err
     assert _contents(out) == kept
 
 

@@ -248,18 +248,18 @@ class HypernetFlow(nn.Module):
         self.to(device=loc.device, dtype=loc.dtype)  # the flow computes in the weights' dtype
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # The same parameters mean a different distribution in another layout: refuse.
-        # State dicts without the layout were written before it was recorded, by the
-        # paper's layout (affine layer first, Pyro's hard clamp).
+        # The same parameters mean a different distribution in another layout: refuse.  (A
+        # state dict without the layout is left for the strict load to report as incomplete.)
         key = prefix + "layout"
-        saved = _layout_dict(state_dict.get(key, _layout_code(False, None)))
-        if saved != _layout_dict(self.layout) and self.num_flows > 0:
-            raise ValueError(
-                f"this state dict was saved by a flow with layout {saved}, but this flow has "
-                f"{_layout_dict(self.layout)}; the same parameters define another distribution "
-                "there. Build the flow with the saved affine_last and log_scale_bound "
-                "(a Hypernet guide: layout='paper' for the paper's layout) to load it.")
-        state_dict[key] = self.layout.clone()
+        if key in state_dict:
+            saved = _layout_dict(state_dict[key])
+            if saved != _layout_dict(self.layout) and self.num_flows > 0:
+                raise ValueError(
+                    f"this state dict was saved by a flow with layout {saved}, but this flow has "
+                    f"{_layout_dict(self.layout)}; the same parameters define another distribution "
+                    "there. Build the flow with the saved affine_last and log_scale_bound "
+                    "(a Hypernet guide: layout='paper' for the paper's layout) to load it.")
+            state_dict[key] = self.layout.clone()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def transforms(self) -> list:

@@ -9,6 +9,7 @@ backward keeps the masked-out entries' gradients at zero.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MADE", "soft_bound"]
@@ -37,13 +38,16 @@ class MADE(nn.Module):
     units), so each layer keeps only ``groups`` row blocks of its masked matrix, block ``b``
     of shape (rows_b, widest prefix in the block): ≈ (1/2 + 1/(2·groups)) of the dense
     entries.  The entries outside the mask inside a block are stored as zeros and get zero
-    gradient (the backward multiplies the block's diagonal strip by the mask), so no mask is
-    applied in the forward pass and gradient-based optimisers (SGD, Adam, weight decay) keep
-    them zero; after editing the parameters by hand call :meth:`apply_masks_`.  For one
-    noise sample the layers are matrix-vector products, memory-bound: the cost of a training
-    step (forward, backward, Adam) scales with the number of stored entries.  The layers are
-    a custom ``torch.autograd.Function``: first-order autograd only (no ``torch.func``
-    transforms such as ``vmap``/``jacrev``, no double backward).
+    gradient, so gradient-based optimisers (SGD, Adam, weight decay) keep them zero; after
+    editing the parameters by hand call :meth:`apply_masks_`.  For one noise sample the layers
+    are matrix-vector products, memory-bound: the cost of a training step (forward, backward,
+    Adam) scales with the number of stored entries.  With one block per layer (``groups=1``)
+    the layers are plain autograd through ``W ⊙ M``, the block's mask applied in the forward
+    pass (cheaper than a custom backward's Python steps at these sizes); with more blocks they
+    are a custom ``torch.autograd.Function`` that applies no mask in the forward pass and
+    multiplies the strip's gradient by it: first-order autograd only (no ``torch.func``
+    transforms such as ``vmap``/``jacrev``, no double backward).  Both give the same values
+    and gradients.
 
     Parameters
     ----------
@@ -124,6 +128,12 @@ class MADE(nn.Module):
             self.register_buffer(f"strip_in{i}", m, persistent=False)
         for i, m in enumerate(self._out.masks):
             self.register_buffer(f"strip_out{i}", m, persistent=False)
+        # one block per layer: plain autograd through ``W ⊙ M`` (the block's whole mask) is
+        # cheaper than the custom Function's Python backward, with the same values and gradients
+        self.one_block = len(self.w_in) == 1 and len(self.w_out) == 1
+        if self.one_block:
+            self.register_buffer("block_mask_in", self._in.block_mask(0), persistent=False)
+            self.register_buffer("block_mask_out", self._out.block_mask(0), persistent=False)
 
     def _set_order(self) -> None:
         """The gather indices of ``permutation`` (the stored weights are in rank order, so
@@ -142,35 +152,20 @@ class MADE(nn.Module):
         return dense * fan_in.to(dense)[:, None]
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # State dicts saved before the block storage (dense ``hidden``/``out`` Linear layers
-        # and ``mask_in``/``mask_out`` buffers) hold the effective weights and are converted
-        # on load; stored weights of the other fan-in convention are rescaled.  Either way
-        # the loaded MADE computes the saved function.
+        # stored weights of the other fan-in convention are rescaled, so that the loaded MADE
+        # computes the saved function (a missing key is left for the strict load to report)
         key = prefix + "stored_fan_in_scaled"
-        saved_scaled = bool(state_dict[key].item()) if key in state_dict else False
-        state_dict[key] = self.stored_fan_in_scaled.clone()
-        old = [prefix + k for k in ("hidden.weight", "hidden.bias", "out.weight", "out.bias")]
-        if all(k in state_dict for k in old):
-            w_in, b_in, w_out, b_out = (state_dict.pop(k) for k in old)
-            for k in ("mask_in", "mask_out"):
-                state_dict.pop(prefix + k, None)
-            perm = state_dict.get(prefix + "permutation", self.permutation).to(w_in.device)
-            dim = self.dim
-            for i, w in enumerate(self._in.pack(self._stored(w_in[:, perm], "in"))):
-                state_dict[f"{prefix}w_in.{i}"] = w.detach()
-            w_out = w_out.view(2, dim, -1)[:, perm].reshape(2 * dim, -1)
-            for i, w in enumerate(self._out.pack(self._stored(w_out, "out"))):
-                state_dict[f"{prefix}w_out.{i}"] = w.detach()
-            state_dict[prefix + "b_in"] = b_in
-            state_dict[prefix + "b_out"] = self._out.order_rows(b_out.view(2, dim)[:, perm].reshape(-1))
-        elif saved_scaled != self.fan_in_scaled:
-            for name, stair, fan_in in (("w_in", self._in, self.fan_in_in),
-                                        ("w_out", self._out, self.fan_in_out)):
-                for i, rows in enumerate(stair.rows):
-                    key = f"{prefix}{name}.{i}"
-                    if key in state_dict:
-                        f = fan_in[rows.to(fan_in.device)].to(state_dict[key])[:, None]
-                        state_dict[key] = state_dict[key] * f if self.fan_in_scaled else state_dict[key] / f
+        if key in state_dict:
+            saved_scaled = bool(state_dict[key].item())
+            state_dict[key] = self.stored_fan_in_scaled.clone()
+            if saved_scaled != self.fan_in_scaled:
+                for name, stair, fan_in in (("w_in", self._in, self.fan_in_in),
+                                            ("w_out", self._out, self.fan_in_out)):
+                    for i, rows in enumerate(stair.rows):
+                        k = f"{prefix}{name}.{i}"
+                        if k in state_dict:
+                            f = fan_in[rows.to(fan_in.device)].to(state_dict[k])[:, None]
+                            state_dict[k] = state_dict[k] * f if self.fan_in_scaled else state_dict[k] / f
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._set_order()  # the loaded permutation (e.g. of a flow built with another seed)
 
@@ -180,19 +175,36 @@ class MADE(nn.Module):
     def forward(self, x):
         shape = x.shape[:-1]
         xr = x.reshape(-1, self.dim).index_select(-1, self.in_index)
-        strips_in, strips_out = self._strips("in", len(self.w_in)), self._strips("out", len(self.w_out))
-        if self.fan_in_scaled:
-            h = _StaircaseLinear.apply(xr, self.zero_in, self._in, strips_in, *self.w_in)
-            h = torch.addcmul(self.b_in, h, self.inv_fan_in_in).relu()
-            y = _StaircaseLinear.apply(h, self.zero_out, self._out, strips_out, *self.w_out)
-            y = torch.addcmul(self.b_out, y, self.inv_fan_in_out)
+        if self.one_block:
+            y = self._one_block_layers(xr)
         else:
-            h = _StaircaseLinear.apply(xr, self.b_in, self._in, strips_in, *self.w_in).relu()
-            y = _StaircaseLinear.apply(h, self.b_out, self._out, strips_out, *self.w_out)
+            y = self._block_layers(xr)
         mean, log_scale = y.index_select(-1, self.out_index).view(*shape, 2 * self.dim).chunk(2, -1)
         if self.log_scale_bound is not None:
             log_scale = soft_bound(log_scale, self.log_scale_bound)
         return mean, log_scale
+
+    def _one_block_layers(self, xr):
+        """Both layers as dense masked products: ``(W ⊙ M) x`` (one block per layer)."""
+        w_in, w_out = self.w_in[0], self.w_out[0]
+        xr = xr[:, : w_in.shape[1]]
+        if self.fan_in_scaled:
+            h = torch.addcmul(self.b_in, F.linear(xr, w_in * self.block_mask_in), self.inv_fan_in_in).relu()
+            return torch.addcmul(self.b_out, F.linear(h[:, : w_out.shape[1]], w_out * self.block_mask_out),
+                                 self.inv_fan_in_out)
+        h = F.linear(xr, w_in * self.block_mask_in, self.b_in).relu()
+        return F.linear(h[:, : w_out.shape[1]], w_out * self.block_mask_out, self.b_out)
+
+    def _block_layers(self, xr):
+        """Both layers over their row blocks (:class:`_StaircaseLinear`)."""
+        strips_in, strips_out = self._strips("in", len(self.w_in)), self._strips("out", len(self.w_out))
+        if self.fan_in_scaled:
+            h = _StaircaseLinear.apply(xr, self.zero_in, self._in, strips_in, *self.w_in)
+            h = torch.addcmul(self.b_in, h, self.inv_fan_in_in).relu()
+            return torch.addcmul(self.b_out, _StaircaseLinear.apply(h, self.zero_out, self._out, strips_out,
+                                                                    *self.w_out), self.inv_fan_in_out)
+        h = _StaircaseLinear.apply(xr, self.b_in, self._in, strips_in, *self.w_in).relu()
+        return _StaircaseLinear.apply(h, self.b_out, self._out, strips_out, *self.w_out)
 
     @torch.no_grad()
     def apply_masks_(self) -> MADE:
@@ -272,6 +284,12 @@ class _Staircase:
             w[:, lo:] *= m
             out.append(nn.Parameter(w))
         return nn.ParameterList(out)
+
+    def block_mask(self, b: int) -> torch.Tensor:
+        """Block ``b``'s whole 0/1 mask, shape (rows_b, hi_b): ones left of its strip."""
+        m = torch.ones(len(self.rows[b]), self.hi[b])
+        m[:, self.lo[b]:] = self.masks[b]
+        return m
 
     def order_rows(self, vec: torch.Tensor) -> torch.Tensor:
         return vec.detach()[self.order].clone()

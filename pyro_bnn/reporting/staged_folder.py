@@ -61,11 +61,10 @@ def _refuse(out: Path, what: str, fix: str = "or move those files away") -> NotA
 def check_replaceable(out: str | os.PathLike) -> None:
     """Raise unless ``out`` may be replaced by a new report.
 
-    ``out`` may be missing, an empty folder, a folder with this program's marker
-    (:data:`MARKER`) that holds only the files the marker lists, or a report of an earlier
-    version (no marker; only the report's own file names and its ``metrics.json``).  The
-    current folder may only be an earlier marked report (its entries are then replaced; the
-    folder itself stays); a folder above it is never replaced; a symbolic link is refused.
+    ``out`` may be missing, an empty folder, or a folder with this program's marker
+    (:data:`MARKER`) that holds only the files the marker lists.  The current folder may only
+    be an earlier marked report (its entries are then replaced; the folder itself stays); a
+    folder above it is never replaced; a symbolic link is refused.
 
     Raises
     ------
@@ -94,7 +93,7 @@ def check_replaceable(out: str | os.PathLike) -> None:
     if _is_cwd(out) and marker is None:  # the current folder: only an earlier report, updated in place
         raise _refuse(out, f"it is the current folder and not a report written by {PROGRAM} (no {MARKER} "
                       "marker)", "such as a subfolder 'pyro-bnn-report'")
-    if not entries or (marker is None and _is_legacy_report(out, entries)):
+    if not entries:
         return
     if marker is None:
         raise _refuse(out, f"the folder is not empty and was not written by {PROGRAM} (it has no "
@@ -116,30 +115,6 @@ def _contains_cwd(path: Path) -> bool:
     cwd = Path.cwd()
     return path in cwd.parents or (path.exists() and any(
         p.exists() and os.path.samefile(path, p) for p in cwd.resolve().parents))
-
-
-#: The files a report had before the marker existed (pyro_bnn <= 0.1.0, before issue 23).
-_LEGACY_FILES = {"table.md", "table.csv", "metrics.json", "reliability.png", "entropy.png", "forest.png",
-                 "regression.png"}
-
-
-def _is_legacy_report(out: Path, entries: list[str]) -> bool:
-    """A report of an earlier version (no marker): only its own file names, with its ``metrics.json``."""
-    for e in entries:
-        p = out / e
-        if p.is_symlink():
-            return False
-        if p.is_dir():
-            if e != "datatrees":
-                return False
-        elif e not in _LEGACY_FILES and not (e.startswith("datatrees/") and e.endswith(".nc")
-                                             and e.count("/") == 1):
-            return False
-    try:
-        payload = json.loads((out / "metrics.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(payload, dict) and {"settings", "table", "history"} <= set(payload)
 
 
 def _sample(names: list[str], most: int = 3) -> str:
