@@ -92,6 +92,23 @@ def test_monitor_measures_moves_against_the_summed_learning_rate():
     assert monitor.diagnose([-1.0] * 30).measures["scale_limited_share"] == pytest.approx(0.5)
 
 
+def test_monitor_state_round_trips_and_refuses_a_record_of_another_fit():
+    """The monitor's state loads into a monitor of the same parameters; a record with other
+    parameter counts, or without the non-scale parameters' start (check (b')), is refused."""
+    rho, loc = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([rho, loc], lr=0.1)
+    monitor = ConvergenceMonitor(opt, [rho])
+    monitor.after_step()
+    state = monitor.state_dict()
+    fresh = ConvergenceMonitor(torch.optim.Adam([rho, loc], lr=0.1), [rho])
+    fresh.load_state_dict(state)
+    assert fresh.lr_sums == [pytest.approx(0.1)] and torch.equal(fresh.others_initial[0], loc.detach())
+    for bad in ({k: v for k, v in state.items() if k != "others_initial"},
+                dict(state, others_initial=[]), dict(state, initial=[])):
+        with pytest.raises(ValueError, match="convergence record does not match"):
+            fresh.load_state_dict(bad)
+
+
 def test_monitor_measures_other_parameters_separately_from_scales():
     """Check (b'): parameters that are not scales are measured against their own group's Σ lr;
     a scale that moved at the maximum rate does not count for them, and vice versa."""

@@ -308,16 +308,12 @@ class ConvergenceMonitor:
                 "lr_max": self.lr_max, "lr_last": self.lr_last}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["initial"]) != len(self.initial) or len(state["lr_sums"]) != len(self.lr_sums):
+        others = state.get("others_initial")
+        if (len(state["initial"]) != len(self.initial) or len(state["lr_sums"]) != len(self.lr_sums)
+                or others is None or len(others) != len(self.others_initial)):
             raise ValueError("the checkpoint's convergence record does not match this guide and optimiser")
         self.initial = [t.to(p.device) for t, p in zip(state["initial"], self.initial)]
-        others = state.get("others_initial")
-        if others is None:  # a checkpoint from before check (b'): that check is skipped
-            self.others, self.other_groups, self.others_initial = [], [], []
-        elif len(others) != len(self.others_initial):
-            raise ValueError("the checkpoint's convergence record does not match this guide and optimiser")
-        else:
-            self.others_initial = [t.to(p.device) for t, p in zip(others, self.others_initial)]
+        self.others_initial = [t.to(p.device) for t, p in zip(others, self.others_initial)]
         self.lr_sums, self.lr_max, self.lr_last = list(state["lr_sums"]), state["lr_max"], state["lr_last"]
 
     def limited_share(self) -> float:
