@@ -152,6 +152,16 @@ def test_made_one_block_autograd_equals_the_block_function_bit_for_bit(scaled):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def test_made_one_block_supports_torch_func():
+    """Plain autograd (one block) also runs under ``torch.func`` transforms: ``jacrev`` gives
+    autograd's Jacobian."""
+    torch.manual_seed(0)
+    made = MADE(6, 4, torch.randperm(6), log_scale_bound=2.0, fan_in_scaled=True)
+    x = torch.randn(6)
+    jac = torch.func.jacrev(lambda v: torch.cat(made(v)))(x)
+    assert torch.allclose(jac, torch.autograd.functional.jacobian(lambda v: torch.cat(made(v)), x))
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 def test_made_fan_in_scaling_keeps_the_function_and_divides_the_steps(groups):
     """``fan_in_scaled``: same function, stored weights × fan-in, so gradients w.r.t. the stored

@@ -43,7 +43,8 @@ class MADE(nn.Module):
     are matrix-vector products, memory-bound: the cost of a training step (forward, backward,
     Adam) scales with the number of stored entries.  With one block per layer (``groups=1``)
     the layers are plain autograd through ``W ⊙ M``, the block's mask applied in the forward
-    pass (cheaper than a custom backward's Python steps at these sizes); with more blocks they
+    pass (cheaper than a custom backward's Python steps at these sizes; ``torch.func``
+    transforms work); with more blocks they
     are a custom ``torch.autograd.Function`` that applies no mask in the forward pass and
     multiplies the strip's gradient by it: first-order autograd only (no ``torch.func``
     transforms such as ``vmap``/``jacrev``, no double backward).  Both give the same values
