@@ -2,8 +2,9 @@
 
 Pyro's ``AutoRegressiveNN`` requires hidden width ≥ D; :class:`MADE` allows any width (hidden
 degrees spread over 1..D−1).  In autoregressive order each mask is a staircase, so the layers
-store only the row blocks the masks allow (no mask multiplication per step) and a custom
-backward keeps the masked-out entries' gradients at zero.
+store only the row blocks the masks allow.  With one block per layer the mask multiplies the
+weights in the forward pass (plain autograd); with several, a custom backward keeps the
+masked-out entries' gradients at zero and no mask is applied per step.
 """
 
 from __future__ import annotations
