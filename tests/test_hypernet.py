@@ -653,3 +653,40 @@ def test_hypernet_on_cuda():
     assert guide.flow.affine.loc.is_cuda and guide.flow.blocks[0].arn.permutation.is_cuda
     draws = pb.predict(model, guide, x.cuda(), num_samples=3)
     assert draws.is_cuda and draws.shape == (3, 20, 1)
+
+
+def _cuda_variant(name):
+    """(model, guide, x, y, fit options) for one Hypernet variant added after the last GPU run."""
+    torch.manual_seed(0)
+    if name == "full_blocks":   # a full-weight flow over 20·40 + 40 + 41 = 881 weights: MADE groups > 1
+        x, y = torch.randn(40, 20), torch.randint(0, 2, (40,))
+        model = pb.BNN(nn.Sequential(nn.Linear(20, 40), nn.ReLU(), nn.Linear(40, 1)), "bernoulli")
+        return model, pb.guides.Hypernet(model, full=True, num_flows=1), x, y.float()[:, None], {}
+    d = pb.datasets.digits()
+    x, y = d.x_train[:80], d.y_train[:80]
+    net = nn.Sequential(nn.Linear(64, 12), nn.Tanh(), nn.Linear(12, 10))
+    if name == "random_directions":
+        model = pb.BNN(net, "categorical", weight_norm=True, random_directions=True)
+        return model, pb.guides.Hypernet(model, num_flows=2, hidden=16), x, y, {}
+    model = pb.BNN(net, "categorical", weight_norm=True)   # the scale prior learned by the evidence
+    guide = pb.guides.Hypernet(model, num_flows=2, hidden=16, prior_structure="layerwise",
+                               directions="sphere")
+    return model, guide, x, y, {"marglik": pb.MarglikOptions(every=1, burnin=0, steps=5, lr=0.1)}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["full_blocks", "random_directions", "evidence_prior"])
+def test_hypernet_variants_on_cuda(name):
+    """The full-weight flow with a several-block MADE, random directions and the evidence-learned
+    scale prior train and predict on CUDA, every parameter and buffer on the device."""
+    model, guide, x, y, options = _cuda_variant(name)
+    if name == "full_blocks":
+        assert not guide.flow.blocks[0].arn.one_block   # the custom-backward path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pb.ConvergenceWarning)   # two epochs: a device test
+        res = pb.fit(model, guide, (x, y), epochs=2, batch_size=40, device="cuda", progress=False, **options)
+    assert all(math.isfinite(v) for v in res.history["loss"])
+    assert all(t.is_cuda for t in list(guide.parameters()) + list(guide.buffers()))
+    draws = pb.predict(model, guide, x.cuda(), num_samples=3)
+    assert draws.is_cuda and draws.shape[:2] == (3, len(x)) and bool(torch.isfinite(draws).all())
