@@ -7,8 +7,8 @@
 #   scripts/gpu_check.sh [MNIST_DIR]
 # Environment: OUT (log folder), PY (python), FMNIST_DIR (Fashion-MNIST IDX files; default
 # $PYRO_BNN_FASHION_MNIST, else /usr/share/datasets/fashion-mnist), STEPS (the steps to run, any of
-# "tests core hypernet fmnist compile suite"; default all).
-# Each step has its own timeout; all six take up to ~18 minutes, more than one 10-minute device
+# "tests core hypernet fmnist compile ops suite"; default all).
+# Each step has its own timeout; all seven take up to ~18 minutes, more than one 10-minute device
 # call: run them as two calls, e.g. STEPS="tests core hypernet compile" then STEPS="fmnist suite".
 # "compile": pb.fit(compile=True) against eager on CUDA (MLP, MeanField and Hypernet-8), an epoch
 # of a fit without its set-up ("fit epoch", "fitc epoch").
@@ -18,7 +18,7 @@ MNIST_DIR=${1:-../shared/data/mnist}
 OUT=${OUT:-gpu-check}
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 FMNIST_DIR=${FMNIST_DIR:-${PYRO_BNN_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}}
-STEPS=${STEPS:-tests core hypernet fmnist compile suite}
+STEPS=${STEPS:-tests core hypernet fmnist compile ops suite}
 mkdir -p "$OUT"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/device.txt"
@@ -65,6 +65,12 @@ if want compile && [ "$CUDA" = 1 ]; then
   else
     echo "no Fashion-MNIST at $FMNIST_DIR: the compile rows skipped" | tee "$OUT/fmnist_compile_cuda.txt"
   fi
+fi
+# kernels per step against the CPU stand-in of benchmarks/count_step_ops.py (issue 27): calibrates
+# the stand-in that CPU-only sessions report
+if want ops && [ "$CUDA" = 1 ]; then
+  timeout 150 "$PY" benchmarks/count_step_ops.py --fused-map --device cuda 2>&1 | grep -v "USDT\|^W" \
+    | tee "$OUT/count_step_ops_cuda.txt" | tail -8
 fi
 # the whole suite on this machine's torch (CPU paths; pytest-xdist where installed)
 if want suite; then
