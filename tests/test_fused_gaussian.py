@@ -167,19 +167,22 @@ def test_meanfield_objective_with_the_kl_node(arch, positive, monkeypatch):
     model = pb.BNN(net, "categorical", prior=pb.priors.IIDNormal(0.8))
     guide = pb.guides.MeanField(model, init_scale=0.1, scale_parameterization=positive)
     setup_guide(model, guide, x[:2], y[:2], 100)
-    node = "normal_kl_node_log_scale" if positive == "exp" else "normal_kl_node"
+    # σ = exp(ρ): every site's KL in one node (normal_kl_sites_log_scale); softplus: one per site
+    node = "normal_kl_sites_log_scale" if positive == "exp" else "normal_kl_node"
     calls, original = [], getattr(meanfield, node)
     monkeypatch.setattr(meanfield, node, lambda *args: calls.append(1) or original(*args))
     results = []
     for fuse in (True, False):
         if not fuse:
             monkeypatch.setattr(meanfield, "can_fuse_kl", lambda *args: False)
+            monkeypatch.setattr(meanfield, "can_fuse_kl_sites", lambda *args: False)
         with local_params(model, guide):
             params = [p for s in model.site_names for p in guide.loc_and_raw_scale(s)]
             torch.manual_seed(1)
             loss = meanfield.meanfield_loss(model, guide, x, y, 100)
             results.append((loss, torch.autograd.grad(loss, params)))
-    assert len(calls) == len(model.site_names)     # the first run took the node for every site
+    # the first run took the node for every site (one call for all of them with σ = exp(ρ))
+    assert len(calls) == (1 if positive == "exp" else len(model.site_names))
     (loss_node, grads_node), (loss_ref, grads_ref) = results
     if positive == "softplus":
         assert torch.equal(loss_node, loss_ref)
@@ -212,3 +215,89 @@ def test_log_scale_kl_node_value_and_gradients(prior, float64):
     with torch.no_grad():
         shifted = fused.normal_kl_node_log_scale(loc, rho.exp(), rho + 0.25, m, s)
     torch.testing.assert_close(shifted, got.detach() - 0.25 * rho.numel(), rtol=1e-12, atol=1e-9)
+
+
+# ------------------------------------------------ every site's KL in one node (issue 27)
+SITE_SHAPES = [(5, 4), (5,), (3, 5), (3,)]
+SITE_PRIOR_SETS = {
+    "one_standard_prior": ["standard"] * 4,       # the default: one N(0, 1) for every site
+    "one_scaled_prior": ["scaled"] * 4,
+    "one_shifted_scaled_prior": ["both"] * 4,     # μ − m and × s⁻² on the shared-prior path
+    "mixed": ["standard", "shifted", "negative_zero_mean", "both"],
+}
+
+
+def _sites(dtype, prior_names, seed=6):
+    gen = torch.Generator().manual_seed(seed)
+    locs = [(0.3 * torch.randn(s, generator=gen, dtype=dtype)).requires_grad_() for s in SITE_SHAPES]
+    rhos = [(torch.randn(s, generator=gen, dtype=dtype) - 2.0).requires_grad_() for s in SITE_SHAPES]
+    # one tensor pair per distinct prior, shared by its sites, as one pb.priors object shares its buffers
+    made = {name: tuple(torch.tensor(v, dtype=dtype) for v in KL_PRIORS[name]) for name in set(prior_names)}
+    return locs, rhos, [made[name] for name in prior_names]
+
+
+def _kl_sites_graph(together: bool, dtype, prior_names, create_graph=False):
+    """``3.7 · KL + (a term on σ and μ outside the KL)`` and its gradients, the KL by the sites node
+    or as ``0.0 + Σ`` of the per-site nodes (``closed_form_kl``'s order)."""
+    locs, rhos, priors = _sites(dtype, prior_names)
+    scales = [r.exp() for r in rhos]
+    if together:
+        kl = fused.normal_kl_sites_log_scale(locs, scales, rhos, [m for m, _ in priors], [s for _, s in priors])
+    else:
+        kl = 0.0
+        for loc, scale, rho, (m, s) in zip(locs, scales, rhos, priors):
+            kl = kl + fused.normal_kl_node_log_scale(loc, scale, rho, m, s)
+    # σ and μ used once more, as the local reparameterisation's forward uses them
+    other = sum((sc.square() * 0.7 + lo.sin()).sum() for sc, lo in zip(scales, locs))
+    loss = 3.7 * kl + other
+    return loss, torch.autograd.grad(loss, locs + rhos, create_graph=create_graph)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("priors", sorted(SITE_PRIOR_SETS))
+def test_kl_sites_node_is_bit_identical_to_the_per_site_nodes(priors, dtype):
+    """The one node over every site gives the per-site nodes' sum and every gradient bit for bit
+    (``torch.equal``), whichever prior each site has (exact identities left out per site)."""
+    loss_sites, grads_sites = _kl_sites_graph(True, dtype, SITE_PRIOR_SETS[priors])
+    loss_ref, grads_ref = _kl_sites_graph(False, dtype, SITE_PRIOR_SETS[priors])
+    assert torch.equal(loss_sites, loss_ref)
+    for got, want in zip(grads_sites, grads_ref):
+        assert torch.equal(got, want)
+    assert all(float(g.abs().sum()) > 0 for g in grads_ref)     # not vacuous
+
+
+def test_kl_sites_node_value_gradients_and_double_backward(float64):
+    """Against torch's closed form (value), finite differences (first and second derivatives)
+    and the per-site nodes' second derivatives."""
+    locs, rhos, priors = _sites(torch.float64, SITE_PRIOR_SETS["mixed"])
+    ms, ss = [m for m, _ in priors], [s for _, s in priors]
+    got = fused.normal_kl_sites_log_scale(locs, [r.exp() for r in rhos], rhos, ms, ss)
+    want = sum(kl_divergence(Normal(lo, r.exp()), Normal(m.expand(lo.shape), s.expand(lo.shape))).sum()
+               for lo, r, m, s in zip(locs, rhos, ms, ss))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+    def f(*leaves):
+        lo, r = leaves[:4], leaves[4:]
+        return fused.normal_kl_sites_log_scale(list(lo), [x.exp() for x in r], list(r), ms, ss)
+
+    leaves = tuple(locs + rhos)
+    assert torch.autograd.gradcheck(f, leaves)
+    assert torch.autograd.gradgradcheck(f, leaves)
+    _, grads = _kl_sites_graph(True, torch.float64, SITE_PRIOR_SETS["mixed"], create_graph=True)
+    _, grads_ref = _kl_sites_graph(False, torch.float64, SITE_PRIOR_SETS["mixed"], create_graph=True)
+    second = torch.autograd.grad(sum(g.square().sum() for g in grads), locs + rhos, allow_unused=True)
+    second_ref = torch.autograd.grad(sum(g.square().sum() for g in grads_ref), locs + rhos, allow_unused=True)
+    for a, b in zip(second, second_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_can_fuse_kl_sites():
+    a, b = torch.zeros(3, 2), torch.zeros(4)
+    zero, one = torch.tensor(0.0), torch.tensor(1.0)
+    assert fused.can_fuse_kl_sites([a, b], [a, b], [zero, zero], [one, one])
+    assert not fused.can_fuse_kl_sites([a], [a], [zero], [one])                           # one site
+    assert not fused.can_fuse_kl_sites([a, b], [a, b], [zero, torch.zeros(1)], [one, one])  # not 0-dim
+    assert not fused.can_fuse_kl_sites([a, b.double()], [a, b.double()], [zero, zero.double()],
+                                       [one, one.double()])                               # two dtypes
+    learned = torch.tensor(1.0, requires_grad=True)
+    assert not fused.can_fuse_kl_sites([a, b], [a, b], [zero, zero], [one, learned])     # learned prior

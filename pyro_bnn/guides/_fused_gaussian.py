@@ -24,7 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["sample_and_kl", "can_fuse", "normal_kl_node", "normal_kl_node_log_scale", "can_fuse_kl"]
+__all__ = ["sample_and_kl", "can_fuse", "normal_kl_node", "normal_kl_node_log_scale", "can_fuse_kl",
+           "normal_kl_sites_log_scale", "can_fuse_kl_sites"]
 
 
 def can_fuse(loc: torch.Tensor, prior_loc: torch.Tensor, prior_scale: torch.Tensor) -> bool:
@@ -307,3 +308,128 @@ def normal_kl_node_log_scale(loc: torch.Tensor, scale: torch.Tensor, log_scale: 
         Scalar (0-dim).
     """
     return _NormalKLLogScale.apply(loc, scale, log_scale, prior_loc, prior_scale)
+
+
+# ======================================= the closed-form KL of every site in one node (issue 27)
+class _NormalKLLogScaleSites(torch.autograd.Function):
+    """``Σ_sites`` of :class:`_NormalKLLogScale`, all sites in one autograd node.
+
+    The elementwise passes over the weights run as ``torch._foreach_*`` operations over the
+    sites' tensors (one multi-tensor kernel per operation on a GPU when every site has the same
+    prior tensors; on the CPU the same per-tensor kernels in a C++ loop) and most of the 0-dim
+    arithmetic on the prior's constants on stacked vectors, so a step makes about half the
+    operations of the per-site nodes (~15 per site forward, ~7 backward).  Every site's value is the one
+    :class:`_NormalKLLogScale` computes (the same floating-point operations on the same
+    operands; elementwise arithmetic does not depend on how the elements are batched) and the
+    sites are added left to right as ``0.0 + kl_1 + kl_2 + …``, so the sum and its gradients are
+    bit for bit those of the per-site nodes on the CPU.  A double backward
+    (``create_graph=True``) takes the per-site formulas.
+
+    Called as ``apply(k, *locs, *scales, *log_scales, *prior_locs, *prior_scales)`` with ``k``
+    sites; every prior parameter 0-dim (see :func:`can_fuse_kl_sites`).
+    """
+
+    @staticmethod
+    def forward(ctx, k, *tensors):
+        locs, scales, log_scales, prior_locs, prior_scales = (list(tensors[i * k:(i + 1) * k]) for i in range(5))
+        inv_vars = torch.stack(prior_scales).reciprocal() ** 2
+        identities = [_exact_identities(m, v) for m, v in zip(prior_locs, inv_vars.unbind())]
+        # one prior for every site (the usual case): the multi-tensor operations take it as one
+        # tensor (a GPU's fast path; a list of 0-dim tensors takes the per-tensor loop there)
+        shared = all(m is prior_locs[0] for m in prior_locs) and all(s is prior_scales[0] for s in prior_scales)
+        diffs = _diffs(locs, prior_locs, identities, shared)
+        quads = list(torch._foreach_add(torch._foreach_pow(scales, 2), torch._foreach_pow(diffs, 2)))
+        scaled = [i for i, (_, unit_var) in enumerate(identities) if not unit_var]
+        if scaled:
+            factors = inv_vars[0] if shared else [inv_vars[i] for i in scaled]
+            for i, q in zip(scaled, torch._foreach_mul([quads[i] for i in scaled], factors)):
+                quads[i] = q
+        quad_sums = torch.stack([q.sum() for q in quads])
+        log_sums = torch.stack([s.sum() for s in log_scales])
+        # n (2 log s − 1) per site with n a Python number, as the per-site node multiplies it (a
+        # tensor of the counts would be a host-to-device copy, a synchronisation, on a GPU)
+        per_weight = (2.0 * torch.log(torch.stack(prior_scales)) - 1.0).unbind()
+        constants = torch.stack([loc.numel() * c for loc, c in zip(locs, per_weight)])
+        kls = (0.5 * (quad_sums - 2.0 * log_sums + constants)).unbind()
+        total = 0.0 + kls[0]          # closed_form_kl's order: 0.0 + kl_1 + kl_2 + …
+        for kl in kls[1:]:
+            total = total + kl
+        ctx.k, ctx.identities, ctx.shared = k, identities, shared
+        ctx.log_shapes = [s.shape for s in log_scales]
+        ctx.save_for_backward(*locs, *scales, *prior_locs, inv_vars)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        k, identities = ctx.k, ctx.identities
+        saved = ctx.saved_tensors
+        locs, scales, prior_locs, inv_vars = list(saved[:k]), list(saved[k:2 * k]), saved[2 * k:3 * k], saved[-1]
+        # each site's node received ``grad`` itself (the sum passes it on unchanged); per site
+        # 2G = ((½ g) · s⁻²) · 2, the operations of _kl_square_backward
+        half = grad * 0.5
+        if all(unit_var for _, unit_var in identities):
+            twice_g = half * 2.0
+        elif ctx.shared:
+            twice_g = half * inv_vars[0] * 2.0
+        else:
+            scaled = (half * inv_vars * 2.0).unbind()
+            twice_g = [half * 2.0 if unit_var else scaled[i] for i, (_, unit_var) in enumerate(identities)]
+        diffs = _diffs(locs, prior_locs, identities, ctx.shared)
+        if torch.is_grad_enabled():   # a double backward: per-site operations, differentiable
+            factors = twice_g if isinstance(twice_g, list) else [twice_g] * k
+            grad_locs = [d * g for d, g in zip(diffs, factors)]
+            grad_scales = [s * g for s, g in zip(scales, factors)]
+        else:
+            grad_locs = torch._foreach_mul(diffs, twice_g)
+            grad_scales = torch._foreach_mul(scales, twice_g)
+        neg = -grad
+        grad_logs = [neg.expand(shape) for shape in ctx.log_shapes]
+        return (None, *grad_locs, *grad_scales, *grad_logs, *([None] * (2 * k)))
+
+
+def _diffs(locs, prior_locs, identities, shared: bool) -> list:
+    """``μ − m`` per site, ``μ`` itself where ``m`` is +0 (an exact identity)."""
+    shifted = [i for i, (zero_mean, _) in enumerate(identities) if not zero_mean]
+    diffs = list(locs)
+    if shifted:
+        means = prior_locs[0] if shared else [prior_locs[i] for i in shifted]
+        for i, d in zip(shifted, torch._foreach_sub([locs[i] for i in shifted], means)):
+            diffs[i] = d
+    return diffs
+
+
+def can_fuse_kl_sites(locs, scales, prior_locs, prior_scales) -> bool:
+    """Whether :func:`normal_kl_sites_log_scale` applies: two or more sites, each one
+    :func:`can_fuse_kl` takes with 0-dim prior parameters, all tensors on one device and dtype."""
+    if len(locs) < 2:
+        return False
+    first = locs[0]
+    for loc, scale, m, s in zip(locs, scales, prior_locs, prior_scales):
+        if m.dim() or s.dim() or not can_fuse_kl(loc, scale, m, s):
+            return False
+        if any(t.device != first.device or t.dtype != first.dtype for t in (loc, scale, m, s)):
+            return False
+    return True
+
+
+def normal_kl_sites_log_scale(locs, scales, log_scales, prior_locs, prior_scales) -> torch.Tensor:
+    """``Σ_sites Σ KL(N(μ, σ²) ‖ N(m, s²))`` in one autograd node, ``log σ`` given per site.
+
+    The same value and gradients, bit for bit on the CPU, as adding
+    :func:`normal_kl_node_log_scale` of each site to ``0.0`` in order; fewer operations per step
+    (``torch._foreach_*`` over the sites, see :class:`_NormalKLLogScaleSites`).
+
+    Parameters
+    ----------
+    locs, scales, log_scales : sequence of Tensor
+        Per site ``μ``, ``σ`` and ``log σ`` (any graph behind them), each site's three of one shape.
+    prior_locs, prior_scales : sequence of Tensor
+        Per site, 0-dim, no gradient (see :func:`can_fuse_kl_sites`).
+
+    Returns
+    -------
+    Tensor
+        Scalar (0-dim).
+    """
+    k = len(locs)
+    return _NormalKLLogScaleSites.apply(k, *locs, *scales, *log_scales, *prior_locs, *prior_scales)
