@@ -436,11 +436,12 @@ def closed_form_kl(model, qs: dict, log_scales: dict | None = None) -> tuple[tor
     """
     kl, mc_sites = 0.0, []
     log_scales = log_scales or {}
-    together = _kl_sites_together(model, qs, log_scales)
+    priors = {name: normal_prior_params(model, name) for name in qs}   # read once per step
+    together = _kl_sites_together(qs, log_scales, priors)
     if together is not None:
         return together, mc_sites
     for name, (loc, scale) in qs.items():
-        params = normal_prior_params(model, name)
+        params = priors[name]
         if params is not None:
             # one autograd node where the prior allows it: with log σ given (σ = exp ρ) the log
             # term reads ρ, else normal_kl's values and gradients bit for bit
@@ -459,18 +460,16 @@ def closed_form_kl(model, qs: dict, log_scales: dict | None = None) -> tuple[tor
     return kl, mc_sites
 
 
-def _kl_sites_together(model, qs: dict, log_scales: dict) -> torch.Tensor | None:
+def _kl_sites_together(qs: dict, log_scales: dict, priors: dict) -> torch.Tensor | None:
     """The closed-form KL of every site in one node (:func:`normal_kl_sites_log_scale`: the
     per-site nodes' sum bit for bit, a few ``torch._foreach_*`` operations instead of some twenty
-    per site), or ``None`` unless every site has a one-number Normal prior and ``log σ`` at hand."""
-    if len(qs) < 2 or any(name not in log_scales for name in qs):
-        return None
-    priors = [normal_prior_params(model, name) for name in qs]
-    if any(p is None for p in priors):
+    per site), or ``None`` unless every site has a one-number Normal prior (``priors``: ``{site:
+    (m, s) or None}``) and ``log σ`` at hand."""
+    if len(qs) < 2 or any(name not in log_scales or priors[name] is None for name in qs):
         return None
     locs = [loc for loc, _ in qs.values()]
     scales = [scale for _, scale in qs.values()]
-    prior_locs, prior_scales = [p[0] for p in priors], [p[1] for p in priors]
+    prior_locs, prior_scales = [priors[name][0] for name in qs], [priors[name][1] for name in qs]
     if not can_fuse_kl_sites(locs, scales, prior_locs, prior_scales):
         return None
     return normal_kl_sites_log_scale(locs, scales, [log_scales[name] for name in qs], prior_locs, prior_scales)
