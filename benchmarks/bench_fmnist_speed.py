@@ -300,19 +300,23 @@ def methods_for(name, arch, x, y, args, batches, fit_data):
     out[f"{name}:loop"] = run_loop
     store = {}
 
-    def run_fit(data=fit_data, epochs=1, compile=False):
+    def run_fit(data=fit_data, epochs=1, compile=False, cuda_graph=False):
         with warnings.catch_warnings():   # timed single epochs: nothing to judge
             warnings.simplefilter("ignore", pb.ConvergenceWarning)
             pb.fit(model, guide, data, epochs=epochs, batch_size=args.batch_size, num_data=NUM_TRAIN,
                    optimizer=lambda ps: store.setdefault("opt", default_optimizer(
                        ps, lr, pb.guides.guide_contract(guide).learning_rate_factors())),
-                   lr_schedule="constant", progress=False, compile=compile)
+                   lr_schedule="constant", progress=False, compile=compile,
+                   **({"cuda_graph": True} if cuda_graph else {}))
     out[f"{name}:fit"] = run_fit
     if args.fit_epoch:   # a second epoch in the same call: (fit2 − fit) is what an epoch costs in a fit
         out[f"{name}:fit2"] = lambda: run_fit(epochs=2)
     if args.compile:
         out[f"{name}:fitc"] = lambda: run_fit(compile=True)
         out[f"{name}:fitc2"] = lambda: run_fit(epochs=2, compile=True)
+    if args.cuda_graph:
+        out[f"{name}:fitg"] = lambda: run_fit(cuda_graph=True)
+        out[f"{name}:fitg2"] = lambda: run_fit(epochs=2, cuda_graph=True)
     return out, (model, guide, kind), run_fit
 
 
@@ -387,6 +391,8 @@ def main(argv=None):
                          "a fit without the per-call set-up")
     ap.add_argument("--compile", action="store_true",
                     help="also time pb.fit(compile=True) (1 and 2 epochs; compiled during the warm-up)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also pb.fit(cuda_graph=True) (fitg; with --fit-epoch its marginal epoch): CUDA only")
     ap.add_argument("--out", default=None, help="append the result as one JSON line here")
     ap.add_argument("--memory", action="store_true",
                     help="instead of timing: each method's peak memory, one fresh process per method")
@@ -453,7 +459,7 @@ def main(argv=None):
             res[key]["peak_mib"].append(peak)
     with open("/proc/loadavg") as fh:
         load = fh.read().split()[:3]
-    for key in [k for k in res if k.endswith((":fit2", ":fitc2"))]:   # the marginal epoch, per repeat
+    for key in [k for k in res if k.endswith((":fit2", ":fitc2", ":fitg2"))]:   # the marginal epoch, per repeat
         one = res[key[:-1]]
         res[key[:-1] + " epoch"] = {m: [b - a for a, b in zip(one[m], res[key][m])] for m in ("cpu", "wall")}
         res[key[:-1] + " epoch"]["peak_mib"] = res[key]["peak_mib"]

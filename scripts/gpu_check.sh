@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh [MNIST_DIR]
 # Environment: OUT (log folder), PY (python), FMNIST_DIR (Fashion-MNIST IDX files; default
 # $PYRO_BNN_FASHION_MNIST, else /usr/share/datasets/fashion-mnist), STEPS (the steps to run, any of
-# "tests core hypernet fmnist compile ops suite"; default all).
+# "tests core hypernet fmnist compile graph ops suite"; default all).
 # Each step has its own timeout; all seven take up to ~18 minutes, more than one 10-minute device
 # call: run them as two calls, e.g. STEPS="tests core hypernet compile" then STEPS="fmnist suite".
 # "compile": pb.fit(compile=True) against eager on CUDA (MLP, MeanField and Hypernet-8), an epoch
@@ -18,7 +18,7 @@ MNIST_DIR=${1:-../shared/data/mnist}
 OUT=${OUT:-gpu-check}
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 FMNIST_DIR=${FMNIST_DIR:-${PYRO_BNN_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}}
-STEPS=${STEPS:-tests core hypernet fmnist compile ops suite}
+STEPS=${STEPS:-tests core hypernet fmnist compile graph ops suite}
 mkdir -p "$OUT"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/device.txt"
@@ -26,7 +26,9 @@ if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
 [ "$CUDA" = 1 ] || echo "no CUDA device: the CUDA steps are skipped" | tee "$OUT/no_cuda.txt"
 # every test that names CUDA (they skip without a device; here they must run)
 if want tests && [ "$CUDA" = 1 ]; then
-  timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs -k "cuda" 2>&1 | tee "$OUT/tests_cuda.txt" | tail -5
+  XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
+  timeout ${TESTS_TIMEOUT:-200} "$PY" -m pytest -q -p no:cacheprovider -rs $XDIST -k "cuda" 2>&1 \
+    | tee "$OUT/tests_cuda.txt" | grep -v "^SKIPPED\|^\s*$" | tail -40
 fi
 if want core && [ "$CUDA" = 1 ]; then
   if [ -d "$MNIST_DIR" ]; then
@@ -66,10 +68,24 @@ if want compile && [ "$CUDA" = 1 ]; then
     echo "no Fashion-MNIST at $FMNIST_DIR: the compile rows skipped" | tee "$OUT/fmnist_compile_cuda.txt"
   fi
 fi
+# pb.fit(cuda_graph=True) against the eager fit, the references and the MAP step on CUDA (issue 27):
+# the marginal epoch of a fit ("fitg epoch") beside the eager one ("fit epoch")
+if want graph && [ "$CUDA" = 1 ]; then
+  if [ -d "$FMNIST_DIR" ]; then
+    for arch in ${GRAPH_ARCHS:-mlp}; do
+      PYRO_BNN_FASHION_MNIST="$FMNIST_DIR" timeout ${GRAPH_TIMEOUT:-150} "$PY" benchmarks/bench_fmnist_speed.py \
+        --device cuda --arch "$arch" --guides ${GRAPH_GUIDES:-meanfield hypernet8} --steps 200 --repeats 3 \
+        --fit-epoch --cuda-graph --no-fit-setup --out "$OUT/fmnist_graph_cuda.jsonl" 2>&1 | grep -v "^W" \
+        | tee "$OUT/fmnist_graph_${arch}_cuda.txt" | tail -16
+    done
+  else
+    echo "no Fashion-MNIST at $FMNIST_DIR: the graph rows skipped" | tee "$OUT/fmnist_graph_cuda.txt"
+  fi
+fi
 # kernels per step against the CPU stand-in of benchmarks/count_step_ops.py (issue 27): calibrates
 # the stand-in that CPU-only sessions report
 if want ops && [ "$CUDA" = 1 ]; then
-  timeout 150 "$PY" benchmarks/count_step_ops.py --fused-map --device cuda 2>&1 | grep -v "USDT\|^W" \
+  timeout ${OPS_TIMEOUT:-150} "$PY" benchmarks/count_step_ops.py --fused-map --device cuda 2>&1 | grep -v "USDT\|^W" \
     | tee "$OUT/count_step_ops_cuda.txt" | tail -8
 fi
 # the whole suite on this machine's torch (CPU paths; pytest-xdist where installed)

@@ -103,7 +103,8 @@ class DivergenceGuard:
         self._warned_explosion = False
         self.deferred = deferred
         self._total = 0.0        # this epoch's loss sum (Python float: the steps read at once)
-        self._on_device = None   # the deferred steps' flags and loss sum, on the device
+        self._flags = None       # the deferred steps' flags and loss sum, on the device
+        self._active = False     # whether this epoch's deferred checks have started
 
     # ------------------------------------------------------------ state
     def _snapshot(self) -> tuple:
@@ -141,7 +142,7 @@ class DivergenceGuard:
 
     def restore(self) -> None:
         """Put the state last verified finite back (model, guide, optimiser, schedule)."""
-        self._pending = None
+        self._pending, self._active = None, False
         self.clear_device_flags()
         if self._good is None:
             return
@@ -207,7 +208,7 @@ class DivergenceGuard:
 
     # ------------------------------------------------------------ one epoch's steps
     def begin_epoch(self) -> None:
-        self._total, self._on_device = 0.0, None
+        self._total, self._active = 0.0, False
 
     def check(self, loss: torch.Tensor, epoch: int, step: int, distributed=None) -> None:
         """Check one step before the optimiser step and add its loss to the epoch's sum: at
@@ -216,40 +217,62 @@ class DivergenceGuard:
         if not self.deferred or self.pending or distributed is not None:
             self._total += self.check_step(loss, epoch, step, distributed)
             return
+        self.activate_device_flags(step, loss.device)
+        self.record_on_device(loss)
+
+    def activate_device_flags(self, step: int, device: torch.device) -> None:
+        """Start this epoch's deferred checks at ``step`` (no-op once started): the flags are
+        reset in place, so the tensors stay the same for the whole fit (a captured CUDA graph
+        (:mod:`pyro_bnn.training.cuda_graph`) writes them by address)."""
+        if self._active:
+            return
+        flags = self._flags
+        if flags is None or flags["found"].device != device:
+            names = ("found", "count", "step", "loss", "norm", "sum")
+            flags = self._flags = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
+            flags["found"] = flags["found"].float()
+        for name in ("found", "step", "loss", "norm"):
+            flags[name].zero_()
+        flags["sum"].fill_(self._total)      # Python numbers: filled without a copy to the device
+        flags["count"].fill_(step - 1)
+        self._active = True
+
+    def record_on_device(self, loss: torch.Tensor) -> None:
+        """A deferred step's check, in place on the flags of :meth:`activate_device_flags`
+        (no synchronisation, no Python number that changes from step to step): the step count,
+        the first failing step's loss and largest gradient norm, the failure flag, the loss sum.
+        The flag reaches the fused optimiser step as its ``found_inf``."""
+        flags = self._flags
         loss = loss.detach().reshape(())
         norms = self.gradient_norms().to(device=loss.device, dtype=loss.dtype)
         if norms.numel() == 0:
             norms = loss.new_zeros(1)
-        bad = ~torch.isfinite(loss) | ~torch.isfinite(norms).all()
+        norm = norms.max()     # NaN propagates; a non-finite norm is non-finite here too
+        bad = ~torch.isfinite(loss) | ~torch.isfinite(norm)
         if self.clip_norm is None:
-            bad = bad | (norms.max() > self._max_norm)
-        if self._on_device is None:
-            zero = torch.zeros((), device=loss.device)
-            self._on_device = {"found": zero, "step": zero.double(), "loss": zero.double(),
-                               "norms": torch.zeros_like(norms, dtype=torch.float64),
-                               "sum": torch.tensor(self._total, dtype=torch.float64, device=loss.device)}
-        flags = self._on_device
+            bad = bad | (norm > self._max_norm)
+        flags["count"].add_(1)
         first = bad & (flags["found"] == 0)   # the first failing step's figures, for the message
-        flags["step"] = torch.where(first, float(step), flags["step"])   # a scalar argument: no copy to the device
-        for key, value in (("loss", loss), ("norms", norms)):
-            flags[key] = torch.where(first, value.to(torch.float64), flags[key])
-        flags["found"] = torch.maximum(flags["found"], bad.to(flags["found"].dtype))
-        flags["sum"] = flags["sum"] + loss.to(torch.float64)
+        flags["step"].copy_(torch.where(first, flags["count"], flags["step"]))
+        flags["loss"].copy_(torch.where(first, loss.to(torch.float64), flags["loss"]))
+        flags["norm"].copy_(torch.where(first, norm.to(torch.float64), flags["norm"]))
+        flags["found"].copy_(torch.maximum(flags["found"], bad.to(flags["found"].dtype)))
+        flags["sum"].add_(loss.to(torch.float64))
         # the fused step skips its update on the device while the flag is set (GradScaler's protocol)
         self.optimizer.grad_scale, self.optimizer.found_inf = None, flags["found"]
 
     def end_epoch(self, epoch: int) -> float:
         """Read the deferred steps' flags (one synchronisation) and return the epoch's loss
         sum; a failed step restores the last good state and raises, as :meth:`check_step` does."""
-        flags, self._on_device = self._on_device, None
+        active, self._active = self._active, False
         self.clear_device_flags()
-        if flags is None:
+        if not active:
             return self._total
-        found, step, value, total, *norm_values = torch.cat(
-            [torch.stack([flags[k].to(torch.float64) for k in ("found", "step", "loss", "sum")]),
-             flags["norms"]]).tolist()
+        flags = self._flags
+        found, step, value, total, norm = torch.stack(
+            [flags[k].to(torch.float64) for k in ("found", "step", "loss", "sum", "norm")]).tolist()
         if found:
-            self._judge_step(value, norm_values, epoch, int(step))
+            self._judge_step(value, [norm], epoch, int(step))
         return total
 
     def clear_device_flags(self) -> None:

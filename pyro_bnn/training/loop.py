@@ -38,6 +38,7 @@ from . import distributed as _dist
 from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
 from .compiled import CompiledLoss
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
+from .cuda_graph import CudaGraphStep, check_cuda_graph_fit
 from .devices import flush_denormals
 from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .divergence import can_defer_checks as defer_step_checks
@@ -83,6 +84,8 @@ class FitResult:
     resumed_from: int = 0
     lr: float | None = None
     compiled: bool = False
+    #: training steps that ran as a replayed CUDA graph (``cuda_graph=True``; 0 without it)
+    graph_steps: int = 0
 
     @property
     def final_loss(self) -> float:
@@ -159,6 +162,8 @@ class _Run:
     loss_module: Any = None
     guard: DivergenceGuard | None = None
     monitor: ConvergenceMonitor | None = None
+    #: the replayed step of ``fit(cuda_graph=True)``, else None
+    graph: CudaGraphStep | None = None
     #: the checkpoint entries of the state waiting for its loss evaluation (DivergenceGuard.remember)
     pending_checkpoint: dict | None = None
     #: what is being fitted (pyro_bnn.training.resume.fit_fingerprint), recorded in every checkpoint
@@ -171,7 +176,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         num_data: int | None = None, objective=None, checkpoint: str | os.PathLike | None = None,
         resume: bool = False, overwrite: bool = False, marglik: MarglikOptions | None = None,
         distributed: bool | _dist.DistributedOptions = False, compile: bool = False,
-        **unknown) -> FitResult:
+        cuda_graph: bool = False, **unknown) -> FitResult:
     """Train ``model`` and ``guide`` by stochastic variational inference.
 
     Module modes are left as they were (a new network is in train mode, so BatchNorm
@@ -255,6 +260,15 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         eagerly and warns :class:`pyro_bnn.training.compiled.CompileFallbackWarning`.  Default
         ``False``: on the CPU the compiled step was measured slower than eager for every guide
         (``docs/results/speed.md``).  Not supported with ``distributed``.
+    cuda_graph : bool
+        Capture the training step (objective, backward, the divergence check and the fused Adam
+        step) in a CUDA graph and replay it (:mod:`pyro_bnn.training.cuda_graph`): one launch per
+        step instead of hundreds.  Needs a CUDA fit with the default (or another fused)
+        optimiser; the graph is captured afresh each epoch, after the guide's epoch hooks; a
+        user's ``objective=`` is then called once per capture, not per step.  A step that
+        cannot be captured trains eagerly with a
+        :class:`pyro_bnn.training.cuda_graph.CudaGraphFallbackWarning`.  Default ``False``.
+        Not supported with ``compile`` or ``distributed``.
 
     Returns
     -------
@@ -286,7 +300,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
                               clip_norm=clip_norm, num_data=num_data, objective=objective,
                               checkpoint=checkpoint, resume=resume, overwrite=overwrite,
                               distributed=distributed, shuffle=shuffle, progress=progress, marglik=marglik,
-                              compile=compile)
+                              compile=compile, cuda_graph=cuda_graph)
     with contextlib.ExitStack() as held:
         if checkpoint is not None and not distributed:
             held.enter_context(CheckpointLock(checkpoint))  # up front: no second fit on this path
@@ -300,7 +314,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         return _fit_prepared(run, data, t_start, epochs=epochs, batch_size=batch_size, lr=lr,
                              optimizer=optimizer, lr_schedule=lr_schedule, num_particles=num_particles,
                              shuffle=shuffle, seed=seed, clip_norm=clip_norm, marglik=marglik,
-                             objective=objective, resume=resume, progress=progress, compile=compile)
+                             objective=objective, resume=resume, progress=progress, compile=compile,
+                             cuda_graph=cuda_graph)
 
 
 def _cuda_devices(model) -> list:
@@ -313,7 +328,7 @@ def _cuda_devices(model) -> list:
 
 def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, optimizer, lr_schedule,
                   num_particles, shuffle, seed, clip_norm, marglik, objective, resume, progress,
-                  compile) -> FitResult:
+                  compile, cuda_graph=False) -> FitResult:
     """The fit after :func:`_prepare`: optimisation set-up, resume, the epochs, the diagnosis."""
     model, guide = run.model, run.guide
     # before a resume loads anything; the random streams are kept as they were: describing
@@ -330,7 +345,7 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
                         objective="default" if objective is None else "callable")
     with local_params(model, guide), flush_denormals():
         run.contract.on_fit_start(run.ctx)
-        _prepare_optimisation(run, optimizer, lr, lr_schedule, clip_norm, epochs, compile)
+        _prepare_optimisation(run, optimizer, lr, lr_schedule, clip_norm, epochs, compile, cuda_graph)
         start = resume_fit(run) if resume else 0
         run.guard.check_initial(start)
         run.guard.start(start)
@@ -351,7 +366,7 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
         warnings.warn(diagnosis.message(), ConvergenceWarning, stacklevel=3)
     return FitResult(history=run.history, seconds=time.perf_counter() - t_start, convergence=diagnosis,
                      resumed_from=start, lr=lr, compiled=isinstance(run.loss_module, CompiledLoss)
-                     and run.loss_module.compiled)
+                     and run.loss_module.compiled, graph_steps=0 if run.graph is None else run.graph.replays)
 
 
 def _judged_objective(history: dict) -> list[float]:
@@ -364,7 +379,7 @@ def _judged_objective(history: dict) -> list[float]:
 
 def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedule, num_particles, seed,
                          clip_norm, num_data, objective, checkpoint, resume, overwrite, distributed, shuffle,
-                         progress, marglik, compile) -> float:
+                         progress, marglik, compile, cuda_graph=False) -> float:
     """Validate ``fit``'s arguments; return the learning rate to use."""
     check_int("epochs", epochs, 0)
     check_int("batch_size", batch_size, 1)
@@ -374,7 +389,7 @@ def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedul
     check_positive("clip_norm", clip_norm, optional=True)
     check_positive("lr", lr, optional=True)
     for name, value in (("shuffle", shuffle), ("progress", progress), ("resume", resume),
-                        ("overwrite", overwrite), ("compile", compile)):
+                        ("overwrite", overwrite), ("compile", compile), ("cuda_graph", cuda_graph)):
         check_bool(name, value)
     probe_lr_schedule(lr_schedule)
     for name, value in (("optimizer", optimizer), ("objective", objective)):
@@ -397,6 +412,12 @@ def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedul
     if compile and distributed:
         raise NotImplementedError("compile=True is not supported with distributed= yet; train the "
                                   "distributed fit eagerly (compile=False)")
+    if cuda_graph and distributed:
+        raise NotImplementedError("cuda_graph=True is not supported with distributed= yet; train the "
+                                  "distributed fit without it")
+    if cuda_graph and compile:
+        raise ValueError("cuda_graph=True and compile=True are two ways to speed up the step; pass one "
+                         "(cuda_graph=True replays the whole eager step, compile=True compiles the objective)")
     if resume and distributed:
         raise NotImplementedError("resume=True is not supported with distributed= yet; resume the fit in "
                                   "one process, or start the distributed fit afresh")
@@ -458,9 +479,10 @@ def _prepare(model, guide, data, *, batch_size, device, shuffle, seed, num_data,
 
 
 def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epochs,
-                          compile: bool = False) -> None:
-    """Optimiser, schedule, loss module (compiled if asked), divergence guard and convergence
-    monitor (after the guide's ``on_fit_start``, which may freeze parameters)."""
+                          compile: bool = False, cuda_graph: bool = False) -> None:
+    """Optimiser, schedule, loss module (compiled if asked), divergence guard, convergence
+    monitor (after the guide's ``on_fit_start``, which may freeze parameters) and the CUDA
+    graph step (if asked)."""
     run.params = trained_parameters(run.model, run.guide)
     run.params += _global_params(run)  # the model's pyro.param values (pyro_bnn.contract.local_params)
     run.optimizer = optimizer(run.params) if optimizer is not None else default_optimizer(
@@ -476,6 +498,9 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
                                 clip_norm=clip_norm, checkpoint=run.checkpoint,
                                 deferred=defer_step_checks(run.optimizer, run.device, run.dstate))
     run.monitor = ConvergenceMonitor(run.optimizer, run.contract.scale_parameters())
+    if cuda_graph:
+        check_cuda_graph_fit(run.device, run.guard.deferred, run.optimizer)
+        run.graph = CudaGraphStep(run.loss_module, run.optimizer, run.guard, run.device)
 
 
 def _global_params(run: _Run) -> list:
@@ -499,6 +524,8 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[float, dict, int, float]:
     if run.dstate is not None:
         _dist.set_epoch(run.loader, epoch)
     run.contract.on_epoch_start(run.ctx)
+    if run.graph is not None:
+        run.graph.begin_epoch()   # captured afresh: the epoch hooks may have changed Python settings
     t0 = time.perf_counter()
     guard = run.guard
     steps, extras_sum = 0, {}
@@ -514,12 +541,31 @@ def _train_epoch(run: _Run, epoch: int) -> tuple[float, dict, int, float]:
 
 
 def _train_step(run: _Run, epoch: int, step: int, batch, extras_sum: dict) -> None:
-    """One minibatch: loss, backward, the guard's check, the optimiser and schedule steps;
-    the objective's extras are added to ``extras_sum``."""
-    opt, guard, device = run.optimizer, run.guard, run.device
+    """One minibatch: loss, backward, the guard's check, the optimiser and schedule steps
+    (replayed from a CUDA graph with ``cuda_graph=True``); the objective's extras are added to
+    ``extras_sum``."""
     xb, yb = split_batch(batch)
-    xb = xb.to(device, non_blocking=True)
-    yb = None if yb is None else yb.to(device, non_blocking=True)
+    xb = xb.to(run.device, non_blocking=True)
+    yb = None if yb is None else yb.to(run.device, non_blocking=True)
+    graph, extras = run.graph, None
+    if graph is not None and graph.accepts(xb, yb):
+        extras = graph.step(xb, yb, step)
+    if extras is None:
+        with contextlib.nullcontext() if graph is None else graph.warming_up():
+            extras = _eager_step(run, epoch, step, xb, yb)
+    run.scheduler.step()
+    run.guard.after_step()
+    run.monitor.after_step()
+    # extras are summed on the device in float64 (the same sum as of Python floats), so
+    # reading them costs no synchronisation per step
+    for k, v in extras.items():
+        v = v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else float(v)
+        extras_sum[k] = extras_sum.get(k, 0.0) + v
+
+
+def _eager_step(run: _Run, epoch: int, step: int, xb, yb) -> dict:
+    """Loss, backward, the guard's check and the optimiser step; returns the extras."""
+    opt, guard = run.optimizer, run.guard
     try:
         out = run.loss_module(xb, yb)
         loss, extras = out if isinstance(out, tuple) else (out, {})
@@ -533,14 +579,7 @@ def _train_step(run: _Run, epoch: int, step: int, batch, extras_sum: dict) -> No
     if guard.pending:  # the loss at the last epoch's final state was finite: keep it, write it
         _confirm_state(run)
     opt.step()
-    run.scheduler.step()
-    guard.after_step()
-    run.monitor.after_step()
-    # extras are summed on the device in float64 (the same sum as of Python floats), so
-    # reading them costs no synchronisation per step
-    for k, v in extras.items():
-        v = v.detach().to(torch.float64) if isinstance(v, torch.Tensor) else float(v)
-        extras_sum[k] = extras_sum.get(k, 0.0) + v
+    return extras
 
 
 def _end_epoch(run: _Run, epoch: int, total: float, extras_sum: dict, steps: int, t0: float) -> None:
