@@ -553,10 +553,12 @@ def _perturb_flow(guide, scale: float = 0.05, seed: int = 123):
     gen = torch.Generator().manual_seed(seed)
     for block in guide.flow.blocks:
         for w in block.arn.w_out:
-            w.add_(torch.randn(w.shape, generator=gen) * (20 * scale))
-        block.arn.b_out.add_(torch.randn(block.arn.b_out.shape, generator=gen) * scale)
+            w.add_((torch.randn(w.shape, generator=gen) * (20 * scale)).to(w.device))
+        b = block.arn.b_out
+        b.add_((torch.randn(b.shape, generator=gen) * scale).to(b.device))
         block.arn.apply_masks_()
-    guide.flow.affine.rho.add_(torch.randn(guide.flow.affine.rho.shape, generator=gen) * 0.1)
+    rho = guide.flow.affine.rho
+    rho.add_((torch.randn(rho.shape, generator=gen) * 0.1).to(rho.device))  # drawn on the CPU: the same values anywhere
 
 
 if __name__ == "__main__":

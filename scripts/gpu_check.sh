@@ -26,8 +26,8 @@ if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
 [ "$CUDA" = 1 ] || echo "no CUDA device: the CUDA steps are skipped" | tee "$OUT/no_cuda.txt"
 # every test that names CUDA (they skip without a device; here they must run)
 if want tests && [ "$CUDA" = 1 ]; then
-  XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
-  timeout ${TESTS_TIMEOUT:-200} "$PY" -m pytest -q -p no:cacheprovider -rs $XDIST -k "cuda" 2>&1 \
+  XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4 -p no:benchmark")
+  timeout ${TESTS_TIMEOUT:-200} "$PY" -m pytest -q -p no:cacheprovider -rs $XDIST -k "${TESTS_K:-cuda}" 2>&1 \
     | tee "$OUT/tests_cuda.txt" | grep -v "^SKIPPED\|^\s*$" | tail -40
 fi
 if want core && [ "$CUDA" = 1 ]; then
@@ -90,6 +90,6 @@ if want ops && [ "$CUDA" = 1 ]; then
 fi
 # the whole suite on this machine's torch (CPU paths; pytest-xdist where installed)
 if want suite; then
-  XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+  XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8 -p no:benchmark")
   timeout 120 "$PY" -m pytest -q -p no:cacheprovider $XDIST 2>&1 | tee "$OUT/tests_all.txt" | tail -5
 fi

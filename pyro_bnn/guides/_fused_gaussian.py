@@ -391,7 +391,12 @@ def _diffs(locs, prior_locs, identities, shared: bool) -> list:
     """``μ − m`` per site, ``μ`` itself where ``m`` is +0 (an exact identity)."""
     shifted = [i for i, (zero_mean, _) in enumerate(identities) if not zero_mean]
     diffs = list(locs)
-    if shifted:
+    if shifted and prior_locs[0].device.type != "cpu":
+        # per site: torch._foreach_sub has no tensor-scalar form, so it would read a device
+        # mean into a Python number (a synchronisation, which a CUDA graph capture refuses)
+        for i in shifted:
+            diffs[i] = locs[i] - prior_locs[i]
+    elif shifted:
         means = prior_locs[0] if shared else [prior_locs[i] for i in shifted]
         for i, d in zip(shifted, torch._foreach_sub([locs[i] for i in shifted], means)):
             diffs[i] = d

@@ -28,6 +28,8 @@ a non-finite loss or gradient is still caught on the device by the divergence gu
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 import warnings
 
 import pyro
@@ -148,6 +150,8 @@ class CudaGraphStep:
         lrs = [(g, torch.tensor(float(g["lr"]), dtype=torch.float32, device=self.device), g["lr"]) for g in groups]
         graph = torch.cuda.CUDAGraph()
         torch.cuda.current_stream(self.device).synchronize()
+        generator = torch.cuda.default_generators[self.device.index or 0]
+        before = generator.clone_state()   # a failed capture leaves the generator in capture mode
         try:
             for g, lr, _ in lrs:
                 g["lr"], g["capturable"] = lr, True
@@ -161,6 +165,7 @@ class CudaGraphStep:
                     self.guard.record_on_device(loss)
                     self.optimizer.step()
         except Exception as exc:  # noqa: BLE001 -- anything the capture refuses: train eagerly
+            generator.graphsafe_set_state(before)   # the random streams as before the attempt
             self._fall_back(exc)
             return False
         finally:
@@ -176,10 +181,20 @@ class CudaGraphStep:
         self.failed = True
         self.begin_epoch()
         torch.cuda.synchronize(self.device)
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         warnings.warn(f"fit(cuda_graph=True): the training step could not be captured in a CUDA graph "
-                      f"({type(exc).__name__}: {line}); training continues eagerly (the same steps, "
-                      "without the speed-up)", CudaGraphFallbackWarning, stacklevel=6)
+                      f"({_root_cause(exc)}); training continues eagerly (the same steps, without the "
+                      "speed-up)", CudaGraphFallbackWarning, stacklevel=6)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The first error of the chain (the capture's own end fails after it), its first line and
+    the innermost frame outside torch where it was raised (e.g. a ``.item()`` in the step)."""
+    while exc.__context__ is not None:
+        exc = exc.__context__
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename]
+    where = f" in {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {line}{where}"
 
 
 def _same_layout(static: torch.Tensor, t: torch.Tensor) -> bool:
