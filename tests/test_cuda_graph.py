@@ -95,13 +95,13 @@ def test_every_guide_trains_through_the_graph(name):
 @pytest.mark.parametrize("name", sorted(PYRO_GUIDES))
 def test_pyro_autoguides_fall_back_under_trace_elbo(name):
     """Pyro's ``Trace_ELBO`` reads every site's log-density into Python (``torch_item``), so a
-    Pyro autoguide's step cannot be captured: the fit says so once, trains eagerly, and its
-    result is the eager fit's bit for bit (the random streams are restored after the attempt)."""
+    Pyro autoguide's step cannot be captured: the fit says so once (without a capture attempt:
+    the objective declares it), trains eagerly, and its result is the eager fit's bit for bit."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graphed = _fit(name, True, fallback_ok=True)
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, CudaGraphFallbackWarning)]
-    assert len(fallbacks) == 1 and "could not be captured" in fallbacks[0], fallbacks
+    assert len(fallbacks) == 1 and "a Pyro ELBO reads" in fallbacks[0], fallbacks
     eager = _fit(name, False)
     assert graphed[0].graph_steps == 0
     assert graphed[0].history["loss"] == eager[0].history["loss"]
@@ -156,7 +156,7 @@ def test_a_non_finite_step_in_the_graph_is_caught_and_named():
     x[64 * 2 + 5] = 1e4     # a finite input that the objective below turns into a NaN loss
     outcomes = [_poisoned_fit(x, y, cuda_graph) for cuda_graph in (True, False)]
     for key, value in outcomes[1].items():
-        torch.testing.assert_close(outcomes[0][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(outcomes[0][key], value, rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.cuda
@@ -194,12 +194,15 @@ def test_predictive_and_param_store_after_a_graphed_fit():
     from pyro.infer import Predictive
 
     x, y = _digits()
-    model = _bnn()
-    guide = pb.guides.MeanField(model)
-    res = pb.fit(model, guide, (x, y), epochs=5, lr=1e-2, seed=0, device="cuda", progress=False, cuda_graph=True)
-    assert res.graph_steps > 0
-    acc = pb.evaluate(model, guide, x[:100], y[:100], num_samples=16)["accuracy"]
-    assert acc > 0.5, acc
+    accuracy = {}
+    for cuda_graph in (False, True):
+        model = _bnn()
+        guide = pb.guides.MeanField(model)
+        res = pb.fit(model, guide, (x, y), epochs=20, lr=1e-2, seed=0, device="cuda", progress=False,
+                     cuda_graph=cuda_graph)
+        assert (res.graph_steps > 0) == cuda_graph
+        accuracy[cuda_graph] = pb.evaluate(model, guide, x[:100], y[:100], num_samples=16)["accuracy"]
+    assert accuracy[True] > 0.8 and abs(accuracy[True] - accuracy[False]) <= 0.03, accuracy
     draws = Predictive(model, guide=guide, num_samples=4, return_sites=["_RETURN"])(x[:10].cuda())
     assert draws["_RETURN"].is_cuda
     names = list(pyro.get_param_store().keys())

@@ -74,6 +74,10 @@ class PyroObjective:
         Any Pyro ELBO; its ``differentiable_loss`` is used.
     """
 
+    #: why ``fit(cuda_graph=True)`` cannot capture it (:mod:`pyro_bnn.training.cuda_graph`)
+    cuda_graph_unsafe = ("a Pyro ELBO reads every site's log-density into Python (torch_item) at each "
+                         "step; pyro_bnn's own guides (MeanField, Hypernet, Symmetrized, Laplace) capture")
+
     def __init__(self, elbo: pyro.infer.ELBO):
         self.elbo = elbo
 

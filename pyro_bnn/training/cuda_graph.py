@@ -77,6 +77,9 @@ class CudaGraphStep:
         A ``deferred`` guard: its device-side check is captured with the step.
     device : torch.device
         The CUDA device.
+    objective : callable, optional
+        The fit's objective; one with a true ``cuda_graph_unsafe`` attribute (a string: why) is
+        not captured (the fit falls back at its first graph step, without attempting a capture).
 
     Attributes
     ----------
@@ -86,8 +89,10 @@ class CudaGraphStep:
         Graphs captured so far.
     """
 
-    def __init__(self, loss_module, optimizer, guard, device: torch.device):
+    def __init__(self, loss_module, optimizer, guard, device: torch.device, objective=None):
         self.loss_module = loss_module
+        #: why the objective cannot be captured (its ``cuda_graph_unsafe`` attribute), else None
+        self.unsafe = getattr(objective, "cuda_graph_unsafe", None)
         self.optimizer = optimizer
         self.guard = guard
         self.device = device
@@ -127,6 +132,9 @@ class CudaGraphStep:
         """Run one step through the graph (captured first if there is none this epoch); return
         the step's extras (tensors of the graph, valid until the next replay), or ``None`` if
         the capture failed (the caller runs the step eagerly)."""
+        if self.unsafe:   # known not to capture: say so without trying (a failed capture is costly)
+            self._fall_back(self.unsafe)
+            return None
         self.guard.activate_device_flags(step, xb.device)
         if self._graph is None and not self._capture(xb, yb):
             return None
@@ -152,6 +160,7 @@ class CudaGraphStep:
         torch.cuda.current_stream(self.device).synchronize()
         generator = torch.cuda.default_generators[self.device.index or 0]
         before = generator.clone_state()   # a failed capture leaves the generator in capture mode
+        stream = torch.cuda.current_stream(self.device)   # ... and the capture stream current
         try:
             for g, lr, _ in lrs:
                 g["lr"], g["capturable"] = lr, True
@@ -166,7 +175,8 @@ class CudaGraphStep:
                     self.optimizer.step()
         except Exception as exc:  # noqa: BLE001 -- anything the capture refuses: train eagerly
             generator.graphsafe_set_state(before)   # the random streams as before the attempt
-            self._fall_back(exc)
+            torch.cuda.set_stream(stream)
+            self._fall_back(_root_cause(exc))
             return False
         finally:
             for g, (lr, capturable) in zip(groups, saved):
@@ -177,13 +187,13 @@ class CudaGraphStep:
         self.captures += 1
         return True
 
-    def _fall_back(self, exc: BaseException) -> None:
+    def _fall_back(self, reason: str) -> None:
         self.failed = True
         self.begin_epoch()
         torch.cuda.synchronize(self.device)
         warnings.warn(f"fit(cuda_graph=True): the training step could not be captured in a CUDA graph "
-                      f"({_root_cause(exc)}); training continues eagerly (the same steps, without the "
-                      "speed-up)", CudaGraphFallbackWarning, stacklevel=6)
+                      f"({reason}); training continues eagerly (the same steps, without the speed-up)",
+                      CudaGraphFallbackWarning, stacklevel=6)
 
 
 def _root_cause(exc: BaseException) -> str:

@@ -500,7 +500,7 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     run.monitor = ConvergenceMonitor(run.optimizer, run.contract.scale_parameters())
     if cuda_graph:
         check_cuda_graph_fit(run.device, run.guard.deferred, run.optimizer)
-        run.graph = CudaGraphStep(run.loss_module, run.optimizer, run.guard, run.device)
+        run.graph = CudaGraphStep(run.loss_module, run.optimizer, run.guard, run.device, run.objective)
 
 
 def _global_params(run: _Run) -> list:
