@@ -124,6 +124,7 @@ def test_weight_noise_kl_annealing_and_cosine_schedule():
 def _poisoned_fit(x, y, cuda_graph):
     """A fit whose objective is NaN on the batch holding an input of 1e4, from epoch 2 on (the
     epoch is a Python number the objective reads: frozen in each epoch's capture)."""
+    torch.manual_seed(0)
     model = pb.BNN(mlp(64, 16, 10))
     guide = pb.guides.MeanField(model)
     inner = guide.make_objective()
