@@ -27,6 +27,7 @@ def _check_compiled_matches_eager(data, device):
         # Dynamo's own tracing warnings (raised as errors under this suite's filters) are not
         # the fit's; a fallback is a failure here
         warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)   # torch's own (torch 2.11: jit.script_method)
         warnings.simplefilter("error", pb.CompileFallbackWarning)
         compiled, compiled_state = _fit(data, compile=True, device=device)
     assert compiled.compiled and not eager.compiled

@@ -432,6 +432,8 @@ def test_plain_svi_and_predictive_on_cuda(name, local, digits, tmp_path):
         losses = _svi(model, guide, x, y, 30)
         assert losses[-1] < losses[0]
         assert all(p.is_cuda for p in guide.parameters())
+        if isinstance(guide, pb.guides.Laplace):   # trained by SVI: its curvature is the user's step
+            guide.fit_curvature((x, y))
         out = Predictive(model, guide=guide, num_samples=4, return_sites=["_RETURN"])(x[:7])
         assert out["_RETURN"].is_cuda and out["_RETURN"].shape == (4, 7, 10)
         if not local:
