@@ -16,6 +16,7 @@ from .reporting import compare
 from .training import (
     CompileFallbackWarning,
     ConvergenceWarning,
+    CudaGraphFallbackWarning,
     FitResult,
     LengthCheck,
     check_convergence,
@@ -24,7 +25,8 @@ from .training import (
     save_checkpoint,
 )
 
-__all__ = ["__version__", "BNN", "fit", "FitResult", "ConvergenceWarning", "CompileFallbackWarning", "check_convergence", "LengthCheck",
+__all__ = ["__version__", "BNN", "fit", "FitResult", "ConvergenceWarning", "CompileFallbackWarning",
+           "CudaGraphFallbackWarning", "check_convergence", "LengthCheck",
            "MarglikOptions", "predict",
            "predictive_samples", "evaluate", "save_checkpoint", "load_checkpoint", "priors", "guides",
            "likelihoods", "metrics", "datasets", "to_arviz", "compare", "analysis", "reporting", "invariance"]

@@ -13,7 +13,8 @@ from helpers import mlp
 from test_guide_contract import ALL_GUIDES, PYRO_GUIDES, _bnn, _make
 
 import pyro_bnn as pb
-from pyro_bnn.training.cuda_graph import WARMUP_STEPS, CudaGraphFallbackWarning
+from pyro_bnn import CudaGraphFallbackWarning
+from pyro_bnn.training.cuda_graph import WARMUP_STEPS
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

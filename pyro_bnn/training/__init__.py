@@ -1,6 +1,6 @@
 """Training: :func:`fit` (:mod:`.loop`) and what it relies on — the divergence guard, the
 convergence diagnosis (:mod:`.convergence`) and its length check (:mod:`.convergence_check`),
-the compiled step (:mod:`.compiled`), checkpoints and resume, denormal flushing, seeding, learning-rate schedules, and data
+the compiled step (:mod:`.compiled`), the CUDA graph step (:mod:`.cuda_graph`), checkpoints and resume, denormal flushing, seeding, learning-rate schedules, and data
 parallelism (:mod:`.distributed`).
 
 May import: :mod:`pyro_bnn.model`, :mod:`pyro_bnn.contract`, :mod:`pyro_bnn.data`,
@@ -10,7 +10,9 @@ May import: :mod:`pyro_bnn.model`, :mod:`pyro_bnn.contract`, :mod:`pyro_bnn.data
 from .compiled import CompileFallbackWarning
 from .convergence import ConvergenceWarning
 from .convergence_check import LengthCheck, check_convergence
+from .cuda_graph import CudaGraphFallbackWarning
 from .loop import FitContext, FitResult, fit, load_checkpoint, save_checkpoint, setup_guide
 
 __all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide",
-           "ConvergenceWarning", "CompileFallbackWarning", "LengthCheck", "check_convergence"]
+           "ConvergenceWarning", "CompileFallbackWarning", "CudaGraphFallbackWarning", "LengthCheck",
+           "check_convergence"]

@@ -18,7 +18,9 @@ again at each replay, but Python numbers and Python control flow are frozen.  So
   torch's capture needs);
 * a step that cannot be captured (it reads a tensor into Python, e.g. a check that
   synchronises) makes the fit train eagerly from then on and warn
-  :class:`CudaGraphFallbackWarning`: the same training, without the speed-up.
+  :class:`CudaGraphFallbackWarning` (``pb.CudaGraphFallbackWarning``): the same training,
+  without the speed-up.  Pyro's ELBOs read every site's log-density into Python, so a Pyro
+  autoguide under them falls back at once (its objective says so: ``cuda_graph_unsafe``).
 
 A user's ``objective=`` is called when a graph is captured (once per epoch), not at every step.
 Distribution-argument validation is off while capturing (its checks read tensors into Python);

@@ -267,7 +267,9 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         optimiser; the graph is captured afresh each epoch, after the guide's epoch hooks; a
         user's ``objective=`` is then called once per capture, not per step.  A step that
         cannot be captured trains eagerly with a
-        :class:`pyro_bnn.training.cuda_graph.CudaGraphFallbackWarning`.  Default ``False``.
+        :class:`pyro_bnn.CudaGraphFallbackWarning` (Pyro's autoguides under ``Trace_ELBO``
+        always do: the ELBO reads each site into Python).  ``FitResult.graph_steps`` counts
+        the replayed steps.  Default ``False`` (``docs/training.md``).
         Not supported with ``compile`` or ``distributed``.
 
     Returns
