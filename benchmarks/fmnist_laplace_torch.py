@@ -167,8 +167,13 @@ def run_ours_marglik(args, data, net0, schedule):
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # --ours-adam-eps-per-datum: Adam's eps times N, which is laplace-torch's step exactly (its
+        # loss is ours / N, and Adam scaled by c is Adam with eps / c): isolates that difference
+        opt = {} if args.ours_adam_eps_per_datum is None else dict(optimizer=lambda ps: torch.optim.Adam(
+            ps, lr=1e-3, eps=args.ours_adam_eps_per_datum * len(data["train"][0]), fused=True), lr=None)
         res = pb.fit(model, guide, data["train"], epochs=args.epochs, seed=args.seed, progress=False,
-                     batch_size=64, lr=1e-3, lr_schedule="cosine", marglik=pb.MarglikOptions(**schedule))
+                     batch_size=64, lr_schedule="cosine", marglik=pb.MarglikOptions(**schedule),
+                     **({"lr": 1e-3} | opt))
     wall = time.perf_counter() - t0
     h = res.history
     row = dict(library="pyro_bnn", fit_seconds=wall, seconds_per_epoch=wall / args.epochs,
@@ -329,6 +334,8 @@ def main(argv=None):
     parser.add_argument("--ours-delta", choices=["layer", "tensor"], default="layer",
                         help="pyro_bnn's δ structure: one per layer (default) or one per parameter tensor "
                              "with separate bias blocks (laplace-torch's 'layerwise')")
+    parser.add_argument("--ours-adam-eps-per-datum", type=float, default=None,
+                        help="pyro_bnn with Adam eps = this x N (1e-8: laplace-torch's mean-loss step)")
     parser.add_argument("--skip-peer", action="store_true", help="pyro_bnn only")
     parser.add_argument("--skip-ours", action="store_true",
                         help="marglik: laplace-torch only (same initial net and schedule as a full run)")

@@ -14,7 +14,7 @@ from test_guide_contract import ALL_GUIDES, PYRO_GUIDES, _bnn, _make
 
 import pyro_bnn as pb
 from pyro_bnn import CudaGraphFallbackWarning
-from pyro_bnn.training.cuda_graph import WARMUP_STEPS
+from pyro_bnn.training.cuda_graph import WARMUP_STEPS, _root_cause, check_cuda_graph_fit
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -41,6 +41,29 @@ def test_cuda_graph_argument_checks():
         pb.fit(model, guide, _digits(64), epochs=1, progress=False, cuda_graph=True, compile=True)
     with pytest.raises(NotImplementedError, match="cuda_graph=True is not supported with distributed"):
         pb.fit(model, guide, _digits(64), epochs=1, progress=False, cuda_graph=True, distributed=True)
+
+
+def test_a_non_fused_optimiser_is_named():
+    """The replayed step needs the guard's device-side checks, which need a fused optimiser."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"fused kernel.*got SGD with fused=\[False\]"):
+        check_cuda_graph_fit(torch.device("cuda"), False, torch.optim.SGD([p], lr=0.1, fused=False))
+
+
+def test_the_fallback_names_the_first_error_and_where():
+    """A capture that fails ends with torch's "capture invalidated" error; the warning names the
+    error that caused it and the innermost frame outside torch (here, this test's function)."""
+    def step():
+        raise RuntimeError("operation not permitted when stream is capturing")
+    try:
+        try:
+            step()
+        except RuntimeError:
+            raise RuntimeError("operation failed due to a previous error during capture")  # noqa: B904 -- as torch chains it
+    except RuntimeError as exc:
+        reason = _root_cause(exc)
+    assert reason.startswith("RuntimeError: operation not permitted when stream is capturing in ")
+    assert reason.endswith("(step)") and "test_cuda_graph.py" in reason
 
 
 def test_without_cuda_graph_no_step_is_replayed():
