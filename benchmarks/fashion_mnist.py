@@ -61,6 +61,7 @@ from pyro_bnn.contract.guide import registered_guides
 from pyro_bnn.guides.symmetrized import symmetrized_elbo
 from pyro_bnn.training.convergence import diagnose
 from pyro_bnn.training.convergence_check import estimate_objective
+from pyro_bnn.training.optimizer import default_optimizer
 from pyro_bnn.training.seeding import seeded
 
 ROWS = ("map", "ensemble", "meanfield", "laplace_ll", "laplace_marglik", "hypernet", "symmetrized",
@@ -161,6 +162,19 @@ def fit_row(args, model, guide, data_xy, *, num_samples, predictive="sample", **
     x, y = data_xy
     n = len(x)
     num_data = round(n / args.kl_weight) if args.kl_weight != 1.0 else None
+    if getattr(args, "adam_eps_per_datum", None) is not None:
+        # pb.fit's default optimiser (the guide's rate and groups) with ε = this × N: the Adam step
+        # of a mean (per-datum) loss, as plain PyTorch training takes it (pb.fit's is the full-data sum)
+        contract = pb.guides.guide_contract(guide)
+        lr = fit_kw.pop("lr", None) or contract.learning_rate(num_data or n) or 1e-3
+        eps = args.adam_eps_per_datum * (num_data or n)
+
+        def optimizer(params):
+            opt = default_optimizer(params, lr, contract.learning_rate_factors())
+            for group in opt.param_groups:
+                group["eps"] = eps
+            return opt
+        fit_kw["optimizer"] = optimizer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = pb.fit(model, guide, (x, y), epochs=args.epochs, seed=args.seed, progress=False,
@@ -496,6 +510,8 @@ def main(argv=None):
     parser.add_argument("--hn-lr", type=float, default=None, help="Hypernet lr (default: the guide's 1e-2)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI, constant)")
+    parser.add_argument("--adam-eps-per-datum", type=float, default=None,
+                        help="pb.fit rows: Adam eps = this x N (1e-8: a mean-loss Adam step)")
     parser.add_argument("--out", default=None, help="append one JSON line per row to this file")
     args = parser.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
