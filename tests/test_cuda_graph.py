@@ -25,11 +25,15 @@ def _digits(n=300):
 
 
 # ---------------------------------------------------------------- arguments (any machine)
-def test_cuda_graph_on_the_cpu_is_an_error():
+def test_cuda_graph_on_the_cpu_is_an_error_before_anything_changes():
+    """Refused before the guide's fit-start hook (which gives every site its own prior module
+    with ``learn_prior_scale``)."""
     model = _bnn()
+    guide = pb.guides.MeanField(model, learn_prior_scale=True)
+    priors = dict(model.priors)   # the prior modules (the hook would replace them)
     with pytest.raises(ValueError, match=r"cuda_graph=True needs a CUDA fit.*trains on cpu"):
-        pb.fit(model, pb.guides.MeanField(model), _digits(64), epochs=1, device="cpu", progress=False,
-               cuda_graph=True)
+        pb.fit(model, guide, _digits(64), epochs=1, device="cpu", progress=False, cuda_graph=True)
+    assert all(model.priors[key] is prior for key, prior in priors.items())
 
 
 def test_cuda_graph_argument_checks():

@@ -37,7 +37,8 @@ import warnings
 import pyro
 import torch
 
-__all__ = ["CudaGraphFallbackWarning", "CudaGraphStep", "WARMUP_STEPS", "check_cuda_graph_fit"]
+__all__ = ["CudaGraphFallbackWarning", "CudaGraphStep", "WARMUP_STEPS", "check_cuda_graph_device",
+           "check_cuda_graph_fit"]
 
 #: eager steps on a side stream before the first capture (lazy initialisation of cuBLAS
 #: handles, optimiser state and autograd's streams must not happen during a capture)
@@ -46,6 +47,18 @@ WARMUP_STEPS = 3
 
 class CudaGraphFallbackWarning(UserWarning):
     """``fit(cuda_graph=True)`` could not capture the step and trains eagerly."""
+
+
+def check_cuda_graph_device(device: torch.device) -> None:
+    """``cuda_graph=True`` needs a CUDA fit (checked before the fit changes anything).
+
+    Raises
+    ------
+    ValueError
+        The fit trains elsewhere.
+    """
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs a CUDA fit (device='cuda'); this fit trains on {device}")
 
 
 def check_cuda_graph_fit(device: torch.device, deferred: bool, optimizer) -> None:
@@ -57,8 +70,7 @@ def check_cuda_graph_fit(device: torch.device, deferred: bool, optimizer) -> Non
     ValueError
         Naming what is missing.
     """
-    if device.type != "cuda":
-        raise ValueError(f"cuda_graph=True needs a CUDA fit (device='cuda'); this fit trains on {device}")
+    check_cuda_graph_device(device)
     if not deferred:
         raise ValueError(
             "cuda_graph=True needs an optimiser whose every parameter group steps in torch's fused kernel "

@@ -38,7 +38,7 @@ from . import distributed as _dist
 from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
 from .compiled import CompiledLoss
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
-from .cuda_graph import CudaGraphStep, check_cuda_graph_fit
+from .cuda_graph import CudaGraphStep, check_cuda_graph_device, check_cuda_graph_fit
 from .devices import flush_denormals
 from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .divergence import can_defer_checks as defer_step_checks
@@ -345,6 +345,8 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
                         lr_schedule=lr_schedule if isinstance(lr_schedule, str) else "callable",
                         optimizer="default" if optimizer is None else "callable",
                         objective="default" if objective is None else "callable")
+    if cuda_graph:   # before the guide's fit-start hook changes anything
+        check_cuda_graph_device(run.device)
     with local_params(model, guide), flush_denormals():
         run.contract.on_fit_start(run.ctx)
         _prepare_optimisation(run, optimizer, lr, lr_schedule, clip_norm, epochs, compile, cuda_graph)
