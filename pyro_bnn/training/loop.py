@@ -26,12 +26,12 @@ import pyro
 import torch
 from pyro import poutine
 
-from ..arguments import check_bool, check_int, check_positive, reject_unknown_keywords
+from ..arguments import reject_unknown_keywords
 from ..contract.guide import GuideStateWarning, guide_contract
 from ..contract.local_params import global_param_tensors, local_params
 from ..contract.param_store import publish_after_fit, sync_param_store
 from ..contract.pyro_objective import call_model
-from ..curvature.marglik import MarglikOptions, check_marglik_options
+from ..curvature.marglik import MarglikOptions
 from ..data.batches import dataset_size, make_loader, split_batch, validate_data
 from ..model.devices import module_device
 from . import distributed as _dist
@@ -42,7 +42,8 @@ from .cuda_graph import CudaGraphStep, check_cuda_graph_device, check_cuda_graph
 from .devices import flush_denormals
 from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .divergence import can_defer_checks as defer_step_checks
-from .lr_schedule import make_lr_scheduler, probe_lr_schedule
+from .fit_arguments import check_fit_arguments, refuse_overwrite
+from .lr_schedule import make_lr_scheduler
 from .optimizer import default_optimizer, trained_parameters
 from .resume import StateOf, checkpoint_entries, fit_fingerprint, resume_fit
 
@@ -297,16 +298,16 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         above it) without becoming NaN.
     """
     reject_unknown_keywords("fit", unknown, _FIT_KEYWORDS)
-    lr = _check_fit_arguments(guide, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
-                              lr_schedule=lr_schedule, num_particles=num_particles, seed=seed,
-                              clip_norm=clip_norm, num_data=num_data, objective=objective,
-                              checkpoint=checkpoint, resume=resume, overwrite=overwrite,
-                              distributed=distributed, shuffle=shuffle, progress=progress, marglik=marglik,
-                              compile=compile, cuda_graph=cuda_graph)
+    lr = check_fit_arguments(epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
+                             lr_schedule=lr_schedule, num_particles=num_particles, seed=seed,
+                             clip_norm=clip_norm, num_data=num_data, objective=objective,
+                             checkpoint=checkpoint, resume=resume, overwrite=overwrite,
+                             distributed=distributed, shuffle=shuffle, progress=progress, marglik=marglik,
+                             compile=compile, cuda_graph=cuda_graph)
     with contextlib.ExitStack() as held:
         if checkpoint is not None and not distributed:
             held.enter_context(CheckpointLock(checkpoint))  # up front: no second fit on this path
-        _refuse_overwrite(checkpoint, resume, overwrite)
+        refuse_overwrite(checkpoint, resume, overwrite)
         t_start = time.perf_counter()
         run = _prepare(model, guide, data, batch_size=batch_size, device=device, shuffle=shuffle, seed=seed,
                        num_data=num_data, objective=objective, num_particles=num_particles, marglik=marglik,
@@ -379,62 +380,6 @@ def _judged_objective(history: dict) -> list[float]:
     the diagnosis's relative tolerance blind to the rest."""
     constants = history.get("loss_constant") or [0.0] * len(history["loss"])
     return [-(v - c) for v, c in zip(history["loss"], constants)]
-
-
-def _check_fit_arguments(guide, *, epochs, batch_size, lr, optimizer, lr_schedule, num_particles, seed,
-                         clip_norm, num_data, objective, checkpoint, resume, overwrite, distributed, shuffle,
-                         progress, marglik, compile, cuda_graph=False) -> float:
-    """Validate ``fit``'s arguments; return the learning rate to use."""
-    check_int("epochs", epochs, 0)
-    check_int("batch_size", batch_size, 1)
-    check_int("num_particles", num_particles, 1)
-    check_int("num_data", num_data, 1, optional=True)
-    check_int("seed", seed, 0, optional=True)
-    check_positive("clip_norm", clip_norm, optional=True)
-    check_positive("lr", lr, optional=True)
-    for name, value in (("shuffle", shuffle), ("progress", progress), ("resume", resume),
-                        ("overwrite", overwrite), ("compile", compile), ("cuda_graph", cuda_graph)):
-        check_bool(name, value)
-    probe_lr_schedule(lr_schedule)
-    for name, value in (("optimizer", optimizer), ("objective", objective)):
-        if value is not None and not callable(value):
-            raise TypeError(f"{name} must be a callable or None, got {type(value).__name__}")
-    if optimizer is not None and lr is not None:
-        raise ValueError(f"lr={lr!r} is the learning rate of fit's default optimiser, which optimizer= "
-                         "replaces; fit cannot pass lr to your factory. Set the rate in the factory "
-                         "(e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1)) and leave lr=None")
-    check_marglik_options(marglik)
-    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
-        raise TypeError(f"checkpoint must be a path (str or os.PathLike) or None, got "
-                        f"{type(checkpoint).__name__}")
-    if resume and checkpoint is None:
-        raise ValueError("resume=True needs checkpoint=<path> (the file to resume from and to keep writing)")
-    if overwrite and checkpoint is None:
-        raise ValueError("overwrite=True needs checkpoint=<path> (the file to replace)")
-    if resume and overwrite:
-        raise ValueError("resume=True continues the checkpoint and overwrite=True replaces it; pass one")
-    if compile and distributed:
-        raise NotImplementedError("compile=True is not supported with distributed= yet; train the "
-                                  "distributed fit eagerly (compile=False)")
-    if cuda_graph and distributed:
-        raise NotImplementedError("cuda_graph=True is not supported with distributed= yet; train the "
-                                  "distributed fit without it")
-    if cuda_graph and compile:
-        raise ValueError("cuda_graph=True and compile=True are two ways to speed up the step; pass one "
-                         "(cuda_graph=True replays the whole eager step, compile=True compiles the objective)")
-    if resume and distributed:
-        raise NotImplementedError("resume=True is not supported with distributed= yet; resume the fit in "
-                                  "one process, or start the distributed fit afresh")
-    return lr
-
-
-def _refuse_overwrite(checkpoint, resume: bool, overwrite: bool) -> None:
-    """A fresh fit does not replace an existing checkpoint unless told to."""
-    if checkpoint is None or resume or overwrite or not os.path.lexists(checkpoint):
-        return
-    raise FileExistsError(f"checkpoint {os.fspath(checkpoint)!r} already exists; this fit would replace "
-                          "it. Pass resume=True to continue the fit it holds, overwrite=True to start "
-                          "afresh and replace it, or another checkpoint path")
 
 
 def _prepare(model, guide, data, *, batch_size, device, shuffle, seed, num_data, objective, num_particles,

@@ -1,0 +1,69 @@
+"""The argument checks of :func:`pyro_bnn.fit`, run before anything is set up: types and
+ranges, combinations that cannot work together (each error names the argument and what was
+expected), and the refusal to replace an existing checkpoint the call did not ask to replace."""
+
+from __future__ import annotations
+
+import os
+
+from ..arguments import check_bool, check_int, check_positive
+from ..curvature.marglik import check_marglik_options
+from .lr_schedule import probe_lr_schedule
+
+__all__ = ["check_fit_arguments", "refuse_overwrite"]
+
+
+def check_fit_arguments(*, epochs, batch_size, lr, optimizer, lr_schedule, num_particles, seed,
+                        clip_norm, num_data, objective, checkpoint, resume, overwrite, distributed, shuffle,
+                        progress, marglik, compile, cuda_graph=False) -> float:
+    """Validate ``fit``'s arguments; return the learning rate to use."""
+    check_int("epochs", epochs, 0)
+    check_int("batch_size", batch_size, 1)
+    check_int("num_particles", num_particles, 1)
+    check_int("num_data", num_data, 1, optional=True)
+    check_int("seed", seed, 0, optional=True)
+    check_positive("clip_norm", clip_norm, optional=True)
+    check_positive("lr", lr, optional=True)
+    for name, value in (("shuffle", shuffle), ("progress", progress), ("resume", resume),
+                        ("overwrite", overwrite), ("compile", compile), ("cuda_graph", cuda_graph)):
+        check_bool(name, value)
+    probe_lr_schedule(lr_schedule)
+    for name, value in (("optimizer", optimizer), ("objective", objective)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be a callable or None, got {type(value).__name__}")
+    if optimizer is not None and lr is not None:
+        raise ValueError(f"lr={lr!r} is the learning rate of fit's default optimiser, which optimizer= "
+                         "replaces; fit cannot pass lr to your factory. Set the rate in the factory "
+                         "(e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1)) and leave lr=None")
+    check_marglik_options(marglik)
+    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"checkpoint must be a path (str or os.PathLike) or None, got "
+                        f"{type(checkpoint).__name__}")
+    if resume and checkpoint is None:
+        raise ValueError("resume=True needs checkpoint=<path> (the file to resume from and to keep writing)")
+    if overwrite and checkpoint is None:
+        raise ValueError("overwrite=True needs checkpoint=<path> (the file to replace)")
+    if resume and overwrite:
+        raise ValueError("resume=True continues the checkpoint and overwrite=True replaces it; pass one")
+    if compile and distributed:
+        raise NotImplementedError("compile=True is not supported with distributed= yet; train the "
+                                  "distributed fit eagerly (compile=False)")
+    if cuda_graph and distributed:
+        raise NotImplementedError("cuda_graph=True is not supported with distributed= yet; train the "
+                                  "distributed fit without it")
+    if cuda_graph and compile:
+        raise ValueError("cuda_graph=True and compile=True are two ways to speed up the step; pass one "
+                         "(cuda_graph=True replays the whole eager step, compile=True compiles the objective)")
+    if resume and distributed:
+        raise NotImplementedError("resume=True is not supported with distributed= yet; resume the fit in "
+                                  "one process, or start the distributed fit afresh")
+    return lr
+
+
+def refuse_overwrite(checkpoint, resume: bool, overwrite: bool) -> None:
+    """A fresh fit does not replace an existing checkpoint unless told to."""
+    if checkpoint is None or resume or overwrite or not os.path.lexists(checkpoint):
+        return
+    raise FileExistsError(f"checkpoint {os.fspath(checkpoint)!r} already exists; this fit would replace "
+                          "it. Pass resume=True to continue the fit it holds, overwrite=True to start "
+                          "afresh and replace it, or another checkpoint path")
