@@ -99,8 +99,6 @@ class CudaGraphStep:
     ----------
     replays : int
         Steps run through a graph so far.
-    captures : int
-        Graphs captured so far.
     """
 
     def __init__(self, loss_module, optimizer, guard, device: torch.device, objective=None):
@@ -114,7 +112,6 @@ class CudaGraphStep:
         self.warmup_left = WARMUP_STEPS
         self.failed = False
         self.replays = 0
-        self.captures = 0
         self._graph = None
         self._inputs = None     # the graph's input tensors (x, y or None)
         self._extras = {}       # the graph's extras outputs
@@ -198,7 +195,6 @@ class CudaGraphStep:
             self.optimizer.zero_grad(set_to_none=True)
         self._graph, self._inputs, self._lrs = graph, inputs, lrs
         self._extras = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
-        self.captures += 1
         return True
 
     def _fall_back(self, reason: str) -> None:

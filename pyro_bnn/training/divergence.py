@@ -253,10 +253,9 @@ class DivergenceGuard:
             bad = bad | (norm > self._max_norm)
         flags["count"].add_(1)
         first = bad & (flags["found"] == 0)   # the first failing step's figures, for the message
-        flags["step"].copy_(torch.where(first, flags["count"], flags["step"]))
-        flags["loss"].copy_(torch.where(first, loss.to(torch.float64), flags["loss"]))
-        flags["norm"].copy_(torch.where(first, norm.to(torch.float64), flags["norm"]))
-        flags["found"].copy_(torch.maximum(flags["found"], bad.to(flags["found"].dtype)))
+        for key, value in (("step", flags["count"]), ("loss", loss), ("norm", norm)):   # written in place
+            torch.where(first, value.to(torch.float64), flags[key], out=flags[key])
+        torch.maximum(flags["found"], bad.to(flags["found"].dtype), out=flags["found"])
         flags["sum"].add_(loss.to(torch.float64))
         # the fused step skips its update on the device while the flag is set (GradScaler's protocol)
         self.optimizer.grad_scale, self.optimizer.found_inf = None, flags["found"]

@@ -496,12 +496,14 @@ def _train_step(run: _Run, epoch: int, step: int, batch, extras_sum: dict) -> No
     xb, yb = split_batch(batch)
     xb = xb.to(run.device, non_blocking=True)
     yb = None if yb is None else yb.to(run.device, non_blocking=True)
-    graph, extras = run.graph, None
-    if graph is not None and graph.accepts(xb, yb):
-        extras = graph.step(xb, yb, step)
-    if extras is None:
-        with contextlib.nullcontext() if graph is None else graph.warming_up():
-            extras = _eager_step(run, epoch, step, xb, yb)
+    graph = run.graph
+    if graph is None:
+        extras = _eager_step(run, epoch, step, xb, yb)
+    else:
+        extras = graph.step(xb, yb, step) if graph.accepts(xb, yb) else None
+        if extras is None:   # warm-up, a step read at once, a partial batch, or a failed capture
+            with graph.warming_up():
+                extras = _eager_step(run, epoch, step, xb, yb)
     run.scheduler.step()
     run.guard.after_step()
     run.monitor.after_step()
