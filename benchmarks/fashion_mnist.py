@@ -68,11 +68,14 @@ ROWS = ("map", "ensemble", "meanfield", "laplace_ll", "laplace_marglik", "hypern
         "autonormal")
 
 
-def make_net(arch: str) -> nn.Module:
-    """The benchmark network (``mlp`` takes ``(N, 784)``, ``cnn`` ``(N, 1, 28, 28)``)."""
+def make_net(arch: str, width: int = 200) -> nn.Module:
+    """The benchmark network (``mlp`` takes ``(N, 784)``, ``cnn`` ``(N, 1, 28, 28)``).
+
+    ``width`` is the MLP's hidden units per layer (784-width-width-10); the CNN has none.
+    """
     if arch == "mlp":
-        return nn.Sequential(nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(),
-                             nn.Linear(200, 10))
+        return nn.Sequential(nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                             nn.Linear(width, 10))
     return nn.Sequential(nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(256, 120), nn.ReLU(), nn.Linear(120, 84),
                          nn.ReLU(), nn.Linear(84, 10))
@@ -110,10 +113,10 @@ def convergence_of(diag) -> dict:
 
 
 # ----------------------------------------------------------------------------- plain PyTorch MAP
-def train_map_net(arch, x, y, *, epochs, seed, weight_decay, lr=1e-3, batch_size=64):
+def train_map_net(arch, x, y, *, epochs, seed, weight_decay, lr=1e-3, batch_size=64, width=200):
     """Adam + cosine schedule, mean cross-entropy; returns net, per-epoch losses and seconds."""
     torch.manual_seed(seed)
-    net = make_net(arch)
+    net = make_net(arch, width)
     losses, seconds = train_map_(net, x, y, epochs=epochs, seed=seed, weight_decay=weight_decay, lr=lr,
                                  batch_size=batch_size)
     return net, losses, seconds
@@ -130,7 +133,7 @@ def row_map(args, data, *, members=1):
     nets, diags, secs, losses = [], [], [], []
     for k in range(members):
         net, loss, sec = train_map_net(args.arch, x, y, epochs=args.epochs, seed=args.seed + k,
-                                       weight_decay=wd)
+                                       weight_decay=wd, width=args.width)
         nets.append(net)
         losses.append(loss)
         secs += sec
@@ -155,7 +158,7 @@ def row_map(args, data, *, members=1):
 # ----------------------------------------------------------------------------- pb.fit rows
 def bnn(args, prior_scale=1.0):
     torch.manual_seed(args.seed)
-    return pb.BNN(make_net(args.arch), "categorical", prior=pb.priors.IIDNormal(prior_scale))
+    return pb.BNN(make_net(args.arch, args.width), "categorical", prior=pb.priors.IIDNormal(prior_scale))
 
 
 def fit_row(args, model, guide, data_xy, *, num_samples, predictive="sample", **fit_kw):
@@ -228,11 +231,11 @@ def meanfield_prior(args):
 
 def row_meanfield(args, data):
     torch.manual_seed(args.seed)
-    net, warm = make_net(args.arch), {}
+    net, warm = make_net(args.arch, args.width), {}
     if args.warm_start_epochs:  # the means start at a short MAP fit (N(0, 1) prior: weight decay 1/N)
         x, y = data["train"]
         net, loss, sec = train_map_net(args.arch, x, y, epochs=args.warm_start_epochs, seed=args.seed,
-                                       weight_decay=1.0 / len(x))
+                                       weight_decay=1.0 / len(x), width=args.width)
         warm = dict(warm_start_epochs=args.warm_start_epochs, warm_start_loss=[round(v, 5) for v in loss],
                     warm_start_seconds=sum(sec))
         torch.manual_seed(args.seed)
@@ -278,12 +281,12 @@ def row_registry(args, data, name):
         prior = None
         if args.hn_prior_precision:  # one precision per weight-norm layer, in network order
             lams = [float(v) for v in args.hn_prior_precision.split(",")]
-            names = pb.BNN(make_net(args.arch), "categorical", weight_norm=True).site_names
+            names = pb.BNN(make_net(args.arch, args.width), "categorical", weight_norm=True).site_names
             if len(lams) != len(names):
                 raise SystemExit(f"--hn-prior-precision: expected {len(names)} values ({names}), got {lams}")
             prior = {name: pb.priors.IIDNormal(lam ** -0.5) for name, lam in zip(names, lams)}
         torch.manual_seed(args.seed)
-        model = pb.BNN(make_net(args.arch), "categorical", weight_norm=True, prior=prior,
+        model = pb.BNN(make_net(args.arch, args.width), "categorical", weight_norm=True, prior=prior,
                        random_directions=args.hn_random_directions)
         opts = {} if args.hn_flows is None else {"num_flows": args.hn_flows}
         if args.hn_prior_structure is not None:
@@ -422,7 +425,7 @@ def run_row(args, data, name):
         row = row_laplace_marglik(args, data)
     else:
         row = row_registry(args, data, name)
-    row.update(row=name, arch=args.arch, epochs=args.epochs, seed=args.seed, subset=args.subset or None,
+    row.update(row=name, arch=args.arch, width=args.width if args.arch == "mlp" else None, epochs=args.epochs, seed=args.seed, subset=args.subset or None,
                num_train=len(data["train"][0]), seconds=time.perf_counter() - t0,
                peak_rss_growth_mb=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
     return row
@@ -460,6 +463,7 @@ def row_laplace_marglik(args, data):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("--width", type=int, default=200, help="MLP hidden units per layer (784-W-W-10)")
     parser.add_argument("--rows", default="map", help=f"comma separated, from {', '.join(ROWS)}")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--check-length", action="store_true", help="also run each row at 2x epochs")
@@ -518,6 +522,8 @@ def main(argv=None):
     bad = [r for r in rows if r not in ROWS]
     if bad:
         parser.error(f"unknown rows {bad}; expected some of {', '.join(ROWS)}")
+    if args.arch != "mlp" and args.width != 200:
+        parser.error(f"--width sets the MLP's hidden units; the {args.arch} has none (got --width {args.width})")
     torch.set_num_threads(args.threads)
     data = load(args)
     lengths = [args.epochs, 2 * args.epochs] if args.check_length else [args.epochs]
