@@ -38,9 +38,14 @@ def test_float_labels_for_categorical():
 
 def test_wrong_input_width():
     model = _model()
-    with pytest.raises(ValueError, match="input has 5 features.*expects 8"):
+    # the message names the user's shape (10, 5), not that of the two-row output-shape probe
+    with pytest.raises(ValueError, match=r"input has 5 features \(shape \(10, 5\)\).*expects 8"):
         pb.fit(model, pb.guides.MeanField(model), (torch.randn(10, 5), torch.randint(0, 3, (10,))),
                epochs=1, progress=False)
+    guide = pb.guides.MeanField(model)
+    pb.fit(model, guide, (torch.randn(10, 8), torch.randint(0, 3, (10,))), epochs=1, progress=False)
+    with pytest.raises(ValueError, match=r"input has 7 features \(shape \(12, 7\)\)"):
+        pb.evaluate(model, guide, torch.randn(12, 7), torch.randint(0, 3, (12,)), num_samples=2)
 
 
 def test_wrong_conv_input():
@@ -74,6 +79,36 @@ def test_no_random_parameters():
         pb.BNN(nn.Sequential(nn.ReLU()))
     with pytest.raises(ValueError, match="lacks"):
         pb.BNN(nn.Linear(2, 2), stochastic=["net.3.weight"])
+
+
+def _shared_layer_net():
+    shared = nn.Linear(4, 4)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), shared, nn.ReLU(), shared, nn.ReLU(), nn.Linear(4, 2))
+
+
+def _tied_weights_net():
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(),
+                        nn.Linear(4, 2))
+    net[4].weight = net[2].weight
+    return net
+
+
+@pytest.mark.parametrize("make_net", [_shared_layer_net, _tied_weights_net], ids=["layer-used-twice", "tied"])
+def test_shared_parameters_are_refused_and_the_remedy_trains(make_net):
+    # A shared tensor as PyroSample sites became two independent weights (tied: the tie silently
+    # lost) or one site Pyro names "net.4" while the guides looked for "net.2" (KeyError '2').
+    with pytest.raises(ValueError, match=r"net\.2\.weight, net\.4\.weight.*tied weights.*copy\.deepcopy"):
+        pb.BNN(make_net())
+    # The remedy the message names: the shared tensor deterministic, the rest random.
+    model = pb.BNN(make_net(), stochastic=lambda name, module, param: not name.startswith(("2.", "4.")))
+    assert model.site_names == ["net.0.weight", "net.0.bias", "net.6.weight", "net.6.bias"]
+    x, y = torch.randn(32, 3), torch.randint(0, 2, (32,))
+    before = model.net[2].weight.detach().clone()
+    guide = pb.guides.MeanField(model)
+    pb.fit(model, guide, (x, y), epochs=2, progress=False)
+    assert model.net[2].weight is model.net[4].weight  # still one tensor, trained as a point estimate
+    assert not torch.equal(model.net[2].weight.detach(), before)
+    assert pb.predict(model, guide, x, num_samples=2).shape == (2, 32, 2)
 
 
 def test_bad_likelihood_and_prior():

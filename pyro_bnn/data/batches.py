@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ..contract.local_params import local_params
 from ..contract.modes import evaluation_mode
-from ..model.bnn import initial_values_of, model_likelihood, network_function_of
+from ..model.bnn import check_input_of, initial_values_of, model_likelihood, network_function_of
 from ..model.devices import module_device
 from ..model.likelihoods import Likelihood, make_likelihood
 
@@ -183,6 +183,7 @@ class BatchCheck:
         function = network_function_of(self.model)
         if function is None or self._output_shape is not None:
             return
+        check_input_of(self.model, x)  # the error names x's own shape, not the probe's two rows
         xs = x[:2] if self.device is None else x[:2].to(self.device)
         devices = [xs.device] if xs.device.type == "cuda" else []
         rng = torch.random.fork_rng(devices=devices) if isolate_rng else contextlib.nullcontext()

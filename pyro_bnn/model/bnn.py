@@ -140,6 +140,14 @@ def network_function_of(model):
     return getattr(model, "function", None)  # the one read of a model's optional function
 
 
+def check_input_of(model, x: torch.Tensor) -> None:
+    """Run a :class:`BNN`'s cheap input check (:meth:`BNN.check_input`) on all of ``x``;
+    nothing for a model without one."""
+    check = getattr(model, "check_input", None)  # the one read of a model's optional check_input
+    if check is not None:
+        check(x)
+
+
 def weight_norm_of(model) -> bool | None:
     """Whether ``model`` is weight-normalised (``pb.BNN(..., weight_norm=True)``: only the
     scales ``g`` are random): a :class:`BNN`'s ``weight_norm``, ``None`` (the default) for a
@@ -264,8 +272,10 @@ class BNN(PyroModule):
     Raises
     ------
     ValueError
-        If no parameter is selected as random, or an option has an unknown value (the
-        message names the closest valid one).
+        If no parameter is selected as random, a random parameter is shared (a layer used
+        twice, tied weights: give each use its own layer, or keep the tensor deterministic
+        with ``stochastic=``), or an option has an unknown value (the message names the
+        closest valid one).
     TypeError
         An option of the wrong type.
 
@@ -322,6 +332,7 @@ class BNN(PyroModule):
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
                 if select(full, module, param):
                     chosen.append((mod_name, module, p_name, param, full))
+        _refuse_shared_parameters(net, chosen)
         if not chosen:
             raise ValueError(
                 "the network has no parameter selected as random (expected Linear/Conv "
@@ -566,6 +577,27 @@ def _like(module: nn.Module, reference: torch.Tensor, converted: dict) -> nn.Mod
     if id(module) not in converted:
         converted[id(module)] = copy.deepcopy(module).to(device=reference.device, dtype=reference.dtype)
     return converted[id(module)]
+
+
+def _refuse_shared_parameters(net: nn.Module, chosen: list) -> None:
+    """Refuse a random parameter that the network reaches under more than one path.
+
+    A layer used twice (``nn.Sequential(a, act, a)``) or tied weights (``b.weight =
+    a.weight``) share one tensor.  As ``PyroSample`` sites it would either become two
+    independent random weights (the tie silently lost) or one site that Pyro names by its
+    last path while the guides look for its first; neither is the user's model.
+    """
+    paths: dict[int, list[str]] = {}
+    for name, param in net.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(param), []).append(f"net.{name}")
+    for *_, param, _full in chosen:
+        shared = paths.get(id(param), [])
+        if len(shared) > 1:
+            raise ValueError(
+                f"the network uses one parameter tensor under {len(shared)} paths, {', '.join(shared)} "
+                "(a layer used twice, or tied weights); pb.BNN cannot make a shared tensor one random "
+                "site. Give each use its own layer (copy.deepcopy(layer)), or keep the shared tensor "
+                "deterministic with a stochastic= predicate that returns False for it")
 
 
 def _make_selector(stochastic, net: nn.Module):
