@@ -1,6 +1,7 @@
 """Bad input gets clear errors; NaN losses stop fit without losing the trained state; checkpoints."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -109,6 +110,25 @@ def test_shared_parameters_are_refused_and_the_remedy_trains(make_net):
     assert model.net[2].weight is model.net[4].weight  # still one tensor, trained as a point estimate
     assert not torch.equal(model.net[2].weight.detach(), before)
     assert pb.predict(model, guide, x, num_samples=2).shape == (2, 32, 2)
+
+
+def test_layers_the_default_leaves_deterministic_are_named():
+    tokens = nn.Sequential(nn.Embedding(20, 4), nn.Flatten(), nn.Linear(12, 3))
+    with pytest.warns(UserWarning, match=r"Embedding 'net\.0' keeps point-estimate weights.*stochastic="):
+        pb.BNN(tokens)
+    decoder = nn.Sequential(nn.ConvTranspose2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 7 * 7, 3))
+    with pytest.warns(UserWarning, match=r"ConvTranspose2d 'net\.0' keeps"):
+        pb.BNN(decoder)
+    with pytest.warns(UserWarning, match=r"weight_norm=True .* nn\.Conv2d layers only; Conv1d 'net\.0' keeps"):
+        pb.BNN(nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(56, 3)), weight_norm=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = pb.BNN(decoder, stochastic=lambda name, module, param: True)  # explicit: random, silent
+        assert model.site_names == ["net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"]
+        pb.BNN(tokens, stochastic=["net.2.weight", "net.2.bias"])  # explicit: deterministic, silent
+        # normalisation layers' 1-D affine parameters and weight-norm directions are not named
+        pb.BNN(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.LayerNorm(4), nn.Linear(4, 2)))
+        pb.BNN(nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(16, 2)), weight_norm=True)
 
 
 def test_bad_likelihood_and_prior():

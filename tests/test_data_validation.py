@@ -135,7 +135,8 @@ def test_model_free_default_check_still_catches_nan_and_lengths():
 def test_integer_inputs_only_for_models_that_take_them():
     tokens = torch.randint(0, 20, (6, 3))
     BatchCheck()(tokens)  # without a model: cannot tell, accepted
-    embedding = pb.BNN(torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Flatten(), torch.nn.Linear(12, 3)))
+    embedding = pb.BNN(torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Flatten(), torch.nn.Linear(12, 3)),
+                       stochastic=["net.2.weight", "net.2.bias"])
     BatchCheck(embedding)(tokens)  # token ids for nn.Embedding
     with pytest.raises(TypeError, match=r"has dtype torch.int64; expected floating-point inputs"):
         BatchCheck(_model())(tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
@@ -16,7 +17,7 @@ from torch import nn
 from ..arguments import check_bool, check_names
 from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
-from .weight_norm import weight_norm_setup
+from .weight_norm import is_weight_norm_layer, weight_norm_setup
 
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "augmentation_of", "example_input", "initial_values_of",
            "model_likelihood", "network_function_of", "network_of", "normal_prior_params",
@@ -315,6 +316,7 @@ class BNN(PyroModule):
         likelihood_module = make_likelihood(likelihood, noise)
         _check_noise_option(likelihood, likelihood_module, noise)
         net = copy.deepcopy(net)
+        default_selection = stochastic is None
         self.weight_norm = weight_norm
         self.random_directions = random_directions
         if weight_norm:  # the scales g of W_j = g_j v_j/|v_j| are random (Hypernet), the directions v optionally
@@ -333,6 +335,8 @@ class BNN(PyroModule):
                 if select(full, module, param):
                     chosen.append((mod_name, module, p_name, param, full))
         _refuse_shared_parameters(net, chosen)
+        if default_selection:
+            _warn_point_estimate_layers(net, chosen, weight_norm)
         if not chosen:
             raise ValueError(
                 "the network has no parameter selected as random (expected Linear/Conv "
@@ -598,6 +602,28 @@ def _refuse_shared_parameters(net: nn.Module, chosen: list) -> None:
                 "(a layer used twice, or tied weights); pb.BNN cannot make a shared tensor one random "
                 "site. Give each use its own layer (copy.deepcopy(layer)), or keep the shared tensor "
                 "deterministic with a stochastic= predicate that returns False for it")
+
+
+def _warn_point_estimate_layers(net: nn.Module, chosen: list, weight_norm: bool) -> None:
+    """Warn when the default selection leaves a layer's weight matrices deterministic.
+
+    The defaults make Linear and Conv1d/2d/3d random (with ``weight_norm=True``: the scales of
+    Linear and Conv2d); a ConvTranspose, Embedding, recurrent layer or a module's own matrix
+    would otherwise stay a point estimate without a word.  Normalisation layers' 1-D affine
+    parameters are deterministic by convention and not named.
+    """
+    random = {id(c[3]) for c in chosen}
+    left = [f"{type(module).__name__} {('net.' + name) if name else 'net'!r}"
+            for name, module in net.named_modules()
+            if not (weight_norm and is_weight_norm_layer(module))
+            and any(p.dim() >= 2 and id(p) not in random for p in module.parameters(recurse=False))]
+    if left:
+        rule = ("weight_norm=True makes random the scales of nn.Linear and nn.Conv2d layers only" if weight_norm
+                else "by default only the weights and biases of nn.Linear and nn.Conv1d/2d/3d layers are random")
+        warnings.warn(f"pb.BNN: {rule}; {', '.join(left)} keep{'s' if len(left) == 1 else ''} point-estimate "
+                      "weights. Choose the random parameters with stochastic= (a predicate (name, module, "
+                      "param) -> bool, or parameter paths), which also silences this warning",
+                      UserWarning, stacklevel=3)
 
 
 def _make_selector(stochastic, net: nn.Module):
