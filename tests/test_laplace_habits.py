@@ -520,3 +520,23 @@ def test_fit_of_a_fitted_then_svi_moved_laplace_guide_does_not_warn_stale_at_set
     assert not [w for w in caught if issubclass(w.category, StaleCurvatureWarning)], \
         [str(w.message) for w in caught]
     assert not guide.curvature_is_stale()
+
+
+@pytest.mark.parametrize("make_conv, named", [
+    (lambda: nn.Conv2d(2, 4, 3, groups=2), r"a PyroConv2d with groups=2\. Leave such sites out"),
+    (lambda: nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"), r"a PyroConv2d with padding_mode='reflect'"),
+    (lambda: nn.Conv1d(2, 4, 3), r"belongs to PyroConv1d\. Leave such sites out"),
+], ids=["grouped", "reflect-padded", "conv1d"])
+def test_unsupported_conv_layers_name_what_rules_them_out(make_conv, named):
+    """A grouped or reflect-padded Conv2d was reported as 'belongs to PyroConv2d' after 'supports
+    ... nn.Conv2d': the message now names the setting that the curvature does not support."""
+    conv = make_conv()  # built under the module's default dtype
+    x = torch.randn(8, 2, 5) if isinstance(conv, nn.Conv1d) else torch.randn(8, 2, 5, 5)
+    net = nn.Sequential(conv, nn.ReLU(), nn.Flatten(), nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"uninitialised lazy parameters \(LazyLinear 'net\.3'\); run it once"):
+        pb.BNN(net)
+    net(x)  # materialise the lazy layer, as the message says
+    model = pb.BNN(net)
+    guide = pb.guides.Laplace(model)
+    with pytest.raises(ValueError, match=named):
+        guide.fit_curvature((x, torch.randint(0, 3, (8,))))

@@ -123,8 +123,8 @@ def find_layers(model: nn.Module, site_shapes: dict[str, torch.Size]) -> list[La
         if not ok:
             raise ValueError(
                 "Laplace curvature supports sites that are the weight or bias of nn.Linear / "
-                f"nn.Conv2d layers; site {site!r} belongs to "
-                f"{type(module).__name__ if module is not None else 'no module'}")
+                f"nn.Conv2d layers (groups=1, padding_mode='zeros'); site {site!r} belongs to "
+                f"{_layer_description(module)}")
         groups.setdefault(path, {"module": module})[pname] = site
     layers = []
     for path, g in groups.items():
@@ -136,6 +136,18 @@ def find_layers(model: nn.Module, site_shapes: dict[str, torch.Size]) -> list[La
         w, b = g.get("weight"), g.get("bias")
         layers.append(Layer(path, m, w, b, out_f, (in_f if w else 0) + (1 if b else 0)))
     return layers
+
+
+def _layer_description(module: nn.Module | None) -> str:
+    """The layer type, with what rules out a ``Conv2d`` (groups, padding mode)."""
+    if module is None:
+        return "no module"
+    name = type(module).__name__
+    if isinstance(module, nn.Conv2d):
+        unsupported = [f"groups={module.groups}"] if module.groups != 1 else []
+        unsupported += [f"padding_mode={module.padding_mode!r}"] if module.padding_mode != "zeros" else []
+        return f"a {name} with {' and '.join(unsupported)}"
+    return name
 
 
 def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],

@@ -315,6 +315,7 @@ class BNN(PyroModule):
         random_directions = check_bool("random_directions", random_directions)
         likelihood_module = make_likelihood(likelihood, noise)
         _check_noise_option(likelihood, likelihood_module, noise)
+        _refuse_lazy_parameters(net)
         net = copy.deepcopy(net)
         default_selection = stochastic is None
         self.weight_norm = weight_norm
@@ -581,6 +582,17 @@ def _like(module: nn.Module, reference: torch.Tensor, converted: dict) -> nn.Mod
     if id(module) not in converted:
         converted[id(module)] = copy.deepcopy(module).to(device=reference.device, dtype=reference.dtype)
     return converted[id(module)]
+
+
+def _refuse_lazy_parameters(net: nn.Module) -> None:
+    """Refuse a network whose lazy layers (``nn.LazyLinear`` ...) have no shapes yet: a prior
+    needs its weight's shape."""
+    lazy = [f"{type(m).__name__} {('net.' + n) if n else 'net'!r}" for n, m in net.named_modules()
+            if any(nn.parameter.is_lazy(p) for p in m.parameters(recurse=False))]
+    if lazy:
+        raise ValueError(f"the network has uninitialised lazy parameters ({', '.join(lazy)}); run it once on "
+                         "a batch of inputs (net(x[:1])) before pb.BNN, so that every weight has the shape "
+                         "its prior needs")
 
 
 def _refuse_shared_parameters(net: nn.Module, chosen: list) -> None:
