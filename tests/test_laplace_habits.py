@@ -540,3 +540,16 @@ def test_unsupported_conv_layers_name_what_rules_them_out(make_conv, named):
     guide = pb.guides.Laplace(model)
     with pytest.raises(ValueError, match=named):
         guide.fit_curvature((x, torch.randint(0, 3, (8,))))
+
+
+def test_full_structure_beyond_memory_is_refused_before_training():
+    """structure='full' on 2 million weights needs 2 x 16 TB: refused at set-up, naming P, the size and
+    the alternatives — not torch's allocator failing after the MAP was trained."""
+    from pyro_bnn.model.devices import device_memory_bytes
+
+    assert device_memory_bytes("cpu") > 2 ** 28
+    model = pb.BNN(nn.Sequential(nn.Linear(2000, 1000), nn.ReLU(), nn.Linear(1000, 2)))
+    guide = pb.guides.Laplace(model, "full")
+    with pytest.raises(ValueError, match=r"P = 2,003,002 parameters .* GiB per matrix .*structure='kron' or 'diag'"):
+        pb.fit(model, guide, (torch.randn(8, 2000), torch.randint(0, 2, (8,))), epochs=1, progress=False)
+    assert not hasattr(guide, "curvature_state")  # refused in set-up, before any step

@@ -8,9 +8,11 @@ function has one.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["module_device"]
+__all__ = ["module_device", "device_memory_bytes"]
 
 
 def module_device(*modules, default: torch.device | str | None = "cpu") -> torch.device | None:
@@ -36,3 +38,17 @@ def module_device(*modules, default: torch.device | str | None = "cpu") -> torch
             for t in module.buffers():
                 return t.device
     return None if default is None else torch.device(default)
+
+
+def device_memory_bytes(device: torch.device | str) -> int | None:
+    """Total memory of ``device``: a CUDA device's own, the machine's physical memory for the
+    CPU; ``None`` where it cannot be read (other devices, platforms without ``sysconf``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError):
+            return None
+    return None

@@ -49,6 +49,7 @@ from .sites import (
     is_layer_parameter,
     normal_precision,
     point_estimate_transforms,
+    refuse_dense_beyond_memory,
     select_sites,
     unwrap_handlers,
 )
@@ -256,6 +257,8 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         self._check_prior_is_represented(prior_prec, prior_problems, self._requested_prior_structure,
                                          self._init_prior_precision)
         like = next(iter(self.theta.values()))
+        if self.structure == "full":
+            refuse_dense_beyond_memory(sum(math.prod(self.site_shapes[s]) for s in self.laplace_sites), like)
         self.curvature_state = CurvatureState(self.layers, self.structure, self.kron_bias == "separate",
                                               torch.empty((), dtype=like.dtype, device=like.device))
 

@@ -12,10 +12,31 @@ from pyro.distributions.transforms import biject_to
 from torch import nn
 
 from ...curvature.layers import site_module
+from ...model.devices import device_memory_bytes
 
-__all__ = ["gaussian_log_prior_batched", "is_layer_parameter", "unwrap_handlers", "normal_precision", "point_estimate_transforms", "select_sites", "concat_deltas"]
+__all__ = ["refuse_dense_beyond_memory", "gaussian_log_prior_batched", "is_layer_parameter", "unwrap_handlers", "normal_precision", "point_estimate_transforms", "select_sites", "concat_deltas"]
 
 
+
+#: Dense P × P matrices that ``structure="full"`` holds at once at its peak (the GGN and the
+#: posterior precision's factor).
+DENSE_COPIES = 2
+
+
+def refuse_dense_beyond_memory(num_params: int, like: torch.Tensor) -> None:
+    """Refuse ``structure="full"`` when its dense matrices cannot fit in the device's memory.
+
+    Without it the curvature fit trains the MAP first and then fails inside torch's allocator
+    (on the CPU: "can't allocate memory: you tried to allocate 158738496400 bytes").
+    """
+    per_matrix = num_params ** 2 * like.element_size()
+    total = device_memory_bytes(like.device)
+    if total is not None and DENSE_COPIES * per_matrix > total:
+        raise ValueError(
+            f"structure='full' keeps dense P x P matrices: P = {num_params:,} parameters in the Laplace "
+            f"sites -> {per_matrix / 2 ** 30:,.1f} GiB per matrix ({like.dtype}, {DENSE_COPIES} at once), "
+            f"more than the {total / 2 ** 30:,.1f} GiB of memory of {like.device}. Use structure='kron' "
+            "or 'diag', or fewer sites with subset= (e.g. subset='last_layer')")
 
 
 def gaussian_log_prior_batched(layers, values: dict, deltas: list) -> torch.Tensor:
