@@ -131,6 +131,26 @@ def test_layers_the_default_leaves_deterministic_are_named():
         pb.BNN(nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(16, 2)), weight_norm=True)
 
 
+@pytest.mark.parametrize("weight_norm", [False, True], ids=["plain", "weight-norm"])
+def test_frozen_layers_stay_deterministic_and_fixed(weight_norm):
+    """A frozen feature extractor (requires_grad=False) was made random by the default selection,
+    so the guide learned a posterior over weights the user had fixed."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    net[0].requires_grad_(False)
+    frozen = net[0].weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # frozen layers are the user's choice: no warning
+        model = pb.BNN(net, weight_norm=weight_norm)
+    assert model.site_names == (["net.2.weight_g"] if weight_norm else ["net.2.weight", "net.2.bias"])
+    guide = pb.guides.Hypernet(model, num_flows=1, hidden=4) if weight_norm else pb.guides.MeanField(model)
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    pb.fit(model, guide, (x, y), epochs=2, progress=False)
+    assert torch.equal(model.net[0].weight.detach(), frozen) and not model.net[0].weight.requires_grad
+    with pytest.raises(ValueError, match="not frozen"):
+        pb.BNN(nn.Sequential(nn.Linear(6, 3).requires_grad_(False)), weight_norm=weight_norm)
+
+
 def test_bad_likelihood_and_prior():
     with pytest.raises(ValueError, match="likelihood must be"):
         pb.BNN(nn.Linear(2, 2), likelihood="poisson")

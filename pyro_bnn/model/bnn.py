@@ -29,8 +29,9 @@ BAYESIAN_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d,
 
 
 def default_stochastic(name: str, module: nn.Module, param: nn.Parameter) -> bool:
-    """Default selection: weights and biases of Linear and Conv1d/2d/3d layers."""
-    return isinstance(module, BAYESIAN_LAYERS)
+    """Default selection: weights and biases of Linear and Conv1d/2d/3d layers, unless frozen
+    (``requires_grad=False``: a frozen feature extractor stays deterministic and fixed)."""
+    return isinstance(module, BAYESIAN_LAYERS) and param.requires_grad
 
 
 def fan_in_of(module: nn.Module, param_name: str, param: torch.Tensor) -> int:
@@ -245,8 +246,10 @@ class BNN(PyroModule):
     stochastic : callable or iterable of str, optional
         Which parameters are random: a predicate ``(name, module, param) -> bool`` or a
         collection of parameter paths (``"net.0.weight"``).  Default: weights and biases of
-        Linear and Conv layers.  The rest stay deterministic (point estimates trained by
-        :func:`pyro_bnn.fit`).
+        Linear and Conv1d/2d/3d layers, except frozen ones (``requires_grad=False``: they stay
+        deterministic and are not trained, as a frozen feature extractor is meant).  The rest
+        stay deterministic (point estimates trained by :func:`pyro_bnn.fit`); the default warns
+        when it leaves another layer's weight matrix so.
     augmentation : nn.Module, optional
         A learnable augmentation distribution (e.g.
         :class:`pyro_bnn.invariance.AffineAugmentation`) mapping ``(N, ...)`` inputs to
@@ -341,7 +344,7 @@ class BNN(PyroModule):
         if not chosen:
             raise ValueError(
                 "the network has no parameter selected as random (expected Linear/Conv "
-                "layers or a `stochastic=` selection that matches parameter names; got "
+                "layers that are not frozen, or a `stochastic=` selection that matches parameter names; got "
                 f"parameters {[n for n, _ in net.named_parameters()]})"
             )
         # The priors' and the likelihood's tensors take the dtype and device of the weights
@@ -628,7 +631,8 @@ def _warn_point_estimate_layers(net: nn.Module, chosen: list, weight_norm: bool)
     left = [f"{type(module).__name__} {('net.' + name) if name else 'net'!r}"
             for name, module in net.named_modules()
             if not (weight_norm and is_weight_norm_layer(module))
-            and any(p.dim() >= 2 and id(p) not in random for p in module.parameters(recurse=False))]
+            and any(p.dim() >= 2 and p.requires_grad and id(p) not in random
+                    for p in module.parameters(recurse=False))]
     if left:
         rule = ("weight_norm=True makes random the scales of nn.Linear and nn.Conv2d layers only" if weight_norm
                 else "by default only the weights and biases of nn.Linear and nn.Conv1d/2d/3d layers are random")

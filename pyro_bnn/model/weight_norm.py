@@ -170,6 +170,8 @@ def normalize_directions_(net: nn.Module) -> int:
 def _convert(module: nn.Module) -> nn.Module:
     if is_weight_norm_layer(module):
         return module
+    if isinstance(getattr(module, "weight", None), nn.Parameter) and not module.weight.requires_grad:
+        return module  # frozen (requires_grad=False): stays as it is, deterministic and fixed
     if type(module) is nn.Linear:
         return WeightNormLinear.from_linear(module)
     if type(module) is nn.Conv2d:
@@ -181,7 +183,8 @@ def to_weight_norm(net: nn.Module) -> nn.Module:
     """A copy of ``net`` with every ``nn.Linear`` / ``nn.Conv2d`` in weight-norm form.
 
     The function is unchanged (``g`` = row/filter norms, ``v`` = the weights).  Layers that
-    already are weight-norm layers are kept.
+    already are weight-norm layers are kept, and so are frozen layers (weight with
+    ``requires_grad=False``).
 
     Raises
     ------
@@ -200,7 +203,8 @@ def to_weight_norm(net: nn.Module) -> nn.Module:
             if new is not child:
                 setattr(module, child_name, new)
     if not any(is_weight_norm_layer(m) for m in net.modules()):
-        raise ValueError("weight_norm=True needs Linear or Conv2d layers; the network has "
+        raise ValueError("weight_norm=True needs Linear or Conv2d layers that are not frozen "
+                         "(requires_grad=False layers stay as they are); the network has "
                          f"none (modules: {sorted({type(m).__name__ for m in net.modules()})})")
     return net
 
