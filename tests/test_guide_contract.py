@@ -70,6 +70,29 @@ def test_fit_predict_evaluate(name, digits_small):
 
 
 @pytest.mark.parametrize("name", sorted(ALL_GUIDES))
+def test_median_and_quantiles(name, digits_small):
+    """Pyro's AutoGuide summaries: ``median()`` for every guide, ``quantiles(qs)`` for every guide
+    with a spread (Hypernet's flow and Laplace's KFAC posterior by seeded Monte Carlo draws)."""
+    x, y, _, _ = digits_small
+    model = _bnn()
+    guide = _make(name, model)
+    pb.fit(model, guide, (x, y), epochs=2, batch_size=64, lr=1e-2, progress=False)
+    shapes = {s: v.shape for s, v in model.initial_values().items()}
+    median = guide.median(x, y)
+    assert {s: v.shape for s, v in median.items()} == shapes
+    if isinstance(guide, AutoDelta):
+        return  # a point estimate: Pyro's AutoDelta has no quantiles
+    q = guide.quantiles([0.05, 0.5, 0.95], x, y)
+    assert {s: v.shape for s, v in q.items()} == {s: (3, *shape) for s, shape in shapes.items()}
+    for site, v in q.items():
+        assert torch.isfinite(v).all()
+        assert (v[0] <= v[1]).all() and (v[1] <= v[2]).all(), site
+        assert ((v[0] <= median[site]) & (median[site] <= v[2])).all(), site
+    # a spread somewhere (last-layer Laplace holds the other layers at their point estimates)
+    assert any((v[0] < v[2]).any() for v in q.values())
+
+
+@pytest.mark.parametrize("name", sorted(ALL_GUIDES))
 def test_hand_written_model(name, digits_small):
     x, y, xt, yt = digits_small
     model = HandWritten()

@@ -37,6 +37,14 @@ from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..curvature import marglik as ml
 from ..model.bnn import site_module, weight_norm_of
 from ..model.weight_norm import is_weight_norm_layer
+from .draw_quantiles import (
+    QUANTILE_DRAWS,
+    QUANTILE_SEED,
+    check_quantiles,
+    column_quantiles,
+    quantile_draws,
+    seeded_generator,
+)
 from .hypernet_evidence import (
     CURVATURE_BATCH_SIZE,
     MEAN_DRAWS,
@@ -409,6 +417,38 @@ class Hypernet(BNNGuide, AutoContinuous):
             shown = " / ".join(f"{d:.3g}" for d in self._evidence_precisions.values())
             text += f", g prior precision by the Laplace evidence ({self.prior_structure}) {shown}"
         return text
+
+    def quantiles(self, quantiles, *args, num_samples: int = QUANTILE_DRAWS, seed: int = QUANTILE_SEED,
+                  **kwargs) -> dict[str, torch.Tensor]:
+        """Per-coordinate quantiles of ``q``, ``{site: (len(quantiles), *shape)}`` (Pyro's
+        ``AutoContinuous.quantiles`` signature; the model's ``*args`` are not needed).
+
+        A flow's marginals have no closed form (Pyro's own ``quantiles`` raises
+        ``NotImplementedError`` for flow guides): these are the empirical quantiles of
+        ``num_samples`` joint draws from a generator seeded by ``seed`` — reproducible, the
+        global random streams untouched, Monte Carlo error ≈ 0.07 σ at the 5 % quantile with
+        the default 1,000 draws.
+
+        Raises
+        ------
+        RuntimeError
+            The guide is not set up yet.
+        """
+        if self.flow is None:
+            raise RuntimeError("quantiles needs the guide set up first (call guide(x, y) once or "
+                               "pyro_bnn.fit, so its sites are known)")
+        loc = self.flow.affine.loc
+        q = check_quantiles(quantiles, loc)
+        eps = torch.randn(quantile_draws(num_samples), self.flow.dim, generator=seeded_generator(loc, seed),
+                          dtype=loc.dtype, device=loc.device)
+        with torch.no_grad():
+            draws = self.flow.rsample_with_log_prob(eps=eps)[0]
+        return self.unpack(column_quantiles(draws, q))
+
+    def median(self, *args, num_samples: int = QUANTILE_DRAWS, seed: int = QUANTILE_SEED,
+               **kwargs) -> dict[str, torch.Tensor]:
+        """Per-coordinate median of ``q``, ``{site: tensor}``: :meth:`quantiles` at 0.5."""
+        return {name: v[0] for name, v in self.quantiles([0.5], num_samples=num_samples, seed=seed).items()}
 
     # --------------------------------------------- the scales' prior by the Laplace evidence
     def mean_scales(self, num_samples: int = MEAN_DRAWS, seed: int = MEAN_SEED) -> dict[str, torch.Tensor]:

@@ -38,6 +38,14 @@ from ...curvature import marglik as ml
 from ...data.batches import checked_source, split_batch
 from ...model.bnn import is_bnn, model_likelihood, num_augmentations
 from ...model.likelihoods import Gaussian
+from ..draw_quantiles import (
+    QUANTILE_DRAWS,
+    QUANTILE_SEED,
+    check_quantiles,
+    gaussian_quantiles,
+    quantile_draws,
+    seeded_generator,
+)
 from .handlers import held_values, read_handlers
 from .objective import LaplaceMAPObjective, gaussian_log_normalizer
 from .online import OnlineEvidence, _batches, deterministic_curvature
@@ -492,7 +500,37 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         return problem
 
     def median(self, *args, **kwargs):
+        """θ*, ``{site: tensor}``: the median of the Gaussian posterior (and of the point estimates)."""
         return {k: v.detach() for k, v in self.map_values().items()}
+
+    def quantiles(self, quantiles, *args, num_samples: int = QUANTILE_DRAWS, seed: int = QUANTILE_SEED,
+                  **kwargs) -> dict[str, torch.Tensor]:
+        """Per-coordinate quantiles of ``N(θ*, P⁻¹)``, ``{site: (len(quantiles), *shape)}``
+        (Pyro's ``AutoContinuous.quantiles`` signature; the model's ``*args`` are not needed).
+
+        ``θ* + σ̂ Φ⁻¹(q)`` with each weight's marginal σ̂ estimated from ``num_samples`` joint
+        draws of a generator seeded by ``seed`` (the KFAC blocks' marginal variances are not
+        formed in closed form): reproducible, the global random streams untouched, relative
+        error of σ̂ ≈ 1/√(2·num_samples) (2 % with the default 1,000).  Point-estimate sites
+        repeat θ*.
+
+        Raises
+        ------
+        ValueError
+            The curvature is not fitted yet.
+        """
+        self._require_posterior()
+        theta_star = {k: v.detach() for k, v in self.map_values().items()}
+        posterior = LaplacePosterior(self, theta_star)
+        q = check_quantiles(quantiles, posterior.loc)
+        num = quantile_draws(num_samples)
+        with torch.no_grad():
+            offsets, _ = self._draw_offsets(num, generator=seeded_generator(posterior.loc, seed))
+            flat = posterior.loc + torch.cat([o.reshape(num, -1) for o in offsets], -1)
+            rows = [posterior.unpack(row) for row in gaussian_quantiles(posterior.loc, flat, q)]
+        out = {name: theta_star[name].expand(len(q), *theta_star[name].shape).clone() for name in self.fixed_sites}
+        out.update({name: torch.stack([row[name] for row in rows]) for name in rows[0]})
+        return out
 
     def make_objective(self, num_particles: int = 1):
         return LaplaceMAPObjective()
