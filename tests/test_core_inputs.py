@@ -212,6 +212,8 @@ def test_dataset_and_dataloader_inputs(digits_small):
     assert math.isfinite(r1.final_loss) and math.isfinite(r2.final_loss)
     with pytest.raises(TypeError, match="data must be"):
         pb.fit(model, guide, [1, 2, 3], epochs=1, progress=False)
+    with pytest.raises(TypeError, match=r"got tuple of \(ndarray, ndarray\); convert arrays with torch\.as_tensor"):
+        pb.fit(model, guide, (x.numpy(), y.numpy()), epochs=1, progress=False)
 
 
 def test_pretrained_weights_are_the_initial_means():
