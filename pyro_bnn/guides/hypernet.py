@@ -434,9 +434,7 @@ class Hypernet(BNNGuide, AutoContinuous):
         RuntimeError
             The guide is not set up yet.
         """
-        if self.flow is None:
-            raise RuntimeError("quantiles needs the guide set up first (call guide(x, y) once or "
-                               "pyro_bnn.fit, so its sites are known)")
+        self._require_flow("quantiles")
         loc = self.flow.affine.loc
         q = check_quantiles(quantiles, loc)
         eps = torch.randn(quantile_draws(num_samples), self.flow.dim, generator=seeded_generator(loc, seed),
@@ -462,10 +460,13 @@ class Hypernet(BNNGuide, AutoContinuous):
         RuntimeError
             The guide is not set up yet.
         """
-        if self.flow is None:
-            raise RuntimeError("mean_scales needs the guide set up first (call guide(x, y) once or "
-                               "pyro_bnn.fit, so its sites are known)")
+        self._require_flow("mean_scales")
         return self.unpack(flow_mean(self.flow, num_samples, seed))
+
+    def _require_flow(self, method: str) -> None:
+        if self.flow is None:
+            raise RuntimeError(f"{method} needs the guide set up first (call guide(x, y) once or "
+                               "pyro_bnn.fit, so its sites are known)")
 
     def update_prior_precision_(self, data, *, steps: int = 100, lr: float = 0.1,
                                 batch_size: int = CURVATURE_BATCH_SIZE,
