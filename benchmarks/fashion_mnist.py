@@ -425,7 +425,8 @@ def run_row(args, data, name):
         row = row_laplace_marglik(args, data)
     else:
         row = row_registry(args, data, name)
-    row.update(row=name, arch=args.arch, width=args.width if args.arch == "mlp" else None, epochs=args.epochs, seed=args.seed, subset=args.subset or None,
+    row.update(row=name, arch=args.arch, width=args.width if args.arch == "mlp" else None,
+               epochs=args.epochs, seed=args.seed, subset=args.subset or None,
                num_train=len(data["train"][0]), seconds=time.perf_counter() - t0,
                peak_rss_growth_mb=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
     return row

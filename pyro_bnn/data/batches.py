@@ -43,11 +43,10 @@ def as_tensors(data) -> tuple[torch.Tensor, torch.Tensor | None]:
         if y is not None and len(y) != len(x):
             raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
         return x, y
-    got = type(data).__name__
-    if isinstance(data, Sequence) and not isinstance(data, str):
-        got += f" of ({', '.join(type(t).__name__ for t in data)})"
+    parts = list(data) if isinstance(data, Sequence) and not isinstance(data, str) else []
+    got = type(data).__name__ + (f" of ({', '.join(type(t).__name__ for t in parts)})" if parts else "")
     hint = ("; convert arrays with torch.as_tensor(x, dtype=torch.float32) and labels with "
-            "torch.as_tensor(y, dtype=torch.long)" if "ndarray" in got else "")
+            "torch.as_tensor(y, dtype=torch.long)" if any(hasattr(t, "__array__") for t in parts) else "")
     raise TypeError(f"data must be a tensor, a tuple (x, y) of tensors or a TensorDataset, got {got}{hint}")
 
 

@@ -525,8 +525,7 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         q = check_quantiles(quantiles, posterior.loc)
         num = quantile_draws(num_samples)
         with torch.no_grad():
-            offsets, _ = self._draw_offsets(num, generator=seeded_generator(posterior.loc, seed))
-            flat = posterior.loc + torch.cat([o.reshape(num, -1) for o in offsets], -1)
+            flat = posterior.draws(num, generator=seeded_generator(posterior.loc, seed))
             rows = [posterior.unpack(row) for row in gaussian_quantiles(posterior.loc, flat, q)]
         out = {name: theta_star[name].expand(len(q), *theta_star[name].shape).clone() for name in self.fixed_sites}
         out.update({name: torch.stack([row[name] for row in rows]) for name in rows[0]})

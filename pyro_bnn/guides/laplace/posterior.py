@@ -48,9 +48,13 @@ class LaplacePosterior(dist.TorchDistribution):
 
     def rsample(self, sample_shape=torch.Size()):  # noqa: B008 (torch.Size() is immutable)
         num = int(math.prod(sample_shape)) if len(sample_shape) else 1
-        offsets, _ = self.guide._draw_offsets(num)
-        flat = torch.cat([o.reshape(num, -1) for o in offsets], -1)
-        return (self.loc + flat).reshape(*sample_shape, -1)
+        return self.draws(num).reshape(*sample_shape, -1)
+
+    def draws(self, num: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``num`` flat draws ``(num, P)`` of ``θ* + P^{-1/2} ε``, with ``ε`` from ``generator``
+        (default: the global random stream)."""
+        offsets, _ = self.guide._draw_offsets(num, generator=generator)
+        return self.loc + torch.cat([o.reshape(num, -1) for o in offsets], -1)
 
     def unpack(self, flat: torch.Tensor) -> dict:
         values, start = {}, 0
