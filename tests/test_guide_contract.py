@@ -4,10 +4,14 @@ Parametrised over Pyro's own autoguides and every guide in the pyro_bnn registry
 new guide joins these tests by calling ``register_guide``.
 """
 
+import math
+
 import pyro
 import pytest
 import torch
 from helpers import HandWritten, mlp
+from pyro import poutine
+from pyro.infer import Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoLowRankMultivariateNormal, AutoNormal
 
 import pyro_bnn as pb
@@ -90,6 +94,43 @@ def test_median_and_quantiles(name, digits_small):
         assert ((v[0] <= median[site]) & (median[site] <= v[2])).all(), site
     # a spread somewhere (last-layer Laplace holds the other layers at their point estimates)
     assert any((v[0] < v[2]).any() for v in q.values())
+
+
+@pytest.mark.parametrize("name", sorted(ALL_GUIDES))
+def test_parallel_predictive_and_vectorized_particles(name, digits_small):
+    """Pyro's vectorised draws: ``Predictive(parallel=True)`` and ``Trace_ELBO(num_particles=K,
+    vectorize_particles=True)`` hand the model batched weights; each draw's output must be the
+    network's output under that draw's weights, and each particle's log-likelihood its own."""
+    x, y, xt, _ = digits_small
+    model = _bnn()
+    guide = _make(name, model)
+    pb.fit(model, guide, (x, y), epochs=1, batch_size=64, lr=1e-2, progress=False)
+    model.eval()
+    shapes = {s: v.shape for s, v in model.initial_values().items()}
+    pyro.set_rng_seed(0)
+    out = Predictive(model, guide=guide, num_samples=4, parallel=True,
+                     return_sites=[*model.site_names, "obs", "_RETURN"])(xt[:9])
+    assert out["_RETURN"].shape == (4, 9, 10) and out["obs"].shape == (4, 9)
+    for i in range(4):
+        draw = {s: out[s][i].reshape(shapes[s]) for s in model.site_names}
+        torch.testing.assert_close(out["_RETURN"][i], model.run_with(draw, xt[:9]))
+    if not isinstance(guide, AutoDelta):  # the draws differ from each other
+        assert (out["_RETURN"][0] - out["_RETURN"][1]).abs().max() > 1e-3
+    # K vectorised particles: the observed site's log-likelihood (K, M), one row per particle
+    k, plate = 3, pyro.plate("particles", 3, dim=-2)
+    with plate:
+        guide_trace = poutine.trace(guide).get_trace(xt[:9])
+    with plate:
+        model_trace = poutine.trace(poutine.replay(model, guide_trace)).get_trace(xt[:9], y[:9])
+    log_lik = model_trace.nodes["obs"]["fn"].log_prob(y[:9])
+    assert log_lik.shape == (k, 9)
+    for i in range(k):
+        draw = {s: model_trace.nodes[s]["value"].reshape(-1, *shapes[s]).expand(k, *shapes[s])[i]
+                for s in model.site_names}
+        expected = torch.distributions.Categorical(logits=model.run_with(draw, xt[:9])).log_prob(y[:9])
+        torch.testing.assert_close(log_lik[i], expected)
+    loss = Trace_ELBO(num_particles=k, vectorize_particles=True, max_plate_nesting=1).loss(model, guide, x, y)
+    assert math.isfinite(loss)
 
 
 @pytest.mark.parametrize("name", sorted(ALL_GUIDES))

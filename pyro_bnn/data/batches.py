@@ -421,7 +421,13 @@ def dataset_size(loader) -> int:
     ds = getattr(loader, "dataset", None)
     if ds is None:
         raise TypeError("cannot tell the data set size; pass num_data= explicitly")
-    return len(ds)  # the global N, also under a DistributedSampler
+    try:
+        return len(ds)  # the global N, also under a DistributedSampler
+    except TypeError:  # an IterableDataset (a stream) has no length
+        raise TypeError(f"cannot tell the data set size: the DataLoader's {type(ds).__name__} has no "
+                        "len() (an IterableDataset streams its examples); pass num_data=N, the "
+                        "number of training examples, which scales the likelihood of each "
+                        "minibatch to the whole data set") from None
 
 
 class CheckedBatches:

@@ -17,6 +17,7 @@ from torch import nn
 from ..arguments import check_bool, check_names
 from .likelihoods import Likelihood, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
+from .vectorized import batched_function, observation_distribution, under_outer_plate
 from .weight_norm import is_weight_norm_layer, weight_norm_setup
 
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "augmentation_of", "example_input", "initial_values_of",
@@ -392,12 +393,24 @@ class BNN(PyroModule):
         Returns
         -------
         Tensor
-            Network output ``f``, shape ``(M, num_outputs)``.
+            Network output ``f``, shape ``(M, num_outputs)``; ``(*P, M, num_outputs)`` when
+            Pyro hands the model batched weight draws ``(*P, *shape)``
+            (:mod:`pyro_bnn.model.vectorized`).
+
+        Raises
+        ------
+        ValueError
+            ``y`` does not have the shape the likelihood expects of ``f`` (a Gaussian target
+            of shape ``(M,)`` for an output ``(M, 1)`` would broadcast to ``(M, M)``).
         """
-        f = self.function(x)
+        # inside a caller's plate (Predictive(parallel=True), vectorize_particles) the weight
+        # draws may be batched: one network pass per draw, f of shape (*P, M, ...)
+        f, batch_dims = batched_function(self, x) if under_outer_plate() else (self.function(x), 0)
+        if y is not None:
+            self.likelihood.check_shape(y, f.shape[batch_dims:])
         size = len(x) if num_data is None else int(num_data)
         with pyro.plate("data", size, subsample_size=len(x)):
-            pyro.sample("obs", self.likelihood.distribution(f), obs=y)
+            pyro.sample("obs", observation_distribution(self.likelihood, f, batch_dims), obs=y)
         return f
 
     def run_with(self, values: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -33,11 +33,24 @@ class Likelihood(nn.Module):
     #: True for likelihoods whose predictions are class probabilities.
     is_classification: bool = False
 
-    def distribution(self, f: torch.Tensor) -> dist.TorchDistribution:
+    def distribution(self, f: torch.Tensor, batch_dims: int = 1) -> dist.TorchDistribution:
+        """The distribution of targets given outputs ``f`` whose first ``batch_dims``
+        dimensions are batch dimensions (the examples, and any draws left of them)."""
         raise NotImplementedError
 
     def validate(self, y: torch.Tensor, f: torch.Tensor | None = None) -> None:
         """Raise ``ValueError``/``TypeError`` if ``y`` cannot be a target."""
+
+    def check_shape(self, y: torch.Tensor, f_shape: torch.Size) -> None:
+        """Raise ``ValueError`` if targets ``y`` cannot go with outputs of shape ``f_shape``
+        ``(M, ...)``: a shape check only, cheap enough for every model call (torch would
+        broadcast a mismatch silently: a Gaussian target ``(M,)`` against ``(M, 1)`` is
+        ``(M, M)``).  The base class accepts every shape."""
+
+
+def _target_shape_error(kind: str, y: torch.Tensor, expected: tuple, f_shape, hint: str) -> ValueError:
+    return ValueError(f"{kind} targets must have shape {expected} for a network output of shape "
+                      f"{tuple(f_shape)}, got {tuple(y.shape)}{hint}")
 
 
 class Categorical(Likelihood):
@@ -46,8 +59,14 @@ class Categorical(Likelihood):
     name = "categorical"
     is_classification = True
 
-    def distribution(self, f):
+    def distribution(self, f, batch_dims=1):
         return dist.Categorical(logits=f)
+
+    def check_shape(self, y, f_shape):
+        if tuple(y.shape) != tuple(f_shape[:-1]):
+            hint = (" (one-hot targets: pass y.argmax(-1))" if y.shape == f_shape else
+                    " (labels in a column: pass y.squeeze(-1))" if y.shape == (*f_shape[:-1], 1) else "")
+            raise _target_shape_error("categorical", y, tuple(f_shape[:-1]), f_shape, hint)
 
     def validate(self, y, f=None):
         if y.is_floating_point() or y.dtype == torch.bool or y.is_complex():
@@ -74,8 +93,11 @@ class Bernoulli(Likelihood):
     name = "bernoulli"
     is_classification = True
 
-    def distribution(self, f):
-        return dist.Bernoulli(logits=f).to_event(f.dim() - 1)
+    def distribution(self, f, batch_dims=1):
+        return dist.Bernoulli(logits=f).to_event(f.dim() - batch_dims)
+
+    def check_shape(self, y, f_shape):
+        _check_same_shape("bernoulli", y, f_shape)
 
     def validate(self, y, f=None):
         if y.numel() and not torch.all((y == 0) | (y == 1)):
@@ -127,8 +149,11 @@ class Gaussian(ScalarBuffers, Likelihood):
         """Observation standard deviation σ (a 0-d tensor)."""
         return self.log_noise.exp()
 
-    def distribution(self, f):
-        return dist.Normal(f, self.noise).to_event(f.dim() - 1)
+    def distribution(self, f, batch_dims=1):
+        return dist.Normal(f, self.noise).to_event(f.dim() - batch_dims)
+
+    def check_shape(self, y, f_shape):
+        _check_same_shape("gaussian", y, f_shape)
 
     def validate(self, y, f=None):
         if not y.is_floating_point():
@@ -138,6 +163,13 @@ class Gaussian(ScalarBuffers, Likelihood):
                 f"targets must have shape (N, {', '.join(map(str, f.shape[1:]))}) like the network "
                 f"output, got {tuple(y.shape)} (for one output use y of shape (N, 1))"
             )
+
+
+def _check_same_shape(kind: str, y: torch.Tensor, f_shape: torch.Size) -> None:
+    if tuple(y.shape) != tuple(f_shape):
+        hint = (" (one output: pass y.unsqueeze(-1))"
+                if tuple(y.shape) == tuple(f_shape[:1]) and tuple(f_shape[1:]) == (1,) else "")
+        raise _target_shape_error(kind, y, tuple(f_shape), f_shape, hint)
 
 
 #: Likelihood names :func:`make_likelihood` accepts ("normal" and "regression" mean "gaussian").

@@ -44,7 +44,7 @@ from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .divergence import can_defer_checks as defer_step_checks
 from .fit_arguments import check_fit_arguments, refuse_overwrite
 from .lr_schedule import make_lr_scheduler
-from .optimizer import default_optimizer, trained_parameters
+from .optimizer import default_optimizer, optimizer_factory, trained_parameters
 from .resume import StateOf, checkpoint_entries, fit_fingerprint, resume_fit
 
 __all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide",
@@ -199,8 +199,10 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         training points — MeanField's depends on ``N`` —, else 1e-3).  For the
         default optimiser only: with ``optimizer=`` set the rate in the factory (``lr`` and
         ``optimizer`` together are an error, since fit could not pass ``lr`` on).
-    optimizer : callable, optional
-        ``optimizer(params) -> torch.optim.Optimizer``; default Adam(lr).
+    optimizer : callable or pyro.optim.PyroOptim, optional
+        ``optimizer(params) -> torch.optim.Optimizer`` (a class such as ``torch.optim.SGD``
+        uses its own default rate), or a Pyro optimiser with fixed arguments
+        (``pyro.optim.ClippedAdam({"lr": 1e-2})``); default Adam(lr).
     lr_schedule : {"cosine", "constant"} or callable
         Learning-rate factor over the fit, applied per optimiser step: ``"cosine"`` (default)
         decays it as ``½(1 + cos(π t/T))`` from 1 to 0 over the ``T`` steps of the fit, so the
@@ -298,6 +300,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         above it) without becoming NaN.
     """
     reject_unknown_keywords("fit", unknown, _FIT_KEYWORDS)
+    optimizer = optimizer_factory(optimizer)  # a pyro.optim optimiser -> its torch factory
     lr = check_fit_arguments(epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
                              lr_schedule=lr_schedule, num_particles=num_particles, seed=seed,
                              clip_norm=clip_norm, num_data=num_data, objective=objective,

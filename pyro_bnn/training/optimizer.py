@@ -7,8 +7,10 @@ from __future__ import annotations
 import math
 
 import torch
+from pyro.optim import PyroOptim
+from pyro.optim.lr_scheduler import PyroLRScheduler
 
-__all__ = ["default_optimizer", "parameter_groups", "trained_parameters"]
+__all__ = ["default_optimizer", "optimizer_factory", "parameter_groups", "trained_parameters"]
 
 
 def default_optimizer(params, lr: float, factors=()) -> torch.optim.Optimizer:
@@ -59,3 +61,38 @@ def trained_parameters(*modules) -> list:
                     seen.add(id(p))
                     out.append(p)
     return out
+
+
+def optimizer_factory(optimizer):
+    """``fit``'s ``optimizer=`` as a factory ``params -> torch.optim.Optimizer``.
+
+    A Pyro optimiser with fixed arguments (``pyro.optim.Adam({"lr": 1e-2})``,
+    ``pyro.optim.ClippedAdam(...)``) is the factory of its torch optimiser with those
+    arguments; a factory (or ``None``, the default Adam) is returned as it is.
+
+    Raises
+    ------
+    TypeError
+        An optimiser instance (bound to other parameters), a Pyro learning-rate scheduler
+        (``fit`` schedules the rate itself: ``lr_schedule=``) or a Pyro optimiser with
+        per-parameter arguments (a callable ``optim_args``).
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer= takes a factory, got an optimiser instance ({type(optimizer).__name__}), which is "
+                        "bound to the parameters it was built with; pass e.g. optimizer=lambda params: "
+                        f"torch.optim.{type(optimizer).__name__}(params, lr=...) or a class such as "
+                        f"torch.optim.{type(optimizer).__name__}")
+    if isinstance(optimizer, PyroLRScheduler):
+        raise TypeError(f"optimizer= got the Pyro learning-rate scheduler {type(optimizer).__name__}; pb.fit "
+                        "schedules the rate itself: pass the optimiser as optimizer= (e.g. "
+                        "pyro.optim.Adam({'lr': 1e-2})) and the schedule as lr_schedule= (a callable of the "
+                        "fraction of steps done, e.g. lambda t: 0.01 ** t for an exponential decay to 1 %)")
+    if isinstance(optimizer, PyroOptim):
+        args = optimizer.pt_optim_args
+        if callable(args):
+            raise TypeError("optimizer= got a Pyro optimiser with per-parameter arguments (a callable "
+                            "optim_args); pass a factory instead, e.g. optimizer=lambda params: "
+                            "torch.optim.Adam(params, lr=...)")
+        constructor, args = optimizer.pt_optim_constructor, dict(args)
+        return lambda params: constructor(params, **args)
+    return optimizer

@@ -57,10 +57,12 @@ class LaplacePosterior(dist.TorchDistribution):
         return self.loc + torch.cat([o.reshape(num, -1) for o in offsets], -1)
 
     def unpack(self, flat: torch.Tensor) -> dict:
+        """Site values of flat draws ``(..., P)``, keeping the leading dimensions (the draws'
+        plates: ``Predictive(parallel=True)``, vectorised particles)."""
         values, start = {}, 0
         for layer in self.layers:
-            part = flat[start:start + layer.numel].reshape(layer.shape)
-            values.update(layer.unflatten(part, self.guide.site_shapes))
+            part = flat[..., start:start + layer.numel]
+            values.update(layer.unflatten_flat(part, self.guide.site_shapes))
             start += layer.numel
         return values
 
