@@ -249,3 +249,25 @@ def test_lr_schedule_cosine_decays_to_zero_and_rejects_unknown():
     assert seen == pytest.approx(expected)
     with pytest.raises(ValueError, match="lr_schedule"):
         make_lr_scheduler(opt, "linear", 4)
+
+
+@pytest.mark.parametrize("likelihood, last, path", [
+    ("categorical", nn.Softmax(-1), "net.3"),
+    ("categorical", nn.Sequential(nn.Linear(3, 3), nn.Sigmoid()), "net.3.1"),
+    ("bernoulli", nn.Sigmoid(), "net.3"),
+    ("bernoulli", nn.Softmax(-1), "net.3"),
+])
+def test_a_squashing_last_layer_under_a_classification_likelihood_is_refused(likelihood, last, path):
+    """The likelihoods take logits: a final softmax/sigmoid squashes them into (0, 1), and the
+    network trains without error but cannot be confident."""
+    net = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3), last)
+    with pytest.raises(ValueError, match=rf"ends in {type(last[-1] if isinstance(last, nn.Sequential) else last).__name__} "
+                                         rf"\({path}\).*{likelihood} likelihood takes logits"):
+        pb.BNN(net, likelihood)
+
+
+def test_log_softmax_and_bounded_regression_outputs_are_accepted():
+    net = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3), nn.LogSoftmax(-1))
+    assert pb.BNN(net, "categorical").site_names[-1] == "net.2.bias"
+    net = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 1), nn.Sigmoid())  # y in (0, 1)
+    assert pb.BNN(net, "gaussian", noise=0.1).site_names[-1] == "net.2.bias"

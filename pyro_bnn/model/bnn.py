@@ -15,7 +15,7 @@ from pyro.nn.module import to_pyro_module_
 from torch import nn
 
 from ..arguments import check_bool, check_names
-from .likelihoods import Likelihood, make_likelihood
+from .likelihoods import Likelihood, check_output_layer, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .vectorized import batched_function, observation_distribution, under_outer_plate
 from .weight_norm import is_weight_norm_layer, weight_norm_setup
@@ -319,6 +319,7 @@ class BNN(PyroModule):
         random_directions = check_bool("random_directions", random_directions)
         likelihood_module = make_likelihood(likelihood, noise)
         _check_noise_option(likelihood, likelihood_module, noise)
+        check_output_layer(net, likelihood_module)
         _refuse_lazy_parameters(net)
         net = copy.deepcopy(net)
         default_selection = stochastic is None
