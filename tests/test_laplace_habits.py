@@ -553,3 +553,21 @@ def test_full_structure_beyond_memory_is_refused_before_training():
     with pytest.raises(ValueError, match=r"P = 2,003,002 parameters .* GiB per matrix .*structure='kron' or 'diag'"):
         pb.fit(model, guide, (torch.randn(8, 2000), torch.randint(0, 2, (8,))), epochs=1, progress=False)
     assert not hasattr(guide, "curvature_state")  # refused in set-up, before any step
+
+
+def test_a_loader_that_drops_examples_is_named_and_every_example_counts_otherwise():
+    """``drop_last=True`` leaves the last incomplete batch out of the curvature and evidence:
+    warned with the counts; the same data as tensors or a full loader give the exact same fit."""
+    _, guide, x, y = _fitted()   # θ at the conjugate posterior mean
+    full = float(guide.log_evidence())
+    ds = torch.utils.data.TensorDataset(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guide.fit_curvature(torch.utils.data.DataLoader(ds, batch_size=7))
+    assert float(guide.log_evidence()) == pytest.approx(full, rel=1e-12)
+    left_out = len(x) % 7
+    assert left_out > 0
+    with pytest.warns(UserWarning, match=rf"saw {len(x) - left_out:,} of the data set's {len(x):,} examples.*"
+                                         rf"leave {left_out} out"):
+        guide.fit_curvature(torch.utils.data.DataLoader(ds, batch_size=7, drop_last=True))
+    assert float(guide.log_evidence()) != pytest.approx(full, rel=1e-6)

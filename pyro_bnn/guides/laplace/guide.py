@@ -48,7 +48,7 @@ from ..draw_quantiles import (
 )
 from .handlers import held_values, read_handlers
 from .objective import LaplaceMAPObjective, gaussian_log_normalizer
-from .online import OnlineEvidence, _batches, deterministic_curvature
+from .online import OnlineEvidence, _batches, deterministic_curvature, warn_if_examples_left_out
 from .posterior import LaplacePosterior, LinearizedSamples
 from .predictive import LinearizedPredictive
 from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision, resolve_prior_structure
@@ -561,6 +561,7 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
                 self.structure, device=device, reduce_fn=reduce_fn,
                 num_augmentations=num_augmentations(model),
                 split_bias=self.kron_bias == "separate")
+        warn_if_examples_left_out(data, self.posterior.num_data)
         return self
 
     def _device(self, x):

@@ -23,11 +23,12 @@ a change of the fit or of the Occam factor.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 from ...curvature import marglik as ml
-from ...data.batches import TensorBatches, make_loader
+from ...data.batches import TensorBatches, dataset_size, make_loader
 from ...invariance.guide_step import guide_curvature_source, guide_online_eta_step
 from ...invariance.learning import guide_eta_optimizer
 from ...model.bnn import model_likelihood, num_augmentations
@@ -185,3 +186,19 @@ def _curvature_source(ctx) -> dict:
         return {"data": ctx.loader}
     data, reduce_fn = ctx.distributed.curvature_data(ctx.loader)
     return {"data": data, "reduce_fn": reduce_fn}
+
+
+def warn_if_examples_left_out(data, seen: int) -> None:
+    """Warn when the curvature saw fewer examples than ``data``'s data set holds (a
+    ``DataLoader`` with ``drop_last=True``, a sampler over a subset): the GGN and the evidence
+    then describe a smaller data set than the one the MAP was trained on, and nothing else
+    would say so.  Sources without a length are not judged."""
+    try:
+        total = dataset_size(data)
+    except TypeError:
+        return
+    if seen < total:
+        warnings.warn(f"the curvature saw {seen:,} of the data set's {total:,} examples (a DataLoader with "
+                      "drop_last=True, or a sampler over part of the data): the GGN and the log evidence "
+                      f"leave {total - seen:,} out. Call fit_curvature with the (x, y) tensors or a loader "
+                      "that yields every example once", UserWarning, stacklevel=3)
