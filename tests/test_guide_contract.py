@@ -4,6 +4,7 @@ Parametrised over Pyro's own autoguides and every guide in the pyro_bnn registry
 new guide joins these tests by calling ``register_guide``.
 """
 
+import io
 import math
 
 import pyro
@@ -161,6 +162,37 @@ def test_state_dict_round_trip(name, digits_small):
     pyro.set_rng_seed(3)
     p2 = pb.predict(model2, guide2, xt, num_samples=3)
     torch.testing.assert_close(p1, p2)
+
+
+@pytest.mark.parametrize("name", sorted(registered_guides()))
+def test_state_dict_loads_into_a_guide_that_was_never_called(name, digits_small):
+    """``guide.load_state_dict(torch.load(path))`` on a fresh guide, as for any torch module:
+    the guide sets itself up from a dummy input first; the restored guide predicts exactly as
+    the saved one and trains on."""
+    x, y, xt, _ = digits_small
+    model = _bnn()
+    guide = _make(name, model)
+    pb.fit(model, guide, (x, y), epochs=1, batch_size=64, progress=False)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "guide": guide.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    model2 = _bnn()
+    guide2 = _make(name, model2)
+    model2.load_state_dict(saved["model"])
+    guide2.load_state_dict(saved["guide"])
+    pyro.set_rng_seed(3)
+    p1 = pb.predict(model, guide, xt, num_samples=3)
+    pyro.set_rng_seed(3)
+    torch.testing.assert_close(pb.predict(model2, guide2, xt, num_samples=3), p1, rtol=0, atol=0)
+    pb.fit(model2, guide2, (x, y), epochs=1, batch_size=64, progress=False)
+
+
+def test_a_fresh_guide_without_a_dummy_input_says_to_call_it_first():
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(72, 3))
+    guide = pb.guides.MeanField(pb.BNN(net, "categorical"))
+    with pytest.raises(RuntimeError, match=r"MeanField is not set up yet.*call it once on a batch of inputs"):
+        guide.load_state_dict({})
 
 
 def test_laplace_without_curvature_refuses_to_predict(digits_small):

@@ -25,7 +25,7 @@ from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
-from ..model.bnn import initial_values_of, site_module
+from ..model.bnn import example_input, initial_values_of, site_module
 from .local_params import local_params, prepare_local_params
 from .param_store import expose_unconstrained, global_param_mode, sync_param_store
 from .pyro_objective import PyroObjective
@@ -111,6 +111,31 @@ class BNNGuide:
         else:
             expose_unconstrained(*modules)
         return super().__call__(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a saved guide's state, as ``torch.nn.Module.load_state_dict`` does.
+
+        A guide creates its parameters at its first call.  A fresh guide of a
+        :class:`~pyro_bnn.BNN` whose network starts with a Linear or Flatten layer sets itself
+        up here from a one-row dummy input, so ``guide.load_state_dict(torch.load(path))``
+        works on a guide that was never called (Pyro's own autoguides need a call first).
+
+        Raises
+        ------
+        RuntimeError
+            The guide is not set up and no dummy input can be built for its model (a CNN, a
+            hand-written model): call it once on a batch, ``guide(x)``, first.
+        """
+        if getattr(self, "prototype_trace", True) is None:
+            try:
+                x = example_input(self.approximated_model())
+            except ValueError:
+                raise RuntimeError(f"{type(self).__name__} is not set up yet, so it has no parameters to load "
+                                   "the state into; call it once on a batch of inputs, guide(x), then "
+                                   "load_state_dict (its model takes no dummy input: only a pb.BNN whose "
+                                   "network starts with a Linear or Flatten layer does)") from None
+            self.set_up(x)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # ------------------------------------------------- copying and pickling
     def __getstate__(self) -> dict:
