@@ -164,3 +164,12 @@ def test_a_pyro_optimiser_is_its_torch_optimiser(digits_small):
 def test_optimisers_fit_cannot_use_are_named(optimizer, match, digits_small):
     with pytest.raises(TypeError, match=match):
         _fit_digits(optimizer(), digits_small)
+
+
+def test_weight_decay_outside_the_objective_is_warned(digits_small):
+    with pytest.warns(UserWarning, match=r"weight_decay=0.01 \(AdamW\).*outside the ELBO") as record:
+        _fit_digits(lambda p: torch.optim.AdamW(p, lr=1e-2), digits_small)
+    assert any(w.filename == __file__ for w in record)  # points at the caller of pb.fit
+    with pytest.warns(UserWarning, match=r"weight_decay=0.1 \(Adam\)"):
+        _fit_digits(pyro.optim.Adam({"lr": 1e-2, "weight_decay": 0.1}), digits_small)
+    _fit_digits(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0), digits_small)  # silent
