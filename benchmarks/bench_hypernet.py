@@ -32,7 +32,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import warnings
@@ -44,6 +43,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.data.batches import TensorBatches
+from pyro_bnn.reporting.output_files import check_new_file, write_json
 from pyro_bnn.training.convergence_check import estimate_objective
 from pyro_bnn.training.loop import setup_guide
 
@@ -301,6 +301,7 @@ def main(argv=None):
     ap.add_argument("--random-directions", action="store_true",
                     help="Hypernet rows on pb.BNN(..., random_directions=True): directions under the posterior")
     ap.add_argument("--json", default=None, help="digits, full: write every row (with convergence) here")
+    ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     ap.add_argument("--loop", action="store_true",
                     help="speed: Hypernet epochs as a plain loop like MAP's instead of pb.fit")
     ap.add_argument("--num-samples", type=int, default=32)
@@ -309,6 +310,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (speed task)")
     args = ap.parse_args(argv)
+    if args.json and args.task in ("digits", "full"):   # before any training
+        check_new_file(args.json, overwrite=args.overwrite)
     if args.threads:
         torch.set_num_threads(args.threads)
     defaults = {"digits": (300, 64, "iaf", [0, 8], [200]), "full": (300, 64, "realnvp", [2], [32]),
@@ -321,8 +324,7 @@ def main(argv=None):
     args.hidden = defaults[4] if args.hidden is None else args.hidden
     rows = {"digits": task_digits, "full": task_full, "mnist": task_mnist, "speed": task_speed}[args.task](args)
     if args.json and args.task in ("digits", "full"):
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "rows": rows}, fh, indent=1)
+        write_json(args.json, {"args": vars(args), "rows": rows}, indent=1, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

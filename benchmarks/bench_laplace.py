@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import statistics
 import time
@@ -52,6 +51,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.curvature import KronBlock
 from pyro_bnn.curvature.marglik import log_evidence
+from pyro_bnn.reporting.output_files import check_new_file, write_json
 
 
 def mlp(d_in, hidden, d_out):
@@ -564,6 +564,7 @@ def main(argv=None):
     p.add_argument("--every", type=int, default=5, help="online marglik: epochs between evidence steps")
     p.add_argument("--skip-posthoc", action="store_true", help="--task targets: only the MAP (and --online runs)")
     p.add_argument("--json", default=None, help="write the results dict there")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (before 2026-11-29 13:20 UTC the script always used 2)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
@@ -572,6 +573,8 @@ def main(argv=None):
                         "slowed from 0.2 to ~1 s per epoch over 150 epochs as prior-only weights "
                         "of blank pixels decayed into the denormal range)")
     args = p.parse_args(argv)
+    if args.json:   # before any training: a long run is never lost at its end
+        check_new_file(args.json, overwrite=args.overwrite)
     if args.quick:
         args.epochs, args.digits_epochs, args.burnin, args.repeats, args.val = 2, 5, 1, 1, 100
     torch.set_num_threads(args.threads)
@@ -608,8 +611,7 @@ def main(argv=None):
     if args.task == "marglik_noise":
         task_marglik_noise(args, digits, out)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1, default=str)
+        write_json(args.json, out, indent=1, default=str, overwrite=args.overwrite)
     return out
 
 

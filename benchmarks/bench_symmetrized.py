@@ -30,7 +30,6 @@ Bound tightness (``--bounds``): on small nets whose group can be enumerated, the
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -41,6 +40,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
+from pyro_bnn.reporting.output_files import check_new_file, write_json
 from pyro_bnn.training.loop import setup_guide
 
 DEFAULT_WIDTH = {"mnist": 30, "digits": 100, "regression": 6}
@@ -277,7 +277,10 @@ def main(argv=None):
     p.add_argument("--warm-lr", type=float, default=1e-2)
     p.add_argument("--bounds", action="store_true", help="only the bound-tightness table")
     p.add_argument("--bound-draws", type=int, default=2000)
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = p.parse_args(argv)
+    if args.out and not args.bounds and not args.skip_converged:   # before any training
+        check_new_file(args.out, overwrite=args.overwrite)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.bounds:
@@ -328,9 +331,9 @@ def main(argv=None):
         summary(rows, kinds, "regression" if args.dataset == "regression" else "classification")
         print(f"# converged runs: {time.perf_counter() - t0:.0f} s")
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"args": vars(args), "rows": [{k: v for k, v in r.items() if k != "state"}
-                                                        for r in rows]}, f)
+            write_json(args.out, {"args": vars(args), "rows": [{k: v for k, v in r.items() if k != "state"}
+                                                               for r in rows]},
+                       indent=None, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from pyro_bnn.invariance import (  # noqa: E402
     map_predict,
     transformed_fashion_mnist,
 )
+from pyro_bnn.reporting.output_files import check_new_file, save_figure  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -72,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--plot", nargs=2, metavar=("JSONL", "PNG"), default=None,
                    help="no training: print the table of the rows in JSONL and plot their extent and "
                         "evidence trajectories to PNG")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     return p.parse_args(argv)
 
 
@@ -145,7 +147,7 @@ def print_table(rows):
               f"| {ep:.1f} | {hs:.1f} | {r['seconds']:.0f} |")
 
 
-def plot_rows(rows, path):
+def plot_rows(rows, path, *, overwrite=False):
     """Extents of the six generators (top) and log evidence / N (bottom) per epoch, one column per row."""
     import matplotlib
 
@@ -166,17 +168,18 @@ def plot_rows(rows, path):
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"rotated Fashion-MNIST (±π), {rows[0]['num_train']} train images")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110, overwrite=overwrite)
     plt.close(fig)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.plot:
+        check_new_file(args.plot[1], overwrite=args.overwrite)
         with open(args.plot[0]) as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
         print_table(rows)
-        plot_rows(rows, args.plot[1])
+        plot_rows(rows, args.plot[1], overwrite=args.overwrite)
         return rows
     if args.quick:
         args.subset, args.num_test, args.epochs, args.burnin, args.samples, args.hidden = 500, 500, 2, 1, 2, 32

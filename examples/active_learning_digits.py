@@ -13,7 +13,6 @@ diagnosed as converged is printed and saved.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -25,6 +24,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.analysis.uncertainty_plots import plot_active_curves
 from pyro_bnn.guides import registered_guides
+from pyro_bnn.reporting.output_files import check_new_file, save_figure, write_json
 
 
 def main(argv=None):
@@ -52,14 +52,23 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 rounds, 1 seed, 20 epochs")
     p.add_argument("--out", default="docs/results/figures")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.seeds, args.epochs = 3, 1, 20
+    weight_norm = args.guide == "hypernet" or args.weight_norm
+    seeds = f"s{args.seeds}" if not args.first_seed else f"s{args.first_seed}-{args.first_seed + args.seeds - 1}"
+    tag = ("quick" if args.quick else f"{args.guide}_r{args.rounds}_{seeds}_{args.batch}_e{args.epochs}"
+           f"{'_wn' if weight_norm else ''}{'_warm' if args.warm_start else ''}"
+           f"_{'-'.join(args.acquisitions.split(','))}")
+    json_path = os.path.join(args.out, f"active_digits_{tag}.json")
+    png_path = os.path.join(args.out, f"active_digits_{tag}.png")
+    for path in (json_path, png_path):   # before any training: a long run is never lost at its end
+        check_new_file(path, overwrite=args.overwrite)
     if args.threads:
         torch.set_num_threads(args.threads)
     d = pb.datasets.digits()
     factory = registered_guides()[args.guide]
-    weight_norm = args.guide == "hypernet" or args.weight_norm
 
     def model_fn():
         net = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
@@ -89,15 +98,9 @@ def main(argv=None):
     for acq, s in summary.items():
         print(f"{acq:16s} final accuracy mean {s['final_mean']:.4f}  per seed {s['final_per_seed']}; "
               f"mean over the curve {s['curve_mean']:.4f}")
-    os.makedirs(args.out, exist_ok=True)
-    seeds = f"s{args.seeds}" if not args.first_seed else f"s{args.first_seed}-{args.first_seed + args.seeds - 1}"
-    tag = ("quick" if args.quick else f"{args.guide}_r{args.rounds}_{seeds}_{args.batch}_e{args.epochs}"
-           f"{'_wn' if weight_norm else ''}{'_warm' if args.warm_start else ''}"
-           f"_{'-'.join(args.acquisitions.split(','))}")
-    with open(os.path.join(args.out, f"active_digits_{tag}.json"), "w") as fh:
-        json.dump({"args": vars(args), "summary": summary}, fh, indent=1)
-    plot_active_curves(results, path=os.path.join(args.out, f"active_digits_{tag}.png"),
-                       title=f"Active learning on digits ({args.guide}, {args.seeds} seeds)")
+    write_json(json_path, {"args": vars(args), "summary": summary}, indent=1, overwrite=args.overwrite)
+    fig = plot_active_curves(results, title=f"Active learning on digits ({args.guide}, {args.seeds} seeds)")
+    save_figure(fig, png_path, dpi=120, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

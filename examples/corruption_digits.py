@@ -25,7 +25,6 @@ diagnosis are printed and saved in the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 import warnings
@@ -38,6 +37,7 @@ import pyro_bnn as pb
 from pyro_bnn.analysis.uncertainty_plots import plot_corruption_curves
 from pyro_bnn.contract.guide import guide_contract
 from pyro_bnn.guides import init_to_network, registered_guides
+from pyro_bnn.reporting.output_files import check_new_file, save_figure, write_json
 
 PYRO = {"AutoNormal": lambda m: AutoNormal(m, init_loc_fn=init_to_network(m), init_scale=0.01),
         "AutoDelta": lambda m: AutoDelta(m, init_loc_fn=init_to_network(m))}
@@ -71,6 +71,16 @@ def evaluations(name: str) -> dict[str, str]:
     return {name: "sample"}
 
 
+def output_paths(args) -> dict[str, str]:
+    """The files the run writes: ``json``, ``rotation`` and ``noise`` (figures)."""
+    tag = args.tag or ("quick" if args.quick else f"e{args.epochs}")
+    # digits keep their earlier file names (corruption_digits_e20.json, corruption_rotation_e20.png)
+    prefix = "corruption" if args.dataset == "digits" else "corruption_mnist"
+    return {"json": os.path.join(args.out, f"corruption_{args.dataset}_{tag}.json"),
+            "rotation": os.path.join(args.out, f"{prefix}_rotation_{tag}.png"),
+            "noise": os.path.join(args.out, f"{prefix}_noise_{tag}.png")}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", choices=("digits", "mnist"), default="digits")
@@ -95,9 +105,13 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 epochs, 8 samples")
     p.add_argument("--out", default="docs/results/figures")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = p.parse_args(argv)
     if args.quick:
         args.epochs, args.num_samples = 3, 8
+    outputs = output_paths(args)
+    for path in outputs.values():   # before any training: a long run is never lost at its end
+        check_new_file(path, overwrite=args.overwrite)
     if args.threads:
         torch.set_num_threads(args.threads)
     d = load(args)
@@ -147,18 +161,17 @@ def main(argv=None):
                   + " ".join(f"{a:g}°={h:.3f}" for a, h in ent.items())
                   + f" monotone 0-90: {checks[label]['monotone_0_to_90']} "
                   f"noise H: {[round(h, 2) for h in noise[label]['entropy']]} ({secs:.0f}s)", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    tag = args.tag or ("quick" if args.quick else f"e{args.epochs}")
-    # digits keep their earlier file names (corruption_digits_e20.json, corruption_rotation_e20.png)
-    prefix, data_name = ("corruption", "Digits") if args.dataset == "digits" else ("corruption_mnist", "MNIST")
-    with open(os.path.join(args.out, f"corruption_{args.dataset}_{tag}.json"), "w") as fh:
-        json.dump({"args": vars(args), "checks": checks, "rotation": rot, "noise": noise}, fh, indent=1)
+    data_name = "Digits" if args.dataset == "digits" else "MNIST"
+    write_json(outputs["json"], {"args": vars(args), "checks": checks, "rotation": rot, "noise": noise},
+               indent=1, overwrite=args.overwrite)
     arch = "-".join(map(str, sizes))
-    plot_corruption_curves(rot, key="entropy", path=os.path.join(args.out, f"{prefix}_rotation_{tag}.png"),
-                           title=f"{data_name} ({arch}): mean predictive entropy vs rotation")
-    plot_corruption_curves(noise, key="entropy", path=os.path.join(args.out, f"{prefix}_noise_{tag}.png"),
-                           title=f"{data_name} ({arch}): mean predictive entropy vs Gaussian noise",
-                           xlabel="noise std (pixels in [0, 1])")
+    fig = plot_corruption_curves(rot, key="entropy",
+                                 title=f"{data_name} ({arch}): mean predictive entropy vs rotation")
+    save_figure(fig, outputs["rotation"], dpi=120, overwrite=args.overwrite)
+    fig = plot_corruption_curves(noise, key="entropy",
+                                 title=f"{data_name} ({arch}): mean predictive entropy vs Gaussian noise",
+                                 xlabel="noise std (pixels in [0, 1])")
+    save_figure(fig, outputs["noise"], dpi=120, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Examples
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -39,6 +38,7 @@ from pyro_bnn.invariance import (
     transformed_digits,
     transformed_mnist,
 )
+from pyro_bnn.reporting.output_files import check_new_file, save_figure, write_json
 
 
 def parse_args(argv=None):
@@ -69,6 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     p.add_argument("--out", default=None, help="folder for results.json and eta.png")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     return p.parse_args(argv)
 
 
@@ -127,7 +128,7 @@ def run_method(method, data, args):
     }
 
 
-def plot(results, path, title):
+def plot(results, path, title, *, overwrite=False):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,12 +147,15 @@ def plot(results, path, title):
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120, overwrite=overwrite)
     plt.close(fig)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.out:   # before any training: a long run is never lost at its end
+        for name in ("results.json", "eta.png"):
+            check_new_file(os.path.join(args.out, name), overwrite=args.overwrite)
     if args.quick:
         args.epochs, args.burnin, args.samples, args.hidden = 4, 1, 4, 32
         args.num_train, args.num_test = 500, 500
@@ -165,11 +169,10 @@ def main(argv=None):
         print(f"{r['method']:<9} {100 * r['accuracy']:8.2f}%  {r['nll']:8.4f}   "
               + "  ".join(f"{v:5.2f}" for v in r["extent"]) + f"   {r['seconds']:7.0f}")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as fh:
-            json.dump({"args": vars(args), "results": results}, fh, indent=1)
+        write_json(os.path.join(args.out, "results.json"), {"args": vars(args), "results": results}, indent=1,
+                   overwrite=args.overwrite)
         plot(results, os.path.join(args.out, "eta.png"),
-             f"{args.dataset}, {args.kind} ±{args.extent:.2f}: learned extents")
+             f"{args.dataset}, {args.kind} ±{args.extent:.2f}: learned extents", overwrite=args.overwrite)
         print(f"wrote {args.out}/results.json and eta.png")
     return results
 

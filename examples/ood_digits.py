@@ -18,7 +18,6 @@ epochs and ``pb.fit``'s diagnosis) is in the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 import warnings
@@ -31,6 +30,7 @@ import pyro_bnn as pb
 from pyro_bnn.analysis.uncertainty_plots import plot_ood_scores
 from pyro_bnn.contract.guide import guide_contract
 from pyro_bnn.guides import init_to_network, registered_guides
+from pyro_bnn.reporting.output_files import check_new_file, save_figure, write_json
 
 PRIORS = {"normal": lambda: pb.priors.IIDNormal(1.0), "fanin": lambda: pb.priors.FanInNormal()}
 
@@ -120,9 +120,15 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="5 epochs, 16 samples")
     p.add_argument("--tag", default=None, help="output file tag (default e<epochs>, plus _h<hidden> if not 50)")
     p.add_argument("--out", default="docs/results/figures")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = p.parse_args(argv)
     if args.quick:
         args.epochs, args.num_samples = 5, 16
+    tag = args.tag or ("quick" if args.quick else f"e{args.epochs}" + ("" if args.hidden == 50 else f"_h{args.hidden}"))
+    json_path = os.path.join(args.out, f"ood_digits_{tag}.json")
+    png_path = os.path.join(args.out, f"ood_digits_{tag}.png")
+    for path in (json_path, png_path):   # before any training: a long run is never lost at its end
+        check_new_file(path, overwrite=args.overwrite)
     if args.threads:
         torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
@@ -146,14 +152,11 @@ def main(argv=None):
                           f"{'higher' if mi > base else 'NOT higher'}", flush=True)
         if seed == seeds[0]:
             first = results
-    os.makedirs(args.out, exist_ok=True)
-    tag = args.tag or ("quick" if args.quick else f"e{args.epochs}" + ("" if args.hidden == 50 else f"_h{args.hidden}"))
     payload = {"args": vars(args), "comparison": comparison,
                "results": per_seed[seeds[0]] if len(seeds) == 1 else per_seed}
-    with open(os.path.join(args.out, f"ood_digits_{tag}.json"), "w") as fh:
-        json.dump(payload, fh, indent=1)
-    plot_ood_scores(first, path=os.path.join(args.out, f"ood_digits_{tag}.png"),
-                    title=f"Digits: train 0–4, OOD 5–9 (AUROC, seed {seeds[0]})")
+    write_json(json_path, payload, indent=1, overwrite=args.overwrite)
+    fig = plot_ood_scores(first, title=f"Digits: train 0–4, OOD 5–9 (AUROC, seed {seeds[0]})")
+    save_figure(fig, png_path, dpi=120, overwrite=args.overwrite)
     if comparison and len(seeds) > 1:
         names = sorted({k for c in comparison.values() for k in c if k != "MAP max_prob"})
         for n in names:

@@ -34,6 +34,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.analysis import pruning
 from pyro_bnn.analysis.uncertainty_plots import plot_pruning_curves
+from pyro_bnn.reporting.output_files import check_new_file, save_figure, save_torch, write_json
 
 _SPIKE = math.exp(-6)
 
@@ -98,6 +99,15 @@ def sigma_stats(model, guide) -> dict:
             "spearman_snr_vs_zero_prob": rank_correlation(snr, zp)}
 
 
+def output_tag(args) -> str:
+    """The tag of the output files (``--tag``, else ``<prior>_e<epochs>[_lr…][_kla…][_val…][_digits]``)."""
+    return args.tag or ("quick" if args.quick else f"{args.prior}_e{args.epochs}"
+                        + (f"_lr{args.lr:g}" if args.lr != 5e-2 else "")
+                        + (f"_kla{args.kl_annealing}" if args.kl_annealing else "")
+                        + (f"_val{args.val}" if args.val else "")
+                        + ("_digits" if args.dataset == "digits" else ""))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default="../shared/data/mnist")
@@ -126,9 +136,16 @@ def main(argv=None):
     p.add_argument("--out", default="docs/results/figures")
     p.add_argument("--save-state", default=None, help="save model and guide state here")
     p.add_argument("--load-state", default=None, help="skip training: load this saved state")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = p.parse_args(argv)
     if args.quick:
         args.epochs, args.num_train, args.num_test = 5, 1000, 1000
+    tag = output_tag(args)
+    json_path = os.path.join(args.out, f"pruning_mnist_{tag}.json")
+    png_path = os.path.join(args.out, f"pruning_mnist_{tag}.png")
+    # every output path before any training: a long run is never lost at its end
+    for path in [json_path, png_path] + ([args.save_state] if args.save_state and not args.load_state else []):
+        check_new_file(path, overwrite=args.overwrite)
     if args.threads:
         torch.set_num_threads(args.threads)
     fractions = [float(f) for f in args.fractions.split(",")]
@@ -172,7 +189,8 @@ def main(argv=None):
         if not math.isfinite(fit.final_loss):
             raise SystemExit("training diverged")
         if args.save_state:
-            torch.save({"model": model.state_dict(), "guide": guide.state_dict()}, args.save_state)
+            save_torch({"model": model.state_dict(), "guide": guide.state_dict()}, args.save_state,
+                       overwrite=args.overwrite)
     summary["sigma_stats"] = sigma_stats(model, guide)
 
     t1 = time.perf_counter()
@@ -189,20 +207,13 @@ def main(argv=None):
         print(f"{split:5s} {'score':18s} " + " ".join(f"{100 * f:6.1f}%" for f in fractions))
         for label, c in by_kind.items():
             print(f"{split:5s} {label:18s} " + " ".join(f"{100 * a:6.2f} " for a in c["accuracy"]))
-    os.makedirs(args.out, exist_ok=True)
-    tag = args.tag or ("quick" if args.quick else f"{args.prior}_e{args.epochs}"
-                       + (f"_lr{args.lr:g}" if args.lr != 5e-2 else "")
-                       + (f"_kla{args.kl_annealing}" if args.kl_annealing else "")
-                       + (f"_val{args.val}" if args.val else "")
-                       + ("_digits" if args.dataset == "digits" else ""))
-    with open(os.path.join(args.out, f"pruning_mnist_{tag}.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
+    write_json(json_path, summary, indent=1, overwrite=args.overwrite)
     test = curves["test"]
-    plot_pruning_curves({k: test[k] for k in args.kinds.split(",")},
-                        path=os.path.join(args.out, f"pruning_mnist_{tag}.png"),
-                        title=f"MeanField {args.dataset} ({len(x_train)} train, {args.prior} prior, "
-                              f"{args.epochs} epochs): pruning",
-                        baseline=test["snr"]["accuracy"][0])
+    fig = plot_pruning_curves({k: test[k] for k in args.kinds.split(",")},
+                              title=f"MeanField {args.dataset} ({len(x_train)} train, {args.prior} prior, "
+                                    f"{args.epochs} epochs): pruning",
+                              baseline=test["snr"]["accuracy"][0])
+    save_figure(fig, png_path, dpi=120, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
+from pyro_bnn.reporting.output_files import check_new_file, save_figure
 
 
 def run(epochs: int = 1000, num_flows: int = 4, hidden: int = 50, width: int = 64,
@@ -68,7 +69,10 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=0,
                    help="run seeds 0..N-1 and print every ratio, the median and how many reach 3")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = p.parse_args(argv)
+    if args.plot and not args.seeds:   # before any training (--seeds writes no figure)
+        check_new_file(args.plot, overwrite=args.overwrite)
     torch.set_num_threads(args.threads)
     options = dict(epochs=args.epochs, num_flows=args.num_flows, lr=args.lr, flow=args.flow,
                    layout=args.layout, lr_schedule=args.lr_schedule)
@@ -92,13 +96,13 @@ def main(argv=None):
         import matplotlib.pyplot as plt
 
         m, s = f.mean(0), f.std(0)
-        plt.figure(figsize=(6, 3.5))
+        fig = plt.figure(figsize=(6, 3.5))
         plt.fill_between(grid[:, 0], m - 2 * s, m + 2 * s, alpha=0.3, label="±2 std")
         plt.plot(grid[:, 0], m, label="predictive mean")
         plt.scatter(x[:, 0], y[:, 0], s=8, c="k", label="train")
         plt.legend()
         plt.tight_layout()
-        plt.savefig(args.plot, dpi=120)
+        save_figure(fig, args.plot, dpi=120, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

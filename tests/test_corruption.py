@@ -78,23 +78,25 @@ def test_curve_with_guide_predictive_method():
 
 
 def test_plots_write_pngs(tmp_path):
-    """Every uncertainty plot renders a titled PNG from the matching tool's output format."""
+    """Every uncertainty plot renders a titled figure from the matching tool's output format;
+    saved with the scripts' atomic writer, it is a PNG."""
     from pyro_bnn.analysis import uncertainty_plots as up
     from pyro_bnn.analysis.active import ActiveResult
+    from pyro_bnn.reporting.output_files import save_figure
 
     curve = {"level": [0, 45, 90], "entropy": [0.1, 0.5, 0.9], "accuracy": [0.9, 0.5, 0.2]}
     runs = [ActiveResult("bald", [20, 30], [0.5, 0.6]), ActiveResult("bald", [20, 30], [0.55, 0.7])]
     ood = {"max_prob": {"auroc": 0.9}, "entropy": {"auroc": 0.8}}
     figs = {
-        "prune.png": up.plot_pruning_curves({"snr": {"fraction": [0, 0.9], "accuracy": [0.9, 0.8]}},
-                                            path=str(tmp_path / "prune.png"), baseline=0.9),
+        "prune.png": up.plot_pruning_curves({"snr": {"fraction": [0, 0.9], "accuracy": [0.9, 0.8]}}, baseline=0.9),
         "fgsm.png": up.plot_fgsm_curve({"mf": {"epsilon": [0, 0.1], "accuracy": [0.9, 0.3],
-                                               "entropy": [0.1, 0.8], "mutual_information": [0, 0.1]}},
-                                       path=str(tmp_path / "fgsm.png")),
-        "active.png": up.plot_active_curves({"bald": runs}, path=str(tmp_path / "active.png")),
-        "rot.png": up.plot_corruption_curves({"mf": curve}, key="entropy", path=str(tmp_path / "rot.png")),
-        "ood.png": up.plot_ood_scores({"mf": ood}, path=str(tmp_path / "ood.png")),
+                                               "entropy": [0.1, 0.8], "mutual_information": [0, 0.1]}}),
+        "active.png": up.plot_active_curves({"bald": runs}),
+        "rot.png": up.plot_corruption_curves({"mf": curve}, key="entropy"),
+        "ood.png": up.plot_ood_scores({"mf": ood}),
     }
     for fname, fig in figs.items():
+        save_figure(fig, tmp_path / fname, dpi=120)
+        assert (tmp_path / fname).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (tmp_path / fname).stat().st_size > 1000
         assert fig.axes[-1].get_title() and fig.axes[-1].get_xlabel() and fig.axes[-1].get_ylabel()

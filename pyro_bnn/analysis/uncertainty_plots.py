@@ -1,8 +1,9 @@
 """Matplotlib figures for the uncertainty tools (pruning, OOD, FGSM, active learning, corruption).
 
 Every function takes the dict/result the matching tool returns, draws one titled figure
-with labelled axes and a legend, optionally saves it as a PNG (``path``) and returns the
-``Figure``.  matplotlib is imported lazily (Agg backend when no display is configured).
+with labelled axes and a legend and returns the ``Figure``: save it with
+:func:`pyro_bnn.reporting.output_files.save_figure` (atomic, never replaces a file unasked) or
+``fig.savefig``.  matplotlib is imported lazily (Agg backend when no display is configured).
 """
 
 from __future__ import annotations
@@ -25,20 +26,17 @@ def _plt():
     return plt
 
 
-def _finish(fig, ax, title, xlabel, ylabel, path, **legend_kw):
+def _finish(fig, ax, title, xlabel, ylabel, **legend_kw):
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(**legend_kw)
     fig.tight_layout()
-    if path is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fig.savefig(path, dpi=120)
     return fig
 
 
-def plot_pruning_curves(curves: dict, *, path: str | None = None,
+def plot_pruning_curves(curves: dict, *,
                         title: str = "Pruning by posterior uncertainty",
                         baseline: float | None = None):
     """Test accuracy (%) vs fraction of weights removed; ``curves`` maps a label to a
@@ -49,10 +47,10 @@ def plot_pruning_curves(curves: dict, *, path: str | None = None,
         ax.plot([100 * f for f in c["fraction"]], [100 * a for a in c["accuracy"]], "o-", label=label)
     if baseline is not None:
         ax.axhline(100 * baseline, color="gray", ls="--", label="unpruned")
-    return _finish(fig, ax, title, "weights removed (%)", "test accuracy (%)", path)
+    return _finish(fig, ax, title, "weights removed (%)", "test accuracy (%)")
 
 
-def plot_fgsm_curve(curves: dict, *, path: str | None = None,
+def plot_fgsm_curve(curves: dict, *,
                     title: str = "FGSM: accuracy and uncertainty vs step size"):
     """Accuracy and mean predictive entropy vs ε; ``curves`` maps a label to a
     :func:`pyro_bnn.analysis.adversarial.fgsm_curve` result."""
@@ -62,11 +60,11 @@ def plot_fgsm_curve(curves: dict, *, path: str | None = None,
         ax1.plot(c["epsilon"], c["accuracy"], "o-", label=label)
         ax2.plot(c["epsilon"], c["entropy"], "o-", label=f"{label} entropy")
         ax2.plot(c["epsilon"], c["mutual_information"], "s--", label=f"{label} MI")
-    _finish(fig, ax1, "accuracy", "step size ε", "test accuracy", None)
-    return _finish(fig, ax2, title, "step size ε", "mean uncertainty (nats)", path)
+    _finish(fig, ax1, "accuracy", "step size ε", "test accuracy")
+    return _finish(fig, ax2, title, "step size ε", "mean uncertainty (nats)")
 
 
-def plot_active_curves(results: dict, *, path: str | None = None, title: str = "Active learning"):
+def plot_active_curves(results: dict, *, title: str = "Active learning"):
     """Test accuracy vs number of labels; ``results`` maps an acquisition name to a list
     of :class:`pyro_bnn.analysis.active.ActiveResult` (one per seed): mean ± std over seeds."""
     import numpy as np
@@ -79,10 +77,10 @@ def plot_active_curves(results: dict, *, path: str | None = None, title: str = "
         n = runs[0].num_labelled
         ax.plot(n, acc.mean(0), "o-", label=f"{label} (n={len(runs)})")
         ax.fill_between(n, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), alpha=0.2)
-    return _finish(fig, ax, title, "labelled examples", "test accuracy (%)", path)
+    return _finish(fig, ax, title, "labelled examples", "test accuracy (%)")
 
 
-def plot_corruption_curves(curves: dict, *, key: str = "entropy", path: str | None = None,
+def plot_corruption_curves(curves: dict, *, key: str = "entropy",
                            title: str | None = None, xlabel: str = "rotation angle (degrees)"):
     """Mean uncertainty ``key`` vs corruption level; ``curves`` maps a label (guide) to a
     :func:`pyro_bnn.analysis.corruption.corruption_curve` result."""
@@ -94,10 +92,10 @@ def plot_corruption_curves(curves: dict, *, key: str = "entropy", path: str | No
               "accuracy": "test accuracy", "max_prob": "mean confidence"}.get(key, key)
     # many curves: legend to the right of the axes so it hides none of them
     legend = {} if len(curves) <= 4 else {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": 8}
-    return _finish(fig, ax, title or f"{key.replace('_', ' ')} vs corruption", xlabel, ylabel, path, **legend)
+    return _finish(fig, ax, title or f"{key.replace('_', ' ')} vs corruption", xlabel, ylabel, **legend)
 
 
-def plot_ood_scores(results: dict, *, path: str | None = None, metric: str = "auroc",
+def plot_ood_scores(results: dict, *, metric: str = "auroc",
                     title: str = "Out-of-distribution detection"):
     """Grouped bars of AUROC (or AUPR) per score; ``results`` maps a label (guide) to a
     :func:`pyro_bnn.analysis.ood.evaluate` result."""
@@ -114,5 +112,5 @@ def plot_ood_scores(results: dict, *, path: str | None = None, metric: str = "au
     ax.set_xticks(np.arange(len(scores)) + 0.4 - width / 2)
     ax.set_xticklabels([s.replace("_", " ") for s in scores], rotation=15)
     ax.set_ylim(0, 1.25)
-    return _finish(fig, ax, title, "uncertainty score", metric.upper(), path, loc="upper center",
+    return _finish(fig, ax, title, "uncertainty score", metric.upper(), loc="upper center",
                    ncol=min(5, len(labels)), fontsize=8)

@@ -44,7 +44,7 @@ except ImportError:  # not POSIX (Windows): fit's checkpoint lock is unavailable
 
 __all__ = ["write_atomic", "read_checkpoint", "check_plain_data", "load_states", "rng_state",
            "set_rng_state", "loader_rng_state", "set_loader_rng_state", "content_digest",
-           "CheckpointLock", "CheckpointInUseError", "CHECKSUM_KEY"]
+           "CheckpointLock", "CheckpointInUseError", "CHECKSUM_KEY", "process_umask", "fsync_folder"]
 
 #: the entry of every checkpoint written by :func:`write_atomic` that holds its digest
 CHECKSUM_KEY = "checksum"
@@ -101,7 +101,7 @@ def write_atomic(path, state: dict) -> None:
     try:
         with os.fdopen(fd, "wb") as fh:
             if hasattr(os, "fchmod"):
-                os.fchmod(fh.fileno(), 0o666 & ~_umask())
+                os.fchmod(fh.fileno(), 0o666 & ~process_umask())
             torch.save(state, fh)
             fh.flush()
             os.fsync(fh.fileno())
@@ -112,10 +112,10 @@ def write_atomic(path, state: dict) -> None:
         except FileNotFoundError:
             pass
         raise
-    _fsync_folder(folder)
+    fsync_folder(folder)
 
 
-def _umask() -> int:
+def process_umask() -> int:
     """The process's umask, read without changing it where Linux allows (``/proc``)."""
     try:
         with open("/proc/self/status") as fh:
@@ -206,7 +206,7 @@ def verify_digest(state: dict, path: str) -> None:
                          "nothing was loaded. Restore the file from a copy or start a new fit")
 
 
-def _fsync_folder(folder: str) -> None:
+def fsync_folder(folder) -> None:
     """Make the rename durable (POSIX); a no-op where folders cannot be opened."""
     try:
         fd = os.open(folder, os.O_RDONLY)
