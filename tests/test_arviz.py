@@ -22,7 +22,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.guides import init_to_network, registered_guides
-from pyro_bnn.posterior.arviz import loo_approximate
+from pyro_bnn.posterior.arviz import MIN_PSIS_TAIL, loo_approximate, psis_loo
 from pyro_bnn.posterior.guide_density import guide_log_density, sample_with_log_density
 
 S, N = 60, 120
@@ -105,6 +105,36 @@ def test_loo_and_approximate_loo_finite(name, trained):
     # a sum of N log predictive densities of class labels: negative
     assert corrected.elpd < 0 and plain.elpd < 0
     assert loo_approximate(dt).elpd == pytest.approx(corrected.elpd)
+
+
+def test_psis_loo_scores_observations_without_a_tail(trained):
+    """Saturated log-likelihoods (0 for every draw, as a float32 log-softmax gives for confident
+    predictions) make arviz-stats' PSIS refuse the whole data set; ``psis_loo`` scores them by
+    plain importance sampling and the rest by PSIS, and equals arviz-stats where it works."""
+    import arviz_stats
+
+    _, _, dt = trained["meanfield"]
+    with quiet():
+        ref = arviz_stats.loo(dt, pointwise=True)
+        assert psis_loo(dt) == (pytest.approx(float(ref.elpd), rel=1e-12),
+                                pytest.approx(float(ref.se), rel=1e-12), 0)
+    ll = dt["log_likelihood"]["obs"]
+    values = ll.values.copy()
+    values[..., :3] = 0.0                                     # every draw saturated
+    tied = np.sort(values[..., 3].reshape(-1))
+    values[..., 3] = np.maximum(values[..., 3], tied[MIN_PSIS_TAIL - 1])  # the tail's draws tie
+    broken = dt.copy()
+    broken["log_likelihood"]["obs"] = ll.copy(data=values)
+    with quiet(), pytest.raises(ValueError, match="All tail values are the same"):
+        arviz_stats.loo(broken)
+    with quiet():
+        elpd, se, plain = psis_loo(broken)
+        rest = arviz_stats.loo(broken.isel(obs_id=np.arange(4, N), missing_dims="ignore"), pointwise=True)
+    draws = values[..., 3].reshape(-1)
+    expected_3 = -np.log(np.mean(np.exp(-draws)))             # plain importance sampling
+    assert plain == 4
+    assert elpd == pytest.approx(float(rest.elpd) + 0.0 + expected_3, rel=1e-12)
+    assert math.isfinite(se) and se > 0
 
 
 def test_point_mass_guide_has_identical_draws(trained, data):

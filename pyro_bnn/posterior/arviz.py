@@ -52,6 +52,7 @@ Linearised (GLM) draws of a Laplace guide (``predictive="glm"``, its default)
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -72,7 +73,7 @@ from ..training.seeding import seeded
 from .guide_density import sample_with_log_density
 from .prediction import default_predictive, predictive_name, resolve_predictive, whole_batch_plates
 
-__all__ = ["to_arviz", "loo_approximate", "site_dims", "default_predictive"]
+__all__ = ["to_arviz", "loo_approximate", "psis_loo", "site_dims", "default_predictive"]
 
 OBS_DIM = "obs_id"
 
@@ -364,3 +365,53 @@ def loo_approximate(dt, **kwargs):
 
     stats = dt["sample_stats"]
     return arviz_stats.loo_approximate_posterior(dt, log_p=stats["lp"], log_q=stats["log_q"], **kwargs)
+
+
+#: The fewest tail draws PSIS fits (arviz-stats raises "All tail values are the same" when they tie).
+MIN_PSIS_TAIL = 5
+
+
+def psis_loo(dt) -> tuple[float, float, int]:
+    """PSIS-LOO (``arviz_stats.loo``) that also scores observations whose likelihood has no tail.
+
+    A confidently predicted observation can have ``log p(y_n | θ_s) = 0`` exactly for many
+    draws (the log-softmax saturates in float32): its importance weights ``1/p`` then tie in
+    the tail, Pareto smoothing cannot be fitted ("All tail values are the same") and
+    ``arviz_stats.loo`` refuses the whole data set.  Here an observation whose
+    :data:`MIN_PSIS_TAIL` smallest log-likelihood draws are equal is scored by plain
+    importance sampling, ``elpd_n = −log mean_s exp(−log p(y_n | θ_s))`` (its weights are bounded
+    by the tied tail, so smoothing would change little; for draws that are all equal it is exact),
+    and the others by ``arviz_stats.loo``.
+
+    Parameters
+    ----------
+    dt : xarray.DataTree
+        Output of :func:`to_arviz` (``log_likelihood/obs`` over ``chain, draw, obs_id``).
+
+    Returns
+    -------
+    elpd : float
+        ``Σ_n elpd_n``.
+    se : float
+        ``sqrt(N · var(elpd_n))``, as ArviZ computes it.
+    num_plain : int
+        Observations scored by plain importance sampling.
+    """
+    import arviz_stats
+
+    ll = dt["log_likelihood"]["obs"].transpose(..., OBS_DIM).values
+    ll = ll.reshape(-1, ll.shape[-1]).astype(np.float64)
+    lowest = np.sort(ll, axis=0)[:MIN_PSIS_TAIL]
+    plain = (lowest.max(0) - lowest.min(0)) < np.finfo(float).tiny
+    if not plain.any():
+        res = arviz_stats.loo(dt)
+        return float(res.elpd), float(res.se), 0
+    pointwise = np.empty(ll.shape[1])
+    neg = -ll[:, plain]
+    top = neg.max(0)
+    pointwise[plain] = -(top + np.log(np.exp(neg - top).mean(0)))
+    if not plain.all():
+        keep = np.flatnonzero(~plain)
+        res = arviz_stats.loo(dt.isel({OBS_DIM: keep}, missing_dims="ignore"), pointwise=True)
+        pointwise[keep] = np.asarray(res.elpd_i).reshape(-1)
+    return float(pointwise.sum()), math.sqrt(len(pointwise) * pointwise.var()), int(plain.sum())

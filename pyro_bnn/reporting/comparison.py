@@ -59,7 +59,7 @@ from ..data.batches import check_data
 from ..data.datasets import DataSplit
 from ..model.bnn import random_directions_of, weight_norm_of
 from ..posterior import metrics
-from ..posterior.arviz import default_predictive, loo_approximate, to_arviz
+from ..posterior.arviz import default_predictive, loo_approximate, psis_loo, to_arviz
 from ..posterior.prediction import (
     PredictiveSamples,
     predict,
@@ -314,8 +314,6 @@ def _num_draws(dt) -> int:
 
 
 def _loo_columns(dt) -> dict:
-    import arviz_stats
-
     out = {"elpd_loo": math.nan, "elpd_loo_se": math.nan, "pareto_k_bad": math.nan,
            "elpd_loo_psis": math.nan}
     notes = []
@@ -328,7 +326,7 @@ def _loo_columns(dt) -> dict:
         except (ValueError, FloatingPointError) as exc:  # e.g. identical draws: PSIS undefined
             notes.append(f"loo_approximate_posterior: {exc}")
         try:
-            out["elpd_loo_psis"] = float(arviz_stats.loo(dt).elpd)
+            out["elpd_loo_psis"] = psis_loo(dt)[0]
         except (ValueError, FloatingPointError) as exc:
             notes.append(f"loo: {exc}")
     draws = _num_draws(dt)
