@@ -169,9 +169,10 @@ def _bridge_set_up(stack: ExitStack, guide, state: _BridgeState) -> None:
     stack.callback(restore)
 
 
-def global_param_tensors(model, guide, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def global_param_tensors(model, guide, args: tuple, kwargs: dict, *, model_only: bool = False) -> list[torch.Tensor]:
     """The unconstrained tensors of the global ``pyro.param`` statements that one run of
-    ``guide`` and ``model`` (replayed on the guide's draw) makes, in order of appearance.
+    ``guide`` and ``model`` (replayed on the guide's draw) makes, in order of appearance
+    (``model_only``: those of the model's run alone, e.g. its noise ``sigma``).
 
     Call inside :func:`local_params`.  Runs without gradients and without drawing from the
     caller's random streams.
@@ -183,7 +184,7 @@ def global_param_tensors(model, guide, args: tuple, kwargs: dict) -> list[torch.
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
     out, seen = [], set()
-    for trace in (guide_trace, model_trace):
+    for trace in (model_trace,) if model_only else (guide_trace, model_trace):
         for site in trace.nodes.values():
             if site["type"] == "param" and site["infer"].get(GLOBAL_PARAM_KEY):
                 tensor = site["value"].unconstrained()

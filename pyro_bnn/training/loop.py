@@ -37,7 +37,7 @@ from ..model.devices import module_device
 from . import distributed as _dist
 from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
 from .compiled import CompiledLoss
-from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning
+from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning, watched_hyperparameters
 from .cuda_graph import CudaGraphStep, check_cuda_graph_device, check_cuda_graph_fit
 from .devices import flush_denormals
 from .divergence import DivergenceGuard, is_invalid_parameter_error
@@ -436,7 +436,8 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     monitor (after the guide's ``on_fit_start``, which may freeze parameters) and the CUDA
     graph step (if asked)."""
     run.params = trained_parameters(run.model, run.guide)
-    run.params += _global_params(run)  # the model's pyro.param values (pyro_bnn.contract.local_params)
+    model_params = _global_params(run, model_only=True)  # the model's pyro.param values, e.g. its noise
+    run.params += _global_params(run)  # the global pyro.param values (pyro_bnn.contract.local_params)
     run.optimizer = optimizer(run.params) if optimizer is not None else default_optimizer(
         run.params, lr, run.contract.learning_rate_factors())
     warn_weight_decay(run.optimizer)
@@ -450,19 +451,22 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     run.guard = DivergenceGuard(run.model, run.guide, run.optimizer, run.scheduler, run.params,
                                 clip_norm=clip_norm, checkpoint=run.checkpoint,
                                 deferred=defer_step_checks(run.optimizer, run.device, run.dstate))
-    run.monitor = ConvergenceMonitor(run.optimizer, run.contract.scale_parameters())
+    run.monitor = ConvergenceMonitor(run.optimizer, run.contract.scale_parameters(),
+                                     watched_hyperparameters(run.model, model_params))
     if cuda_graph:
         check_cuda_graph_fit(run.device, run.guard.deferred, run.optimizer)
         run.graph = CudaGraphStep(run.loss_module, run.optimizer, run.guard, run.device, run.objective)
 
 
-def _global_params(run: _Run) -> list:
-    """The global ``pyro.param`` tensors of model and guide not among ``run.params``."""
+def _global_params(run: _Run, model_only: bool = False) -> list:
+    """The global ``pyro.param`` tensors of model and guide (``model_only``: of the model)
+    not among ``run.params``."""
     args, kwargs, _ = call_model(run.model, *run.example, run.ctx.num_data)
     known = {id(p) for p in run.params}
     with warnings.catch_warnings():   # a look-up run, not a prediction: its draw is discarded
         warnings.simplefilter("ignore", GuideStateWarning)
-        extra = [t for t in global_param_tensors(run.model, run.guide, args, kwargs) if id(t) not in known]
+        extra = [t for t in global_param_tensors(run.model, run.guide, args, kwargs, model_only=model_only)
+                 if id(t) not in known]
     if extra and run.checkpoint is not None:
         raise NotImplementedError(
             "fit(checkpoint=...) saves model and guide state_dicts, which do not hold the model's global "
