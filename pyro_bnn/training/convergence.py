@@ -106,7 +106,8 @@ class ConvergenceDiagnosis:
         objective of any stretch of ``window`` epochs, and how far below it the last stretch's
         median ended, relative), ``lr_decayed``, ``scale_limited_share`` and ``scale_lr_budget``
         (``Σ lr`` of the scales' group), ``param_limited_share`` and ``param_lr_budget`` (the
-        same for the other trained parameters), ``None`` where not measured.
+        same for the other trained parameters), ``hyper_travelling`` (the names of the model's
+        hyperparameters still travelling), ``None`` where not measured.
     """
 
     converged: bool
@@ -198,7 +199,7 @@ def objective_trend(values, window: int) -> tuple[float, float]:
 
 
 def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None, param_limited=None,
-             hyper_limited=None) -> ConvergenceDiagnosis:
+             hyper_travelling=None) -> ConvergenceDiagnosis:
     """Judge convergence from a fit's per-epoch objective and its scales' moves.
 
     Parameters
@@ -214,7 +215,7 @@ def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None, param_li
         maximum step.
     param_limited : (float, float) or None
         The same for every other trained parameter (check (b')).
-    hyper_limited : list of str or None
+    hyper_travelling : list of str or None
         The model's watched hyperparameters (a learned observation noise, a model's
         ``pyro.param``) that Adam was still moving one way at the end
         (:meth:`ConvergenceMonitor.travelling_hyperparameters`), each judged on its own;
@@ -276,10 +277,10 @@ def diagnose(objective, *, lr_decayed: bool | None, scale_limited=None, param_li
             measures.update({f"{key}_limited_share": share, f"{key}_lr_budget": budget})
             if share > LIMITED_SHARE:
                 reasons.append(reason.format(share=100 * share, move=100 * LIMITED_MOVE, budget=budget))
-    if hyper_limited is not None:
-        measures["hyper_travelling"] = list(hyper_limited)
-        if hyper_limited:
-            reasons.append(_HYPERS_TRAVELLING.format(names=", ".join(hyper_limited), ratio=TRAVELLING_RATIO))
+    if hyper_travelling is not None:
+        measures["hyper_travelling"] = list(hyper_travelling)
+        if hyper_travelling:
+            reasons.append(_HYPERS_TRAVELLING.format(names=", ".join(hyper_travelling), ratio=TRAVELLING_RATIO))
     if measures["judged"] and lr_decayed is False and not flat and not any(
             r.startswith("the objective") for r in reasons):
         reasons.append(f"the learning rate never decayed and the objective's trend over the last {window} "
@@ -386,16 +387,16 @@ class ConvergenceMonitor:
     def diagnose(self, objective) -> ConvergenceDiagnosis:
         """:func:`diagnose` with this fit's learning rates and scales."""
         lr_decayed = None if self.lr_last is None else self.lr_last <= 0.5 * self.lr_max
-        scale_limited = param_limited = hyper_limited = None
+        scale_limited = param_limited = hyper_travelling = None
         if isinstance(self.optimizer, _ADAM_LIKE):
             if self.hypers:
-                hyper_limited = self.travelling_hyperparameters()
+                hyper_travelling = self.travelling_hyperparameters()
             if self.scales:
                 scale_limited = (self.limited_share(), max(self.lr_sums[g] for g in self.scale_groups))
             if self.others:
                 param_limited = (self.param_limited_share(), max(self.lr_sums[g] for g in self.other_groups))
         return diagnose(objective, lr_decayed=lr_decayed, scale_limited=scale_limited, param_limited=param_limited,
-                        hyper_limited=hyper_limited)
+                        hyper_travelling=hyper_travelling)
 
 
 def watched_hyperparameters(model, model_params=()) -> dict:
