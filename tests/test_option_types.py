@@ -55,7 +55,22 @@ def test_likelihood_of_another_type(value):
 
 def test_likelihood_aliases_still_accepted():
     for name in ("normal", "regression", "gaussian"):
-        assert pb.BNN(_net(1), name).likelihood.name == "gaussian"
+        assert pb.BNN(_net(1), name, noise=0.5).likelihood.name == "gaussian"
+
+
+def test_a_gaussian_without_noise_warns_that_its_sigma_is_fixed_at_one():
+    """σ = 1 whatever the targets' scale is a silent modelling choice: named, pointing at the
+    caller; an explicit noise= (1.0 included) or a Likelihood instance is not warned of."""
+    with pytest.warns(UserWarning, match=r"likelihood='gaussian' without noise=: the observation noise is "
+                                         r"fixed at σ = 1") as record:
+        model = pb.BNN(_net(1), "gaussian")
+    assert float(model.likelihood.noise) == 1.0
+    assert [w.filename for w in record] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pb.BNN(_net(1), "gaussian", noise=1.0)
+        pb.BNN(_net(1), "gaussian", noise="learned")
+        pb.BNN(_net(1), pb.model.likelihoods.Gaussian())
 
 
 # ------------------------------------------------------------------ noise

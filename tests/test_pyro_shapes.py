@@ -39,7 +39,8 @@ def _svi_step(model, x, y):
 def test_plain_svi_refuses_targets_that_would_broadcast(likelihood, target, match):
     torch.manual_seed(0)
     x, y = torch.randn(50, 3), torch.randn(50, 1)
-    model = pb.BNN(mlp(3, 8, 2 if likelihood == "categorical" else 1), likelihood)
+    model = pb.BNN(mlp(3, 8, 2 if likelihood == "categorical" else 1), likelihood,
+                   **({"noise": 1.0} if likelihood == "gaussian" else {}))
     with pytest.raises(ValueError, match=match):
         _svi_step(model, x, target(y))
     assert isinstance(_svi_step(model, x, (y > 0).float() if likelihood == "bernoulli" else

@@ -574,8 +574,15 @@ def _input_spec(net: nn.Module) -> tuple[str, int] | None:
 
 def _check_noise_option(name_or_module, likelihood: Likelihood, noise) -> None:
     """``noise=`` belongs to a Gaussian likelihood given by name (a ``Likelihood`` instance
-    carries its own noise; ``noise=`` next to it would be ignored)."""
+    carries its own noise; ``noise=`` next to it would be ignored).  A Gaussian by name without
+    ``noise=`` is warned of: its σ = 1 is fixed, whatever the scale of the targets."""
     if noise is None:
+        if isinstance(name_or_module, str) and likelihood.name == "gaussian":
+            warnings.warn(f"likelihood={name_or_module!r} without noise=: the observation noise is fixed at "
+                          "σ = 1, whatever the scale of your targets (targets in [0, 0.1] would be all noise, "
+                          "targets in the thousands would make σ negligible); pass noise=<the targets' noise "
+                          "std> or noise='learned' (noise=1.0 keeps this default without the warning)",
+                          UserWarning, stacklevel=3)
         return
     if isinstance(name_or_module, Likelihood):
         raise ValueError(f"noise= is ignored next to a likelihood instance "
