@@ -169,10 +169,11 @@ def _bridge_set_up(stack: ExitStack, guide, state: _BridgeState) -> None:
     stack.callback(restore)
 
 
-def global_param_tensors(model, guide, args: tuple, kwargs: dict, *, model_only: bool = False) -> list[torch.Tensor]:
+def global_param_tensors(model, guide, args: tuple, kwargs: dict, *, with_sources: bool = False) -> list:
     """The unconstrained tensors of the global ``pyro.param`` statements that one run of
     ``guide`` and ``model`` (replayed on the guide's draw) makes, in order of appearance
-    (``model_only``: those of the model's run alone, e.g. its noise ``sigma``).
+    (``with_sources``: ``(tensor, "guide" | "model")`` pairs, the run that made it first, so a
+    caller can tell a model's own parameters, e.g. its noise ``sigma``).
 
     Call inside :func:`local_params`.  Runs without gradients and without drawing from the
     caller's random streams.
@@ -184,11 +185,11 @@ def global_param_tensors(model, guide, args: tuple, kwargs: dict, *, model_only:
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
     out, seen = [], set()
-    for trace in (model_trace,) if model_only else (guide_trace, model_trace):
+    for source, trace in (("guide", guide_trace), ("model", model_trace)):
         for site in trace.nodes.values():
             if site["type"] == "param" and site["infer"].get(GLOBAL_PARAM_KEY):
                 tensor = site["value"].unconstrained()
                 if id(tensor) not in seen:
                     seen.add(id(tensor))
-                    out.append(tensor)
-    return out
+                    out.append((tensor, source))
+    return out if with_sources else [tensor for tensor, _ in out]

@@ -65,7 +65,7 @@ def batched_function(model, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     num_batch_dims : int
         ``len(P)``.
     """
-    shapes = {site: value.shape for site, value in model.initial_values().items()}
+    shapes = {site: model.site_prior(site).event_shape for site in model.site_names}
     values = {site: _read_site(model, site) for site in shapes}
     prefixes = {site: _draw_prefix(values[site], shapes[site]) for site in shapes}
     batch = torch.broadcast_shapes(*prefixes.values())

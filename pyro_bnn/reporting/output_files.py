@@ -7,17 +7,15 @@ through :func:`write_json`, :func:`write_text`, :func:`save_figure` or :func:`sa
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..training.checkpoint import fsync_folder, process_umask
+from ..training.checkpoint import replace_atomically
 
 __all__ = ["check_new_file", "write_file", "write_text", "write_json", "save_figure", "save_torch"]
 
@@ -85,24 +83,9 @@ def write_file(path: str | os.PathLike, write: Callable, *, overwrite: bool = Fa
         As :func:`check_new_file` (checked again here).
     """
     path = check_new_file(path, overwrite=overwrite)
-    folder = path.absolute().parent
-    folder.mkdir(parents=True, exist_ok=True)
     st = path.lstat() if os.path.lexists(path) else None
-    mode = stat.S_IMODE(st.st_mode) if st is not None and stat.S_ISREG(st.st_mode) else 0o666 & ~process_umask()
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")) as fh:
-            if hasattr(os, "fchmod"):   # POSIX
-                os.fchmod(fh.fileno(), mode)
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-    fsync_folder(folder)
+    mode = stat.S_IMODE(st.st_mode) if st is not None and stat.S_ISREG(st.st_mode) else None
+    replace_atomically(path, write, binary=binary, mode=mode)
     return path
 
 

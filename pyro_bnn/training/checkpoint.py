@@ -44,7 +44,7 @@ except ImportError:  # not POSIX (Windows): fit's checkpoint lock is unavailable
 
 __all__ = ["write_atomic", "read_checkpoint", "check_plain_data", "load_states", "rng_state",
            "set_rng_state", "loader_rng_state", "set_loader_rng_state", "content_digest",
-           "CheckpointLock", "CheckpointInUseError", "CHECKSUM_KEY", "process_umask", "fsync_folder"]
+           "CheckpointLock", "CheckpointInUseError", "CHECKSUM_KEY", "replace_atomically"]
 
 #: the entry of every checkpoint written by :func:`write_atomic` that holds its digest
 CHECKSUM_KEY = "checksum"
@@ -94,15 +94,28 @@ def write_atomic(path, state: dict) -> None:
         raise ValueError(f"the checkpoint entry {CHECKSUM_KEY!r} is reserved for the file's digest")
     check_plain_data(state)
     state = {**state, CHECKSUM_KEY: {"scheme": _DIGEST_SCHEME, "sha256": content_digest(state)}}
+    replace_atomically(path, lambda fh: torch.save(state, fh))
+
+
+def replace_atomically(path, write, *, binary: bool = True, mode: int | None = None) -> None:
+    """Write ``path`` through ``write(fh)`` atomically: a new temporary file in the target's folder
+    (created if missing), flushed to disk, renamed over ``path``.
+
+    The temporary file is created with ``O_CREAT | O_EXCL`` under a random name
+    ``.<name>.<random>.tmp`` (:func:`tempfile.mkstemp`: it never opens an existing file or
+    follows a link); a crash leaves the previous ``path`` or the new one, never a mixture, and a
+    failure removes the temporary file.  ``mode``: the file's permissions (default: those ``open``
+    would give, ``0o666`` less the umask).  ``binary=False`` opens a UTF-8 text handle.
+    """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as fh:
+        with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as fh:
             if hasattr(os, "fchmod"):
-                os.fchmod(fh.fileno(), 0o666 & ~process_umask())
-            torch.save(state, fh)
+                os.fchmod(fh.fileno(), 0o666 & ~_process_umask() if mode is None else mode)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -112,10 +125,10 @@ def write_atomic(path, state: dict) -> None:
         except FileNotFoundError:
             pass
         raise
-    fsync_folder(folder)
+    _fsync_folder(folder)
 
 
-def process_umask() -> int:
+def _process_umask() -> int:
     """The process's umask, read without changing it where Linux allows (``/proc``)."""
     try:
         with open("/proc/self/status") as fh:
@@ -206,7 +219,7 @@ def verify_digest(state: dict, path: str) -> None:
                          "nothing was loaded. Restore the file from a copy or start a new fit")
 
 
-def fsync_folder(folder) -> None:
+def _fsync_folder(folder) -> None:
     """Make the rename durable (POSIX); a no-op where folders cannot be opened."""
     try:
         fd = os.open(folder, os.O_RDONLY)

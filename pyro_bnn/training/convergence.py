@@ -60,6 +60,7 @@ import pyro
 import torch
 
 from ..model.bnn import model_likelihood
+from ..model.likelihoods import Gaussian
 
 __all__ = ["ConvergenceWarning", "ConvergenceDiagnosis", "ConvergenceMonitor", "objective_trend",
            "diagnose", "WINDOW_FRACTION", "MIN_WINDOW", "TOLERANCE", "DROP_TOLERANCE", "LIMITED_MOVE",
@@ -416,9 +417,8 @@ def watched_hyperparameters(model, model_params=()) -> dict:
     """
     watched = {}
     likelihood = model_likelihood(model)
-    log_noise = getattr(likelihood, "log_noise", None)
-    if isinstance(log_noise, torch.nn.Parameter) and log_noise.requires_grad:
-        watched["likelihood noise (log σ)"] = log_noise
+    if isinstance(likelihood, Gaussian) and likelihood.learned and likelihood.log_noise.requires_grad:
+        watched["likelihood noise (log σ)"] = likelihood.log_noise
     names = {id(p): name for name, p in pyro.get_param_store().named_parameters()}
     for p in model_params:
         watched[f"pyro.param {names.get(id(p), '?')!r}"] = p

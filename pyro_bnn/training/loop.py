@@ -436,8 +436,9 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     monitor (after the guide's ``on_fit_start``, which may freeze parameters) and the CUDA
     graph step (if asked)."""
     run.params = trained_parameters(run.model, run.guide)
-    model_params = _global_params(run, model_only=True)  # the model's pyro.param values, e.g. its noise
-    run.params += _global_params(run)  # the global pyro.param values (pyro_bnn.contract.local_params)
+    extra = _global_params(run)  # the global pyro.param values (pyro_bnn.contract.local_params)
+    run.params += [tensor for tensor, _ in extra]
+    model_params = [tensor for tensor, source in extra if source == "model"]  # e.g. its noise sigma
     run.optimizer = optimizer(run.params) if optimizer is not None else default_optimizer(
         run.params, lr, run.contract.learning_rate_factors())
     warn_weight_decay(run.optimizer)
@@ -458,15 +459,15 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
         run.graph = CudaGraphStep(run.loss_module, run.optimizer, run.guard, run.device, run.objective)
 
 
-def _global_params(run: _Run, model_only: bool = False) -> list:
-    """The global ``pyro.param`` tensors of model and guide (``model_only``: of the model)
+def _global_params(run: _Run) -> list:
+    """``(tensor, "guide" | "model")`` for the global ``pyro.param`` tensors of model and guide
     not among ``run.params``."""
     args, kwargs, _ = call_model(run.model, *run.example, run.ctx.num_data)
     known = {id(p) for p in run.params}
     with warnings.catch_warnings():   # a look-up run, not a prediction: its draw is discarded
         warnings.simplefilter("ignore", GuideStateWarning)
-        extra = [t for t in global_param_tensors(run.model, run.guide, args, kwargs, model_only=model_only)
-                 if id(t) not in known]
+        extra = [(t, source) for t, source in global_param_tensors(run.model, run.guide, args, kwargs,
+                                                                    with_sources=True) if id(t) not in known]
     if extra and run.checkpoint is not None:
         raise NotImplementedError(
             "fit(checkpoint=...) saves model and guide state_dicts, which do not hold the model's global "
