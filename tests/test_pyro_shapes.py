@@ -20,6 +20,7 @@ from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
 import pyro_bnn as pb
+from pyro_bnn.training.optimizer import apply_rate_factors
 
 pytestmark = pytest.mark.filterwarnings("ignore::pyro_bnn.training.convergence.ConvergenceWarning")
 
@@ -154,6 +155,53 @@ def test_a_pyro_optimiser_is_its_torch_optimiser(digits_small):
         torch.testing.assert_close(state[key], ref_state[key], rtol=0, atol=0)
     clipped, _ = _fit_digits(pyro.optim.ClippedAdam({"lr": 1e-2, "clip_norm": 5.0}), digits_small)
     assert clipped[-1] < clipped[0]
+
+
+def _fit_wide(digits_small, **fit_kw):
+    """MeanField on a net with a wide layer (fan-in 128 > 100: its means get the factor √(100/128))."""
+    x, y, _, _ = digits_small
+    torch.manual_seed(0)
+    model = pb.BNN(mlp(64, 128, 10), "categorical")
+    guide = pb.guides.MeanField(model)
+    result = pb.fit(model, guide, (x, y), epochs=3, seed=1, progress=False, **fit_kw)
+    return guide, result.history["loss"], {k: v.detach().clone() for k, v in guide.state_dict().items()}
+
+
+def test_a_custom_optimiser_gets_the_guides_rate_factors(digits_small):
+    built = []
+
+    def factory(params):
+        built.append(torch.optim.Adam(params, lr=1e-2, betas=(0.8, 0.99), fused=True))
+        return built[-1]
+
+    guide, losses, _ = _fit_wide(digits_small, optimizer=factory)
+    factors = guide.learning_rate_factors()  # the wide layer's weight and bias means
+    assert len(factors) == 2 and losses[-1] < losses[0]
+    for wide_loc, factor in factors:
+        assert factor == pytest.approx((100 / 128) ** 0.5)
+        group, = [g for g in built[0].param_groups if any(p is wide_loc for p in g["params"])]
+        assert group["initial_lr"] == pytest.approx(1e-2 * factor)  # the rate the schedule starts from
+        assert group["betas"] == (0.8, 0.99)  # the user's other settings kept
+    assert sum(len(g["params"]) for g in built[0].param_groups) == len({id(p) for g in built[0].param_groups
+                                                                        for p in g["params"]})
+    # the user's fused Adam at the default's rate trains exactly as the default optimiser does
+    _, default_losses, default_state = _fit_wide(digits_small, lr=1e-2)
+    _, same_losses, same_state = _fit_wide(digits_small, optimizer=lambda p: torch.optim.Adam(p, lr=1e-2, fused=True))
+    assert same_losses == default_losses
+    for key in default_state:
+        torch.testing.assert_close(same_state[key], default_state[key], rtol=0, atol=0)
+
+
+def test_rate_factors_on_a_stepped_optimiser_are_refused():
+    w = nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([w], lr=0.1)
+    w.grad = torch.ones(3)
+    opt.step()
+    with pytest.raises(ValueError, match="already taken a step"):
+        apply_rate_factors(opt, [(w, 0.5)])
+    fresh = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    apply_rate_factors(fresh, [(w, 0.5)])
+    assert [(g["lr"], g["momentum"]) for g in fresh.param_groups] == [(0.05, 0.9)]
 
 
 @pytest.mark.parametrize("optimizer, match", [

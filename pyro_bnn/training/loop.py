@@ -44,7 +44,7 @@ from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .divergence import can_defer_checks as defer_step_checks
 from .fit_arguments import check_fit_arguments, refuse_overwrite
 from .lr_schedule import make_lr_scheduler
-from .optimizer import default_optimizer, optimizer_factory, trained_parameters, warn_weight_decay
+from .optimizer import build_optimizer, optimizer_factory, trained_parameters, warn_weight_decay
 from .resume import StateOf, checkpoint_entries, fit_fingerprint, resume_fit
 
 __all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide",
@@ -439,8 +439,7 @@ def _prepare_optimisation(run: _Run, optimizer, lr, lr_schedule, clip_norm, epoc
     extra = _global_params(run)  # the global pyro.param values (pyro_bnn.contract.local_params)
     run.params += [tensor for tensor, _ in extra]
     model_params = [tensor for tensor, source in extra if source == "model"]  # e.g. its noise sigma
-    run.optimizer = optimizer(run.params) if optimizer is not None else default_optimizer(
-        run.params, lr, run.contract.learning_rate_factors())
+    run.optimizer = build_optimizer(optimizer, run.params, lr, run.contract.learning_rate_factors())
     warn_weight_decay(run.optimizer)
     run.ctx.optimizer = run.optimizer
     run.scheduler = make_lr_scheduler(run.optimizer, lr_schedule, epochs * _num_batches(run.loader))
