@@ -147,7 +147,9 @@ def optimizer_factory(optimizer):
         args = optimizer.pt_optim_args
         if callable(args):
             raise TypeError("optimizer= got a Pyro optimiser with per-parameter arguments (a callable "
-                            "optim_args); pass a factory instead, e.g. optimizer=lambda params: "
+                            "optim_args, such as guide.optim_args(lr) for plain SVI); pb.fit applies the "
+                            "guide's per-parameter rate factors itself, so pass fixed arguments, e.g. "
+                            "pyro.optim.Adam({'lr': ...}), or a factory such as lambda params: "
                             "torch.optim.Adam(params, lr=...)")
         constructor, args = optimizer.pt_optim_constructor, dict(args)
         return lambda params: constructor(params, **args)
