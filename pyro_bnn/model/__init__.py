@@ -5,7 +5,8 @@ readers of a model's optional members (:func:`model_likelihood`, :func:`network_
 May import: :mod:`pyro_bnn.arguments` (nothing else of the package).
 """
 
-from . import devices, likelihoods, priors, weight_norm
+from . import batchnorm, devices, likelihoods, priors, weight_norm
+from .batchnorm import BatchNormTrainModeWarning
 from .bnn import (
     BAYESIAN_LAYERS,
     BNN,
@@ -29,4 +30,4 @@ from .devices import module_device
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic",
            "fan_in_of", "augmentation_of", "initial_values_of", "model_likelihood", "network_function_of",
            "network_of", "normal_prior_params", "num_augmentations", "site_prior_modules",
-           "weight_norm_of", "module_device", "devices", "likelihoods", "priors", "weight_norm"]
+           "weight_norm_of", "module_device", "BatchNormTrainModeWarning", "batchnorm", "devices", "likelihoods", "priors", "weight_norm"]

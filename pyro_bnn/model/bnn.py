@@ -15,6 +15,7 @@ from pyro.nn.module import to_pyro_module_
 from torch import nn
 
 from ..arguments import check_bool, check_names
+from .batchnorm import warn_batchnorm_in_train_mode
 from .likelihoods import Likelihood, check_output_layer, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .vectorized import batched_function, observation_distribution, under_outer_plate
@@ -409,6 +410,8 @@ class BNN(PyroModule):
         f, batch_dims = batched_function(self, x) if under_outer_plate() else (self.function(x), 0)
         if y is not None:
             self.likelihood.check_shape(y, f.shape[batch_dims:])
+        elif self.training:  # predicting: BatchNorm in train mode would use and overwrite batch stats
+            warn_batchnorm_in_train_mode(self)
         size = len(x) if num_data is None else int(num_data)
         with pyro.plate("data", size, subsample_size=len(x)):
             pyro.sample("obs", observation_distribution(self.likelihood, f, batch_dims), obs=y)

@@ -23,6 +23,7 @@ Predictives (``predictive=``)
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from typing import NamedTuple
 
@@ -42,6 +43,7 @@ from ..model.bnn import is_bnn, model_likelihood
 from ..model.devices import module_device
 from ..model.likelihoods import distribution_kind, inverse_link, kind_and_noise
 from . import metrics
+from .batchnorm import recalibrating_batchnorm
 from .guide_density import check_global_latents, latent_values
 
 __all__ = ["PredictiveSamples", "predictive_samples", "predict", "evaluate", "sample_latents",
@@ -237,21 +239,31 @@ def params_under(model, latents: dict, x, batch_size: int = 1024, obs_site: str 
 
 @torch.no_grad()
 def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
-                       obs_site: str = "obs", device=None) -> PredictiveSamples:
+                       obs_site: str = "obs", device=None, bn_data=None) -> PredictiveSamples:
     """Predictive parameters under ``num_samples`` joint draws from ``guide``.
 
     Each draw's weights are used for every input batch, so memory is bounded by one batch
     of inputs times ``num_samples`` outputs.  Runs in eval mode (module docstring).
+    ``bn_data`` (training inputs, or a loader over them): re-estimate every BatchNorm
+    layer's statistics under each draw before predicting with it
+    (:mod:`pyro_bnn.posterior.batchnorm`; one pass over ``bn_data`` per draw).
     """
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)
     check = BatchCheck(model)
     check_inputs(x, "x", check.dtype, allow_integer=check.integer_inputs)
     device = device or module_device(model, guide, default=x.device)
-    with local_params(model, guide), evaluation_mode(model, guide):
+    if bn_data is not None and not is_bnn(model):
+        raise TypeError(f"bn_data= needs a pb.BNN model (it reruns the network under each draw); got "
+                        f"{type(model).__name__}")
+    recalibration = contextlib.nullcontext() if bn_data is None else recalibrating_batchnorm(
+        model, bn_data, batch_size, device)
+    with local_params(model, guide), evaluation_mode(model, guide), recalibration as recalibrate:
         per_sample = []
         for _ in range(num_samples):
             latents = sample_latents(model, guide, x[:1].to(device))
+            if recalibrate is not None:
+                recalibrate(latents)
             kind, params = params_under(model, latents, x, batch_size, obs_site, device)
             per_sample.append(params)
     stacked = {k: torch.stack([p[k] for p in per_sample]) for k in per_sample[0]}
@@ -279,6 +291,12 @@ def predict(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
         The predictive (module docstring): ``"sample"``, ``"glm"`` (Monte-Carlo GLM),
         ``"glm_probit"``, or a guide's own (passed to ``guide.predict``).  Default: the
         guide's own (``"glm"`` for the Laplace guide, else ``"sample"``).
+    **kwargs
+        For ``"sample"``: ``bn_data`` (the training inputs, or a loader over them) re-estimates
+        every BatchNorm layer's statistics under each draw, as SWAG does: the running
+        statistics of training average over the training draws and fit none of them
+        (:mod:`pyro_bnn.posterior.batchnorm`; costs one pass over ``bn_data`` per draw, so a
+        few thousand inputs are usually enough).  For a guide's own predictive: its options.
 
     Returns
     -------
@@ -292,6 +310,10 @@ def predict(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)
     if predictive != "sample":
+        if kwargs.get("bn_data") is not None:
+            raise ValueError(f"bn_data= re-estimates BatchNorm statistics per weight draw of "
+                             f"predictive='sample'; predictive={predictive!r} linearises the network at "
+                             "its MAP, whose running statistics are the ones to use")
         guide_predictive, options = _guide_predictive(predictive, kwargs)
         with evaluation_mode(model, guide):
             return guide_contract(guide).predict(model, x, predictive=guide_predictive,
