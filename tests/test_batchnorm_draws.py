@@ -114,6 +114,18 @@ def test_bn_data_recalibrates_each_draw_and_restores_everything(fitted):
     torch.testing.assert_close(from_loader, from_tensor, rtol=0, atol=0)
     scores = pb.evaluate(model, guide, x, d.y_test[:50], num_samples=3, bn_data=x_bn)
     assert 0 <= scores["nll"] < 5
+    # ArviZ: each draw's pointwise log-likelihood is that of its recalibrated network
+    tree = pb.to_arviz(model, guide, x, d.y_test[:50], num_samples=3, bn_data=x_bn, seed=5,
+                       posterior_predictive=False)
+    loglik = torch.as_tensor(tree["log_likelihood"]["obs"].values[0])
+    post = tree["posterior"]
+    for s in range(3):
+        latents = {name: torch.as_tensor(post[name].values[0, s]) for name in model.site_names}
+        ref = _hand_recalibrated(model, latents, x_bn, x)
+        torch.testing.assert_close(loglik[s], ref.log()[torch.arange(50), d.y_test[:50]].double(),
+                                   rtol=1e-4, atol=1e-4)
+    for k, v in before.items():
+        torch.testing.assert_close(dict(model.named_buffers())[k], v, rtol=0, atol=0)
 
 
 def test_bn_data_improves_the_fit_on_digits(fitted):
@@ -143,6 +155,9 @@ def test_bn_data_mistakes_are_named(fitted):
     laplace = pb.guides.Laplace(laplace_model)
     with pytest.raises(ValueError, match="linearises the network at its MAP"):
         pb.predict(laplace_model, laplace, d.x_test[:5], num_samples=2, predictive="glm", bn_data=d.x_train)
+    with pytest.raises(ValueError, match="per weight draw of a pb.BNN under predictive='sample'"):
+        pb.to_arviz(laplace_model, laplace, d.x_test[:5], d.y_test[:5], num_samples=2, predictive="glm",
+                    bn_data=d.x_train)
 
 
 def pyro_autonormal(model):

@@ -51,6 +51,7 @@ Linearised (GLM) draws of a Laplace guide (``predictive="glm"``, its default)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Sequence
@@ -70,6 +71,7 @@ from ..model.bnn import is_bnn, network_of
 from ..model.devices import module_device
 from ..model.likelihoods import log_likelihood
 from ..training.seeding import seeded
+from .batchnorm import recalibrating_batchnorm
 from .guide_density import sample_with_log_density
 from .prediction import default_predictive, predictive_name, resolve_predictive, whole_batch_plates
 
@@ -171,7 +173,7 @@ def _seed_forked(fn):
 def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int = 200,
              var_names: Sequence[str] | None = None, batch_size: int = 1024,
              predictive: str | None = None, posterior_predictive: bool = True, obs_site: str = "obs",
-             seed: int | None = None, device=None):
+             seed: int | None = None, device=None, bn_data=None):
     """Posterior draws, pointwise log-likelihood and densities as an ArviZ ``DataTree``.
 
     Parameters
@@ -210,6 +212,10 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int
         Seeds the draws (all random streams forked: the caller's streams are left as they were).
     device : optional
         Where to evaluate; default where the model's parameters are.
+    bn_data : Tensor or iterable of batches, optional
+        ``predictive="sample"`` on a :class:`~pyro_bnn.BNN` with BatchNorm layers: re-estimate
+        their statistics under each draw from these inputs, as :func:`pyro_bnn.predict` does
+        (:mod:`pyro_bnn.posterior.batchnorm`).
 
     Returns
     -------
@@ -244,19 +250,26 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int
                          "Carlo over the same Gaussian, pb.evaluate's default for a Laplace guide)")
     if predictive not in ("sample", "glm"):
         raise ValueError(f"predictive must be 'sample' or 'glm', got {predictive!r}")
+    if bn_data is not None and (predictive != "sample" or not is_bnn(model)):
+        raise ValueError("bn_data= re-estimates BatchNorm statistics per weight draw of a pb.BNN under "
+                         f"predictive='sample'; got predictive={predictive!r} and a {type(model).__name__}")
     with evaluation_mode(model, guide):
         if predictive == "glm":
             data = _glm_groups(guide, x, y, num_samples, var_names, batch_size, device,
                                posterior_predictive)
         else:
-            data = _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, device,
-                                  posterior_predictive, obs_site)
+            recalibration = contextlib.nullcontext() if bn_data is None else recalibrating_batchnorm(
+                model, bn_data, batch_size, device)
+            with recalibration as recalibrate:
+                data = _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, device,
+                                      posterior_predictive, obs_site, recalibrate)
     return _datatree(model, guide, data, y, num_samples, predictive)
 
 
 def _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, device,
-                   posterior_predictive, obs_site) -> dict:
-    """Groups of joint guide draws through the network (``predictive="sample"``)."""
+                   posterior_predictive, obs_site, recalibrate=None) -> dict:
+    """Groups of joint guide draws through the network (``predictive="sample"``);
+    ``recalibrate(values)`` (``bn_data=``) re-estimates BatchNorm statistics per draw."""
     bnn = is_bnn(model)
 
     draws: dict[str, list[np.ndarray]] = {}
@@ -266,6 +279,8 @@ def _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, devic
             values, lq = sample_with_log_density(model, guide, x[:1].to(device), y[:1].to(device))
             if s == 0:
                 names = _select_sites(values, var_names, int(num_samples))
+            if recalibrate is not None:
+                recalibrate(values)
             if bnn:
                 ll, yrep = _pointwise_bnn(model, values, x, y, batch_size, device, posterior_predictive)
                 lprior = _log_prior_bnn(model, values)
