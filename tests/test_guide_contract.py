@@ -75,6 +75,29 @@ def test_fit_predict_evaluate(name, digits_small):
 
 
 @pytest.mark.parametrize("name", sorted(ALL_GUIDES))
+def test_batchnorm_statistics_per_draw(name, digits_small):
+    """``bn_data=``: every guide's draws get their own BatchNorm statistics, and the model's
+    buffers, momentum and modes come back bit-identical (tests/test_batchnorm_draws.py checks
+    the statistics themselves)."""
+    x, y, xt, _ = digits_small
+    torch.manual_seed(0)
+    model = pb.BNN(torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 10)), likelihood="categorical")
+    guide = _make(name, model)
+    pb.fit(model, guide, (x, y), epochs=2, batch_size=64, lr=1e-2, progress=False)
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    torch.manual_seed(2)
+    probs = pb.predict(model, guide, xt, num_samples=3, predictive="sample", bn_data=x)
+    assert probs.shape == (3, len(xt), 10) and torch.isfinite(probs).all()
+    torch.manual_seed(2)
+    plain = pb.predict(model, guide, xt, num_samples=3, predictive="sample")
+    assert (probs - plain).abs().max() > 1e-4  # training's running statistics are not a draw's
+    for k, v in before.items():
+        torch.testing.assert_close(dict(model.named_buffers())[k], v, rtol=0, atol=0)
+    assert model.training and model.net[1].momentum == 0.1
+
+
+@pytest.mark.parametrize("name", sorted(ALL_GUIDES))
 def test_median_and_quantiles(name, digits_small):
     """Pyro's AutoGuide summaries: ``median()`` for every guide, ``quantiles(qs)`` for every guide
     with a spread (Hypernet's flow and Laplace's KFAC posterior by seeded Monte Carlo draws)."""
