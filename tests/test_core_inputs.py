@@ -31,6 +31,14 @@ def test_labels_out_of_range():
         pb.evaluate(model, guide, x, y, num_samples=2)
 
 
+def test_a_categorical_net_with_one_output_names_the_fix():
+    torch.manual_seed(0)
+    model = pb.BNN(mlp(8, 6, 1), "categorical")
+    x, y = torch.randn(20, 8), torch.randint(0, 2, (20,))
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 0\].*one output per class.*'bernoulli'"):
+        pb.fit(model, pb.guides.MeanField(model), (x, y), epochs=1, progress=False)
+
+
 def test_float_labels_for_categorical():
     model = _model()
     with pytest.raises(TypeError, match="integer class labels"):

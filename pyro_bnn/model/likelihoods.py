@@ -84,6 +84,9 @@ class Categorical(Likelihood):
                             if num_classes is not None else ">= 0")
                 hint = (" (negative labels such as PyTorch's ignore_index -100 are not supported: "
                         "drop those examples)") if lo < 0 else ""
+                if num_classes == 1:  # a softmax over one output is certain of class 0
+                    hint += (" (a categorical likelihood needs one output per class: for two classes "
+                             "give the network 2 outputs, or use the 'bernoulli' likelihood with 1)")
                 raise ValueError(f"labels must lie {expected}; got labels in [{lo}, {hi}]{hint}")
 
 
