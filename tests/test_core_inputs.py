@@ -222,6 +222,12 @@ def test_dataset_and_dataloader_inputs(digits_small):
         pb.fit(model, guide, [1, 2, 3], epochs=1, progress=False)
     with pytest.raises(TypeError, match=r"got tuple of \(ndarray, ndarray\); convert arrays with torch\.as_tensor"):
         pb.fit(model, guide, (x.numpy(), y.numpy()), epochs=1, progress=False)
+    examples = [(x[i], y[i]) for i in range(40)]
+    with pytest.raises(TypeError, match=r"list of \(tuple, tuple, tuple, \.\.\. 40 items\); a list of \(x, y\) "
+                                        r"examples is a dataset: pass a DataLoader"):
+        pb.fit(model, guide, examples, epochs=1, progress=False)
+    r3 = pb.fit(model, guide, torch.utils.data.DataLoader(examples, batch_size=20), epochs=1, progress=False)
+    assert math.isfinite(r3.final_loss)
 
 
 def test_pretrained_weights_are_the_initial_means():

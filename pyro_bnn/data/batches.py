@@ -44,9 +44,13 @@ def as_tensors(data) -> tuple[torch.Tensor, torch.Tensor | None]:
             raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
         return x, y
     parts = list(data) if isinstance(data, Sequence) and not isinstance(data, str) else []
-    got = type(data).__name__ + (f" of ({', '.join(type(t).__name__ for t in parts)})" if parts else "")
+    names = [type(t).__name__ for t in parts[:3]] + ([f"... {len(parts)} items"] if len(parts) > 3 else [])
+    got = type(data).__name__ + (f" of ({', '.join(names)})" if parts else "")
     hint = ("; convert arrays with torch.as_tensor(x, dtype=torch.float32) and labels with "
-            "torch.as_tensor(y, dtype=torch.long)" if any(hasattr(t, "__array__") for t in parts) else "")
+            "torch.as_tensor(y, dtype=torch.long)" if any(hasattr(t, "__array__") for t in parts[:2]) else "")
+    if len(parts) > 2 and all(isinstance(t, (tuple, list)) for t in parts[:3]):
+        hint = ("; a list of (x, y) examples is a dataset: pass a DataLoader over it, e.g. "
+                "DataLoader(examples, batch_size=64, shuffle=True), or stack it into tensors")
     raise TypeError(f"data must be a tensor, a tuple (x, y) of tensors or a TensorDataset, got {got}{hint}")
 
 
