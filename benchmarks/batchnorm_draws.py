@@ -9,6 +9,12 @@ each (the ratio is the cost of one pass over ``bn_data`` per draw).
 
     python benchmarks/batchnorm_draws.py --dataset digits --arch mlp --epochs 100
     python benchmarks/batchnorm_draws.py --dataset fashion-mnist --arch cnn --epochs 30 --bn-inputs 5000
+    python benchmarks/batchnorm_draws.py --dataset fashion-mnist --arch cnn --epochs 30 --map   # the MAP net
+
+``--map`` trains the same network as a plain PyTorch MAP net instead (Adam 1e-3, cosine, batch 64,
+weight decay 1/N: the N(0, 1) prior, as the MAP rows of ``benchmarks/fashion_mnist.py``) and scores
+it in eval mode.  The guide's row also reports its full-data ELBO (5 draws, MeanField only),
+computed last because it runs the network in train mode.
 
 One JSON line per run (``--out``, refused if the file exists unless ``--overwrite``).
 """
@@ -70,6 +76,26 @@ def scores(model, guide, x, y, ood, args, bn_data) -> dict:
     return row
 
 
+def map_row(args, train, test, ood, side) -> dict:
+    """The plain PyTorch MAP net of the same architecture, scored in eval mode."""
+    from _common import train_map_  # benchmarks/_common.py (on sys.path when run as a script)
+
+    x, y = train
+    torch.manual_seed(args.seed)
+    net = make_net(args.arch, side)
+    losses, seconds = train_map_(net, x, y, epochs=args.epochs, seed=args.seed, weight_decay=1.0 / len(x))
+    net.eval()
+    with torch.no_grad():
+        probs = torch.cat([torch.softmax(net(test[0][i:i + 2000]), -1) for i in range(0, len(test[0]), 2000)])[None]
+        row = {k: float(v) for k, v in pb.metrics.classification_metrics(probs, test[1], num_bins=15).items()}
+        if ood is not None:
+            p_out = torch.cat([torch.softmax(net(ood[i:i + 2000]), -1) for i in range(0, len(ood), 2000)])[None]
+            labels = torch.cat([torch.zeros(probs.shape[1]), torch.ones(p_out.shape[1])])
+            row["ood_auroc_entropy"] = evaluate_probs(torch.cat([probs, p_out], 1), labels)["entropy"]["auroc"]
+    return dict(dataset=args.dataset, arch=args.arch, guide="map", epochs=args.epochs, seed=args.seed,
+                loss_curve=[round(v, 5) for v in losses], seconds_per_epoch=sum(seconds) / len(seconds), **row)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=["digits", "fashion-mnist"], default="digits")
@@ -84,11 +110,18 @@ def main(argv=None) -> None:
     parser.add_argument("--mnist-root", default="/work/shared/data/mnist", help="MNIST IDX folder (OOD set)")
     parser.add_argument("--out", default=None, help="write the JSON line here")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    parser.add_argument("--map", action="store_true", help="the plain PyTorch MAP net instead of a guide")
     args = parser.parse_args(argv)
     if args.out:
         check_new_file(args.out, overwrite=args.overwrite)
     torch.set_num_threads(args.threads)
     (x, y), (xt, yt), ood, side = load(args)
+    if args.map:
+        row = map_row(args, (x, y), (xt, yt), ood, side)
+        print(json.dumps(row, default=float))
+        if args.out:
+            write_text(args.out, json.dumps(row, default=float) + "\n", overwrite=args.overwrite)
+        return
     torch.manual_seed(args.seed)
     model = pb.BNN(make_net(args.arch, side), "categorical")
     guide = pb.guides.registered_guides()[args.guide](model)
@@ -103,7 +136,12 @@ def main(argv=None) -> None:
                num_samples=args.num_samples, bn_inputs=len(bn_data), fit_seconds=fit_seconds,
                converged=result.convergence.converged if result.convergence else None,
                convergence=str(result.convergence), running_statistics=running, per_draw_statistics=per_draw,
-               time_ratio=per_draw["predict_seconds"] / running["predict_seconds"])
+               time_ratio=per_draw["predict_seconds"] / running["predict_seconds"],
+               loss_curve=[round(v, 1) for v in result.history["loss"]])
+    if args.guide == "meanfield":  # last: the ELBO runs the network in train mode (BatchNorm batch statistics)
+        from fashion_mnist import full_elbo  # benchmarks/fashion_mnist.py
+
+        row["elbo_full_data"] = full_elbo(model, guide, x, y)
     line = json.dumps(row, default=float)
     print(line)
     for name, r in (("running statistics", running), ("per-draw (bn_data)", per_draw)):
