@@ -9,9 +9,10 @@ does the same: for each draw, every BatchNorm layer's statistics are reset and r
 the average over the batches of ``bn_data`` (``momentum=None``), the prediction is made in eval
 mode with them, and after the last draw every buffer, momentum and mode is put back.
 
-Measured on digits (1,348 training images, 449 test, 50 draws; ``docs/results/input_checks.md``):
-MeanField on a BatchNorm MLP 64-100-10, test NLL 0.157 → 0.119 and ECE 0.082 → 0.051; on a
-BatchNorm CNN 0.089 → 0.082 and 0.043 → 0.036.
+Measured by ``benchmarks/batchnorm_draws.py`` (``docs/pyro.md``), MeanField, 50 draws: digits,
+BatchNorm MLP 64-100-10, 100 epochs, test NLL 0.166 → 0.119 and ECE 0.068 → 0.049; Fashion-MNIST,
+a BatchNorm CNN, 30 epochs, 5,000 training images as ``bn_data``: NLL 0.2575 → 0.2542, ECE
+0.0116 → 0.0093.
 """
 
 from __future__ import annotations
