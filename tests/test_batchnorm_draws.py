@@ -164,3 +164,11 @@ def pyro_autonormal(model):
     from pyro.infer.autoguide import AutoNormal
 
     return AutoNormal(model)
+
+
+def test_tensor_batches_never_end_in_one_row():
+    from pyro_bnn.posterior.batchnorm import bn_input_batches
+
+    assert [len(b) for b in bn_input_batches(torch.zeros(2049, 3), 1024)] == [1024, 1025]
+    assert [len(b) for b in bn_input_batches(torch.zeros(2050, 3), 1024)] == [1024, 1024, 2]
+    assert [len(b) for b in bn_input_batches(torch.zeros(5, 3), 1024)] == [5]

@@ -192,6 +192,18 @@ def test_a_custom_optimiser_gets_the_guides_rate_factors(digits_small):
         torch.testing.assert_close(same_state[key], default_state[key], rtol=0, atol=0)
 
 
+def test_an_optimiser_with_its_own_groups_is_left_as_it_is():
+    """A factory that already sets per-parameter rates (several groups, e.g. the default optimiser
+    with the guide's factors) gets no factor twice."""
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    grouped = torch.optim.Adam([{"params": [a]}, {"params": [b], "lr": 0.05}], lr=0.1)
+    apply_rate_factors(grouped, [(b, 0.5)])
+    assert [g["lr"] for g in grouped.param_groups] == [0.1, 0.05]
+    single = torch.optim.Adam([a, b], lr=0.1)
+    apply_rate_factors(single, [(b, 0.5)])
+    assert [(g["lr"], len(g["params"])) for g in single.param_groups] == [(0.1, 1), (0.05, 1)]
+
+
 def test_rate_factors_on_a_stepped_optimiser_are_refused():
     w = nn.Parameter(torch.ones(3))
     opt = torch.optim.Adam([w], lr=0.1)

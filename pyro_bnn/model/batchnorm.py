@@ -21,17 +21,19 @@ class BatchNormTrainModeWarning(UserWarning):
     """A ``pb.BNN`` predicted (``y=None``) with BatchNorm layers in train mode."""
 
 
+def _keeps_statistics(m: nn.Module) -> bool:
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+
+
 def batchnorm_layers(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     """The BatchNorm layers of ``module`` that keep running statistics, in module order."""
-    return [m for m in module.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    return [m for m in module.modules() if _keeps_statistics(m)]
 
 
 def warn_batchnorm_in_train_mode(module: nn.Module) -> None:
     """Warn if a BatchNorm layer of ``module`` is in train mode (called when the model
     predicts, i.e. runs without observations)."""
-    names = [name for name, m in module.named_modules()
-             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.training]
+    names = [name for name, m in module.named_modules() if _keeps_statistics(m) and m.training]
     if names:
         warnings.warn(
             f"the model predicts (y=None) with BatchNorm layers in train mode ({', '.join(names[:3])}"

@@ -51,7 +51,6 @@ Linearised (GLM) draws of a Laplace guide (``predictive="glm"``, its default)
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Sequence
@@ -71,7 +70,7 @@ from ..model.bnn import is_bnn, network_of
 from ..model.devices import module_device
 from ..model.likelihoods import log_likelihood
 from ..training.seeding import seeded
-from .batchnorm import recalibrating_batchnorm
+from .batchnorm import batchnorm_recalibration
 from .guide_density import sample_with_log_density
 from .prediction import default_predictive, predictive_name, resolve_predictive, whole_batch_plates
 
@@ -250,17 +249,16 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int
                          "Carlo over the same Gaussian, pb.evaluate's default for a Laplace guide)")
     if predictive not in ("sample", "glm"):
         raise ValueError(f"predictive must be 'sample' or 'glm', got {predictive!r}")
-    if bn_data is not None and (predictive != "sample" or not is_bnn(model)):
-        raise ValueError("bn_data= re-estimates BatchNorm statistics per weight draw of a pb.BNN under "
-                         f"predictive='sample'; got predictive={predictive!r} and a {type(model).__name__}")
+    if bn_data is not None and predictive != "sample":
+        raise ValueError(f"bn_data= re-estimates BatchNorm statistics per weight draw of a pb.BNN under "
+                         f"predictive='sample'; predictive={predictive!r} linearises the network at its MAP, "
+                         "whose running statistics are the ones to use")
     with evaluation_mode(model, guide):
         if predictive == "glm":
             data = _glm_groups(guide, x, y, num_samples, var_names, batch_size, device,
                                posterior_predictive)
         else:
-            recalibration = contextlib.nullcontext() if bn_data is None else recalibrating_batchnorm(
-                model, bn_data, batch_size, device)
-            with recalibration as recalibrate:
+            with batchnorm_recalibration(model, bn_data, batch_size, device) as recalibrate:
                 data = _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, device,
                                       posterior_predictive, obs_site, recalibrate)
     return _datatree(model, guide, data, y, num_samples, predictive)

@@ -18,21 +18,26 @@ a BatchNorm CNN, 30 epochs, 5,000 training images as ``bn_data``: NLL 0.2575 →
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from ..model.batchnorm import batchnorm_layers
+from ..model.bnn import is_bnn
 
-__all__ = ["recalibrating_batchnorm", "bn_input_batches"]
+__all__ = ["batchnorm_recalibration", "recalibrating_batchnorm", "bn_input_batches"]
 
 
 def bn_input_batches(bn_data, batch_size: int) -> Iterator[torch.Tensor]:
     """The input batches of ``bn_data``: a tensor of inputs (cut into ``batch_size`` rows) or
     an iterable of batches, each a tensor of inputs or a tuple / list whose first item is."""
     if isinstance(bn_data, torch.Tensor):
-        for start in range(0, len(bn_data), batch_size):
-            yield bn_data[start:start + batch_size]
+        n = len(bn_data)
+        starts = list(range(0, n, batch_size))
+        if len(starts) > 1 and n - starts[-1] == 1:  # a one-row batch has no batch statistics
+            starts.pop()
+        for start, end in zip(starts, starts[1:] + [n]):
+            yield bn_data[start:end]
         return
     for batch in bn_data:
         xb = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
@@ -51,6 +56,24 @@ def _check_bn_data(bn_data) -> None:
     elif not isinstance(bn_data, Iterable):
         raise TypeError(f"bn_data= must be a tensor of inputs or an iterable of batches (e.g. the training "
                         f"DataLoader), got {type(bn_data).__name__}")
+
+
+def batchnorm_recalibration(model, bn_data, batch_size: int, device=None):
+    """The context the predictives enter for ``bn_data=``: :func:`recalibrating_batchnorm`, or
+    one that yields ``None`` when ``bn_data`` is ``None``.
+
+    Raises
+    ------
+    TypeError
+        ``bn_data`` given for a model that is not a :class:`~pyro_bnn.BNN` (the network is rerun
+        under each draw through ``model.run_with``).
+    """
+    if bn_data is None:
+        return nullcontext()
+    if not is_bnn(model):
+        raise TypeError(f"bn_data= needs a pb.BNN model (it reruns the network under each draw); got "
+                        f"{type(model).__name__}")
+    return recalibrating_batchnorm(model, bn_data, batch_size, device)
 
 
 @contextmanager

@@ -23,7 +23,6 @@ Predictives (``predictive=``)
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 from typing import NamedTuple
 
@@ -43,7 +42,7 @@ from ..model.bnn import is_bnn, model_likelihood
 from ..model.devices import module_device
 from ..model.likelihoods import distribution_kind, inverse_link, kind_and_noise
 from . import metrics
-from .batchnorm import recalibrating_batchnorm
+from .batchnorm import batchnorm_recalibration
 from .guide_density import check_global_latents, latent_values
 
 __all__ = ["PredictiveSamples", "predictive_samples", "predict", "evaluate", "sample_latents",
@@ -253,12 +252,8 @@ def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: in
     check = BatchCheck(model)
     check_inputs(x, "x", check.dtype, allow_integer=check.integer_inputs)
     device = device or module_device(model, guide, default=x.device)
-    if bn_data is not None and not is_bnn(model):
-        raise TypeError(f"bn_data= needs a pb.BNN model (it reruns the network under each draw); got "
-                        f"{type(model).__name__}")
-    recalibration = contextlib.nullcontext() if bn_data is None else recalibrating_batchnorm(
-        model, bn_data, batch_size, device)
-    with local_params(model, guide), evaluation_mode(model, guide), recalibration as recalibrate:
+    with local_params(model, guide), evaluation_mode(model, guide), \
+            batchnorm_recalibration(model, bn_data, batch_size, device) as recalibrate:
         per_sample = []
         for _ in range(num_samples):
             latents = sample_latents(model, guide, x[:1].to(device))

@@ -11,7 +11,7 @@ import torch
 from pyro.optim import PyroOptim
 from pyro.optim.lr_scheduler import PyroLRScheduler
 
-__all__ = ["build_optimizer", "default_optimizer", "optimizer_factory", "apply_rate_factors", "warn_weight_decay", "parameter_groups",
+__all__ = ["build_optimizer", "default_optimizer", "apply_rate_factors", "optimizer_factory", "warn_weight_decay",
            "trained_parameters"]
 
 
@@ -27,49 +27,33 @@ def default_optimizer(params, lr: float, factors=()) -> torch.optim.Optimizer:
     """Adam, fused (one kernel for all parameters) where the parameters allow it.
 
     ``factors``: ``(parameter, factor)`` pairs (the guide's ``learning_rate_factors()``)
-    trained at ``factor × lr`` in their own parameter groups; the rest at ``lr``.
-    On a 478k-weight MLP the fused step measured ~30× faster than the default per-tensor
-    loop on CPU, which matters for mean-field guides with twice the network's parameters.
+    trained at ``factor × lr`` in their own parameter groups (:func:`apply_rate_factors`); the
+    rest at ``lr``.  On a 478k-weight MLP the fused step measured ~30× faster than the default
+    per-tensor loop on CPU, which matters for mean-field guides with twice the network's parameters.
     """
     params = list(params)
-    groups = parameter_groups(params, lr, factors)
     fusable = params and all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
                              for p in params) and len({p.device for p in params}) == 1
+    optimizer = None
     if fusable:
         try:
-            return torch.optim.Adam(groups, lr=lr, fused=True)
+            optimizer = torch.optim.Adam(params, lr=lr, fused=True)
         except (RuntimeError, ValueError):  # older torch or unsupported dtype/device
             pass
-    return torch.optim.Adam(groups, lr=lr)
-
-
-def parameter_groups(params, lr: float, factors) -> list[dict]:
-    """One group at ``lr`` and one per distinct factor (in order of first appearance)."""
-    factor_of = {}
-    for p, factor in factors:
-        factor = float(factor)
-        if not factor > 0 or not math.isfinite(factor):
-            raise ValueError(f"learning-rate factors must be positive and finite, got {factor!r}")
-        factor_of[id(p)] = factor
-    by_factor: dict[float, list] = {}
-    base = []
-    for p in params:
-        factor = factor_of.get(id(p), 1.0)
-        (base if factor == 1.0 else by_factor.setdefault(factor, [])).append(p)
-    groups = [{"params": base, "lr": lr}] if base else []
-    groups += [{"params": ps, "lr": lr * f} for f, ps in by_factor.items()]
-    return groups
+    return apply_rate_factors(optimizer or torch.optim.Adam(params, lr=lr), factors)
 
 
 def apply_rate_factors(optimizer: torch.optim.Optimizer, factors) -> torch.optim.Optimizer:
-    """Give the guide's rate factors to an optimiser the user's factory built.
+    """Give the guide's rate factors to an optimiser with one parameter group.
 
     Each ``(parameter, factor)`` of ``factors`` (the guide's ``learning_rate_factors()``) is
-    moved out of its parameter group into a copy of that group (every setting the user gave:
-    betas, momentum, eps, ...) whose ``lr`` is ``factor ×`` the group's.  Called before the
-    first step and before the learning-rate schedule reads the groups' rates.  Without it a
-    custom optimiser trained a MeanField guide's wide-layer means at the full rate, which on a
-    784-input MLP ends in a far worse optimum (``docs/results/convergence.md``).
+    moved into a copy of the group (every setting it was given: betas, momentum, eps, ...) whose
+    ``lr`` is ``factor ×`` the group's; one group per distinct factor, in order of first
+    appearance.  An optimiser built with several groups already sets its own per-parameter
+    rates (``default_optimizer(params, lr, factors)`` passed as a factory, a rule of the user's)
+    and is left as it is, so no factor is applied twice.  Without this a custom optimiser
+    trained a MeanField guide's wide-layer means at the full rate, which on a 784-input MLP ends
+    in a far worse optimum (``docs/results/convergence.md``).
 
     Raises
     ------
@@ -77,33 +61,30 @@ def apply_rate_factors(optimizer: torch.optim.Optimizer, factors) -> torch.optim
         A factor that is not positive and finite, or an optimiser that has already taken a
         step (its state would no longer match the groups).
     """
-    factor_of = {id(p): float(f) for p, f in factors}
-    for factor in factor_of.values():
+    factor_of = {}
+    for p, factor in factors:
+        factor = float(factor)
         if not factor > 0 or not math.isfinite(factor):
             raise ValueError(f"learning-rate factors must be positive and finite, got {factor!r}")
-    factor_of = {key: f for key, f in factor_of.items() if f != 1.0}
-    if not factor_of:
-        return optimizer
+        if factor != 1.0:
+            factor_of[id(p)] = factor
+    if not factor_of or len(optimizer.param_groups) != 1 or "lr" not in optimizer.param_groups[0]:
+        return optimizer  # nothing to scale, or the optimiser's own groups decide
     if optimizer.state:
         raise ValueError(f"the {type(optimizer).__name__} built by optimizer= has already taken a step; "
                          "the guide's learning-rate factors can only be applied to a fresh optimiser")
-    new_groups = []
-    for group in list(optimizer.param_groups):
-        if "lr" not in group:
-            continue  # an optimiser without a rate (e.g. a user's own): nothing to scale
-        moved: dict[float, list] = {}
-        kept = []
-        for p in group["params"]:
-            factor = factor_of.get(id(p))
-            (kept if factor is None else moved.setdefault(factor, [])).append(p)
-        if not moved:
-            continue
-        group["params"] = kept
-        settings = {key: value for key, value in group.items() if key != "params"}
-        new_groups += [{**settings, "params": ps, "lr": group["lr"] * f} for f, ps in moved.items()]
-    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
-    for group in new_groups:
-        optimizer.add_param_group(group)
+    group = optimizer.param_groups[0]
+    moved: dict[float, list] = {}
+    kept = []
+    for p in group["params"]:
+        factor = factor_of.get(id(p))
+        (kept if factor is None else moved.setdefault(factor, [])).append(p)
+    settings = {key: value for key, value in group.items() if key != "params"}
+    group["params"] = kept
+    if not kept:
+        optimizer.param_groups.clear()
+    for factor, ps in moved.items():
+        optimizer.add_param_group({**settings, "params": ps, "lr": group["lr"] * factor})
     return optimizer
 
 
