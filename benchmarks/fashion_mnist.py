@@ -30,7 +30,12 @@ Rows (``--rows``, comma separated):
 * ``autonormal`` — Pyro's ``AutoNormal`` under plain ``SVI`` (``Trace_ELBO``, constant Adam, lr ``--an-lr``, default 1e-3).
 
 Architectures (``--arch``): ``mlp`` 784-200-200-10 ReLU; ``cnn`` LeNet-5 style: conv 1→6 5×5,
-max-pool 2, conv 6→16 5×5, max-pool 2, fc 256→120→84→10, ReLU.
+max-pool 2, conv 6→16 5×5, max-pool 2, fc 256→120→84→10, ReLU; ``bn-cnn`` the BatchNorm CNN of
+``benchmarks/batchnorm_draws.py`` (conv 3×3 8 → BatchNorm → ReLU → pool, conv 16 → BatchNorm →
+ReLU → pool, fc 784 → 100 → BatchNorm → ReLU → 10; BatchNorm's affine parameters are point
+estimates).  ``--bn-data N``: the sampling predictives re-estimate BatchNorm's statistics under
+each draw from N training images (``pb.predict(..., bn_data=)``); the MAP nets predict in eval
+mode with their running statistics.
 
 ``--subset N`` trains on the first N images of a seeded permutation of the training set
 (for the quick controlled experiments); scoring is always on the full 10,000 test images.
@@ -76,6 +81,10 @@ def make_net(arch: str, width: int = 200) -> nn.Module:
     if arch == "mlp":
         return nn.Sequential(nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                              nn.Linear(width, 10))
+    if arch == "bn-cnn":
+        from batchnorm_draws import make_net as batchnorm_net  # benchmarks/batchnorm_draws.py
+
+        return batchnorm_net("cnn", 28)
     return nn.Sequential(nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(256, 120), nn.ReLU(), nn.Linear(120, 84),
                          nn.ReLU(), nn.Linear(84, 10))
@@ -119,7 +128,7 @@ def train_map_net(arch, x, y, *, epochs, seed, weight_decay, lr=1e-3, batch_size
     net = make_net(arch, width)
     losses, seconds = train_map_(net, x, y, epochs=epochs, seed=seed, weight_decay=weight_decay, lr=lr,
                                  batch_size=batch_size)
-    return net, losses, seconds
+    return net.eval(), losses, seconds  # eval: BatchNorm predicts with its running statistics
 
 
 def softmax_of(net, x, batch=2000):
@@ -186,6 +195,9 @@ def fit_row(args, model, guide, data_xy, *, num_samples, predictive="sample", **
 
 
 def predict_pair(args, model, guide, data, *, num_samples, predictive="sample", **kw):
+    if predictive == "sample" and args.bn_data:  # BatchNorm statistics re-estimated under each draw
+        kw["bn_data"] = data["train"][0][torch.randperm(len(data["train"][0]),
+                                                        generator=torch.Generator().manual_seed(0))[:args.bn_data]]
     with seeded(0):
         p_in = pb.predict(model, guide, data["test"][0], num_samples=num_samples, predictive=predictive,
                           batch_size=2000, **kw)
@@ -426,7 +438,7 @@ def run_row(args, data, name):
     else:
         row = row_registry(args, data, name)
     row.update(row=name, arch=args.arch, width=args.width if args.arch == "mlp" else None,
-               epochs=args.epochs, seed=args.seed, subset=args.subset or None,
+               epochs=args.epochs, seed=args.seed, subset=args.subset or None, bn_data=args.bn_data or None,
                num_train=len(data["train"][0]), seconds=time.perf_counter() - t0,
                peak_rss_growth_mb=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
     return row
@@ -463,7 +475,7 @@ def row_laplace_marglik(args, data):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("--arch", choices=["mlp", "cnn", "bn-cnn"], default="mlp")
     parser.add_argument("--width", type=int, default=200, help="MLP hidden units per layer (784-W-W-10)")
     parser.add_argument("--rows", default="map", help=f"comma separated, from {', '.join(ROWS)}")
     parser.add_argument("--epochs", type=int, default=30)
@@ -474,6 +486,8 @@ def main(argv=None):
     parser.add_argument("--data-root", default=None, help="Fashion-MNIST folder (default: Debian's)")
     parser.add_argument("--mnist-root", default="/work/shared/data/mnist", help="MNIST IDX folder (OOD set)")
     parser.add_argument("--num-samples", type=int, default=100, help="posterior draws for predictions")
+    parser.add_argument("--bn-data", type=int, default=0,
+                        help="bn-cnn: BatchNorm statistics per draw from this many training images (0: off)")
     parser.add_argument("--map-wd", type=float, default=None, help="MAP weight decay (default 1/N)")
     parser.add_argument("--prior-scale", type=float, default=None,
                         help="MeanField IIDNormal prior scale (default: the library's default prior)")
@@ -525,6 +539,8 @@ def main(argv=None):
         parser.error(f"unknown rows {bad}; expected some of {', '.join(ROWS)}")
     if args.arch != "mlp" and args.width != 200:
         parser.error(f"--width sets the MLP's hidden units; the {args.arch} has none (got --width {args.width})")
+    if args.bn_data and args.arch != "bn-cnn":
+        parser.error(f"--bn-data re-estimates BatchNorm statistics; the {args.arch} has no BatchNorm")
     torch.set_num_threads(args.threads)
     data = load(args)
     lengths = [args.epochs, 2 * args.epochs] if args.check_length else [args.epochs]
