@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
+from pyro_bnn.model.bnn import site_module
 from pyro_bnn.posterior import sample_latents
 
 
@@ -172,3 +173,52 @@ def test_tensor_batches_never_end_in_one_row():
     assert [len(b) for b in bn_input_batches(torch.zeros(2049, 3), 1024)] == [1024, 1025]
     assert [len(b) for b in bn_input_batches(torch.zeros(2050, 3), 1024)] == [1024, 1024, 2]
     assert [len(b) for b in bn_input_batches(torch.zeros(5, 3), 1024)] == [5]
+
+
+@pytest.mark.parametrize("layers, warned", [
+    ([nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 10)], ["net.0"]),
+    ([nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3), nn.MaxPool2d(2), nn.Dropout(0.1), nn.BatchNorm2d(4),
+      nn.ReLU(), nn.Flatten(), nn.Linear(36, 10)], ["net.1"]),
+    ([nn.Linear(64, 8), nn.ReLU(), nn.BatchNorm1d(8), nn.Linear(8, 10)], []),   # the bias breaks the invariance
+    ([nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10)], []),
+], ids=["direct", "through-pool-dropout", "relu-between", "no-batchnorm"])
+def test_weight_norm_feeding_batchnorm_is_warned(layers, warned):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pb.BNN(nn.Sequential(*layers), "categorical", weight_norm=True)
+    messages = [str(w.message) for w in caught if "feed BatchNorm" in str(w.message)]
+    if warned:
+        assert len(messages) == 1 and f"({', '.join(warned)})" in messages[0] and "bn_data" in messages[0]
+    else:
+        assert messages == []
+
+
+def test_weight_norm_scales_feeding_batchnorm_do_not_change_the_likelihood():
+    """The warning's premise, exactly: in training (train mode: batch statistics) scaling the
+    scales g of a layer that feeds BatchNorm (through a max-pool) by a positive factor leaves the
+    log-likelihood unchanged, while scaling the last layer's changes it; with a ReLU (after the
+    bias) between, it changes too, which is why that arrangement is not warned about."""
+    d = pb.datasets.digits()
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = pb.BNN(nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3), nn.MaxPool2d(2),
+                                     nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(36, 10)),
+                       "categorical", weight_norm=True)
+        relu_first = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 10)),
+                            "categorical", weight_norm=True)
+    x, y = d.x_train[:200], d.y_train[:200]
+
+    def log_lik(net, scaled_site, factor):
+        torch.manual_seed(1)
+        values = {s: torch.rand(site_module(net, s)[0].weight_g.shape) + 0.5 for s in net.site_names}
+        v = {s: t * factor if s == scaled_site else t for s, t in values.items()}
+        with torch.no_grad():
+            logits = net.run_with(v, x)
+        return float(torch.distributions.Categorical(logits=logits).log_prob(y).sum())
+
+    base = log_lik(model, None, 1.0)
+    assert log_lik(model, "net.1.weight_g", 3.0) == pytest.approx(base, rel=1e-3)  # BatchNorm eps
+    assert log_lik(model, "net.1.weight_g", 0.5) == pytest.approx(base, rel=1e-3)  # BatchNorm eps
+    assert abs(log_lik(model, "net.6.weight_g", 3.0) - base) > 1.0
+    assert abs(log_lik(relu_first, "net.0.weight_g", 3.0) - log_lik(relu_first, None, 1.0)) > 1.0
