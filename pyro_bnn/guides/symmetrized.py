@@ -36,6 +36,7 @@ discovered for: see :mod:`pyro_bnn.guides.symmetry`.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 
 import pyro.distributions as dist
@@ -158,6 +159,14 @@ class Symmetrized(MeanField):
             with poutine.block():
                 self._symmetry = find_symmetries(self._original_model[0], self.site_shapes(),
                                                  example=example, example_kwargs=kwargs)
+            if not self._symmetry:
+                warnings.warn(
+                    "Symmetrized found no permutable hidden layer in the model, so it trains exactly as "
+                    "MeanField: a group needs Linear -> activation -> Linear (or Conv -> ... -> Conv) with "
+                    "random weights and biases and nothing else between; BatchNorm / LayerNorm, a "
+                    "deterministic parameter in the way and a Conv -> Flatten -> Linear boundary end a "
+                    "group. Declare the symmetry with permutations=[{site: axis, ...}, ...] if the "
+                    "network has one the search does not see", UserWarning, stacklevel=2)
 
     def site_shapes(self) -> dict[str, torch.Size]:
         """Shapes of the random sites (the guide must be set up)."""
