@@ -222,3 +222,34 @@ def test_weight_norm_scales_feeding_batchnorm_do_not_change_the_likelihood():
     assert log_lik(model, "net.1.weight_g", 0.5) == pytest.approx(base, rel=1e-3)  # BatchNorm eps
     assert abs(log_lik(model, "net.6.weight_g", 3.0) - base) > 1.0
     assert abs(log_lik(relu_first, "net.0.weight_g", 3.0) - log_lik(relu_first, None, 1.0)) > 1.0
+
+
+@pytest.mark.parametrize("subset, marglik, warned", [
+    ("all", True, True), ("last_layer", True, False), ("all", False, False),
+], ids=["all-marglik", "last-layer-marglik", "all-fixed-prior"])
+def test_laplace_evidence_on_normalised_layers_is_warned(subset, marglik, warned):
+    """The evidence of a layer that feeds BatchNorm is not a mode's volume (Antorán et al. 2022;
+    measured on the Fashion-MNIST BatchNorm CNN): warned when the evidence tunes that layer's
+    prior, not for a last-layer Laplace nor for a fixed prior."""
+    d = pb.datasets.digits()
+    torch.manual_seed(0)
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10)), "categorical")
+    guide = pb.guides.Laplace(model, "kron", subset=subset)
+    options = pb.MarglikOptions(every=2, burnin=0, steps=5) if marglik else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pb.fit(model, guide, (d.x_train[:300], d.y_train[:300]), epochs=2, progress=False, marglik=options)
+    messages = [str(w.message) for w in caught if "feed a normalisation layer" in str(w.message)]
+    if warned:
+        assert len(messages) == 1 and "(net.0)" in messages[0]
+    else:
+        assert messages == []
+
+
+def test_layers_feeding_normalization_finds_every_kind():
+    from pyro_bnn.model.batchnorm import layers_feeding_normalization
+
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
+                        nn.Sequential(nn.Linear(36, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.ReLU(),
+                                      nn.BatchNorm1d(8), nn.Linear(8, 2)))
+    assert [path for path, _ in layers_feeding_normalization(net)] == ["0", "4.0"]

@@ -1,4 +1,5 @@
-"""BatchNorm layers of a network, and the warning when a prediction runs them in train mode.
+"""BatchNorm layers of a network, the warning when a prediction runs them in train mode, and
+the weight layers whose scale a normalisation layer divides out.
 
 A ``BatchNorm`` layer in train mode normalises with the statistics of the batch it sees and
 writes them into ``running_mean`` / ``running_var``.  During training that is what it should do;
@@ -14,7 +15,16 @@ import warnings
 
 from torch import nn
 
-__all__ = ["batchnorm_layers", "warn_batchnorm_in_train_mode", "BatchNormTrainModeWarning"]
+__all__ = ["batchnorm_layers", "warn_batchnorm_in_train_mode", "BatchNormTrainModeWarning",
+           "layers_feeding_normalization", "NORMALIZATION_LAYERS"]
+
+#: Layers that divide their input's scale out: BatchNorm / InstanceNorm (per channel), LayerNorm
+#: and GroupNorm (per example, so at least a whole layer's common scale).
+NORMALIZATION_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+
+#: Modules that commute with a positive scale of their input, so the scale reaches the next layer.
+_SCALE_COMMUTING = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.MaxPool1d, nn.MaxPool2d,
+                    nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.Flatten)
 
 
 class BatchNormTrainModeWarning(UserWarning):
@@ -42,3 +52,27 @@ def warn_batchnorm_in_train_mode(module: nn.Module) -> None:
             "inputs predicted; call model.eval() before Predictive (and model.train() before training "
             "again), or use pb.predict, which runs in eval mode itself",
             BatchNormTrainModeWarning, stacklevel=2)
+
+
+def layers_feeding_normalization(root: nn.Module, kinds: tuple = NORMALIZATION_LAYERS) -> list[tuple[str, nn.Module]]:
+    """``(path, layer)`` of every Linear / Conv layer of ``root`` that feeds a layer of ``kinds``.
+
+    Found inside ``nn.Sequential`` containers: the layer's next module is of ``kinds``, possibly
+    after pooling, Flatten, Dropout or Identity (they commute with a positive scale).  A ReLU in
+    between does not count: it comes after the bias, which breaks the scale invariance.  Layers
+    called from a hand-written ``forward`` are not seen.
+    """
+    found = []
+    for prefix, seq in root.named_modules():
+        if not isinstance(seq, nn.Sequential):
+            continue
+        children = list(seq.named_children())
+        for i, (name, layer) in enumerate(children):
+            if not isinstance(layer, (nn.Linear, nn.modules.conv._ConvNd)):
+                continue
+            following = [m for _, m in children[i + 1:]]
+            while following and isinstance(following[0], _SCALE_COMMUTING):
+                following.pop(0)
+            if following and isinstance(following[0], kinds):
+                found.append((f"{prefix}.{name}" if prefix else name, layer))
+    return found

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from .batchnorm import layers_feeding_normalization
 from .priors import IIDNormal, Prior, real_scalar
 
 __all__ = ["WeightNormLinear", "WeightNormConv2d", "weight_norm_weight", "to_weight_norm",
@@ -252,30 +253,17 @@ def warn_scales_under_batchnorm(net: nn.Module) -> None:
     """Warn when a weight-norm layer feeds a BatchNorm layer (in an ``nn.Sequential``, with at
     most max / average pooling, Flatten, Dropout or Identity between, which commute with a
     positive scale): in training BatchNorm divides each unit's scale ``g`` out (only its sign
-    can matter), so the data say nothing about ``|g|`` and its posterior stays at
-    the prior, and the running statistics, averaged over draws of other scales, fit no single
+    can matter), so the data say nothing about ``|g|`` (its exact posterior is the
+    prior), and the running statistics, averaged over draws of other scales, fit no single
     draw at prediction (measured on digits, BatchNorm MLP 64-100-10, Hypernet 100 epochs,
     ``benchmarks/batchnorm_draws.py --guide hypernet``: test NLL 0.124 with the running
     statistics, 0.059 with per-draw statistics)."""
-    passthrough = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
-                   nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.Flatten)
-    pairs = []
-    for prefix, seq in net.named_modules():
-        if not isinstance(seq, nn.Sequential):
-            continue
-        children = list(seq.named_children())
-        for i, (name, layer) in enumerate(children):
-            if not is_weight_norm_layer(layer):
-                continue
-            following = [m for _, m in children[i + 1:]]
-            while following and isinstance(following[0], passthrough):
-                following.pop(0)
-            if following and isinstance(following[0], nn.modules.batchnorm._BatchNorm):
-                pairs.append(f"net.{prefix + '.' if prefix else ''}{name}")  # the BNN's paths
+    pairs = [f"net.{path}" for path, layer in  # the BNN's paths
+             layers_feeding_normalization(net, (nn.modules.batchnorm._BatchNorm,)) if is_weight_norm_layer(layer)]
     if pairs:
         warnings.warn(
             f"weight_norm=True on layers that feed BatchNorm ({', '.join(pairs)}): BatchNorm divides "
-            "their scales g out in training, so the data do not inform |g| (its posterior stays at the "
+            "their scales g out in training, so the data do not inform |g| (its exact posterior is the "
             "prior) and the running statistics fit no single draw; predict with pb.predict(..., "
             "bn_data=training inputs), which re-estimates the statistics under each draw, or drop "
             "weight_norm or the BatchNorm layers", UserWarning, stacklevel=4)
