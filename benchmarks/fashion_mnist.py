@@ -64,6 +64,7 @@ import pyro_bnn as pb
 from pyro_bnn.analysis.ood import evaluate_probs
 from pyro_bnn.contract.guide import registered_guides
 from pyro_bnn.guides.symmetrized import symmetrized_elbo
+from pyro_bnn.posterior.prediction import evaluation_mode
 from pyro_bnn.training.convergence import diagnose
 from pyro_bnn.training.convergence_check import estimate_objective
 from pyro_bnn.training.optimizer import default_optimizer
@@ -209,14 +210,19 @@ def predict_pair(args, model, guide, data, *, num_samples, predictive="sample", 
 def full_elbo(model, guide, x, y, draws=5, chunk=10000):
     """Full-data ELBO of a MeanField guide: ``Σ_c (B_c/N) · loss_c`` over chunks of x (each
     ``loss_c = −(N/B_c) log p(y_c|w) + KL`` at its own draw), which is an unbiased estimate of
-    ``−(log p(y|w) summed over all N − KL)``; mean of ``draws`` such estimates."""
+    ``−(log p(y|w) summed over all N − KL)``; mean of ``draws`` such estimates.  Runs the model
+    in its current mode (train mode: the training objective) and puts its buffers back (BatchNorm's
+    running statistics)."""
     from pyro_bnn.contract.local_params import local_params
     from pyro_bnn.guides.meanfield import meanfield_loss
 
     n = len(x)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}  # train mode moves BatchNorm's statistics
     with torch.no_grad(), local_params(model, guide):
         vals = [-sum(float(meanfield_loss(model, guide, x[i:i + chunk], y[i:i + chunk], n))
                      * len(x[i:i + chunk]) / n for i in range(0, n, chunk)) for _ in range(draws)]
+        for k, v in model.named_buffers():
+            v.copy_(buffers[k])
     return sum(vals) / len(vals)
 
 
@@ -366,8 +372,9 @@ def row_laplace_ll(args, data):
                      batch_size=64, lr=1e-3)
     row = fit_summary(res)
     theta = guide.median()
-    p_in = softmax_of(lambda z: model.run_with(theta, z), data["test"][0]).unsqueeze(0)
-    p_out = softmax_of(lambda z: model.run_with(theta, z), data["ood"]).unsqueeze(0)
+    with evaluation_mode(model):  # BatchNorm: its running statistics, used and left as they are
+        p_in = softmax_of(lambda z: model.run_with(theta, z), data["test"][0]).unsqueeze(0)
+        p_out = softmax_of(lambda z: model.run_with(theta, z), data["ood"]).unsqueeze(0)
     row["map_55k"] = score(p_in, p_out, data["test"][1])
     for how in ("evidence", "validation"):
         ll = pb.guides.Laplace(model, "kron", prior_precision=1.0, subset="last_layer",
