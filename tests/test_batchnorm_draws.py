@@ -21,6 +21,7 @@ import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.model.bnn import site_module
 from pyro_bnn.posterior import sample_latents
+from pyro_bnn.training.convergence_check import estimate_objective
 
 
 def bn_mlp(hidden=32):
@@ -253,3 +254,17 @@ def test_layers_feeding_normalization_finds_every_kind():
                         nn.Sequential(nn.Linear(36, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.ReLU(),
                                       nn.BatchNorm1d(8), nn.Linear(8, 2)))
     assert [path for path, _ in layers_feeding_normalization(net)] == ["0", "4.0"]
+
+
+def test_estimate_objective_leaves_batchnorm_statistics_alone(fitted):
+    """``estimate_objective`` runs the model in train mode (the training objective); it moved
+    BatchNorm's running statistics, so a later prediction changed (fails on the old code)."""
+    model, guide, d = fitted
+    before = buffers(model)
+    torch.manual_seed(1)
+    probs = pb.predict(model, guide, d.x_test, num_samples=5)
+    estimate_objective(model, guide, (d.x_train, d.y_train), num_samples=2)
+    for k, v in before.items():
+        torch.testing.assert_close(dict(model.named_buffers())[k], v, rtol=0, atol=0)
+    torch.manual_seed(1)
+    torch.testing.assert_close(pb.predict(model, guide, d.x_test, num_samples=5), probs, rtol=0, atol=0)

@@ -23,6 +23,7 @@ import math
 import statistics
 import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,12 @@ def estimate_objective(model, guide, data, *, num_samples: int = 16, eval_batch_
     (float, float)
         The mean of the ``num_samples`` estimates of ``−(loss − loss_constant)`` (the ELBO for
         variational guides) and its standard error.
+
+    Notes
+    -----
+    The model runs in its current mode, so a model left in train mode by ``fit`` gives the
+    training objective (BatchNorm on batch statistics); its buffers (BatchNorm's running
+    statistics) are restored afterwards.
     """
     check_int("num_samples", num_samples, minimum=2)
     check_int("eval_batch_size", eval_batch_size, minimum=1)
@@ -142,7 +149,11 @@ def estimate_objective(model, guide, data, *, num_samples: int = 16, eval_batch_
     n = size if num_data is None else check_int("num_data", num_data, minimum=1)
     objective = objective or guide_contract(guide).make_objective(1)
     values = []
-    with local_params(model, guide):
+    # the objective runs the model as it is (train mode: the training objective); BatchNorm then
+    # moves its running statistics, so every buffer is put back afterwards
+    buffers = [(b, b.detach().clone()) for m in (model, guide) if isinstance(m, torch.nn.Module)
+               for b in m.buffers()]
+    with local_params(model, guide), _restored(buffers):
         for _ in range(num_samples):
             total = 0.0
             for batch in loader:
@@ -155,6 +166,17 @@ def estimate_objective(model, guide, data, *, num_samples: int = 16, eval_batch_
                 total += len(xb) / size * (float(loss) - constant)
             values.append(-total)
     return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
+
+
+@contextmanager
+def _restored(buffers):
+    """Copy each saved ``(buffer, value)`` back on exit, exceptions included."""
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
 
 
 def check_convergence(make: Callable[[], tuple[Any, Any]], data, *, epochs: int, factor: int = 2,
