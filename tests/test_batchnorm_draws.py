@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
+from pyro_bnn.guides.symmetrized import symmetrized_elbo
 from pyro_bnn.model.bnn import site_module
 from pyro_bnn.posterior import sample_latents
 from pyro_bnn.training.convergence_check import estimate_objective
@@ -256,14 +257,19 @@ def test_layers_feeding_normalization_finds_every_kind():
     assert [path for path, _ in layers_feeding_normalization(net)] == ["0", "4.0"]
 
 
-def test_estimate_objective_leaves_batchnorm_statistics_alone(fitted):
-    """``estimate_objective`` runs the model in train mode (the training objective); it moved
-    BatchNorm's running statistics, so a later prediction changed (fails on the old code)."""
+@pytest.mark.parametrize("bound", ["estimate_objective", "symmetrized_elbo"])
+def test_bounds_leave_batchnorm_statistics_alone(fitted, bound):
+    """``estimate_objective`` and ``symmetrized_elbo`` run the model in train mode (the training
+    objective); they moved BatchNorm's running statistics, so a later prediction changed (fails
+    on the old code)."""
     model, guide, d = fitted
     before = buffers(model)
     torch.manual_seed(1)
     probs = pb.predict(model, guide, d.x_test, num_samples=5)
-    estimate_objective(model, guide, (d.x_train, d.y_train), num_samples=2)
+    if bound == "estimate_objective":
+        estimate_objective(model, guide, (d.x_train, d.y_train), num_samples=2)
+    else:
+        symmetrized_elbo(model, guide, (d.x_train, d.y_train), num_samples=2)
     for k, v in before.items():
         torch.testing.assert_close(dict(model.named_buffers())[k], v, rtol=0, atol=0)
     torch.manual_seed(1)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
-__all__ = ["evaluation_mode"]
+__all__ = ["evaluation_mode", "buffers_kept"]
 
 
 @contextmanager
@@ -51,3 +52,19 @@ def evaluation_mode(*modules):
     finally:
         for sub, flag in flags.values():
             sub.training = flag
+
+
+@contextmanager
+def buffers_kept(*modules):
+    """Run the body, then copy every buffer of ``modules`` back to its value on entry.
+
+    For code that must run a model in train mode (a training objective: BatchNorm on batch
+    statistics) without moving its running statistics.  Non-modules are ignored.
+    """
+    saved = [(b, b.detach().clone()) for m in modules if isinstance(m, nn.Module) for b in m.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)

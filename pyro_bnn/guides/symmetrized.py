@@ -46,6 +46,7 @@ from torch.distributions import kl_divergence
 
 from ..contract.guide import register_guide
 from ..contract.local_params import local_params, unwrap_model
+from ..contract.modes import buffers_kept
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import observed_sites
 from ..data.batches import as_tensors
@@ -414,7 +415,7 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
     # ω gets its own stream (seeded from the global one), so two calls under the same seed
     # see the same weight draws whatever permutations they sample: paired comparisons.
     omega_rng = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, ())))
-    with local_params(model, guide):
+    with local_params(model, guide), buffers_kept(model, guide):  # BatchNorm's statistics stay
         for _ in range(num_samples):
             values = {n: locs[n] + scales[n] * torch.randn(locs[n].shape, generator=omega_rng,
                                                            device=device, dtype=locs[n].dtype)

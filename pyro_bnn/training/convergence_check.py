@@ -23,7 +23,6 @@ import math
 import statistics
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 from ..arguments import check_int, check_positive
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params
+from ..contract.modes import buffers_kept
 from ..data.batches import dataset_size, make_loader, split_batch
 from ..model.devices import module_device
 from .convergence import ConvergenceWarning
@@ -151,9 +151,7 @@ def estimate_objective(model, guide, data, *, num_samples: int = 16, eval_batch_
     values = []
     # the objective runs the model as it is (train mode: the training objective); BatchNorm then
     # moves its running statistics, so every buffer is put back afterwards
-    buffers = [(b, b.detach().clone()) for m in (model, guide) if isinstance(m, torch.nn.Module)
-               for b in m.buffers()]
-    with local_params(model, guide), _restored(buffers):
+    with local_params(model, guide), buffers_kept(model, guide):
         for _ in range(num_samples):
             total = 0.0
             for batch in loader:
@@ -166,17 +164,6 @@ def estimate_objective(model, guide, data, *, num_samples: int = 16, eval_batch_
                 total += len(xb) / size * (float(loss) - constant)
             values.append(-total)
     return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
-
-
-@contextmanager
-def _restored(buffers):
-    """Copy each saved ``(buffer, value)`` back on exit, exceptions included."""
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
 
 
 def check_convergence(make: Callable[[], tuple[Any, Any]], data, *, epochs: int, factor: int = 2,
