@@ -274,3 +274,24 @@ def test_bounds_leave_batchnorm_statistics_alone(fitted, bound):
         torch.testing.assert_close(dict(model.named_buffers())[k], v, rtol=0, atol=0)
     torch.manual_seed(1)
     torch.testing.assert_close(pb.predict(model, guide, d.x_test, num_samples=5), probs, rtol=0, atol=0)
+
+
+def test_invariance_map_predict_runs_in_eval_mode():
+    """``map_predict`` (LILA's MAP predictive) ran the model in its current mode: in train mode
+    BatchNorm normalised by the batch and overwrote its running statistics (fails on the old code)."""
+    from pyro_bnn.invariance.learning import map_predict
+
+    d = pb.datasets.digits()
+    torch.manual_seed(0)
+    model = pb.BNN(bn_mlp(), "categorical")
+    with torch.no_grad():
+        model.net[1].running_mean.normal_()
+        model.net[1].running_var.uniform_(0.5, 2.0)
+    values, before = model.initial_values(), buffers(model)
+    probs = map_predict(model, values, d.x_test[:50])
+    for k, v in before.items():
+        torch.testing.assert_close(dict(model.named_buffers())[k], v, rtol=0, atol=0)
+    model.eval()
+    with torch.no_grad():
+        expected = torch.softmax(model.run_with(values, d.x_test[:50]), -1)
+    torch.testing.assert_close(probs, expected)

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..arguments import check_int, check_positive
+from ..contract.modes import evaluation_mode
 from ..data.batches import BatchCheck, CheckedBatches, TensorBatches, as_tensors, check_data, split_batch
 from ..model.likelihoods import inverse_link, kind_and_noise, log_likelihood
 from ..training.divergence import DivergenceGuard
@@ -308,9 +309,11 @@ def _train(model, source, method, epochs, lr, hyper_lr, burnin, every, eta_steps
 
 @torch.no_grad()
 def map_predict(model, values: dict, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
-    """Predictive probabilities (or means) of the MAP network ``f̂(x; θ*)``, shape ``(N, C)``."""
+    """Predictive probabilities (or means) of the MAP network ``f̂(x; θ*)``, shape ``(N, C)``,
+    in eval mode (BatchNorm: its running statistics, used and left as they are)."""
     out = []
-    for i in range(0, len(x), batch_size):
-        f = model.run_with(values, x[i:i + batch_size])
-        out.append(inverse_link(kind_and_noise(model.likelihood)[0], f))
+    with evaluation_mode(model):
+        for i in range(0, len(x), batch_size):
+            f = model.run_with(values, x[i:i + batch_size])
+            out.append(inverse_link(kind_and_noise(model.likelihood)[0], f))
     return torch.cat(out)
