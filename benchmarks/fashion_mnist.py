@@ -214,15 +214,13 @@ def full_elbo(model, guide, x, y, draws=5, chunk=10000):
     in its current mode (train mode: the training objective) and puts its buffers back (BatchNorm's
     running statistics)."""
     from pyro_bnn.contract.local_params import local_params
+    from pyro_bnn.contract.modes import buffers_kept
     from pyro_bnn.guides.meanfield import meanfield_loss
 
     n = len(x)
-    buffers = {k: v.clone() for k, v in model.named_buffers()}  # train mode moves BatchNorm's statistics
-    with torch.no_grad(), local_params(model, guide):
-        vals = [-sum(float(meanfield_loss(model, guide, x[i:i + chunk], y[i:i + chunk], n))
+    with torch.no_grad(), local_params(model, guide), buffers_kept(model):  # train mode moves BatchNorm's
+        vals = [-sum(float(meanfield_loss(model, guide, x[i:i + chunk], y[i:i + chunk], n))  # statistics
                      * len(x[i:i + chunk]) / n for i in range(0, n, chunk)) for _ in range(draws)]
-        for k, v in model.named_buffers():
-            v.copy_(buffers[k])
     return sum(vals) / len(vals)
 
 

@@ -227,20 +227,23 @@ def test_weight_norm_scales_feeding_batchnorm_do_not_change_the_likelihood():
 
 
 @pytest.mark.parametrize("subset, marglik, warned", [
-    ("all", True, True), ("last_layer", True, False), ("all", False, False),
-], ids=["all-marglik", "last-layer-marglik", "all-fixed-prior"])
+    ("all", True, True), ("last_layer", True, False), ("all", False, False), ("all", "by hand", True),
+], ids=["all-marglik", "last-layer-marglik", "all-fixed-prior", "all-optimize-by-hand"])
 def test_laplace_evidence_on_normalised_layers_is_warned(subset, marglik, warned):
     """The evidence of a layer that feeds BatchNorm is not a mode's volume (Antorán et al. 2022;
     measured on the Fashion-MNIST BatchNorm CNN): warned when the evidence tunes that layer's
-    prior, not for a last-layer Laplace nor for a fixed prior."""
+    prior (online, or by ``optimize_prior_precision`` after the fit), not for a last-layer
+    Laplace nor for a fixed prior."""
     d = pb.datasets.digits()
     torch.manual_seed(0)
     model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10)), "categorical")
     guide = pb.guides.Laplace(model, "kron", subset=subset)
-    options = pb.MarglikOptions(every=2, burnin=0, steps=5) if marglik else None
+    options = pb.MarglikOptions(every=2, burnin=0, steps=5) if marglik is True else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pb.fit(model, guide, (d.x_train[:300], d.y_train[:300]), epochs=2, progress=False, marglik=options)
+        if marglik == "by hand":
+            guide.optimize_prior_precision(steps=5)
     messages = [str(w.message) for w in caught if "feed a normalisation layer" in str(w.message)]
     if warned:
         assert len(messages) == 1 and "(net.0)" in messages[0]

@@ -22,6 +22,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from ..contract.modes import buffers_kept
 from ..model.batchnorm import batchnorm_layers
 from ..model.bnn import is_bnn
 
@@ -94,8 +95,7 @@ def recalibrating_batchnorm(model, bn_data, batch_size: int, device=None):
     if not layers:
         raise ValueError("bn_data= re-estimates BatchNorm statistics per posterior draw, but the model has no "
                          "BatchNorm layer with running statistics (track_running_stats=True)")
-    saved = [({k: v.clone() for k, v in layer.named_buffers(recurse=False)}, layer.momentum, layer.training)
-             for layer in layers]
+    saved = [(layer.momentum, layer.training) for layer in layers]
 
     def recalibrate(latents) -> None:
         for layer in layers:
@@ -116,10 +116,8 @@ def recalibrating_batchnorm(model, bn_data, batch_size: int, device=None):
             raise ValueError("bn_data= yielded no inputs; pass the training inputs (or a loader over them)")
 
     try:
-        yield recalibrate
+        with buffers_kept(*layers):
+            yield recalibrate
     finally:
-        with torch.no_grad():
-            for layer, (buffers, momentum, training) in zip(layers, saved):
-                for name, value in buffers.items():
-                    getattr(layer, name).copy_(value)
-                layer.momentum, layer.training = momentum, training
+        for layer, (momentum, training) in zip(layers, saved):
+            layer.momentum, layer.training = momentum, training

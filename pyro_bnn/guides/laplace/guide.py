@@ -48,13 +48,7 @@ from ..draw_quantiles import (
 )
 from .handlers import held_values, read_handlers
 from .objective import LaplaceMAPObjective, gaussian_log_normalizer
-from .online import (
-    OnlineEvidence,
-    _batches,
-    deterministic_curvature,
-    warn_evidence_under_normalization,
-    warn_if_examples_left_out,
-)
+from .online import OnlineEvidence, _batches, deterministic_curvature, warn_if_examples_left_out
 from .posterior import LaplacePosterior, LinearizedSamples
 from .predictive import LinearizedPredictive
 from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision, resolve_prior_structure
@@ -469,8 +463,6 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
     def on_fit_start(self, ctx):
         self._map_mode = True
         options = ml.check_marglik_options(ctx.options.get("marglik"))
-        if options or self.tune_prior_precision == "marglik":
-            warn_evidence_under_normalization(self)
         self.online = OnlineEvidence(self, options) if options else None
 
     def on_epoch_end(self, ctx):

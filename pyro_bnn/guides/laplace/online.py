@@ -27,16 +27,14 @@ import warnings
 
 import torch
 
-from ...contract.local_params import unwrap_model
 from ...curvature import marglik as ml
 from ...data.batches import TensorBatches, dataset_size, make_loader
 from ...invariance.guide_step import guide_curvature_source, guide_online_eta_step
 from ...invariance.learning import guide_eta_optimizer
-from ...model.batchnorm import layers_feeding_normalization
 from ...model.bnn import model_likelihood, num_augmentations
 from ...model.likelihoods import Gaussian
 
-__all__ = ["OnlineEvidence", "deterministic_curvature", "warn_evidence_under_normalization", "EVIDENCE_SEED"]
+__all__ = ["OnlineEvidence", "deterministic_curvature", "EVIDENCE_SEED"]
 
 #: RNG seed of the deterministic curvature pass whose evidence selects the best state.
 EVIDENCE_SEED = 20_240_601
@@ -148,29 +146,6 @@ class OnlineEvidence:
             self.eta_optimizer.load_state_dict(state["eta_optimizer"])
         best = state["best"]
         self.best = None if best is None else (best["log_evidence"], best["guide"], best["model"])
-
-
-def warn_evidence_under_normalization(guide) -> None:
-    """Warn when the evidence will tune the prior of layers that feed a normalisation layer.
-
-    BatchNorm (and LayerNorm, GroupNorm) divide the scale of the layer before them out in
-    training, so the likelihood does not depend on that layer's weight norm: under a Gaussian
-    prior its MAP shrinks until BatchNorm's eps takes over, and the Laplace evidence is not the
-    volume of a posterior mode (Antorán et al. 2022, "Adapting the linearised Laplace model
-    evidence for modern deep learning").  Measured on the Fashion-MNIST BatchNorm CNN
-    (docs/results/fashion_mnist.md, nineteenth session).
-    """
-    feeding = {id(layer) for _, layer in layers_feeding_normalization(unwrap_model(guide.base_model))}
-    names = [layer.path for layer in guide.layers if id(layer.module) in feeding]
-    if names:
-        warnings.warn(
-            f"the Laplace evidence tunes the prior of layers that feed a normalisation layer ({', '.join(names)}): "
-            "normalisation divides their scale out in training, so their MAP under a Gaussian prior shrinks "
-            "without a proper optimum and the Laplace evidence is not the volume of a mode (Antorán et al. "
-            "2022); their learned prior precisions drift and the GLM predictive can be badly calibrated "
-            "(Fashion-MNIST BatchNorm CNN, online marglik, 60 epochs: fc1's precision 16,461, evidence still "
-            "rising, test NLL 0.514 against the MAP net's 0.385). Prefer subset='last_layer' on normalised "
-            "networks, or keep the prior precision fixed", UserWarning, stacklevel=2)
 
 
 def deterministic_curvature(guide, ctx, *, lila: bool = False, seed: int = EVIDENCE_SEED) -> None:
