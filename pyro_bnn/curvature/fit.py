@@ -19,7 +19,7 @@ from ..model.likelihoods import make_likelihood
 from .ggn import diag_blocks, diag_ggn_sums, full_block, full_ggn_sum
 from .kfac import kfac_blocks, kfac_sums_from_factors
 from .layers import Layer, capture_factors
-from .network import hessian_columns, log_likelihood_terms
+from .network import hessian_columns, log_likelihood_terms, nll_residual
 
 __all__ = ["CurvatureFit", "accumulate_curvature", "STRUCTURES"]
 
@@ -39,12 +39,17 @@ class CurvatureFit:
     loglik_stats : dict
         ``{"loglik"}`` or Gaussian ``{"sse", "count"}`` summed over the data.
     num_data : int
+    gradients : list of Tensor or None
+        With ``accumulate_curvature(..., gradient=True)``: per layer, the gradient of the
+        negative log-likelihood ``Σ_n J_nᵀ r_n`` at the fixed weights, shape ``(out, in')``
+        (``W̃`` layout; for a Gaussian likelihood with ``Λ = I``, i.e. times ``σ²``).
     """
 
     blocks: list
     kind: str
     loglik_stats: dict = field(default_factory=dict)
     num_data: int = 0
+    gradients: list | None = None
 
 
 def _batch_sums(layers, a, g, structure):
@@ -60,7 +65,7 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
                          structure: str = "kron", *, device=None,
                          reduce_fn: Callable[[dict], dict] | None = None,
                          num_augmentations: int = 1, split_bias: bool = False,
-                         where: str = "the curvature data") -> CurvatureFit:
+                         gradient: bool = False, where: str = "the curvature data") -> CurvatureFit:
     """GGN curvature (``structure``) and log-likelihood at fixed weights over ``batches``.
 
     Parameters
@@ -80,6 +85,11 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
         KFAC only: biases as separate blocks (see :func:`~pyro_bnn.curvature.kfac.kfac_blocks`).
     num_augmentations : int
         ``S`` copies per example averaged inside ``run`` (invariant models, LILA).
+    gradient : bool
+        Also sum the gradient of the negative log-likelihood per layer
+        (:attr:`CurvatureFit.gradients`; one more backward pass per batch), which the
+        evidence of the linearised model at its own mode needs
+        (:func:`~pyro_bnn.curvature.marglik.linearized_evidence_terms`).
     where : str
         Names the data in messages.
 
@@ -104,12 +114,26 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
                 raise ValueError("curvature needs targets: data must be (x, y)")
             if device is not None:
                 x, y = x.to(device), y.to(device)
-            f, a, g = capture_factors(layers, lambda x=x: run(x), lambda out: hessian_columns(kind, out),
-                                      num_augmentations=num_augmentations)
-            y = as_targets(kind, y, f.shape[1:])   # int64 labels; (N,) targets of one output as (N, 1)
-            check.set_output_shape(f)   # before the log-likelihood: cross_entropy skips −100
-            check(x, y, f"batch {i} of {where}")
+            def checked_targets(f, x=x, y=y, i=i):
+                y = as_targets(kind, y, f.shape[1:])   # int64 labels; (N,) targets of one output as (N, 1)
+                check.set_output_shape(f)   # before the log-likelihood: cross_entropy skips −100
+                check(x, y, f"batch {i} of {where}")
+                return y
+
+            targets = {}
+
+            def residual(f):
+                targets["y"] = checked_targets(f)
+                return nll_residual(kind, f, targets["y"])
+
+            captured = capture_factors(layers, lambda x=x: run(x), lambda out: hessian_columns(kind, out),
+                                       num_augmentations=num_augmentations,
+                                       residual=residual if gradient else None)
+            f, a, g = captured[:3]
+            y = targets["y"] if gradient else checked_targets(f)
             part = _batch_sums(layers, a, g, structure)
+            if gradient:
+                part.update({f"{layer.path}/grad": captured[3][layer.path] for layer in layers})
             part.update({f"loglik/{k}": v for k, v in log_likelihood_terms(kind, f, y).items()})
             part["num_data"] = torch.tensor(float(len(x)), dtype=f.dtype, device=f.device)
             for k, v in part.items():
@@ -128,4 +152,5 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
         blocks = diag_blocks(layers, nested)
     else:
         blocks = full_block(sums)
-    return CurvatureFit(blocks, kind, nested["loglik"], int(sums["num_data"].item()))
+    gradients = [nested[layer.path]["grad"] for layer in layers] if gradient else None
+    return CurvatureFit(blocks, kind, nested["loglik"], int(sums["num_data"].item()), gradients)

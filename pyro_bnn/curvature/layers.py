@@ -152,7 +152,8 @@ def _layer_description(module: nn.Module | None) -> str:
 
 def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
                     columns: Callable[[torch.Tensor], torch.Tensor], *,
-                    num_augmentations: int = 1, create_graph: bool = False):
+                    num_augmentations: int = 1, create_graph: bool = False,
+                    residual: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """Run ``forward`` once; return ``f``, per-layer inputs ``ã`` and output gradients ``g``.
 
     Parameters
@@ -170,12 +171,18 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
         ``g_n = Σ_s g_{n,s}`` (the 1/S is already in ``g``).
     create_graph : bool
         Keep the graph of ``ã`` and ``g`` (to differentiate the curvature).
+    residual : callable, optional
+        ``residual(f) -> r`` of shape ``(M, C)``: a vector pulled back and contracted with the
+        layer inputs of every row (all ``M·S`` copies, exactly), giving ``Σ_n J_nᵀ r_n`` per
+        layer, e.g. the gradient of the negative log-likelihood for ``r = ∂(−log p)/∂f``.
 
     Returns
     -------
     f : Tensor, shape (M, C)
     a : dict path -> Tensor (M, T, in')
     g : dict path -> Tensor (K, M, T, out)
+    grads : dict path -> Tensor (out, in')
+        Only when ``residual`` is given: ``Σ_n J_nᵀ r_n`` in each layer's ``W̃`` layout.
     """
     inputs, outputs = {}, {}
 
@@ -201,6 +208,14 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
         L = L.detach()
     outs = [outputs[layer.path] for layer in layers]
     S = int(num_augmentations)
+    grads_out = None
+    if residual is not None:
+        r = residual(f).detach().reshape(f.shape)
+        pulled = _pull_back_column(f, outs, r, False)
+        # every row's own inputs (no averaging over copies): Σ_rows Σ_t e_t ã_tᵀ is exact
+        grads_out = {layer.path: torch.einsum("mto,mti->oi", layer.expand_grads(e[0]),
+                                              layer.expand_inputs(inputs[layer.path].detach()))
+                     for layer, e in zip(layers, pulled)}
 
     def per_example(layer, gl):
         """``(K, M·S, *out)`` gradients → ``(K, M, T, out)``, summed over the copies.
@@ -232,6 +247,8 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
         a_out[layer.path], g_out[layer.path] = layer.expand_inputs(x_in), g
     if not create_graph:
         f = f.detach()
+    if grads_out is not None:
+        return f, a_out, g_out, grads_out
     return f, a_out, g_out
 
 

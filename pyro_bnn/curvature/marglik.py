@@ -20,7 +20,7 @@ import torch
 
 from ..arguments import check_int, check_positive
 
-__all__ = ["log_evidence", "evidence_terms", "combine_evidence_terms", "log_likelihood_from_stats",
+__all__ = ["log_evidence", "evidence_terms", "linearized_evidence_terms", "combine_evidence_terms", "log_likelihood_from_stats",
            "maximize_evidence", "marglik_due", "MarglikOptions", "check_marglik_options"]
 
 
@@ -109,6 +109,72 @@ def evidence_terms(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torc
         log_det_ratio = log_det_ratio + (block.logdet(delta, scale) - log_det_prior)
         scatter = scatter + (delta * th.reshape(-1) ** 2).sum()
     return {"log_likelihood": log_lik, "log_det_ratio": log_det_ratio, "scatter": scatter}
+
+
+def linearized_evidence_terms(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torch.Tensor],
+                              gradients: Sequence[torch.Tensor], prior_precision: Sequence[torch.Tensor],
+                              scale: torch.Tensor | float = 1.0) -> dict:
+    """The terms of the evidence of the linearised model at **its own** posterior mode.
+
+    The GGN Laplace evidence (:func:`evidence_terms`) is evaluated at the network's weights
+    ``θ*`` as if they were the mode of the posterior under the prior ``N(0, δ⁻¹)``.  They are
+    not when training stopped early, when δ changed after training (every online evidence
+    update), or when no mode exists at all: weights that feed a normalisation layer have a
+    likelihood that does not depend on their norm, so under a Gaussian prior their "MAP"
+    shrinks for ever.  Antorán et al. (2022, "Adapting the linearised Laplace model evidence
+    for modern deep learning", recommendation 1) evaluate instead the evidence of the model
+    linearised at ``θ*`` at that linear model's own mode.  Here the linearised model's
+    negative log-likelihood is taken to second order at ``θ*`` (exact for a Gaussian
+    likelihood, where the evidence then equals the closed-form evidence of the linear model
+    for any ``θ*``; for a classifier the quadratic overstates the Newton step's fit where the
+    GGN is small, so the Laplace guide refuses it there)::
+
+        ℓ_lin(θ) = ℓ(θ*) − gᵀ(θ − θ*) − ½ (θ − θ*)ᵀ s H (θ − θ*),     g = ∇(−ℓ)(θ*)
+        θ̂ = θ* − P⁻¹ (g + δ θ*)          (one Newton step; P = s H + δ)
+
+    and the terms are ``ℓ_lin(θ̂)``, ``log det P − log det P₀`` and ``θ̂ᵀ δ θ̂``.  At a mode of
+    the regularised loss (``g = −δ θ*``) ``θ̂ = θ*`` and the terms are those of
+    :func:`evidence_terms`; elsewhere this evidence is never lower (``θ̂`` maximises the same
+    quadratic of which :func:`evidence_terms` takes the value at ``θ*``).
+
+    Parameters
+    ----------
+    log_lik : Tensor, 0-d
+        ``log p(D | θ*)``.
+    blocks : sequence of KronBlock / SplitBiasKronBlock / DiagBlock / DenseBlock
+    theta : sequence of Tensor
+        ``θ*`` per block, flattened.
+    gradients : sequence of Tensor
+        Per block, the gradient of the negative log-likelihood at ``θ*`` **divided by**
+        ``s`` (``Σ_n J_nᵀ r_n`` of :attr:`~pyro_bnn.curvature.CurvatureFit.gradients`,
+        flattened like ``theta``); it is multiplied by ``scale`` here, as ``H`` is.
+    prior_precision : sequence of Tensor
+        ``δ`` per block: 0-d or ``(numel_b,)``.
+    scale : float or Tensor
+        ``s``.
+
+    Returns
+    -------
+    dict of str to Tensor
+        ``"log_likelihood"`` (``ℓ_lin(θ̂)``), ``"log_det_ratio"``, ``"scatter"`` (``θ̂ᵀ δ θ̂``):
+        combined by :func:`combine_evidence_terms` as the other evidence.
+    """
+    if not (len(blocks) == len(theta) == len(gradients) == len(prior_precision)):
+        raise ValueError(f"blocks, theta, gradients and prior_precision must have one entry per block, got "
+                         f"{len(blocks)}, {len(theta)}, {len(gradients)}, {len(prior_precision)}")
+    _check_prior_precision(prior_precision)
+    fit = log_lik
+    log_det_ratio = scatter = torch.zeros((), dtype=log_lik.dtype, device=log_lik.device)
+    for block, th, grad, delta in zip(blocks, theta, gradients, prior_precision):
+        th, g = th.reshape(-1), scale * grad.reshape(-1)
+        step = -block.solve(g + delta * th, delta, scale)          # θ̂ − θ*
+        mode = th + step
+        fit = fit - (g * step).sum() - 0.5 * (step * block.matvec(step, scale)).sum()
+        n = th.numel()
+        log_det_prior = n * torch.log(delta) if delta.dim() == 0 else torch.log(delta).sum()
+        log_det_ratio = log_det_ratio + (block.logdet(delta, scale) - log_det_prior)
+        scatter = scatter + (delta * mode ** 2).sum()
+    return {"log_likelihood": fit, "log_det_ratio": log_det_ratio, "scatter": scatter}
 
 
 def log_evidence(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torch.Tensor],

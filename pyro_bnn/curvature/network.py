@@ -17,7 +17,7 @@ from pyro.poutine.util import site_is_subsample
 from ..model.bnn import is_bnn
 from ..model.likelihoods import distribution_kind, kind_and_noise
 
-__all__ = ["network_output", "likelihood_kind", "hessian_columns", "log_likelihood_terms"]
+__all__ = ["network_output", "likelihood_kind", "hessian_columns", "nll_residual", "log_likelihood_terms"]
 
 
 def _obs_distribution(model, values, x, obs_site=None):
@@ -97,6 +97,21 @@ def hessian_columns(kind: str, f: torch.Tensor) -> torch.Tensor:
         return torch.diag_embed((p * (1 - p)).sqrt())
     if kind == "gaussian":
         return torch.eye(f2.shape[-1], dtype=f.dtype, device=f.device).expand(len(f2), -1, -1)
+    raise ValueError(f"unknown likelihood kind {kind!r}")
+
+
+def nll_residual(kind: str, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``r = ∂(−log p(y|f))/∂f``, shape ``(M, C)``, so that ``Σ_n J_nᵀ r_n`` is the gradient of
+    the negative log-likelihood: ``softmax(f) − onehot(y)`` (categorical), ``sigmoid(f) − y``
+    (Bernoulli), ``f − y`` (Gaussian, with ``Λ = I`` as :func:`hessian_columns`: times
+    ``1/σ²`` outside).  ``y`` as :func:`~pyro_bnn.data.batches.as_targets` gives it."""
+    f2 = f.reshape(len(f), -1)
+    if kind == "categorical":
+        return torch.softmax(f2, -1) - torch.nn.functional.one_hot(y.reshape(-1), f2.shape[-1]).to(f2.dtype)
+    if kind == "bernoulli":
+        return torch.sigmoid(f2) - y.reshape(f2.shape).to(f2.dtype)
+    if kind == "gaussian":
+        return f2 - y.reshape(f2.shape).to(f2.dtype)
     raise ValueError(f"unknown likelihood kind {kind!r}")
 
 

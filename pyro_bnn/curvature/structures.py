@@ -16,6 +16,9 @@ Shared methods
     Map standard normal ``eps`` (``(S, numel)``) to draws of ``N(0, P⁻¹)``.
 ``covariance(delta, scale)``
     Dense ``P⁻¹`` (tests and small nets only).
+``matvec(v, scale)``, ``solve(v, delta, scale)``
+    ``s H v`` and ``P⁻¹ v`` for a flat ``W̃``-order vector ``v`` (the linearised model's
+    mode, :func:`pyro_bnn.curvature.marglik.linearized_evidence_terms`).
 ``functional_variance(...)``
     ``J P⁻¹ Jᵀ`` from per-layer Jacobian factors, without building ``J`` (Kron, Diag).
 ``logdet_derivative(dA, dG, delta, scale)`` (Kronecker blocks)
@@ -195,6 +198,23 @@ class KronBlock:
     def to_dense(self, scale=1.0) -> torch.Tensor:
         return scale * torch.kron(self.G, self.A)
 
+    def matvec(self, v: torch.Tensor, scale=1.0) -> torch.Tensor:
+        """``s H v`` for a flat ``(numel,)`` vector, through the eigenbasis (the clamped
+        eigenvalues of :meth:`logdet`)."""
+        V = self.QG.T @ v.reshape(self.shape) @ self.QA
+        return (self.QG @ (V * self.eigenvalues(scale)) @ self.QA.T).reshape(-1)
+
+    def solve(self, v: torch.Tensor, delta, scale=1.0) -> torch.Tensor:
+        """``P⁻¹ v`` for a flat ``(numel,)`` vector (differentiable in δ and ``s``)."""
+        col = self._column_delta(delta)
+        if col is not None:
+            r = col.rsqrt()
+            one = torch.ones((), dtype=col.dtype, device=col.device)
+            inner = self._whitened(col).solve((v.reshape(self.shape) * r).reshape(-1), one, scale)
+            return (inner.reshape(self.shape) * r).reshape(-1)
+        V = self.QG.T @ v.reshape(self.shape) @ self.QA
+        return (self.QG @ (V * self._dinv(delta, scale)) @ self.QA.T).reshape(-1)
+
     def covariance(self, delta, scale=1.0) -> torch.Tensor:
         col = self._column_delta(delta)
         if col is not None:
@@ -308,6 +328,24 @@ class SplitBiasKronBlock:
         return (self.w.logdet_derivative(dA[:-1, :-1], dG, dw, scale)
                 + self.b.logdet_derivative(dA[-1:, -1:], dG, db, scale))
 
+    def _split(self, v):
+        V = v.reshape(self.shape)
+        return V[:, :-1].reshape(-1), V[:, -1:].reshape(-1)
+
+    def _join(self, w, b):
+        return torch.cat([w.reshape(self.shape[0], -1), b.reshape(self.shape[0], 1)], 1).reshape(-1)
+
+    def matvec(self, v, scale=1.0):
+        """``s H v`` (flat ``W̃`` order)."""
+        w, b = self._split(v)
+        return self._join(self.w.matvec(w, scale), self.b.matvec(b, scale))
+
+    def solve(self, v, delta, scale=1.0):
+        """``P⁻¹ v`` (flat ``W̃`` order)."""
+        dw, db = self._deltas(delta)
+        w, b = self._split(v)
+        return self._join(self.w.solve(w, dw, scale), self.b.solve(b, db, scale))
+
     def _unpermute(self, M):
         out = torch.empty_like(M)
         out[self._perm[:, None], self._perm[None, :]] = M
@@ -346,6 +384,14 @@ class DiagBlock:
 
     def to_dense(self, scale=1.0):
         return torch.diag(scale * self.h.reshape(-1))
+
+    def matvec(self, v, scale=1.0):
+        """``s H v`` (flat)."""
+        return scale * self.h.reshape(-1) * v
+
+    def solve(self, v, delta, scale=1.0):
+        """``P⁻¹ v`` (flat)."""
+        return self._dinv(delta, scale).reshape(-1) * v
 
     def covariance(self, delta, scale=1.0):
         return torch.diag(self._dinv(delta, scale).reshape(-1))
@@ -410,6 +456,19 @@ class DenseBlock:
 
     def to_dense(self, scale=1.0):
         return scale * self.H
+
+    def matvec(self, v, scale=1.0):
+        """``s H v``."""
+        return scale * (self.H @ v)
+
+    def solve(self, v, delta, scale=1.0):
+        """``P⁻¹ v`` (eigenbasis for a scalar δ, else a Cholesky solve)."""
+        d = as_delta(delta, self.numel, self.H)
+        eig = self._eigen(d)
+        if eig is not None:
+            lam, Q = eig
+            return Q @ ((Q.T @ v) / (scale * lam + d))
+        return torch.cholesky_solve(v.unsqueeze(-1), self._chol(delta, scale)).squeeze(-1)
 
     def covariance(self, delta, scale=1.0):
         R, is_eig = self._inv_sqrt(delta, scale)

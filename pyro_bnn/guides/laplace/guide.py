@@ -51,7 +51,17 @@ from .objective import LaplaceMAPObjective, gaussian_log_normalizer
 from .online import OnlineEvidence, _batches, deterministic_curvature, warn_if_examples_left_out
 from .posterior import LaplacePosterior, LinearizedSamples
 from .predictive import LinearizedPredictive
-from .prior import POSTHOC_LR, POSTHOC_STEPS, PRIOR_STRUCTURES, PriorPrecision, resolve_prior_structure
+from .prior import (
+    EVIDENCE_KINDS,
+    check_linearized_evidence,
+    NORMALIZED_DECAYS,
+    POSTHOC_LR,
+    POSTHOC_STEPS,
+    PRIOR_STRUCTURES,
+    PriorPrecision,
+    normalized_layer_indices,
+    resolve_prior_structure,
+)
 from .sites import (
     concat_deltas,
     is_layer_parameter,
@@ -127,6 +137,16 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         ``"marglik"``: at the end of :func:`pyro_bnn.fit`, after the curvature is fitted,
         maximise the evidence w.r.t. δ (``POSTHOC_STEPS`` = 300 Adam steps, lr 0.1; after
         any online schedule).  The registry's ``"laplace"`` and ``"laplace_all"`` use it.
+    evidence : {"map", "linearized"}
+        Which log evidence :meth:`log_evidence` (and so every evidence tuning of δ) uses.
+        ``"map"`` (default): the Laplace-GGN evidence at θ* taken as the posterior mode
+        (MacKay 1992, Immer et al. 2021).  ``"linearized"`` (Gaussian likelihoods): the
+        evidence of the model linearised at θ*, at that linear model's own mode under the
+        current δ (Antorán et al. 2022; :func:`pyro_bnn.curvature.marglik.linearized_evidence_terms`),
+        exact for any θ* (early-stopped training, δ changed after training).  The curvature
+        pass then also sums the gradient of the log-likelihood (one more backward pass per
+        batch); the predictive is the same (centred at θ*).  Other likelihoods are refused:
+        there the Newton step's quadratic overstates the fit (``check_linearized_evidence``).
 
     Notes
     -----
@@ -164,7 +184,7 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
                  prior_structure: str = "auto", init_loc_fn=None,
                  curvature_batch_size: int = 256, kron_bias: str = "joint", subset="all",
                  tune_prior_precision: str | None = None, obs_site: str | None = None,
-                 create_plates=None):
+                 evidence: str = "map", normalized_decay: str = "evidence", create_plates=None):
         if structure not in STRUCTURES:
             raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
         if prior_structure not in PRIOR_STRUCTURES:
@@ -174,6 +194,10 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
                              "'sitewise', got 'diagonal' (use structure='diag' or 'full')")
         if kron_bias not in ("joint", "separate"):
             raise ValueError(f"kron_bias must be 'joint' or 'separate', got {kron_bias!r}")
+        if evidence not in EVIDENCE_KINDS:
+            raise ValueError(f"evidence must be one of {EVIDENCE_KINDS}, got {evidence!r}")
+        if normalized_decay not in NORMALIZED_DECAYS:
+            raise ValueError(f"normalized_decay must be one of {NORMALIZED_DECAYS}, got {normalized_decay!r}")
         if tune_prior_precision not in (None, "marglik"):
             raise ValueError(f"tune_prior_precision must be None or 'marglik', got {tune_prior_precision!r}")
         if isinstance(subset, str):
@@ -196,6 +220,8 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         self.kron_bias = kron_bias
         self.subset = subset
         self.tune_prior_precision = tune_prior_precision
+        self.evidence = evidence
+        self.normalized_decay = normalized_decay
         if obs_site is not None and not isinstance(obs_site, str):
             raise TypeError(f"obs_site must be a site name (str) or None, got {type(obs_site).__name__}")
         self.obs_site = obs_site
@@ -216,6 +242,10 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
             parts.append(f"kron_bias={self.kron_bias}")
         if self.tune_prior_precision:
             parts.append(f"δ by {self.tune_prior_precision}")
+        if self.evidence != "map":
+            parts.append(f"evidence={self.evidence}")
+        if self.normalized_decay != "evidence":
+            parts.append(f"normalized_decay={self.normalized_decay}")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ setup
@@ -262,12 +292,16 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
             self.prior_structure = resolve_prior_structure(self.layers, prior_prec, self.structure)
         self.register_buffer("log_prior_precision",
                              self._initial_log_prior_precision(prior_prec, self._init_prior_precision))
+        # the training prior of layers that feed a normalisation layer (normalized_decay="prior")
+        self.register_buffer("initial_log_prior_precision", self.log_prior_precision.detach().clone())
+        self.normalized_layers = normalized_layer_indices(self)
         self._check_prior_is_represented(prior_prec, prior_problems, self._requested_prior_structure,
                                          self._init_prior_precision)
         like = next(iter(self.theta.values()))
         if self.structure == "full":
             refuse_dense_beyond_memory(sum(math.prod(self.site_shapes[s]) for s in self.laplace_sites), like)
         self.curvature_state = CurvatureState(self.layers, self.structure, self.kron_bias == "separate",
+                                              self.evidence == "linearized",
                                               torch.empty((), dtype=like.dtype, device=like.device))
 
     def _drop_unobserved_observations(self, args):
@@ -377,6 +411,15 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         if self.structure == "full":
             return [torch.cat(theta)], [concat_deltas(self.layers, deltas)]
         return theta, deltas
+
+    def _block_gradients(self):
+        """The curvature pass's log-likelihood gradients per block (``evidence="linearized"``)."""
+        grads = self.posterior.gradients
+        if grads is None:
+            raise ValueError("evidence='linearized' needs the log-likelihood gradient of the curvature pass, "
+                             "which this curvature does not hold: call guide.fit_curvature(data) again")
+        flat = [g.reshape(-1) for g in grads]
+        return [torch.cat(flat)] if self.structure == "full" else flat
 
     def _kind_and_scale(self, noise=None):
         """``(kind, σ or None, s)``: the curvature's factor ``s`` (``1/σ²`` for a Gaussian
@@ -554,13 +597,14 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
             values = {k: v.detach().requires_grad_() for k, v in self.map_values().items()}
             values.update(held)
             kind, noise = likelihood_kind(model, values, x0[:2].to(device), self.obs_site)
+            check_linearized_evidence(self.evidence, kind)
             self._fixed_noise = None if noise is None else noise.detach()
             loader = _batches(data, batch_size or self.curvature_batch_size)
             self.posterior = accumulate_curvature(
                 self.layers, loader, lambda x: network_output(model, values, x, self.obs_site), kind,
                 self.structure, device=device, reduce_fn=reduce_fn,
                 num_augmentations=num_augmentations(model),
-                split_bias=self.kron_bias == "separate")
+                split_bias=self.kron_bias == "separate", gradient=self.evidence == "linearized")
         warn_if_examples_left_out(data, self.posterior.num_data)
         return self
 
@@ -599,7 +643,12 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         theta, deltas = self._block_inputs(prior_precision)
         kind, noise, scale = self._kind_and_scale(noise)
         log_lik = self._likelihood_scale * ml.log_likelihood_from_stats(self.posterior.loglik_stats, noise)
-        terms = ml.evidence_terms(log_lik, self.posterior.blocks, theta, deltas, scale)
+        if self.evidence == "linearized":
+            check_linearized_evidence(self.evidence, kind)
+            terms = ml.linearized_evidence_terms(log_lik, self.posterior.blocks, theta,
+                                                 self._block_gradients(), deltas, scale)
+        else:
+            terms = ml.evidence_terms(log_lik, self.posterior.blocks, theta, deltas, scale)
         if self._prior_scale != 1.0:
             # the Laplace of p(y, θ)^s: its prior term is s·log N(θ | 0, δ⁻¹), whose normaliser
             # differs from that of N(θ | 0, (sδ)⁻¹) (the one ml.evidence_terms includes)

@@ -57,9 +57,14 @@ from ...model.bnn import model_likelihood
 from ...model.likelihoods import Gaussian
 
 __all__ = ["PriorPrecision", "PriorMismatchWarning", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS",
-           "POSTHOC_LR", "resolve_prior_structure", "warn_evidence_under_normalization"]
+           "POSTHOC_LR", "resolve_prior_structure", "EVIDENCE_KINDS",
+           "NORMALIZED_DECAYS", "normalized_layer_indices", "check_linearized_evidence", "warn_evidence_under_normalization"]
 
 PRIOR_STRUCTURES = ("auto", "scalar", "layerwise", "sitewise", "diagonal")
+#: ``Laplace(..., evidence=)``: at θ* as the mode, or the linearised model's at its own mode.
+EVIDENCE_KINDS = ("map", "linearized")
+#: ``Laplace(..., normalized_decay=)``: the MAP objective's δ of layers feeding a normalisation layer.
+NORMALIZED_DECAYS = ("evidence", "prior")
 
 
 class PriorMismatchWarning(UserWarning):
@@ -204,6 +209,16 @@ class PriorPrecision:
                     out.append(layer.flatten({s: v.expand(shapes[s]) for s, v in per_site.items()}).reshape(-1))
             return out
         return list(d.split([layer.numel for layer in self.layers]))
+
+    def training_prior_precisions(self) -> list[torch.Tensor]:
+        """δ per layer of the MAP objective: :meth:`layer_prior_precisions`, except that under
+        ``normalized_decay="prior"`` the layers that feed a normalisation layer keep their
+        initial δ (a fixed weight decay), whatever the evidence made of theirs."""
+        deltas = self.layer_prior_precisions()
+        if self.normalized_decay == "evidence" or not self.normalized_layers:
+            return deltas
+        initial = self.layer_prior_precisions(self.initial_log_prior_precision.exp())
+        return [initial[i] if i in self.normalized_layers else d for i, d in enumerate(deltas)]
 
     def _candidate(self, value) -> torch.Tensor:
         """A grid value as a δ of this guide's structure: a scalar is given to every entry."""
@@ -381,6 +396,29 @@ class PriorPrecision:
         return value
 
 
+def check_linearized_evidence(evidence: str, kind: str) -> None:
+    """``ValueError`` for ``evidence="linearized"`` with a likelihood other than Gaussian.
+
+    The linearised model's log-likelihood is taken to second order at θ*, exact for a Gaussian
+    likelihood only.  For a classifier the quadratic is a poor model far from θ*: where the GGN
+    is small (confidently fitted training points) the Newton step's predicted gain is large, and
+    measured on the Fashion-MNIST BatchNorm CNN (10,000 images, online marglik) the fit term
+    reached +7,527 nats, above the 0 no categorical log-likelihood can exceed
+    (docs/results/fashion_mnist.md, twentieth session)."""
+    if evidence == "linearized" and kind != "gaussian":
+        raise ValueError(
+            f"evidence='linearized' needs a Gaussian likelihood, got a {kind} one: its second-order model of "
+            "the linearised log-likelihood is exact only for a Gaussian, and for a classifier it overstates "
+            "the fit of the Newton step (measured: a log-likelihood term of +7,527 nats, impossible for a "
+            "categorical model). Use evidence='map'")
+
+
+def normalized_layer_indices(guide) -> frozenset[int]:
+    """Indices into ``guide.layers`` of the layers that feed a normalisation layer."""
+    feeding = {id(layer) for _, layer in layers_feeding_normalization(unwrap_model(guide.base_model))}
+    return frozenset(i for i, layer in enumerate(guide.layers) if id(layer.module) in feeding)
+
+
 def warn_evidence_under_normalization(guide) -> None:
     """Warn when the evidence will tune the prior of layers that feed a normalisation layer.
 
@@ -391,8 +429,7 @@ def warn_evidence_under_normalization(guide) -> None:
     evidence for modern deep learning").  Measured on the Fashion-MNIST BatchNorm CNN
     (docs/results/fashion_mnist.md, nineteenth session).
     """
-    feeding = {id(layer) for _, layer in layers_feeding_normalization(unwrap_model(guide.base_model))}
-    names = [layer.path for layer in guide.layers if id(layer.module) in feeding]
+    names = [guide.layers[i].path for i in sorted(normalized_layer_indices(guide))]
     if names:
         warnings.warn(
             f"the Laplace evidence tunes the prior of layers that feed a normalisation layer ({', '.join(names)}): "

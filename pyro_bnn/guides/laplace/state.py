@@ -26,8 +26,9 @@ class StaleCurvatureWarning(GuideStateWarning):
 class CurvatureState(nn.Module):
     """Buffers holding one :class:`~pyro_bnn.curvature.CurvatureFit` (or nothing yet)."""
 
-    def __init__(self, layers, structure: str, split_bias: bool, like: torch.Tensor):
+    def __init__(self, layers, structure: str, split_bias: bool, gradient: bool, like: torch.Tensor):
         super().__init__()
+        self.gradient = gradient
         self.structure, self.num_layers = structure, len(layers)
         self.split = [split_bias and layer.weight is not None and layer.bias is not None for layer in layers]
         z = lambda *shape: torch.zeros(shape, dtype=like.dtype, device=like.device)  # noqa: E731
@@ -43,6 +44,9 @@ class CurvatureState(nn.Module):
         else:
             total = sum(layer.numel for layer in layers)
             self.register_buffer("H", z(total, total))
+        if gradient:     # the log-likelihood gradient of Laplace(..., evidence="linearized")
+            for i, layer in enumerate(layers):
+                self.register_buffer(f"grad{i}", z(*layer.shape))
 
     @torch.no_grad()
     def store(self, fit: CurvatureFit | None, noise: torch.Tensor | None = None) -> None:
@@ -64,6 +68,12 @@ class CurvatureState(nn.Module):
                 getattr(self, f"h{i}").copy_(block.h)
             else:
                 self.H.copy_(block.H)
+        if self.gradient:
+            if fit.gradients is None:
+                raise ValueError("this Laplace guide (evidence='linearized') needs the curvature's "
+                                 "log-likelihood gradients: fit it with accumulate_curvature(..., gradient=True)")
+            for i, grad in enumerate(fit.gradients):
+                getattr(self, f"grad{i}").copy_(grad)
 
     def load(self) -> CurvatureFit | None:
         """Rebuild the fit (eigendecompositions included) from the buffers."""
@@ -78,4 +88,5 @@ class CurvatureState(nn.Module):
         else:
             blocks = [DenseBlock(self.H)]
         stats = {"sse": self.sse, "count": self.count} if kind == "gaussian" else {"loglik": self.loglik}
-        return CurvatureFit(blocks, kind, stats, int(self.num_data))
+        gradients = [getattr(self, f"grad{i}") for i in range(self.num_layers)] if self.gradient else None
+        return CurvatureFit(blocks, kind, stats, int(self.num_data), gradients)
