@@ -61,6 +61,27 @@ def _batch_sums(layers, a, g, structure):
     return {"full": full_ggn_sum(layers, a, g)}
 
 
+class _BatchTargets:
+    """One batch's targets, converted and checked once against the network output ``f``
+    (before the log-likelihood: ``cross_entropy`` would skip a label −100)."""
+
+    def __init__(self, kind, x, y, check, where):
+        self.kind, self.x, self.y, self.check, self.where = kind, x, y, check, where
+        self._checked = None
+
+    def checked(self, f):
+        if self._checked is None:
+            y = as_targets(self.kind, self.y, f.shape[1:])   # int64 labels; (N,) targets of one output as (N, 1)
+            self.check.set_output_shape(f)
+            self.check(self.x, y, self.where)
+            self._checked = y
+        return self._checked
+
+    def residual(self, f):
+        """``∂(−log p)/∂f`` (the gradient pass of ``accumulate_curvature(..., gradient=True)``)."""
+        return nll_residual(self.kind, f, self.checked(f))
+
+
 def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, kind: str,
                          structure: str = "kron", *, device=None,
                          reduce_fn: Callable[[dict], dict] | None = None,
@@ -114,23 +135,12 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
                 raise ValueError("curvature needs targets: data must be (x, y)")
             if device is not None:
                 x, y = x.to(device), y.to(device)
-            def checked_targets(f, x=x, y=y, i=i):
-                y = as_targets(kind, y, f.shape[1:])   # int64 labels; (N,) targets of one output as (N, 1)
-                check.set_output_shape(f)   # before the log-likelihood: cross_entropy skips −100
-                check(x, y, f"batch {i} of {where}")
-                return y
-
-            targets = {}
-
-            def residual(f):
-                targets["y"] = checked_targets(f)
-                return nll_residual(kind, f, targets["y"])
-
+            targets = _BatchTargets(kind, x, y, check, f"batch {i} of {where}")
             captured = capture_factors(layers, lambda x=x: run(x), lambda out: hessian_columns(kind, out),
                                        num_augmentations=num_augmentations,
-                                       residual=residual if gradient else None)
+                                       residual=targets.residual if gradient else None)
             f, a, g = captured[:3]
-            y = targets["y"] if gradient else checked_targets(f)
+            y = targets.checked(f)
             part = _batch_sums(layers, a, g, structure)
             if gradient:
                 part.update({f"{layer.path}/grad": captured[3][layer.path] for layer in layers})

@@ -53,12 +53,12 @@ from .posterior import LaplacePosterior, LinearizedSamples
 from .predictive import LinearizedPredictive
 from .prior import (
     EVIDENCE_KINDS,
-    check_linearized_evidence,
     NORMALIZED_DECAYS,
     POSTHOC_LR,
     POSTHOC_STEPS,
     PRIOR_STRUCTURES,
     PriorPrecision,
+    check_linearized_evidence,
     normalized_layer_indices,
     resolve_prior_structure,
 )
