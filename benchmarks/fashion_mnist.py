@@ -376,7 +376,7 @@ def row_laplace_ll(args, data):
     row["map_55k"] = score(p_in, p_out, data["test"][1])
     for how in ("evidence", "validation"):
         ll = pb.guides.Laplace(model, "kron", prior_precision=1.0, subset="last_layer",
-                               init_loc_fn=lambda site: theta[site["name"]], evidence=args.lap_evidence)
+                               init_loc_fn=lambda site: theta[site["name"]])
         t0 = time.perf_counter()
         ll.fit_curvature(data["train55"])
         if how == "evidence":
@@ -387,7 +387,7 @@ def row_laplace_ll(args, data):
         r = score(*predict_pair(args, model, ll, data, num_samples=args.num_samples, predictive="glm"),
                   data["test"][1])
         r.update(prior_precision=float(ll.prior_precision), log_evidence=float(ll.log_evidence()),
-                 tuning_value=_float(ev), predictive=f"glm-mc({args.num_samples})", evidence=args.lap_evidence,
+                 tuning_value=_float(ev), predictive=f"glm-mc({args.num_samples})",
                  posthoc_seconds=time.perf_counter() - t0)
         row[f"delta_by_{how}"] = r
     return row
@@ -458,8 +458,8 @@ MARGLIK_SCHEDULE = pb.MarglikOptions(every=5, burnin=0, steps=100, lr=0.1)
 def row_laplace_marglik(args, data):
     model = bnn(args)
     guide = pb.guides.Laplace(model, "kron", prior_precision=1.0, prior_structure=args.lap_prior_structure,
-                              kron_bias=args.lap_kron_bias, evidence=args.lap_evidence,
-                              normalized_decay=args.lap_normalized_decay)
+                              kron_bias=args.lap_kron_bias,
+                              normalized_decay=args.lap_normalized_decay, subset=args.lap_subset)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = pb.fit(model, guide, data["train"], epochs=args.epochs, seed=args.seed, progress=False,
@@ -476,7 +476,7 @@ def row_laplace_marglik(args, data):
                                      for k in ("log_likelihood", "log_det_ratio", "scatter")},
                marglik=dataclasses.asdict(MARGLIK_SCHEDULE), predictive=f"glm-mc({args.num_samples})",
                prior_structure=args.lap_prior_structure, kron_bias=args.lap_kron_bias,
-               evidence=args.lap_evidence, normalized_decay=args.lap_normalized_decay)
+               normalized_decay=args.lap_normalized_decay, subset=args.lap_subset)
     return row
 
 
@@ -533,9 +533,9 @@ def main(argv=None):
     parser.add_argument("--lap-kron-bias", choices=["joint", "separate"], default="joint",
                         help="laplace_marglik: a layer's bias in its weights' Kronecker block or its own "
                              "(laplace-torch's layout)")
-    parser.add_argument("--lap-evidence", choices=["map", "linearized"], default="map",
-                        help="laplace_marglik / laplace_ll: the evidence at the MAP (MacKay, Immer et al.) or "
-                             "the linearised model's at its own mode (Antorán et al. 2022)")
+    parser.add_argument("--lap-subset", choices=["all", "last_layer"], default="all",
+                        help="laplace_marglik: the Laplace over every layer (Immer et al. 2021) or the last "
+                             "(the body a point estimate with its fixed prior)")
     parser.add_argument("--lap-normalized-decay", choices=["evidence", "prior"], default="evidence",
                         help="laplace_marglik: train layers that feed BatchNorm with the evidence's δ or with "
                              "their initial prior precision (fixed)")
