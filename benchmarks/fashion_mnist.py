@@ -458,8 +458,7 @@ MARGLIK_SCHEDULE = pb.MarglikOptions(every=5, burnin=0, steps=100, lr=0.1)
 def row_laplace_marglik(args, data):
     model = bnn(args)
     guide = pb.guides.Laplace(model, "kron", prior_precision=1.0, prior_structure=args.lap_prior_structure,
-                              kron_bias=args.lap_kron_bias,
-                              normalized_decay=args.lap_normalized_decay, subset=args.lap_subset)
+                              kron_bias=args.lap_kron_bias, subset=args.lap_subset)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = pb.fit(model, guide, data["train"], epochs=args.epochs, seed=args.seed, progress=False,
@@ -476,7 +475,7 @@ def row_laplace_marglik(args, data):
                                      for k in ("log_likelihood", "log_det_ratio", "scatter")},
                marglik=dataclasses.asdict(MARGLIK_SCHEDULE), predictive=f"glm-mc({args.num_samples})",
                prior_structure=args.lap_prior_structure, kron_bias=args.lap_kron_bias,
-               normalized_decay=args.lap_normalized_decay, subset=args.lap_subset)
+               subset=args.lap_subset)
     return row
 
 
@@ -536,9 +535,6 @@ def main(argv=None):
     parser.add_argument("--lap-subset", choices=["all", "last_layer"], default="all",
                         help="laplace_marglik: the Laplace over every layer (Immer et al. 2021) or the last "
                              "(the body a point estimate with its fixed prior)")
-    parser.add_argument("--lap-normalized-decay", choices=["evidence", "prior"], default="evidence",
-                        help="laplace_marglik: train layers that feed BatchNorm with the evidence's δ or with "
-                             "their initial prior precision (fixed)")
     parser.add_argument("--hn-lr", type=float, default=None, help="Hypernet lr (default: the guide's 1e-2)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI, constant)")

@@ -53,13 +53,11 @@ from .posterior import LaplacePosterior, LinearizedSamples
 from .predictive import LinearizedPredictive
 from .prior import (
     EVIDENCE_KINDS,
-    NORMALIZED_DECAYS,
     POSTHOC_LR,
     POSTHOC_STEPS,
     PRIOR_STRUCTURES,
     PriorPrecision,
     check_linearized_evidence,
-    normalized_layer_indices,
     resolve_prior_structure,
 )
 from .sites import (
@@ -187,7 +185,7 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
                  prior_structure: str = "auto", init_loc_fn=None,
                  curvature_batch_size: int = 256, kron_bias: str = "joint", subset="all",
                  tune_prior_precision: str | None = None, obs_site: str | None = None,
-                 evidence: str = "map", normalized_decay: str = "evidence", create_plates=None):
+                 evidence: str = "map", create_plates=None):
         if structure not in STRUCTURES:
             raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
         if prior_structure not in PRIOR_STRUCTURES:
@@ -200,8 +198,6 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         if evidence not in EVIDENCE_KINDS:
             raise ValueError(f"evidence must be one of {EVIDENCE_KINDS}, got {evidence!r}")
         check_linearized_evidence(evidence, None, structure)
-        if normalized_decay not in NORMALIZED_DECAYS:
-            raise ValueError(f"normalized_decay must be one of {NORMALIZED_DECAYS}, got {normalized_decay!r}")
         if tune_prior_precision not in (None, "marglik"):
             raise ValueError(f"tune_prior_precision must be None or 'marglik', got {tune_prior_precision!r}")
         if isinstance(subset, str):
@@ -225,7 +221,6 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         self.subset = subset
         self.tune_prior_precision = tune_prior_precision
         self.evidence = evidence
-        self.normalized_decay = normalized_decay
         if obs_site is not None and not isinstance(obs_site, str):
             raise TypeError(f"obs_site must be a site name (str) or None, got {type(obs_site).__name__}")
         self.obs_site = obs_site
@@ -248,8 +243,7 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
             parts.append(f"δ by {self.tune_prior_precision}")
         if self.evidence != "map":
             parts.append(f"evidence={self.evidence}")
-        if self.normalized_decay != "evidence":
-            parts.append(f"normalized_decay={self.normalized_decay}")
+
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ setup
@@ -296,9 +290,6 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
             self.prior_structure = resolve_prior_structure(self.layers, prior_prec, self.structure)
         self.register_buffer("log_prior_precision",
                              self._initial_log_prior_precision(prior_prec, self._init_prior_precision))
-        # the training prior of layers that feed a normalisation layer (normalized_decay="prior")
-        self.register_buffer("initial_log_prior_precision", self.log_prior_precision.detach().clone())
-        self.normalized_layers = normalized_layer_indices(self)
         self._check_prior_is_represented(prior_prec, prior_problems, self._requested_prior_structure,
                                          self._init_prior_precision)
         like = next(iter(self.theta.values()))

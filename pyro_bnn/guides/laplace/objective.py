@@ -69,7 +69,7 @@ class LaplaceMAPObjective(GuideObjective):
             # condition() marks the latent sites it fixes as observed too (ours, and those of a
             # pyro.condition around the model): count data sites only
             loglik = sum(site["log_prob_sum"] for _, site in observed_sites(tr, values, guide._conditioned_values))
-        deltas = [d.detach() for d in guide.training_prior_precisions()]
+        deltas = [d.detach() for d in guide.layer_prior_precisions()]
         # the Gaussian prior's normaliser does not depend on θ; with ~0.9 nats per weight it can
         # be most of the loss (440k of a 478k-weight MLP's), which would hide the data term's
         # progress from fit's convergence diagnosis: reported apart as ``loss_constant``

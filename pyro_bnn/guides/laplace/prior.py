@@ -58,13 +58,11 @@ from ...model.likelihoods import Gaussian
 
 __all__ = ["PriorPrecision", "PriorMismatchWarning", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS",
            "POSTHOC_LR", "resolve_prior_structure", "EVIDENCE_KINDS",
-           "NORMALIZED_DECAYS", "normalized_layer_indices", "check_linearized_evidence", "warn_evidence_under_normalization"]
+           "normalized_layer_indices", "check_linearized_evidence", "warn_evidence_under_normalization"]
 
 PRIOR_STRUCTURES = ("auto", "scalar", "layerwise", "sitewise", "diagonal")
 #: ``Laplace(..., evidence=)``: at θ* as the mode, or the linearised model's at its own mode.
 EVIDENCE_KINDS = ("map", "linearized")
-#: ``Laplace(..., normalized_decay=)``: the MAP objective's δ of layers feeding a normalisation layer.
-NORMALIZED_DECAYS = ("evidence", "prior")
 
 
 class PriorMismatchWarning(UserWarning):
@@ -209,16 +207,6 @@ class PriorPrecision:
                     out.append(layer.flatten({s: v.expand(shapes[s]) for s, v in per_site.items()}).reshape(-1))
             return out
         return list(d.split([layer.numel for layer in self.layers]))
-
-    def training_prior_precisions(self) -> list[torch.Tensor]:
-        """δ per layer of the MAP objective: :meth:`layer_prior_precisions`, except that under
-        ``normalized_decay="prior"`` the layers that feed a normalisation layer keep their
-        initial δ (a fixed weight decay), whatever the evidence made of theirs."""
-        deltas = self.layer_prior_precisions()
-        if self.normalized_decay == "evidence" or not self.normalized_layers:
-            return deltas
-        initial = self.layer_prior_precisions(self.initial_log_prior_precision.exp())
-        return [initial[i] if i in self.normalized_layers else d for i, d in enumerate(deltas)]
 
     def _candidate(self, value) -> torch.Tensor:
         """A grid value as a δ of this guide's structure: a scalar is given to every entry."""
