@@ -180,6 +180,9 @@ def test_block_linear_algebra_matches_dense(block_type):
     torch.testing.assert_close(block.covariance(delta, scale), torch.linalg.inv(P))
     S = block.sample(torch.eye(12), delta, scale)            # rows: P^{-1/2} e_i
     torch.testing.assert_close(S.T @ S, torch.linalg.inv(P))
+    v = torch.randn(12)
+    torch.testing.assert_close(block.matvec(v, scale), block.to_dense(scale) @ v)
+    torch.testing.assert_close(block.solve(v, delta, scale), torch.linalg.solve(P, v))
 
 
 def test_split_bias_block_with_a_weight_and_a_bias_prior_precision():
