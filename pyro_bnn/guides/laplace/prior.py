@@ -426,7 +426,12 @@ def warn_evidence_under_normalization(guide) -> None:
     prior its MAP shrinks until BatchNorm's eps takes over, and the Laplace evidence is not the
     volume of a posterior mode (Antorán et al. 2022, "Adapting the linearised Laplace model
     evidence for modern deep learning").  Measured on the Fashion-MNIST BatchNorm CNN
-    (docs/results/fashion_mnist.md, nineteenth session).
+    (docs/results/fashion_mnist.md, nineteenth and twentieth sessions): the posterior of the
+    layer before the last BatchNorm is the prior in 98 % of its KFAC directions, wide against
+    its small weights, and carries 80 % of the GLM predictive's variance; the all-layer online
+    marglik is underconfident (test NLL 0.514 against the MAP net's 0.385), training those
+    layers with a fixed decay makes it worse (0.753), and a last-layer Laplace with the same
+    online schedule beats the MAP net (0.345, ECE 0.015).
     """
     names = [guide.layers[i].path for i in sorted(normalized_layer_indices(guide))]
     if names:
@@ -434,10 +439,11 @@ def warn_evidence_under_normalization(guide) -> None:
             f"the Laplace evidence tunes the prior of layers that feed a normalisation layer ({', '.join(names)}): "
             "normalisation divides their scale out in training, so their MAP under a Gaussian prior shrinks "
             "without a proper optimum and the Laplace evidence is not the volume of a mode (Antorán et al. "
-            "2022); their learned prior precisions drift and the GLM predictive can be badly calibrated "
-            "(Fashion-MNIST BatchNorm CNN, online marglik, 60 epochs: fc1's precision 16,461, evidence still "
-            "rising, test NLL 0.514 against the MAP net's 0.385). Prefer subset='last_layer' on normalised "
-            "networks, or keep the prior precision fixed", UserWarning, stacklevel=3)
+            "2022); their posterior stays the prior, wide against their small weights, and dominates the GLM "
+            "predictive's variance (Fashion-MNIST BatchNorm CNN, online marglik, 60 epochs: test NLL 0.514 "
+            "against the MAP net's 0.385; the same schedule on the last layer alone: 0.345). Prefer "
+            "subset='last_layer' on normalised networks, or keep the prior precision fixed",
+            UserWarning, stacklevel=3)
 
 
 def _as_pair(val):
