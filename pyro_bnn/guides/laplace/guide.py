@@ -243,7 +243,6 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
             parts.append(f"δ by {self.tune_prior_precision}")
         if self.evidence != "map":
             parts.append(f"evidence={self.evidence}")
-
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ setup
