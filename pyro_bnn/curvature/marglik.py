@@ -159,22 +159,17 @@ def linearized_evidence_terms(log_lik: torch.Tensor, blocks: Sequence, theta: Se
         ``"log_likelihood"`` (``ℓ_lin(θ̂)``), ``"log_det_ratio"``, ``"scatter"`` (``θ̂ᵀ δ θ̂``):
         combined by :func:`combine_evidence_terms` as the other evidence.
     """
-    if not (len(blocks) == len(theta) == len(gradients) == len(prior_precision)):
-        raise ValueError(f"blocks, theta, gradients and prior_precision must have one entry per block, got "
-                         f"{len(blocks)}, {len(theta)}, {len(gradients)}, {len(prior_precision)}")
-    _check_prior_precision(prior_precision)
-    fit = log_lik
-    log_det_ratio = scatter = torch.zeros((), dtype=log_lik.dtype, device=log_lik.device)
+    if len(gradients) != len(blocks):
+        raise ValueError(f"gradients must have one entry per block, got {len(gradients)} for {len(blocks)} blocks")
+    terms = evidence_terms(log_lik, blocks, theta, prior_precision, scale)   # its Occam factor is this one's
+    fit, scatter = log_lik, torch.zeros((), dtype=log_lik.dtype, device=log_lik.device)
     for block, th, grad, delta in zip(blocks, theta, gradients, prior_precision):
         th, g = th.reshape(-1), scale * grad.reshape(-1)
         step = -block.solve(g + delta * th, delta, scale)          # θ̂ − θ*
-        mode = th + step
         fit = fit - (g * step).sum() - 0.5 * (step * block.matvec(step, scale)).sum()
-        n = th.numel()
-        log_det_prior = n * torch.log(delta) if delta.dim() == 0 else torch.log(delta).sum()
-        log_det_ratio = log_det_ratio + (block.logdet(delta, scale) - log_det_prior)
-        scatter = scatter + (delta * mode ** 2).sum()
-    return {"log_likelihood": fit, "log_det_ratio": log_det_ratio, "scatter": scatter}
+        scatter = scatter + (delta * (th + step) ** 2).sum()
+    terms.update(log_likelihood=fit, scatter=scatter)
+    return terms
 
 
 def log_evidence(log_lik: torch.Tensor, blocks: Sequence, theta: Sequence[torch.Tensor],

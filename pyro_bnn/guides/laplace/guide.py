@@ -329,10 +329,10 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
 
     @posterior.setter
     def posterior(self, fit):
+        if "curvature_state" in self._modules:   # first: a fit it refuses is not kept either
+            self.curvature_state.store(fit, getattr(self, "_fixed_noise", None))
         self._posterior_cache = fit
         self._mark_fitted_here()
-        if "curvature_state" in self._modules:
-            self.curvature_state.store(fit, getattr(self, "_fixed_noise", None))
 
     def _invalidate(self):
         self._posterior_cache = None

@@ -58,7 +58,7 @@ from ...model.likelihoods import Gaussian
 
 __all__ = ["PriorPrecision", "PriorMismatchWarning", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS",
            "POSTHOC_LR", "resolve_prior_structure", "EVIDENCE_KINDS",
-           "normalized_layer_indices", "check_linearized_evidence", "warn_evidence_under_normalization"]
+           "check_linearized_evidence", "warn_evidence_under_normalization"]
 
 PRIOR_STRUCTURES = ("auto", "scalar", "layerwise", "sitewise", "diagonal")
 #: ``Laplace(..., evidence=)``: at θ* as the mode, or the linearised model's at its own mode.
@@ -412,12 +412,6 @@ def check_linearized_evidence(evidence: str, kind: str | None, structure: str) -
             "network, or evidence='map'")
 
 
-def normalized_layer_indices(guide) -> frozenset[int]:
-    """Indices into ``guide.layers`` of the layers that feed a normalisation layer."""
-    feeding = {id(layer) for _, layer in layers_feeding_normalization(unwrap_model(guide.base_model))}
-    return frozenset(i for i, layer in enumerate(guide.layers) if id(layer.module) in feeding)
-
-
 def warn_evidence_under_normalization(guide) -> None:
     """Warn when the evidence will tune the prior of layers that feed a normalisation layer.
 
@@ -433,7 +427,8 @@ def warn_evidence_under_normalization(guide) -> None:
     layers with a fixed decay makes it worse (0.753), and a last-layer Laplace with the same
     online schedule beats the MAP net (0.345, ECE 0.015).
     """
-    names = [guide.layers[i].path for i in sorted(normalized_layer_indices(guide))]
+    feeding = {id(layer) for _, layer in layers_feeding_normalization(unwrap_model(guide.base_model))}
+    names = [layer.path for layer in guide.layers if id(layer.module) in feeding]
     if names:
         warnings.warn(
             f"the Laplace evidence tunes the prior of layers that feed a normalisation layer ({', '.join(names)}): "
