@@ -166,9 +166,15 @@ def row_map(args, data, *, members=1):
 
 
 # ----------------------------------------------------------------------------- pb.fit rows
-def bnn(args, prior_scale=1.0):
+def bnn(args, prior_scale=1.0, stochastic=None):
     torch.manual_seed(args.seed)
-    return pb.BNN(make_net(args.arch, args.width), "categorical", prior=pb.priors.IIDNormal(prior_scale))
+    return pb.BNN(make_net(args.arch, args.width), "categorical", prior=pb.priors.IIDNormal(prior_scale),
+                  stochastic=stochastic)
+
+
+def with_normalization_affine(name, module, param):
+    """``stochastic=``: Linear/Conv2d weights and biases and BatchNorm's γ, β random."""
+    return isinstance(module, (nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d))
 
 
 def fit_row(args, model, guide, data_xy, *, num_samples, predictive="sample", **fit_kw):
@@ -456,7 +462,8 @@ MARGLIK_SCHEDULE = pb.MarglikOptions(every=5, burnin=0, steps=100, lr=0.1)
 
 
 def row_laplace_marglik(args, data):
-    model = bnn(args)
+    # subset="unnormalized" covers BatchNorm's γ, β: they must be random sites of the model
+    model = bnn(args, stochastic=with_normalization_affine if args.lap_subset == "unnormalized" else None)
     guide = pb.guides.Laplace(model, "kron", prior_precision=1.0, prior_structure=args.lap_prior_structure,
                               kron_bias=args.lap_kron_bias, subset=args.lap_subset)
     with warnings.catch_warnings():
@@ -532,9 +539,11 @@ def main(argv=None):
     parser.add_argument("--lap-kron-bias", choices=["joint", "separate"], default="joint",
                         help="laplace_marglik: a layer's bias in its weights' Kronecker block or its own "
                              "(laplace-torch's layout)")
-    parser.add_argument("--lap-subset", choices=["all", "last_layer"], default="all",
-                        help="laplace_marglik: the Laplace over every layer (Immer et al. 2021) or the last "
-                             "(the body a point estimate with its fixed prior)")
+    parser.add_argument("--lap-subset", choices=["all", "last_layer", "unnormalized"], default="all",
+                        help="laplace_marglik: the Laplace over every layer (Immer et al. 2021), the last "
+                             "(the body a point estimate with its fixed prior), or (bn-cnn) BatchNorm's "
+                             "γ, β and the layers that feed no BatchNorm (the weights before BatchNorm "
+                             "point estimates)")
     parser.add_argument("--hn-lr", type=float, default=None, help="Hypernet lr (default: the guide's 1e-2)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI, constant)")
@@ -548,6 +557,8 @@ def main(argv=None):
         parser.error(f"unknown rows {bad}; expected some of {', '.join(ROWS)}")
     if args.arch != "mlp" and args.width != 200:
         parser.error(f"--width sets the MLP's hidden units; the {args.arch} has none (got --width {args.width})")
+    if args.lap_subset == "unnormalized" and args.arch != "bn-cnn":
+        parser.error(f"--lap-subset unnormalized needs normalisation layers; the {args.arch} has none")
     if args.bn_data and args.arch != "bn-cnn":
         parser.error(f"--bn-data re-estimates BatchNorm statistics; the {args.arch} has no BatchNorm")
     torch.set_num_threads(args.threads)

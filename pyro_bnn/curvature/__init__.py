@@ -2,8 +2,9 @@
 
 * :mod:`~.structures` — matrix types (``KronBlock``, ``DiagBlock``, ``DenseBlock``) with
   ``logdet``, sampling, covariance and functional variance for ``P = s·H + diag(δ)``;
-* :mod:`~.layers` — Linear/Conv2d layers as parameter groups, hooks capturing Jacobian
-  factors;
+  :mod:`~.unitwise` — ``UnitBlock``, per-channel blocks of BatchNorm's affine parameters;
+* :mod:`~.layers` — Linear/Conv2d layers (and BatchNorm's affine parameters) as parameter
+  groups, hooks capturing Jacobian factors;
 * :mod:`~.kfac`, :mod:`~.ggn` — per-batch KFAC factors, diagonal and full GGN;
 * :mod:`~.fit` — accumulation over a loader (with an optional ``reduce_fn`` all-reduce);
 * :mod:`~.glm` — streamed linearised predictive (``Σ_f``, ``J Δθ``, log predictive densities);
@@ -31,6 +32,7 @@ from .kfac import batch_kfac_factors, kfac_blocks, kfac_sums_from_factors
 from .layers import Layer, capture_factors, find_layers
 from .network import hessian_columns, identity_columns, likelihood_kind, network_output
 from .structures import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
+from .unitwise import UnitBlock
 
 __all__ = ["STRUCTURES", "CurvatureFit", "accumulate_curvature", "diag_ggn_sums", "full_ggn_sum",
            "per_example_gradients", "functional_covariance", "glm_predictive", "probit_probs",
@@ -39,4 +41,4 @@ __all__ = ["STRUCTURES", "CurvatureFit", "accumulate_curvature", "diag_ggn_sums"
            "batch_kfac_factors", "kfac_blocks", "kfac_sums_from_factors", "Layer",
            "capture_factors", "find_layers", "hessian_columns", "identity_columns",
            "likelihood_kind", "network_output", "DenseBlock", "DiagBlock", "KronBlock",
-           "SplitBiasKronBlock"]
+           "SplitBiasKronBlock", "UnitBlock"]

@@ -55,9 +55,9 @@ class CurvatureFit:
 def _batch_sums(layers, a, g, structure):
     if structure == "kron":
         return {f"{layer.path}/{k}": v for layer in layers
-                for k, v in kfac_sums_from_factors(a[layer.path], g[layer.path]).items()}
+                for k, v in kfac_sums_from_factors(a[layer.path], g[layer.path], layer).items()}
     if structure == "diag":
-        return {f"{layer.path}/diag": diag_ggn_sums(a[layer.path], g[layer.path]) for layer in layers}
+        return {f"{layer.path}/diag": diag_ggn_sums(a[layer.path], g[layer.path], layer) for layer in layers}
     return {"full": full_ggn_sum(layers, a, g)}
 
 

@@ -19,8 +19,11 @@ from .structures import DenseBlock, DiagBlock
 __all__ = ["diag_ggn_sums", "per_example_gradients", "full_ggn_sum", "diag_blocks", "full_block"]
 
 
-def diag_ggn_sums(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``Σ_{n,k} (Σ_t g ã ᵀ)²`` of shape ``(out, in')`` from ``ã`` (M,T,in'), ``g`` (K,M,T,out)."""
+def diag_ggn_sums(a: torch.Tensor, g: torch.Tensor, layer: Layer | None = None) -> torch.Tensor:
+    """``Σ_{n,k} (Σ_t g ã ᵀ)²`` of shape ``(out, in')`` from ``ã`` (M,T,in'), ``g`` (K,M,T,out);
+    a unit-wise ``layer`` (``ã`` of shape ``(M, T, out, in')``) through its per-example rows."""
+    if layer is not None and layer.unitwise:
+        return (layer.per_example(a, g) ** 2).sum((0, 1))
     if a.shape[1] == 1:
         return torch.einsum("kmo,mi->oi", g[:, :, 0] ** 2, a[:, 0] ** 2)
     total = a.new_zeros(g.shape[-1], a.shape[-1])
@@ -31,8 +34,7 @@ def diag_ggn_sums(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def per_example_gradients(layers: list[Layer], a: dict, g: dict) -> torch.Tensor:
     """Per-example, per-column gradients over all layers, shape ``(K, M, P)``."""
-    parts = [torch.einsum("kmto,mti->kmoi", g[layer.path], a[layer.path]).flatten(2)
-             for layer in layers]
+    parts = [layer.per_example(a[layer.path], g[layer.path]).flatten(2) for layer in layers]
     return torch.cat(parts, -1)
 
 
@@ -43,6 +45,7 @@ def full_ggn_sum(layers: list[Layer], a: dict, g: dict) -> torch.Tensor:
 
 
 def diag_blocks(layers: list[Layer], sums: dict) -> list[DiagBlock]:
+    """One :class:`DiagBlock` per layer from the summed ``"diag"`` entries."""
     return [DiagBlock(sums[layer.path]["diag"]) for layer in layers]
 
 

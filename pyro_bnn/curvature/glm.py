@@ -73,8 +73,15 @@ def batch_covariance(layers: list[Layer], blocks: list, deltas: list, scale,
     if _is_dense(blocks):
         J = factors.J if factors.J is not None else per_example_gradients(layers, factors.a, factors.g)
         return blocks[0].functional_variance_dense(J, deltas[0], scale).detach()
-    return sum(block.functional_variance(factors.a[layer.path], factors.g[layer.path], delta, scale)
+    return sum(_layer_variance(layer, block, factors, delta, scale)
                for layer, block, delta in zip(layers, blocks, deltas)).detach()
+
+
+def _layer_variance(layer, block, factors, delta, scale):
+    a, g = factors.a[layer.path], factors.g[layer.path]
+    if layer.unitwise:
+        return block.functional_variance_rows(layer.per_example(a, g), delta, scale)
+    return block.functional_variance(a, g, delta, scale)
 
 
 def functional_covariance(layers: list[Layer], blocks: list, deltas: list, scale, run: Callable,
@@ -105,7 +112,10 @@ def linearized_offsets(layers: list[Layer], factors: JacobianFactors, offsets: l
     total = 0.0
     for layer, dw in zip(layers, offsets):
         a, g = factors.a[layer.path], factors.g[layer.path]          # (M, T, in'), (C, M, T, out)
-        h = torch.einsum("mti,soi->smto", a, dw.to(a.dtype))
+        if layer.unitwise:                                            # a: (M, T, out, in')
+            h = torch.einsum("mtoi,soi->smto", a, dw.to(a.dtype))
+        else:
+            h = torch.einsum("mti,soi->smto", a, dw.to(a.dtype))
         total = total + torch.einsum("cmto,smto->smc", g, h)
     return total
 

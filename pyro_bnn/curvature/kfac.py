@@ -27,6 +27,7 @@ import torch
 from .layers import Layer, capture_factors
 from .network import hessian_columns
 from .structures import KronBlock, SplitBiasKronBlock
+from .unitwise import UnitBlock, unit_ggn_sums
 
 __all__ = ["batch_kfac_factors", "kfac_sums_from_factors", "kfac_blocks",
            "differentiable_hessian_columns"]
@@ -54,8 +55,14 @@ def differentiable_hessian_columns(kind: str, f: torch.Tensor) -> torch.Tensor:
     return hessian_columns(kind, f)
 
 
-def kfac_sums_from_factors(a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``{"A": Σ ã ãᵀ, "G": Σ g gᵀ, "count": M·T}`` from ``ã`` (M,T,in') and ``g`` (K,M,T,out)."""
+def kfac_sums_from_factors(a: torch.Tensor, g: torch.Tensor, layer: Layer | None = None) -> dict[str, torch.Tensor]:
+    """``{"A": Σ ã ãᵀ, "G": Σ g gᵀ, "count": M·T}`` from ``ã`` (M,T,in') and ``g`` (K,M,T,out).
+
+    A unit-wise ``layer`` (BatchNorm's affine parameters) has no Kronecker factors: its
+    entry is ``{"U": Σ v vᵀ}`` per unit (:func:`~pyro_bnn.curvature.unitwise.unit_ggn_sums`),
+    the exact GGN of each channel's ``(γ_c, β_c)``."""
+    if layer is not None and layer.unitwise:
+        return {"U": unit_ggn_sums(layer.per_example(a, g))}
     a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
     A, G = a2.T @ a2, g2.T @ g2
     count = torch.tensor(float(a.shape[0] * a.shape[1]), dtype=a.dtype, device=a.device)
@@ -86,6 +93,11 @@ def batch_kfac_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
     f : Tensor, shape (M, C)
     sums : dict path -> {"A": (in', in'), "G": (out, out), "count": 0-d}
     """
+    unitwise = [layer.path for layer in layers if layer.unitwise]
+    if unitwise:
+        raise ValueError(f"differentiable KFAC factors (invariance learning) support Linear and Conv2d "
+                         f"layers; {unitwise} are BatchNorm affine parameters, which have no Kronecker "
+                         "factors: leave them out of the random sites")
     columns = differentiable_hessian_columns if create_graph else hessian_columns
     f, a, g = capture_factors(layers, forward, lambda out: columns(kind, out),
                               num_augmentations=num_augmentations, create_graph=create_graph)
@@ -95,11 +107,15 @@ def batch_kfac_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
 def kfac_blocks(layers: list[Layer], sums: dict, split_bias: bool = False) -> list:
     """Turn summed factors into blocks: ``H_l = (G/N') ⊗ A``.
 
-    ``split_bias=True`` drops the weight-bias cross terms of ``A`` (the bias gets its own
+    Unit-wise layers (BatchNorm's affine parameters) get a
+    :class:`~pyro_bnn.curvature.unitwise.UnitBlock`.  ``split_bias=True`` drops the weight-bias cross terms of ``A`` (the bias gets its own
     block ``G/N' · Σ 1``, as in laplace-torch) for layers that have a bias site.
     """
     blocks = []
     for layer in layers:
+        if layer.unitwise:
+            blocks.append(UnitBlock(sums[layer.path]["U"]))
+            continue
         A, G = sums[layer.path]["A"], sums[layer.path]["G"] / sums[layer.path]["count"]
         use_split = split_bias and layer.bias is not None and layer.weight is not None
         blocks.append(SplitBiasKronBlock(A, G) if use_split else KronBlock(A, G))

@@ -8,10 +8,19 @@ inputs (unfolded patches for a convolution, ``t`` runs over output positions; a 
 for the bias) and ``g_{c,t} = ∂f_c/∂s_t`` the gradients w.r.t. the layer outputs.
 :func:`capture_factors` gets ``ã`` from forward hooks and ``g`` (against any set of
 column vectors, e.g. the factor ``L`` of ``Λ = L Lᵀ``) from autograd, never forming ``J``.
+
+A normalisation layer's affine parameters (BatchNorm, GroupNorm: per channel; LayerNorm: per
+element of its normalised shape) form a *unit-wise* layer (:attr:`Layer.unitwise`):
+``W̃ = [γ, β]`` of shape ``(C, in')`` (``in'`` 2, or 1 with only one of them random), and
+channel ``c``'s output ``s_{c,t} = γ_c x̂_{c,t} + β_c`` sees its own input, so ``ã`` carries
+the channel: ``(M, T, C, in')`` with ``ã_{t,c} = [x̂_{c,t}, 1]`` (``x̂`` the input normalised
+with the statistics the layer uses in its current mode).  Row ``c`` of the Jacobian is then
+``Σ_t g_{c,t} ã_{t,c}ᵀ`` (:meth:`Layer.per_example`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,10 +32,14 @@ from ..model.bnn import site_module
 
 __all__ = ["Layer", "find_layers", "capture_factors"]
 
+#: Normalisation layers whose affine parameters (γ, β) can be Laplace sites (unit-wise layers).
+UNITWISE_MODULES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+
 
 @dataclass
 class Layer:
-    """One curvature group: a Linear/Conv2d module with its weight/bias sites."""
+    """One curvature group: a Linear/Conv2d module with its weight/bias sites, or a BatchNorm
+    layer with its affine sites (:attr:`unitwise`)."""
 
     path: str
     module: nn.Module
@@ -42,6 +55,11 @@ class Layer:
     @property
     def numel(self) -> int:
         return self.out_features * self.in_dim
+
+    @property
+    def unitwise(self) -> bool:
+        """Each output row has its own input (BatchNorm's ``γ_c, β_c``): no Kronecker factors."""
+        return isinstance(self.module, UNITWISE_MODULES)
 
     @property
     def sites(self) -> list[str]:
@@ -81,8 +99,10 @@ class Layer:
         return self.unflatten(vec.reshape(*vec.shape[:-1], *self.shape), shapes)
 
     def expand_inputs(self, x: torch.Tensor) -> torch.Tensor:
-        """Layer input → ``ã`` of shape ``(M, T, in')``."""
+        """Layer input → ``ã`` of shape ``(M, T, in')`` (unit-wise: ``(M, T, C, in')``)."""
         m = self.module
+        if self.unitwise:
+            return self._normalized_inputs(x)
         if isinstance(m, nn.Conv2d):
             a = F.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride).transpose(1, 2)
         else:
@@ -93,11 +113,37 @@ class Layer:
             a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], -1)
         return a
 
+    def _normalized_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalisation-layer input → ``[x̂, 1]`` of shape ``(M, T, C, in')``, ``x̂`` normalised as
+        the layer does before its affine map (BatchNorm: with the running statistics in eval mode,
+        the batch's in train mode or without running statistics), without updating statistics."""
+        m = self.module
+        if isinstance(m, nn.LayerNorm):
+            xhat = F.layer_norm(x, m.normalized_shape, None, None, m.eps)
+        elif isinstance(m, nn.GroupNorm):
+            xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
+        else:
+            batch_stats = m.training or m.running_mean is None
+            xhat = F.batch_norm(x, None if batch_stats else m.running_mean, None if batch_stats else m.running_var,
+                                None, None, batch_stats, 0.0, m.eps)
+        xhat = self.expand_grads(xhat)                                   # (M, T, C), the outputs' layout
+        parts = ([xhat] if self.weight is not None else []) + ([torch.ones_like(xhat)] if self.bias is not None else [])
+        return torch.stack(parts, -1)
+
     def expand_grads(self, g: torch.Tensor) -> torch.Tensor:
         """Gradient w.r.t. the layer output → ``(M, T, out)``."""
-        if isinstance(self.module, nn.Conv2d):
+        if isinstance(self.module, nn.LayerNorm):                        # units: the trailing dims
+            return g.reshape(len(g), -1, self.out_features)
+        if isinstance(self.module, nn.Conv2d) or (self.unitwise and g.dim() > 2):
             return g.flatten(2).transpose(1, 2)
         return g.reshape(len(g), -1, g.shape[-1])
+
+    def per_example(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Per-example, per-column Jacobian rows ``Σ_t g_{k,t} ã_tᵀ``: ``a`` ``(M, T, in')``
+        (unit-wise ``(M, T, out, in')``) and ``g`` ``(K, M, T, out)`` → ``(K, M, out, in')``."""
+        if self.unitwise:
+            return torch.einsum("kmto,mtoi->kmoi", g, a)
+        return torch.einsum("kmto,mti->kmoi", g, a)
 
 
 def find_layers(model: nn.Module, site_shapes: dict[str, torch.Size]) -> list[Layer]:
@@ -112,8 +158,9 @@ def find_layers(model: nn.Module, site_shapes: dict[str, torch.Size]) -> list[La
     for site in site_shapes:
         module, pname = site_module(model, site)
         path = site.rpartition(".")[0]
-        ok = (isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.groups == 1
-              and module.padding_mode == "zeros")) and pname in ("weight", "bias")
+        ok = (isinstance(module, (nn.Linear, *UNITWISE_MODULES))
+              or (isinstance(module, nn.Conv2d) and module.groups == 1
+                  and module.padding_mode == "zeros")) and pname in ("weight", "bias")
         if not ok and not isinstance(model, nn.Module):
             raise ValueError(
                 f"Laplace needs the model's network to find the layer of site {site!r}: the model must "
@@ -123,13 +170,18 @@ def find_layers(model: nn.Module, site_shapes: dict[str, torch.Size]) -> list[La
         if not ok:
             raise ValueError(
                 "Laplace curvature supports sites that are the weight or bias of nn.Linear / "
-                f"nn.Conv2d layers (groups=1, padding_mode='zeros'); site {site!r} belongs to "
+                "nn.Conv2d layers (groups=1, padding_mode='zeros') or the affine parameters of "
+                f"BatchNorm / GroupNorm / LayerNorm layers; site {site!r} belongs to "
                 f"{_layer_description(module)}")
         groups.setdefault(path, {"module": module})[pname] = site
     layers = []
     for path, g in groups.items():
         m = g["module"]
-        if isinstance(m, nn.Conv2d):
+        if isinstance(m, UNITWISE_MODULES):          # γ_c multiplies one input, x̂_c
+            out_f = m.num_channels if isinstance(m, nn.GroupNorm) else (
+                math.prod(m.normalized_shape) if isinstance(m, nn.LayerNorm) else m.num_features)
+            in_f = 1
+        elif isinstance(m, nn.Conv2d):
             out_f, in_f = m.out_channels, m.in_channels * m.kernel_size[0] * m.kernel_size[1]
         else:
             out_f, in_f = m.out_features, m.in_features
@@ -180,6 +232,7 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
     -------
     f : Tensor, shape (M, C)
     a : dict path -> Tensor (M, T, in')
+        Unit-wise layers (BatchNorm): ``(M, T, C, in')``.
     g : dict path -> Tensor (K, M, T, out)
     grads : dict path -> Tensor (out, in')
         Only when ``residual`` is given: ``Σ_n J_nᵀ r_n`` in each layer's ``W̃`` layout.
@@ -213,8 +266,8 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
         r = residual(f).detach().reshape(f.shape)
         pulled = _pull_back_column(f, outs, r, False)
         # every row's own inputs (no averaging over copies): Σ_rows Σ_t e_t ã_tᵀ is exact
-        grads_out = {layer.path: torch.einsum("mto,mti->oi", layer.expand_grads(e[0]),
-                                              layer.expand_inputs(inputs[layer.path].detach()))
+        grads_out = {layer.path: layer.per_example(layer.expand_inputs(inputs[layer.path].detach()),
+                                                   layer.expand_grads(e[0]).unsqueeze(0)).sum((0, 1))
                      for layer, e in zip(layers, pulled)}
 
     def per_example(layer, gl):
@@ -239,12 +292,18 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
     a_out, g_out = {}, {}
     for layer, g in zip(layers, grads):
         x_in = inputs[layer.path] if create_graph else inputs[layer.path].detach()
-        if S > 1:
+        if S > 1 and layer.unitwise:
+            # normalised first: in train mode the statistics are those of all M·S rows
+            a = layer.expand_inputs(x_in)
+            a_out[layer.path] = a.reshape(-1, S, *a.shape[1:]).mean(1)
+        elif S > 1:
             # ã is linear in the layer input (unfolded patches, a constant 1 for the bias),
             # so averaging the inputs over the copies before unfolding gives the same ã with
             # S times less memory (and, with a graph, an S times smaller unfold backward).
-            x_in = x_in.reshape(-1, S, *x_in.shape[1:]).mean(1)
-        a_out[layer.path], g_out[layer.path] = layer.expand_inputs(x_in), g
+            a_out[layer.path] = layer.expand_inputs(x_in.reshape(-1, S, *x_in.shape[1:]).mean(1))
+        else:
+            a_out[layer.path] = layer.expand_inputs(x_in)
+        g_out[layer.path] = g
     if not create_graph:
         f = f.detach()
     if grads_out is not None:

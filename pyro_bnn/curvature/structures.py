@@ -400,6 +400,10 @@ class DiagBlock:
         """As :meth:`KronBlock.functional_variance`, with ``P⁻¹`` diagonal."""
         return _factored_variance(a, g, self._dinv(delta, scale))
 
+    def functional_variance_rows(self, J, delta, scale=1.0):
+        """``J P⁻¹ Jᵀ`` from per-example Jacobian rows ``J`` ``(C, M, out, in')`` (unit-wise layers)."""
+        return torch.einsum("cmoi,dmoi,oi->mcd", J, J, self._dinv(delta, scale))
+
 
 class DenseBlock:
     """Dense ``H`` (shape ``(P, P)``) over all layers.

@@ -61,6 +61,7 @@ from .prior import (
     resolve_prior_structure,
 )
 from .sites import (
+    NAMED_SUBSETS,
     concat_deltas,
     is_layer_parameter,
     normal_precision,
@@ -109,10 +110,15 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
     kron_bias : {"joint", "separate"}
         KFAC: one Kronecker block per layer for ``[W, b]`` (default, METHODS §4), or the
         bias as its own block without weight-bias cross terms (laplace-torch's convention).
-    subset : {"all", "last_layer"} or iterable of str
+    subset : {"all", "last_layer", "unnormalized"} or iterable of str
         Which sample sites get the Gaussian ``N(θ*, P⁻¹)``: all (default), the sites of
         the last Linear/Conv2d layer that runs (``"last_layer"``, the default of
-        laplace-torch / "Laplace Redux"), or the named sites.  The other sites are point
+        laplace-torch / "Laplace Redux"), every site whose scale no normalisation layer
+        divides out (``"unnormalized"``: the normalisation layers' affine parameters γ, β —
+        random when the model makes them so, ``pb.BNN(net, stochastic=...)`` — and the
+        layers that do not feed a BatchNorm/LayerNorm/GroupNorm; the scale-invariant weights
+        before a normalisation layer become point estimates; see docs/pyro.md), or the
+        named sites.  The other sites are point
         estimates: trained in the MAP phase with their model prior (a fixed Normal
         precision, not learned by the evidence), then held at θ* by draws, the evidence
         and the GLM predictive.  The evidence is then ``log p(D|θ*) + log p(θ*_S) −
@@ -201,12 +207,13 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         if tune_prior_precision not in (None, "marglik"):
             raise ValueError(f"tune_prior_precision must be None or 'marglik', got {tune_prior_precision!r}")
         if isinstance(subset, str):
-            if subset not in ("all", "last_layer"):
-                raise ValueError(f"subset must be 'all', 'last_layer' or a list of site names, got {subset!r}")
+            if subset not in NAMED_SUBSETS:
+                raise ValueError(f"subset must be one of {NAMED_SUBSETS} or a list of site names, got {subset!r}")
         else:
             subset = list(subset)
             if not subset or not all(isinstance(s, str) for s in subset):
-                raise ValueError(f"subset must be 'all', 'last_layer' or a non-empty list of site names, got {subset!r}")
+                raise ValueError(f"subset must be one of {NAMED_SUBSETS} or a non-empty list of site names, "
+                                 f"got {subset!r}")
         if prior_precision is not None and not bool((torch.as_tensor(prior_precision) > 0).all()):
             raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
         self.init_loc_fn = init_loc_fn or init_to_network(model)
@@ -264,7 +271,7 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
             if any(f.full_size not in (None, f.size) for f in site["cond_indep_stack"]):
                 raise ValueError(f"Laplace does not support subsampled latent sites; {name!r} is subsampled")
             self.site_shapes[name] = site["value"].shape
-        self.laplace_sites = select_sites(self.subset, list(self.site_shapes))
+        self.laplace_sites = select_sites(self.subset, list(self.site_shapes), unwrap_model(self.base_model))
         self.fixed_sites = [s for s in self.site_shapes if s not in self.laplace_sites]
         # point estimates are stored unconstrained: value = transform(theta)
         self._point_transforms = point_estimate_transforms(sites, self.laplace_sites)

@@ -11,7 +11,7 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 
-from ...curvature import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
+from ...curvature import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock, UnitBlock
 
 __all__ = ["LaplacePosterior", "LinearizedSamples"]
 
@@ -91,6 +91,8 @@ def _precision_quadratic(block, v: torch.Tensor, delta, scale) -> torch.Tensor:
     if isinstance(block, DiagBlock):
         return scale * (block.h.reshape(-1) * v ** 2).sum(-1) + prior
     V = v.reshape(*v.shape[:-1], *block.shape)
+    if isinstance(block, UnitBlock):
+        return scale * torch.einsum("...ci,cij,...cj->...", V, block.U, V) + prior
     if isinstance(block, SplitBiasKronBlock):
         A = block.A.clone()
         A[:-1, -1] = 0

@@ -12,9 +12,13 @@ from pyro.distributions.transforms import biject_to
 from torch import nn
 
 from ...curvature.layers import site_module
+from ...model.batchnorm import NORMALIZATION_LAYERS, layers_feeding_normalization
 from ...model.devices import device_memory_bytes
 
-__all__ = ["refuse_dense_beyond_memory", "gaussian_log_prior_batched", "is_layer_parameter", "unwrap_handlers", "normal_precision", "point_estimate_transforms", "select_sites", "concat_deltas"]
+#: The named ``subset=`` choices of :class:`~pyro_bnn.guides.Laplace`.
+NAMED_SUBSETS = ("all", "last_layer", "unnormalized")
+
+__all__ = ["NAMED_SUBSETS", "refuse_dense_beyond_memory", "gaussian_log_prior_batched", "is_layer_parameter", "unwrap_handlers", "normal_precision", "point_estimate_transforms", "select_sites", "concat_deltas"]
 
 
 
@@ -122,17 +126,50 @@ def point_estimate_transforms(sites: dict, laplace_sites: list[str]) -> dict:
     return transforms
 
 
-def select_sites(subset, names: list[str]) -> list[str]:
-    """The sites the Laplace covers, in site order (``subset`` as in :class:`Laplace`)."""
+def select_sites(subset, names: list[str], network: nn.Module | None = None) -> list[str]:
+    """The sites the Laplace covers, in site order (``subset`` as in :class:`Laplace`;
+    ``"unnormalized"`` needs the model's ``network``)."""
     if subset == "all":
         return list(names)
     if subset == "last_layer":
         path = names[-1].rpartition(".")[0]
         return [s for s in names if s.rpartition(".")[0] == path]
+    if subset == "unnormalized":
+        return unnormalized_sites(network, names)
     unknown = sorted(set(subset) - set(names))
     if unknown:
         raise ValueError(f"subset names sites the model lacks: {unknown}; it has {names}")
     return [s for s in names if s in set(subset)]
+
+
+def unnormalized_sites(network: nn.Module | None, names: list[str]) -> list[str]:
+    """The sites whose scale no normalisation layer divides out: every site except the
+    weights and biases of layers that feed a BatchNorm/LayerNorm/GroupNorm
+    (:func:`~pyro_bnn.model.batchnorm.layers_feeding_normalization`).
+
+    Raises
+    ------
+    ValueError
+        The network has no layer feeding a normalisation layer (the subset would be every
+        site: say ``"all"``), or none of its normalisation layers' affine parameters is a
+        random site (the subset would keep only the unnormalised layers, with no posterior
+        over the normalised part: make γ, β random, or say ``"last_layer"``)."""
+    if not isinstance(network, nn.Module):
+        raise ValueError("subset='unnormalized' needs the model's network (a pb.BNN or a PyroModule) to find "
+                         f"its normalisation layers, got a {type(network).__name__}")
+    feeding = {path for path, _ in layers_feeding_normalization(network)}
+    if not feeding:
+        raise ValueError("subset='unnormalized': the network has no Linear/Conv layer that feeds a normalisation "
+                         "layer (BatchNorm, LayerNorm, GroupNorm, found inside nn.Sequential), so it would cover "
+                         "every site; use subset='all'")
+    affine = [s for s in names if isinstance(site_module(network, s)[0], NORMALIZATION_LAYERS)]
+    if not affine:
+        raise ValueError(
+            "subset='unnormalized' covers the normalisation layers' affine parameters (γ, β), but none of "
+            f"them is a random site of the model (its sites: {names}). Make them random, e.g. pb.BNN(net, "
+            "stochastic=lambda name, module, param: isinstance(module, (nn.Linear, nn.Conv2d, "
+            "nn.BatchNorm1d, nn.BatchNorm2d))), or use subset='last_layer'")
+    return [s for s in names if s.rpartition(".")[0] not in feeding]
 
 
 def concat_deltas(layers, deltas):

@@ -1,7 +1,7 @@
 """Keep a fitted Laplace curvature in buffers, so ``state_dict`` round-trips and ``.to`` moves it.
 
-The raw curvature (KFAC factors ``A, G/N'`` per layer, the diagonal ``h`` per layer or the
-dense ``H``) and the log-likelihood statistics live in fixed-shape buffers of a plain
+The raw curvature (KFAC factors ``A, G/N'`` per layer — per-channel blocks ``U`` for
+BatchNorm's affine parameters —, the diagonal ``h`` per layer or the dense ``H``) and the log-likelihood statistics live in fixed-shape buffers of a plain
 ``nn.Module``; the eigendecomposed blocks are rebuilt from them on demand.
 """
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...contract.guide import GuideStateWarning
-from ...curvature import CurvatureFit, DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
+from ...curvature import CurvatureFit, DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock, UnitBlock
 
 __all__ = ["CurvatureState", "StaleCurvatureWarning"]
 
@@ -34,8 +34,12 @@ class CurvatureState(nn.Module):
         z = lambda *shape: torch.zeros(shape, dtype=like.dtype, device=like.device)  # noqa: E731
         for name in ("fitted", "kind", "num_data", "loglik", "sse", "count", "noise"):
             self.register_buffer(name, z())
+        self.unitwise = [layer.unitwise for layer in layers]
         if structure == "kron":
             for i, layer in enumerate(layers):
+                if layer.unitwise:     # BatchNorm's affine parameters: one small block per channel
+                    self.register_buffer(f"U{i}", z(layer.out_features, layer.in_dim, layer.in_dim))
+                    continue
                 self.register_buffer(f"A{i}", z(layer.in_dim, layer.in_dim))
                 self.register_buffer(f"G{i}", z(layer.out_features, layer.out_features))
         elif structure == "diag":
@@ -64,6 +68,8 @@ class CurvatureState(nn.Module):
             if isinstance(block, (KronBlock, SplitBiasKronBlock)):
                 getattr(self, f"A{i}").copy_(block.A)
                 getattr(self, f"G{i}").copy_(block.G)
+            elif isinstance(block, UnitBlock):
+                getattr(self, f"U{i}").copy_(block.U)
             elif isinstance(block, DiagBlock):
                 getattr(self, f"h{i}").copy_(block.h)
             else:
@@ -81,7 +87,8 @@ class CurvatureState(nn.Module):
             return None
         kind = _KINDS[int(self.kind)]
         if self.structure == "kron":
-            blocks = [(SplitBiasKronBlock if self.split[i] else KronBlock)(getattr(self, f"A{i}"), getattr(self, f"G{i}"))
+            blocks = [UnitBlock(getattr(self, f"U{i}")) if self.unitwise[i]
+                      else (SplitBiasKronBlock if self.split[i] else KronBlock)(getattr(self, f"A{i}"), getattr(self, f"G{i}"))
                       for i in range(self.num_layers)]
         elif self.structure == "diag":
             blocks = [DiagBlock(getattr(self, f"h{i}")) for i in range(self.num_layers)]
