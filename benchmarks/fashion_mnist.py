@@ -482,7 +482,7 @@ def row_laplace_marglik(args, data):
                                      for k in ("log_likelihood", "log_det_ratio", "scatter")},
                marglik=dataclasses.asdict(MARGLIK_SCHEDULE), predictive=f"glm-mc({args.num_samples})",
                prior_structure=args.lap_prior_structure, kron_bias=args.lap_kron_bias,
-               subset=args.lap_subset)
+               lap_subset=args.lap_subset)
     return row
 
 
