@@ -234,3 +234,28 @@ def test_a_pyro_user_fits_a_laplace_over_batchnorm_affine_sites(structure):
     torch.testing.assert_close(draws["net.0.weight"][0], draws["net.0.weight"][1])   # a point estimate
     probs = pb.predict(model, guide, d.x_test[:50].double(), predictive="glm", num_samples=20)
     assert torch.isfinite(probs).all() and torch.allclose(probs.mean(0).sum(-1), torch.ones(50, dtype=probs.dtype))
+
+
+def test_online_marglik_over_affine_sites_runs_without_the_normalisation_warning():
+    """``pb.fit``'s online schedule with ``subset="unnormalized"``: the weights before BatchNorm are
+    point estimates, so the warning about tuning their prior by the evidence does not fire (it
+    does for ``subset="all"`` on the same net: ``tests/test_batchnorm_draws.py``); a δ per
+    covered layer is learned and the kept evidence is the one of the restored state."""
+    import warnings
+
+    d = pb.datasets.digits()
+    torch.manual_seed(0)
+    x, y = d.x_train[:300].double(), d.y_train[:300]
+    model = _digits_bn_model()
+    guide = pb.guides.Laplace(model, "kron", subset="unnormalized", prior_structure="layerwise")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = pb.fit(model, guide, (x, y), epochs=4, progress=False,
+                     marglik=pb.MarglikOptions(every=2, burnin=0, steps=10))
+    assert not [w for w in caught if "feed a normalisation layer" in str(w.message)]
+    assert guide.prior_precision.shape == (2,) and not torch.allclose(guide.prior_precision,
+                                                                       torch.ones(2, dtype=torch.float64))
+    best = res.history["best_log_evidence"][0]
+    model.eval()
+    guide.fit_curvature((x, y))
+    assert float(guide.log_evidence()) == pytest.approx(best, rel=1e-6)
