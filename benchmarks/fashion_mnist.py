@@ -104,10 +104,12 @@ def load(args):
 
 
 def score(probs_in: torch.Tensor, probs_out: torch.Tensor, y: torch.Tensor) -> dict:
-    """Test metrics of ``(S, N, C)`` probabilities and the OOD AUROCs (entropy, MI)."""
+    """Test metrics of ``(S, N, C)`` probabilities, the mean confidence and the OOD AUROCs (entropy, MI)."""
     if probs_in.dim() == 2:
         probs_in, probs_out = probs_in.unsqueeze(0), probs_out.unsqueeze(0)
     row = pb.metrics.classification_metrics(probs_in, y, num_bins=15)
+    # mean top-class probability: above the accuracy = overconfident, below = underconfident
+    row["mean_confidence"] = float(probs_in.mean(0).max(-1).values.mean())
     labels = torch.cat([torch.zeros(probs_in.shape[1]), torch.ones(probs_out.shape[1])])
     ood = evaluate_probs(torch.cat([probs_in, probs_out], 1), labels)
     row["ood_auroc_entropy"] = ood["entropy"]["auroc"]
