@@ -38,8 +38,8 @@ UNITWISE_MODULES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 
 @dataclass
 class Layer:
-    """One curvature group: a Linear/Conv2d module with its weight/bias sites, or a BatchNorm
-    layer with its affine sites (:attr:`unitwise`)."""
+    """One curvature group: a Linear/Conv2d module with its weight/bias sites, or a normalisation
+    layer (BatchNorm, GroupNorm, LayerNorm) with its affine sites (:attr:`unitwise`)."""
 
     path: str
     module: nn.Module
@@ -58,7 +58,7 @@ class Layer:
 
     @property
     def unitwise(self) -> bool:
-        """Each output row has its own input (BatchNorm's ``γ_c, β_c``): no Kronecker factors."""
+        """Each output row has its own input (a normalisation layer's ``γ_c, β_c``): no Kronecker factors."""
         return isinstance(self.module, UNITWISE_MODULES)
 
     @property
@@ -232,7 +232,7 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
     -------
     f : Tensor, shape (M, C)
     a : dict path -> Tensor (M, T, in')
-        Unit-wise layers (BatchNorm): ``(M, T, C, in')``.
+        Unit-wise layers (normalisation affine parameters): ``(M, T, C, in')``.
     g : dict path -> Tensor (K, M, T, out)
     grads : dict path -> Tensor (out, in')
         Only when ``residual`` is given: ``Σ_n J_nᵀ r_n`` in each layer's ``W̃`` layout.
