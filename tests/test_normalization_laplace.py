@@ -259,3 +259,50 @@ def test_online_marglik_over_affine_sites_runs_without_the_normalisation_warning
     model.eval()
     guide.fit_curvature((x, y))
     assert float(guide.log_evidence()) == pytest.approx(best, rel=1e-6)
+
+
+def test_a_hand_written_pyro_module_with_random_batchnorm_affine_parameters():
+    """A user's own ``PyroModule`` whose BatchNorm γ, β (and the other layers) are ``PyroSample``
+    sites, called from a hand-written forward: ``subset="unnormalized"`` cannot see which layer
+    feeds BatchNorm there and says to name the sites; named, the curvature of γ, β is the
+    per-channel block of the dense GGN of the same sites, and the weights before BatchNorm are
+    point estimates."""
+    import pyro
+    import pyro.distributions as dist
+    from pyro.nn import PyroModule, PyroSample
+
+    class Net(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = PyroModule[nn.Linear](64, 8)
+            self.bn = PyroModule[nn.BatchNorm1d](8)
+            self.fc2 = PyroModule[nn.Linear](8, 10)
+            for mod in (self.fc1, self.bn, self.fc2):
+                for name, p in list(mod.named_parameters()):
+                    setattr(mod, name, PyroSample(dist.Normal(0.0, 1.0).expand(p.shape).to_event(p.dim())))
+
+        def forward(self, x, y=None):
+            logits = self.fc2(torch.relu(self.bn(self.fc1(x))))
+            with pyro.plate("data", len(x)):
+                return pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+    torch.manual_seed(3)
+    pyro.clear_param_store()
+    d = pb.datasets.digits()
+    x, y = d.x_train[:200].double(), d.y_train[:200]
+    model = Net().double()
+    model.eval()
+    with pytest.raises(ValueError, match="hand-written forward are not seen: name the sites"):
+        pb.guides.Laplace(model, "kron", subset="unnormalized").fit_curvature((x, y))
+    sites = ["bn.weight", "bn.bias", "fc2.weight", "fc2.bias"]
+    guide = pb.guides.Laplace(model, "kron", subset=sites)
+    guide.fit_curvature((x, y))
+    star = {k: v.detach() for k, v in guide.map_values().items()}
+    full = pb.guides.Laplace(model, "full", subset=sites, init_loc_fn=lambda site: star[site["name"]])
+    full.fit_curvature((x, y))
+    assert guide.laplace_sites == sites and guide.fixed_sites == ["fc1.weight", "fc1.bias"]
+    torch.testing.assert_close(guide.map_values()["fc1.weight"], full.map_values()["fc1.weight"])
+    unit = guide.posterior.blocks[0].to_dense()
+    H = full.posterior.blocks[0].H[:16, :16]
+    torch.testing.assert_close(unit, H * torch.block_diag(*[torch.ones(2, 2)] * 8), rtol=1e-9, atol=1e-12)
+    assert math.isfinite(float(guide.log_evidence()))

@@ -111,12 +111,8 @@ def linearized_offsets(layers: list[Layer], factors: JacobianFactors, offsets: l
     """
     total = 0.0
     for layer, dw in zip(layers, offsets):
-        a, g = factors.a[layer.path], factors.g[layer.path]          # (M, T, in'), (C, M, T, out)
-        if layer.unitwise:                                            # a: (M, T, out, in')
-            h = torch.einsum("mtoi,soi->smto", a, dw.to(a.dtype))
-        else:
-            h = torch.einsum("mti,soi->smto", a, dw.to(a.dtype))
-        total = total + torch.einsum("cmto,smto->smc", g, h)
+        h = layer.output_offsets(factors.a[layer.path], dw)         # (S, M, T, out)
+        total = total + torch.einsum("cmto,smto->smc", factors.g[layer.path], h)
     return total
 
 

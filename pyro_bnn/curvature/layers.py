@@ -145,6 +145,19 @@ class Layer:
             return torch.einsum("kmto,mtoi->kmoi", g, a)
         return torch.einsum("kmto,mti->kmoi", g, a)
 
+    def summed_rows(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``Σ_m Σ_t g_{m,t} ã_{m,t}ᵀ`` for one column ``g`` ``(M, T, out)``: shape ``(out, in')``
+        (without the per-example rows of :meth:`per_example`)."""
+        if self.unitwise:
+            return torch.einsum("mto,mtoi->oi", g, a)
+        return torch.einsum("mto,mti->oi", g, a)
+
+    def output_offsets(self, a: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
+        """``ΔW̃ ã_t`` at every position for weight offsets ``dw`` ``(S, out, in')``: ``(S, M, T, out)``."""
+        if self.unitwise:
+            return torch.einsum("mtoi,soi->smto", a, dw.to(a.dtype))
+        return torch.einsum("mti,soi->smto", a, dw.to(a.dtype))
+
 
 def find_layers(model: nn.Module, site_shapes: dict[str, torch.Size]) -> list[Layer]:
     """Group sample sites by the Linear/Conv2d module that owns them.
@@ -266,8 +279,8 @@ def capture_factors(layers: list[Layer], forward: Callable[[], torch.Tensor],
         r = residual(f).detach().reshape(f.shape)
         pulled = _pull_back_column(f, outs, r, False)
         # every row's own inputs (no averaging over copies): Σ_rows Σ_t e_t ã_tᵀ is exact
-        grads_out = {layer.path: layer.per_example(layer.expand_inputs(inputs[layer.path].detach()),
-                                                   layer.expand_grads(e[0]).unsqueeze(0)).sum((0, 1))
+        grads_out = {layer.path: layer.summed_rows(layer.expand_inputs(inputs[layer.path].detach()),
+                                                   layer.expand_grads(e[0]))
                      for layer, e in zip(layers, pulled)}
 
     def per_example(layer, gl):
