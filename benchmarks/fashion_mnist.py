@@ -27,7 +27,8 @@ Rows (``--rows``, comma separated):
 * ``hypernet``, ``symmetrized`` — the registry's guides under ``pb.fit`` defaults
   (``--hn-prior-precision``: fixed g-prior precisions; ``--hn-marglik``: learned by the Laplace
   evidence of the mean network, ``pb.fit(..., marglik=)``);
-* ``autonormal`` — Pyro's ``AutoNormal`` under plain ``SVI`` (``Trace_ELBO``, constant Adam, lr ``--an-lr``, default 1e-3).
+* ``autonormal`` — Pyro's ``AutoNormal`` under plain ``SVI`` (``Trace_ELBO``, Adam, lr ``--an-lr``, default 1e-3;
+  ``--an-schedule cosine``: ``pyro.optim.CosineAnnealingLR`` stepped once per epoch).
 
 Architectures (``--arch``): ``mlp`` 784-200-200-10 ReLU; ``cnn`` LeNet-5 style: conv 1→6 5×5,
 max-pool 2, conv 6→16 5×5, max-pool 2, fc 256→120→84→10, ReLU; ``bn-cnn`` the BatchNorm CNN of
@@ -65,7 +66,7 @@ from pyro_bnn.analysis.ood import evaluate_probs
 from pyro_bnn.contract.guide import registered_guides
 from pyro_bnn.guides.symmetrized import symmetrized_elbo
 from pyro_bnn.posterior.prediction import evaluation_mode
-from pyro_bnn.training.convergence import diagnose
+from pyro_bnn.training.convergence import LIMITED_MOVE, diagnose
 from pyro_bnn.training.convergence_check import estimate_objective
 from pyro_bnn.training.optimizer import default_optimizer
 from pyro_bnn.training.seeding import seeded
@@ -417,22 +418,50 @@ def row_autonormal(args, data):
     guide = AutoNormal(model, init_scale=0.01)
     pyro.clear_param_store()
     pyro.set_rng_seed(args.seed)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": args.an_lr}), Trace_ELBO())
-    losses, secs = [], []
+    if args.an_schedule == "cosine":  # Pyro's own scheduler wrapper, stepped once per epoch
+        optim = pyro.optim.CosineAnnealingLR({"optimizer": torch.optim.Adam, "optim_args": {"lr": args.an_lr},
+                                             "T_max": args.epochs})
+    else:
+        optim = pyro.optim.Adam({"lr": args.an_lr})
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    losses, secs, lrs = [], [], []
+    scales0 = None
     for _ in range(args.epochs):
         t0, total = time.perf_counter(), 0.0
         perm = torch.randperm(len(x))
         for i in range(0, len(x), 64):
             idx = perm[i:i + 64]
             total += svi.step(x[idx], y[idx], len(x)) * len(idx) / len(x)
+            if scales0 is None:  # AutoNormal's unconstrained scales, right after their creation
+                scales0 = {k: v.detach().clone() for k, v in _autonormal_scales(guide).items()}
+            lrs.append(args.an_lr if args.an_schedule == "constant" else _current_lr(optim))
+        if args.an_schedule == "cosine":
+            optim.step()
         losses.append(total)
         secs.append(time.perf_counter() - t0)
-    row = dict(lr=args.an_lr, loss_curve=[round(v, 1) for v in losses], seconds_per_epoch=sum(secs) / len(secs),
-               convergence=convergence_of(diagnose([-v for v in losses], lr_decayed=False)),
+    # check (b) of pb.fit's diagnosis: the share of scales that moved at Adam's maximum rate
+    budget = sum(lrs)
+    moved = [(v.detach() - scales0[k]).abs() >= LIMITED_MOVE * budget for k, v in _autonormal_scales(guide).items()]
+    share = float(sum(int(m.sum()) for m in moved) / sum(m.numel() for m in moved))
+    diag = diagnose([-v for v in losses], lr_decayed=args.an_schedule == "cosine", scale_limited=(share, budget))
+    row = dict(lr=args.an_lr, lr_schedule=args.an_schedule, loss_curve=[round(v, 1) for v in losses],
+               seconds_per_epoch=sum(secs) / len(secs), convergence=convergence_of(diag),
                bound_name="ELBO (Trace_ELBO, last epoch's mean of minibatch estimates)",
-               bound_full_data=-losses[-1], elbo_full_data=-losses[-1])
+               bound_full_data=-losses[-1], elbo_full_data=-losses[-1],
+               mean_sigma=float(torch.cat([v.detach().exp().reshape(-1) for v in
+                                           _autonormal_scales(guide).values()]).mean()))
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     return row
+
+
+def _autonormal_scales(guide) -> dict:
+    """AutoNormal's unconstrained scale parameters (``log σ``), by site."""
+    return {name: p for name, p in guide.named_parameters() if name.startswith("scales.")}
+
+
+def _current_lr(optim) -> float:
+    """The learning rate of a ``pyro.optim`` scheduler's (first) optimiser."""
+    return next(iter(optim.optim_objs.values())).optimizer.param_groups[0]["lr"]
 
 
 def run_row(args, data, name):
@@ -548,7 +577,9 @@ def main(argv=None):
                              "point estimates)")
     parser.add_argument("--hn-lr", type=float, default=None, help="Hypernet lr (default: the guide's 1e-2)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
-    parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI, constant)")
+    parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI)")
+    parser.add_argument("--an-schedule", choices=["constant", "cosine"], default="constant",
+                        help="AutoNormal's lr schedule: constant, or pyro.optim.CosineAnnealingLR stepped per epoch")
     parser.add_argument("--adam-eps-per-datum", type=float, default=None,
                         help="pb.fit rows: Adam eps = this x N (1e-8: a mean-loss Adam step)")
     parser.add_argument("--out", default=None, help="append one JSON line per row to this file")
