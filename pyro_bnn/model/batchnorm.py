@@ -11,8 +11,14 @@ eval mode itself; plain ``pyro.infer.Predictive`` calls the model in whatever mo
 
 from __future__ import annotations
 
+import operator
 import warnings
 
+import pyro
+import pyro.poutine as poutine
+import torch
+import torch.fx
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["batchnorm_layers", "warn_batchnorm_in_train_mode", "BatchNormTrainModeWarning",
@@ -24,7 +30,17 @@ NORMALIZATION_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNo
 
 #: Modules that commute with a positive scale of their input, so the scale reaches the next layer.
 _SCALE_COMMUTING = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.MaxPool1d, nn.MaxPool2d,
-                    nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.Flatten)
+                    nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d,
+                    nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+                    nn.AdaptiveMaxPool3d, nn.Flatten)
+#: The same operations as functions and tensor methods, as they appear in a traced ``forward``.
+_SCALE_COMMUTING_FUNCTIONS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.max_pool1d, F.max_pool2d,
+                              F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
+                              F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d,
+                              F.adaptive_max_pool2d, F.adaptive_max_pool3d, torch.flatten, torch.reshape,
+                              operator.getitem)
+_SCALE_COMMUTING_METHODS = ("flatten", "view", "reshape", "contiguous", "squeeze", "unsqueeze")
+_WEIGHT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
 
 
 class BatchNormTrainModeWarning(UserWarning):
@@ -55,24 +71,105 @@ def warn_batchnorm_in_train_mode(module: nn.Module) -> None:
 
 
 def layers_feeding_normalization(root: nn.Module, kinds: tuple = NORMALIZATION_LAYERS) -> list[tuple[str, nn.Module]]:
-    """``(path, layer)`` of every Linear / Conv layer of ``root`` that feeds a layer of ``kinds``.
+    """``(path, layer)`` of every Linear / Conv layer of ``root`` that feeds a layer of ``kinds``,
+    in module order.
 
-    Found inside ``nn.Sequential`` containers: the layer's next module is of ``kinds``, possibly
-    after pooling, Flatten, Dropout or Identity (they commute with a positive scale).  A ReLU in
-    between does not count: it comes after the bias, which breaks the scale invariance.  Layers
-    called from a hand-written ``forward`` are not seen.
+    A layer feeds a normalisation layer when its output goes to one and nowhere else, possibly
+    through pooling, Flatten, Dropout, Identity or a reshape (they commute with a positive scale).
+    A ReLU in between does not count: it comes after the bias, which breaks the invariance of the
+    weight's scale.  Two readings are joined:
+
+    * inside ``nn.Sequential`` containers, the layer's next modules;
+    * a hand-written ``forward`` (a ResNet's, say), read from its ``torch.fx`` graph, with Linear,
+      Conv and normalisation layers kept whole.  A ``forward`` that ``torch.fx`` cannot trace
+      (data-dependent control flow; ``pyro.sample`` statements, as in a ``PyroModule`` model)
+      is read through its child modules, each traced on its own; what only such a ``forward``
+      connects is not seen.
     """
+    found = dict(_in_sequentials(root, kinds))
+    found.update(_in_traced_forwards(root, "", kinds))
+    order = {id(m): i for i, m in enumerate(root.modules())}
+    return sorted(found.items(), key=lambda item: order[id(item[1])])
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _in_sequentials(root: nn.Module, kinds: tuple) -> list[tuple[str, nn.Module]]:
     found = []
     for prefix, seq in root.named_modules():
         if not isinstance(seq, nn.Sequential):
             continue
         children = list(seq.named_children())
         for i, (name, layer) in enumerate(children):
-            if not isinstance(layer, (nn.Linear, nn.modules.conv._ConvNd)):
+            if not isinstance(layer, _WEIGHT_LAYERS):
                 continue
             following = [m for _, m in children[i + 1:]]
             while following and isinstance(following[0], _SCALE_COMMUTING):
                 following.pop(0)
             if following and isinstance(following[0], kinds):
-                found.append((f"{prefix}.{name}" if prefix else name, layer))
+                found.append((_join(prefix, name), layer))
     return found
+
+
+class _LayerTracer(torch.fx.Tracer):
+    """Keeps weight and normalisation layers (and torch's own modules) whole in the graph."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, _WEIGHT_LAYERS + NORMALIZATION_LAYERS + _SCALE_COMMUTING) or \
+            super().is_leaf_module(m, module_qualified_name)
+
+
+def _traced_graph(module: nn.Module) -> torch.fx.Graph | None:
+    """``module``'s ``forward`` as a ``torch.fx`` graph, or ``None`` where fx cannot trace it.
+
+    Tracing runs no layer; a ``PyroSample`` read by a traced ``forward`` itself would draw, so
+    the random state, the param store and Pyro's effect handlers are isolated from the caller."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), pyro.get_param_store().scope(), poutine.block(), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return _LayerTracer().trace(module)
+        except Exception:  # noqa: BLE001 - fx fails in many ways (TraceError, TypeError, pyro's checks, ...)
+            return None
+
+
+def _in_traced_forwards(module: nn.Module, path: str, kinds: tuple) -> list[tuple[str, nn.Module]]:
+    if isinstance(module, _WEIGHT_LAYERS + NORMALIZATION_LAYERS + _SCALE_COMMUTING) or \
+            not any(isinstance(m, kinds) for m in module.modules()):
+        return []
+    graph = _traced_graph(module)
+    if graph is None:
+        return [item for name, child in module.named_children()
+                for item in _in_traced_forwards(child, _join(path, name), kinds)]
+    found = []
+    for node in graph.nodes:
+        if node.op == "call_module" and isinstance(layer := module.get_submodule(node.target), _WEIGHT_LAYERS) \
+                and _reaches_only_normalization(node, module, kinds):
+            found.append((_join(path, node.target), layer))
+    return found
+
+
+def _commutes_with_scale(node: torch.fx.Node, root: nn.Module) -> bool:
+    if node.op == "call_module":
+        return isinstance(root.get_submodule(node.target), _SCALE_COMMUTING)
+    if node.op == "call_function":
+        return node.target in _SCALE_COMMUTING_FUNCTIONS
+    return node.op == "call_method" and node.target in _SCALE_COMMUTING_METHODS
+
+
+def _reaches_only_normalization(node: torch.fx.Node, root: nn.Module, kinds: tuple) -> bool:
+    """Every use of ``node``'s output ends, through scale-commuting operations only, in a
+    normalisation layer of ``kinds`` (as the operation's input, not as one of its other arguments)."""
+    if not node.users:
+        return False
+    for user in node.users:
+        if user.op == "call_module" and isinstance(root.get_submodule(user.target), kinds):
+            if user.args[:1] != (node,):
+                return False
+        elif not (_commutes_with_scale(user, root) and user.args[:1] == (node,)
+                  and _reaches_only_normalization(user, root, kinds)):
+            return False
+    return True

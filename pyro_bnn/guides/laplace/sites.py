@@ -159,11 +159,12 @@ def unnormalized_sites(network: nn.Module | None, names: list[str]) -> list[str]
                          f"its normalisation layers, got a {type(network).__name__}")
     feeding = {path for path, _ in layers_feeding_normalization(network)}
     if not feeding:
-        raise ValueError("subset='unnormalized': the network has no Linear/Conv layer that feeds a normalisation "
-                         "layer (BatchNorm, LayerNorm, GroupNorm) inside an nn.Sequential, so it would cover every "
-                         "site. Layers called from a hand-written forward are not seen: name the sites instead, "
-                         "subset=[...] (the normalisation layers' weight/bias and the layers that feed none); "
-                         "without normalisation use subset='all'")
+        raise ValueError("subset='unnormalized': no Linear/Conv layer of the network feeds a normalisation "
+                         "layer (BatchNorm, LayerNorm, GroupNorm), so it would cover every site. Layers are found "
+                         "in nn.Sequential containers and in a forward that torch.fx can trace; a forward it "
+                         "cannot trace (a PyroModule model's, with pyro.sample and plates) is not seen: name the "
+                         "sites instead, subset=[...] (the normalisation layers' weight/bias and the layers that "
+                         "feed none); without normalisation use subset='all'")
     affine = [s for s in names if isinstance(site_module(network, s)[0], NORMALIZATION_LAYERS)]
     if not affine:
         raise ValueError(

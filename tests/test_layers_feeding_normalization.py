@@ -1,0 +1,140 @@
+"""Which weight layers feed a normalisation layer: read from nn.Sequential containers and from a
+hand-written ``forward`` traced by torch.fx (a ResNet's), with the fallbacks where fx cannot trace.
+
+The answer decides ``Laplace(subset="unnormalized")``, the warning when the evidence tunes layers
+before a normalisation layer, and the warning for weight norm before BatchNorm.
+"""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from pyro.nn import PyroModule, PyroParam, PyroSample
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.model.batchnorm import layers_feeding_normalization
+
+
+def paths(net, **kw):
+    return [path for path, _ in layers_feeding_normalization(net, **kw)]
+
+
+class HandWritten(nn.Module):
+    """conv → BatchNorm (fed), conv → ReLU → pool (not), fc → LayerNorm (fed), out (not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)
+        self.c2 = nn.Conv2d(4, 4, 3)
+        self.fc, self.ln, self.out = nn.Linear(4 * 5 * 5, 10), nn.LayerNorm(10), nn.Linear(10, 3)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.b1(self.c1(x))), 2)
+        x = torch.flatten(F.relu(self.c2(x)), 1)
+        return self.out(F.relu(self.ln(self.fc(x))))
+
+
+def test_hand_written_forward_is_read():
+    assert paths(HandWritten()) == ["c1", "fc"]
+    # inside a pb.BNN (converted to PyroModules, weights PyroSample sites): the same, with its path
+    assert paths(pb.BNN(HandWritten(), "categorical")) == ["net.c1", "net.fc"]
+
+
+def test_scale_commuting_operations_between_are_followed():
+    class PooledView(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn = nn.Linear(8, 12), nn.BatchNorm1d(6)
+            self.conv, self.gn = nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)
+
+        def forward(self, x):
+            h = F.dropout(self.fc(x[:, :8]), 0.1, self.training).view(x.shape[0], 6, 2)
+            g = F.avg_pool2d(self.conv(x[:, :64].reshape(-1, 1, 8, 8)), 2)
+            return self.bn(h).sum((1, 2)) + self.gn(g).sum((1, 2, 3))
+
+    assert paths(PooledView()) == ["fc", "conv"]
+
+
+def test_an_output_used_elsewhere_too_does_not_feed():
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.bn = nn.Linear(4, 4), nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            h = self.a(x)                       # to the BatchNorm and to the sum: its scale survives
+            return self.bn(h) + h + self.bn(F.relu(self.b(x)))   # b: a ReLU after the bias
+
+    assert paths(Residual()) == []
+
+
+def test_torchvision_resnet_every_convolution():
+    net = torchvision.models.resnet18(num_classes=10)
+    convs = [name for name, m in net.named_modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 20 and paths(net) == convs           # every conv feeds a BatchNorm; fc none
+    assert paths(pb.BNN(torchvision.models.resnet18(num_classes=10), "categorical")) == [f"net.{c}" for c in convs]
+
+
+def test_untraceable_forward_is_read_through_its_children():
+    class Branching(nn.Module):                # data-dependent control flow: fx cannot trace it
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU())
+            self.block = HandWritten()
+            self.head = nn.Linear(6, 2)
+
+        def forward(self, x):
+            h = self.body(x[:, :4])
+            return self.head(h) if h.sum() > 0 else -self.head(h) + self.block(x[:, :256].view(-1, 1, 16, 16)).sum()
+
+    assert paths(Branching()) == ["body.0", "block.c1", "block.fc"]
+
+
+def test_tracing_draws_nothing_and_leaves_the_param_store():
+    class ReadsItsOwnSites(PyroModule):        # a traced forward that reads a PyroSample and a PyroParam
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = nn.Linear(3, 3), nn.BatchNorm1d(4)
+            self.w = PyroSample(dist.Normal(0.0, 1.0).expand([4, 3]).to_event(2))
+            self.c = PyroParam(torch.ones(4))
+
+        def forward(self, x):
+            return self.bn(F.linear(self.lin(x), self.w)) * self.c
+
+    net = ReadsItsOwnSites()
+    pyro.clear_param_store()
+    state = torch.get_rng_state()
+    assert paths(net) == []                    # lin feeds F.linear, not the BatchNorm
+    assert torch.equal(state, torch.get_rng_state()) and list(pyro.get_param_store().keys()) == []
+
+
+def test_laplace_unnormalized_on_a_hand_written_forward():
+    def stochastic(name, module, param):
+        return isinstance(module, (nn.Linear, nn.Conv2d, nn.BatchNorm2d, nn.LayerNorm))
+
+    model = pb.BNN(HandWritten(), "categorical", stochastic=stochastic)
+    guide = pb.guides.Laplace(model, "kron", subset="unnormalized")
+    x, y = torch.randn(32, 1, 16, 16), torch.randint(0, 3, (32,))
+    model.eval()
+    guide.fit_curvature((x, y))
+    assert guide.laplace_sites == ["net.b1.weight", "net.b1.bias", "net.c2.weight", "net.c2.bias",
+                                   "net.ln.weight", "net.ln.bias", "net.out.weight", "net.out.bias"]
+    assert guide.fixed_sites == ["net.c1.weight", "net.c1.bias", "net.fc.weight", "net.fc.bias"]
+
+
+def test_evidence_warning_names_layers_of_a_hand_written_forward():
+    model = pb.BNN(HandWritten(), "categorical")
+    guide = pb.guides.Laplace(model, "kron")
+    x, y = torch.randn(32, 1, 16, 16), torch.randint(0, 3, (32,))
+    model.eval()
+    guide.fit_curvature((x, y))
+    with pytest.warns(UserWarning, match=r"feed a normalisation layer \(net\.c1, net\.fc\)"):
+        guide.optimize_prior_precision(steps=2)
+
+
+def test_weight_norm_warning_on_a_hand_written_forward():
+    with pytest.warns(UserWarning, match=r"weight_norm=True on layers that feed BatchNorm \(net\.c1\)"):
+        pb.BNN(HandWritten(), "categorical", weight_norm=True)
