@@ -69,6 +69,11 @@ def test_an_output_used_elsewhere_too_does_not_feed():
             return self.bn(h) + h + self.bn(F.relu(self.b(x)))   # b: a ReLU after the bias
 
     assert paths(Residual()) == []
+    # a ReLU commutes with a positive scale of the whole layer (weight and bias: a Laplace posterior
+    # over the layer), not with one of its weight alone (weight norm's g)
+    assert paths(Residual(), whole_layer=True) == ["b"]
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    assert paths(seq) == [] and paths(seq, whole_layer=True) == ["0"]
 
 
 def test_torchvision_resnet_every_convolution():
@@ -138,3 +143,15 @@ def test_evidence_warning_names_layers_of_a_hand_written_forward():
 def test_weight_norm_warning_on_a_hand_written_forward():
     with pytest.warns(UserWarning, match=r"weight_norm=True on layers that feed BatchNorm \(net\.c1\)"):
         pb.BNN(HandWritten(), "categorical", weight_norm=True)
+
+
+def test_laplace_unnormalized_excludes_a_layer_whose_relu_feeds_batchnorm():
+    """(W, b) → c (W, b) leaves BatchNorm(ReLU(W x + b)) unchanged: the layer's evidence is as
+    ill-posed as a layer feeding BatchNorm directly, so it stays a point estimate."""
+    net = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.BatchNorm1d(8), nn.Linear(8, 10))
+    model = pb.BNN(net, "categorical", stochastic=lambda name, module, param: True)
+    guide = pb.guides.Laplace(model, "kron", subset="unnormalized")
+    d = pb.datasets.digits()
+    model.eval()
+    guide.fit_curvature((d.x_train[:32], d.y_train[:32]))
+    assert guide.fixed_sites == ["net.0.weight", "net.0.bias"]

@@ -40,6 +40,11 @@ _SCALE_COMMUTING_FUNCTIONS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, 
                               F.adaptive_max_pool2d, F.adaptive_max_pool3d, torch.flatten, torch.reshape,
                               operator.getitem)
 _SCALE_COMMUTING_METHODS = ("flatten", "view", "reshape", "contiguous", "squeeze", "unsqueeze")
+#: Positively homogeneous activations: they commute with a positive scale of the whole layer
+#: (weight *and* bias), not with one of its weight alone.
+_HOMOGENEOUS = (nn.ReLU, nn.LeakyReLU)
+_HOMOGENEOUS_FUNCTIONS = (F.relu, torch.relu, F.leaky_relu)
+_HOMOGENEOUS_METHODS = ("relu",)
 _WEIGHT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
 
 
@@ -70,14 +75,17 @@ def warn_batchnorm_in_train_mode(module: nn.Module) -> None:
             BatchNormTrainModeWarning, stacklevel=2)
 
 
-def layers_feeding_normalization(root: nn.Module, kinds: tuple = NORMALIZATION_LAYERS) -> list[tuple[str, nn.Module]]:
+def layers_feeding_normalization(root: nn.Module, kinds: tuple = NORMALIZATION_LAYERS, *,
+                                 whole_layer: bool = False) -> list[tuple[str, nn.Module]]:
     """``(path, layer)`` of every Linear / Conv layer of ``root`` that feeds a layer of ``kinds``,
     in module order.
 
     A layer feeds a normalisation layer when its output goes to one and nowhere else, possibly
     through pooling, Flatten, Dropout, Identity or a reshape (they commute with a positive scale).
-    A ReLU in between does not count: it comes after the bias, which breaks the invariance of the
-    weight's scale.  Two readings are joined:
+    With ``whole_layer=True`` (the scale of weight and bias together, as a Laplace posterior over
+    the layer sees it) a ReLU or LeakyReLU between counts too: it commutes with that scale.  With
+    the default (the scale of the weight alone, as weight norm's ``g``) it does not: it comes
+    after the bias, which the weight's scale leaves in place.  Two readings are joined:
 
     * inside ``nn.Sequential`` containers, the layer's next modules;
     * a hand-written ``forward`` (a ResNet's, say), read from its ``torch.fx`` graph, with Linear,
@@ -86,8 +94,9 @@ def layers_feeding_normalization(root: nn.Module, kinds: tuple = NORMALIZATION_L
       is read through its child modules, each traced on its own; what only such a ``forward``
       connects is not seen.
     """
-    found = dict(_in_sequentials(root, kinds))
-    found.update(_in_traced_forwards(root, "", kinds))
+    commuting = _Commuting(whole_layer)
+    found = dict(_in_sequentials(root, kinds, commuting))
+    found.update(_in_traced_forwards(root, "", kinds, commuting))
     order = {id(m): i for i, m in enumerate(root.modules())}
     return sorted(found.items(), key=lambda item: order[id(item[1])])
 
@@ -96,7 +105,23 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _in_sequentials(root: nn.Module, kinds: tuple) -> list[tuple[str, nn.Module]]:
+class _Commuting:
+    """The operations a layer's output may pass on its way to a normalisation layer."""
+
+    def __init__(self, whole_layer: bool):
+        self.modules = _SCALE_COMMUTING + (_HOMOGENEOUS if whole_layer else ())
+        self.functions = _SCALE_COMMUTING_FUNCTIONS + (_HOMOGENEOUS_FUNCTIONS if whole_layer else ())
+        self.methods = _SCALE_COMMUTING_METHODS + (_HOMOGENEOUS_METHODS if whole_layer else ())
+
+    def __call__(self, node: torch.fx.Node, root: nn.Module) -> bool:
+        if node.op == "call_module":
+            return isinstance(root.get_submodule(node.target), self.modules)
+        if node.op == "call_function":
+            return node.target in self.functions
+        return node.op == "call_method" and node.target in self.methods
+
+
+def _in_sequentials(root: nn.Module, kinds: tuple, commuting: _Commuting) -> list[tuple[str, nn.Module]]:
     found = []
     for prefix, seq in root.named_modules():
         if not isinstance(seq, nn.Sequential):
@@ -106,7 +131,7 @@ def _in_sequentials(root: nn.Module, kinds: tuple) -> list[tuple[str, nn.Module]
             if not isinstance(layer, _WEIGHT_LAYERS):
                 continue
             following = [m for _, m in children[i + 1:]]
-            while following and isinstance(following[0], _SCALE_COMMUTING):
+            while following and isinstance(following[0], commuting.modules):
                 following.pop(0)
             if following and isinstance(following[0], kinds):
                 found.append((_join(prefix, name), layer))
@@ -136,31 +161,24 @@ def _traced_graph(module: nn.Module) -> torch.fx.Graph | None:
             return None
 
 
-def _in_traced_forwards(module: nn.Module, path: str, kinds: tuple) -> list[tuple[str, nn.Module]]:
+def _in_traced_forwards(module: nn.Module, path: str, kinds: tuple,
+                        commuting: _Commuting) -> list[tuple[str, nn.Module]]:
     if isinstance(module, _WEIGHT_LAYERS + NORMALIZATION_LAYERS + _SCALE_COMMUTING) or \
             not any(isinstance(m, kinds) for m in module.modules()):
         return []
     graph = _traced_graph(module)
     if graph is None:
         return [item for name, child in module.named_children()
-                for item in _in_traced_forwards(child, _join(path, name), kinds)]
+                for item in _in_traced_forwards(child, _join(path, name), kinds, commuting)]
     found = []
     for node in graph.nodes:
         if node.op == "call_module" and isinstance(layer := module.get_submodule(node.target), _WEIGHT_LAYERS) \
-                and _reaches_only_normalization(node, module, kinds):
+                and _reaches_only_normalization(node, module, kinds, commuting):
             found.append((_join(path, node.target), layer))
     return found
 
 
-def _commutes_with_scale(node: torch.fx.Node, root: nn.Module) -> bool:
-    if node.op == "call_module":
-        return isinstance(root.get_submodule(node.target), _SCALE_COMMUTING)
-    if node.op == "call_function":
-        return node.target in _SCALE_COMMUTING_FUNCTIONS
-    return node.op == "call_method" and node.target in _SCALE_COMMUTING_METHODS
-
-
-def _reaches_only_normalization(node: torch.fx.Node, root: nn.Module, kinds: tuple) -> bool:
+def _reaches_only_normalization(node: torch.fx.Node, root: nn.Module, kinds: tuple, commuting: _Commuting) -> bool:
     """Every use of ``node``'s output ends, through scale-commuting operations only, in a
     normalisation layer of ``kinds`` (as the operation's input, not as one of its other arguments)."""
     if not node.users:
@@ -169,7 +187,7 @@ def _reaches_only_normalization(node: torch.fx.Node, root: nn.Module, kinds: tup
         if user.op == "call_module" and isinstance(root.get_submodule(user.target), kinds):
             if user.args[:1] != (node,):
                 return False
-        elif not (_commutes_with_scale(user, root) and user.args[:1] == (node,)
-                  and _reaches_only_normalization(user, root, kinds)):
+        elif not (commuting(user, root) and user.args[:1] == (node,)
+                  and _reaches_only_normalization(user, root, kinds, commuting)):
             return False
     return True

@@ -144,8 +144,9 @@ def select_sites(subset, names: list[str], network: nn.Module | None = None) -> 
 
 def unnormalized_sites(network: nn.Module | None, names: list[str]) -> list[str]:
     """The sites whose scale no normalisation layer divides out: every site except the
-    weights and biases of layers that feed a BatchNorm/LayerNorm/GroupNorm
-    (:func:`~pyro_bnn.model.batchnorm.layers_feeding_normalization`).
+    weights and biases of layers that feed a BatchNorm/LayerNorm/GroupNorm, directly or
+    through a ReLU, which commutes with a positive scale of weight and bias together
+    (:func:`~pyro_bnn.model.batchnorm.layers_feeding_normalization` with ``whole_layer=True``).
 
     Raises
     ------
@@ -157,7 +158,7 @@ def unnormalized_sites(network: nn.Module | None, names: list[str]) -> list[str]
     if not isinstance(network, nn.Module):
         raise ValueError("subset='unnormalized' needs the model's network (a pb.BNN or a PyroModule) to find "
                          f"its normalisation layers, got a {type(network).__name__}")
-    feeding = {path for path, _ in layers_feeding_normalization(network)}
+    feeding = {path for path, _ in layers_feeding_normalization(network, whole_layer=True)}
     if not feeding:
         raise ValueError("subset='unnormalized': no Linear/Conv layer of the network feeds a normalisation "
                          "layer (BatchNorm, LayerNorm, GroupNorm), so it would cover every site. Layers are found "
