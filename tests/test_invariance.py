@@ -13,6 +13,7 @@ from pyro_bnn.curvature import batch_kfac_factors
 from pyro_bnn.invariance import (
     Affine1dAugmentation,
     AffineAugmentation,
+    evidence_step,
     invariant_curvature,
     learn_invariance,
     map_predict,
@@ -457,3 +458,84 @@ def test_learn_invariance_leaves_the_callers_random_streams_alone():
         assert torch.equal(torch.rand(3), expected)
         runs.append(res.history["extent"][-1])
     assert runs[0] == runs[1]
+
+
+def test_eta_steps_run_in_eval_mode_like_the_guides_curvature():
+    """On a BatchNorm net the η step uses the running statistics, as ``fit_curvature`` does:
+    the online step that reuses the guide's (eval-mode) curvature equals a fresh pass over the
+    same draws, the result does not depend on the mode the model was left in, and neither
+    the modes nor BatchNorm's statistics change. (In train mode the replay normalised with
+    each batch's statistics: a gradient of another evidence than the one reported.)"""
+    from pyro_bnn.data.batches import TensorBatches
+    from pyro_bnn.invariance import guide_step
+    from pyro_bnn.training.loop import FitContext
+
+    d = transformed_digits("rotate", math.pi)
+    x, y = d.x_train[:120], d.y_train[:120]
+    aug = AffineAugmentation(num_samples=3)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, 10))
+    model = pb.BNN(net, "categorical", augmentation=aug)
+    guide = pb.guides.Laplace(model, subset="last_layer", curvature_batch_size=40)
+    pb.fit(model, guide, (x, y), epochs=2, batch_size=40, progress=False)
+    with torch.no_grad():
+        aug.eta.copy_(torch.tensor([0.1, 0.0, 0.5, 0.0, 0.0, 0.1]))
+    ctx = FitContext(model, guide, TensorBatches(x, y, 40, shuffle=False), len(x), torch.device("cpu"), 1)
+    eta0 = aug.eta.detach().clone()
+    bn = model.net[1]                    # pb.BNN works on its own copy of net
+
+    def step(reuse, train_mode):
+        with torch.no_grad():
+            aug.eta.copy_(eta0)
+        model.train(train_mode)
+        stats = (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
+        with torch.random.fork_rng():
+            guide.fit_curvature(**guide_step.guide_curvature_source(ctx, 40, 11))
+        opt = torch.optim.SGD([aug.eta], lr=1.0)
+        if reuse:
+            ev = guide_step.guide_online_eta_step(guide, ctx, opt, seed=11)
+        else:
+            ev = guide_step.guide_eta_step(guide, model, [(x[i:i + 40], y[i:i + 40]) for i in range(0, 120, 40)],
+                                           opt, seed=guide_step._pass_seed(11))
+        assert model.training == train_mode and bn.training == train_mode
+        for before, after in zip(stats, (bn.running_mean, bn.running_var, bn.num_batches_tracked)):
+            assert torch.equal(before, after)
+        return aug.eta.detach() - eta0, ev
+
+    reused, ev_reused = step(True, True)
+    fresh, ev_fresh = step(False, True)
+    assert reused.abs().max() > 1e-6
+    torch.testing.assert_close(reused, fresh, rtol=1e-5, atol=1e-9)
+    assert abs(ev_reused - ev_fresh) < 1e-6 * abs(ev_fresh)
+    for reuse in (True, False):
+        torch.testing.assert_close(step(reuse, False)[0], reused, rtol=1e-6, atol=1e-10)
+
+
+def test_evidence_step_uses_running_statistics_and_keeps_them():
+    """``learn_invariance``'s δ/η step on a BatchNorm net: the same in train and eval mode, and
+    BatchNorm's running statistics untouched (it overwrote them with the augmented batches')."""
+    d = transformed_digits("rotate", math.pi)
+    batches = [(d.x_train[i:i + 40], d.y_train[i:i + 40]) for i in range(0, 120, 40)]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, 10))
+    model = pb.BNN(net, "categorical", augmentation=AffineAugmentation(num_samples=3))
+    bn, aug = model.net[1], model.augmentation
+    with torch.no_grad():
+        for xb, _ in batches:                      # running statistics away from their start
+            model.net(xb)
+        aug.eta.copy_(torch.tensor([0.1, 0.0, 0.5, 0.0, 0.0, 0.1]))
+    values = model.initial_values()
+    eta0, stats = aug.eta.detach().clone(), (bn.running_mean.clone(), bn.running_var.clone())
+    moves = []
+    for train_mode in (True, False):
+        model.train(train_mode)
+        with torch.no_grad():
+            aug.eta.copy_(eta0)
+        opt = torch.optim.SGD([aug.eta], lr=1.0)
+        ev = evidence_step(model, values, batches, torch.zeros(2), eta_optimizer=opt, seed=3)
+        moves.append((aug.eta.detach() - eta0, ev))
+        assert bn.training == train_mode
+        assert torch.equal(bn.running_mean, stats[0]) and torch.equal(bn.running_var, stats[1])
+    assert moves[0][0].abs().max() > 1e-6
+    torch.testing.assert_close(moves[0][0], moves[1][0], rtol=1e-6, atol=1e-10)
+    assert moves[0][1] == moves[1][1]

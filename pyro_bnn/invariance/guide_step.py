@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..contract.modes import evaluation_mode
 from ..curvature import KronBlock, SplitBiasKronBlock
 from ..data.batches import TensorBatches, split_batch
 from ..model.bnn import is_bnn
@@ -143,10 +144,11 @@ def guide_online_eta_step(guide, ctx, optimizer, seed: int) -> float:
     local, seeds, run, run_seeds, reduce_curvature = _share(batches, rank, world, _pass_seed(seed),
                                                             reduce_fn)
     curvature = guide.posterior
-    if curvature is None or not all(isinstance(b, (KronBlock, SplitBiasKronBlock))
-                                    for b in curvature.blocks):
-        curvature = _own_curvature(guide, model, run, run_seeds, reduce_curvature)
-    return _eta_step(guide, model, local, seeds, optimizer, curvature, reduce_fn, run[0][0])
+    with evaluation_mode(model):      # as fit_curvature: BatchNorm's running statistics, no Dropout
+        if curvature is None or not all(isinstance(b, (KronBlock, SplitBiasKronBlock))
+                                        for b in curvature.blocks):
+            curvature = _own_curvature(guide, model, run, run_seeds, reduce_curvature)
+        return _eta_step(guide, model, local, seeds, optimizer, curvature, reduce_fn, run[0][0])
 
 
 def _own_curvature(guide, model, batches, seeds, reduce_fn):
@@ -173,5 +175,6 @@ def guide_eta_step(guide, model, batches, optimizer, seed: int = 0, distributed=
     if not data:
         raise ValueError("no batches given")
     local, seeds, run, run_seeds, reduce_curvature = _share(data, rank, world, seed, reduce_fn)
-    curvature = _own_curvature(guide, model, run, run_seeds, reduce_curvature)
-    return _eta_step(guide, model, local, seeds, optimizer, curvature, reduce_fn, run[0][0])
+    with evaluation_mode(model):      # as fit_curvature: BatchNorm's running statistics, no Dropout
+        curvature = _own_curvature(guide, model, run, run_seeds, reduce_curvature)
+        return _eta_step(guide, model, local, seeds, optimizer, curvature, reduce_fn, run[0][0])

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..contract.modes import evaluation_mode
 from ..training.seeding import seeded
 from .evidence import (
     batch_seeds,
@@ -111,24 +112,25 @@ def evidence_step(model, values: dict, batches, log_delta: torch.Tensor, *,
             return reduce_fn({k: v * 0 for k, v in sums.items()})
     else:
         local_run, seeds_run = local, seeds
-    vals = {k: v.detach().requires_grad_() for k, v in values.items()}
-    layers = invariant_layers(model, vals)
-    aug = model._modules.get("augmentation")
-    with eta_grad(aug, False):
-        curvature = invariant_curvature(model, vals, local_run, seeds_run, layers=layers,
-                                        reduce_fn=reduce_curvature)
-    n = curvature.num_data
-    _, _, noise = likelihood_scale(model, vals, local_run[0][0][:2])
-    for _ in range(delta_steps if delta_optimizer is not None else 0):
-        delta_optimizer.zero_grad()
-        (-log_evidence_at(curvature, layers, vals, log_delta.exp(), noise) / n).backward()
-        delta_optimizer.step()
-    delta = list(log_delta.detach().exp())
-    with torch.no_grad():
-        value = float(log_evidence_at(curvature, layers, vals, delta, noise))
-    if eta_optimizer is not None and aug is not None:
-        eta_optimizer.zero_grad()
-        eta_gradient_pass(model, vals, local, seeds, layers, curvature.blocks, delta, n,
-                          reduce_fn=reduce_fn)
-        eta_optimizer.step()
+    with evaluation_mode(model):      # BatchNorm's running statistics, no Dropout, as fit_curvature
+        vals = {k: v.detach().requires_grad_() for k, v in values.items()}
+        layers = invariant_layers(model, vals)
+        aug = model._modules.get("augmentation")
+        with eta_grad(aug, False):
+            curvature = invariant_curvature(model, vals, local_run, seeds_run, layers=layers,
+                                            reduce_fn=reduce_curvature)
+        n = curvature.num_data
+        _, _, noise = likelihood_scale(model, vals, local_run[0][0][:2])
+        for _ in range(delta_steps if delta_optimizer is not None else 0):
+            delta_optimizer.zero_grad()
+            (-log_evidence_at(curvature, layers, vals, log_delta.exp(), noise) / n).backward()
+            delta_optimizer.step()
+        delta = list(log_delta.detach().exp())
+        with torch.no_grad():
+            value = float(log_evidence_at(curvature, layers, vals, delta, noise))
+        if eta_optimizer is not None and aug is not None:
+            eta_optimizer.zero_grad()
+            eta_gradient_pass(model, vals, local, seeds, layers, curvature.blocks, delta, n,
+                              reduce_fn=reduce_fn)
+            eta_optimizer.step()
     return value
