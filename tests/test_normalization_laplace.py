@@ -26,7 +26,7 @@ from pyro_bnn.curvature.glm import jacobian_factors, linearized_offsets
 
 pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("float64")]
 
-NORMALIZED = (nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm)
+NORMALIZED = (nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.InstanceNorm2d, nn.GroupNorm, nn.LayerNorm)
 
 
 def _with_norm_affine(name, module, param):
@@ -40,6 +40,10 @@ def _net(kind):
     if kind == "batchnorm":
         net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
                             nn.Linear(3 * 4 * 4, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 3))
+    elif kind.startswith("instancenorm"):      # with running statistics (used in eval mode) or without
+        net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1),
+                            nn.InstanceNorm2d(3, affine=True, track_running_stats=kind == "instancenorm_running"),
+                            nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3))
     elif kind == "groupnorm":
         net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(),
                             nn.Linear(4 * 4 * 4, 3))
@@ -50,7 +54,7 @@ def _net(kind):
         for _ in range(3):
             net(torch.randn(20, 1, 4, 4) * 2 + 0.5)          # running statistics ≠ (0, 1)
         for m in net.modules():
-            if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)):
+            if isinstance(m, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)) and m.weight is not None:
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.normal_()
     net.eval()
@@ -83,7 +87,7 @@ def _oracle_ggn(model, layers, values, shapes, x):
     return torch.einsum("ncp,ncd,ndq->pq", J, lam, J)
 
 
-@pytest.mark.parametrize("kind", ["batchnorm", "groupnorm", "layernorm"])
+@pytest.mark.parametrize("kind", ["batchnorm", "groupnorm", "layernorm", "instancenorm", "instancenorm_running"])
 def test_affine_curvature_matches_torch_func(kind):
     """Full and diagonal GGN over all sites equal the oracle; the unit-wise blocks are its
     per-channel (γ_c, β_c) sub-blocks.  Batches of 4 and 3 (the sums run over batches)."""

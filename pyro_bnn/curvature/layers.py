@@ -33,7 +33,8 @@ from ..model.bnn import site_module
 __all__ = ["Layer", "find_layers", "capture_factors"]
 
 #: Normalisation layers whose affine parameters (γ, β) can be Laplace sites (unit-wise layers).
-UNITWISE_MODULES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+UNITWISE_MODULES = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm,
+                    nn.LayerNorm)
 
 
 @dataclass
@@ -116,12 +117,17 @@ class Layer:
     def _normalized_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Normalisation-layer input → ``[x̂, 1]`` of shape ``(M, T, C, in')``, ``x̂`` normalised as
         the layer does before its affine map (BatchNorm: with the running statistics in eval mode,
-        the batch's in train mode or without running statistics), without updating statistics."""
+        the batch's in train mode or without running statistics; InstanceNorm likewise, with each
+        example's own statistics), without updating statistics."""
         m = self.module
         if isinstance(m, nn.LayerNorm):
             xhat = F.layer_norm(x, m.normalized_shape, None, None, m.eps)
         elif isinstance(m, nn.GroupNorm):
             xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
+        elif isinstance(m, nn.modules.instancenorm._InstanceNorm):   # per example and channel
+            own_stats = m.training or not m.track_running_stats
+            xhat = F.instance_norm(x, None if own_stats else m.running_mean, None if own_stats else m.running_var,
+                                   None, None, own_stats, 0.0, m.eps)
         else:
             batch_stats = m.training or m.running_mean is None
             xhat = F.batch_norm(x, None if batch_stats else m.running_mean, None if batch_stats else m.running_var,
@@ -184,7 +190,7 @@ def find_layers(model: nn.Module, site_shapes: dict[str, torch.Size]) -> list[La
             raise ValueError(
                 "Laplace curvature supports sites that are the weight or bias of nn.Linear / "
                 "nn.Conv2d layers (groups=1, padding_mode='zeros') or the affine parameters of "
-                f"BatchNorm / GroupNorm / LayerNorm layers; site {site!r} belongs to "
+                f"BatchNorm / InstanceNorm / GroupNorm / LayerNorm layers; site {site!r} belongs to "
                 f"{_layer_description(module)}")
         groups.setdefault(path, {"module": module})[pname] = site
     layers = []
