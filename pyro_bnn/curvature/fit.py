@@ -94,7 +94,11 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
     layers : list of Layer
     batches : iterable of (x, y)
     run : callable
-        ``run(x) -> f`` under the fixed weights (which must require grad).
+        ``run(x) -> f`` under the fixed weights (which must require grad).  Run the network in
+        eval mode, as every caller in the library does (``Laplace.fit_curvature``, LILA's
+        evidence steps): in train mode BatchNorm normalises with the batch's statistics, which
+        couples the examples that the per-example factors treat as independent, and updates
+        its running statistics.
     kind : str
         Likelihood kind (:func:`~pyro_bnn.curvature.network.hessian_columns`).
     structure : {"kron", "diag", "full"}
