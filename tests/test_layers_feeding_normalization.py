@@ -57,6 +57,17 @@ def test_scale_commuting_operations_between_are_followed():
 
     assert paths(PooledView()) == ["fc", "conv"]
 
+    class Functional(nn.Module):          # the functional forms divide the scale out as well
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.b(F.layer_norm(self.a(x), (6,)))
+
+    assert paths(Functional()) == ["a"]
+    assert paths(Functional(), kinds=(nn.modules.batchnorm._BatchNorm,)) == []
+
 
 def test_an_output_used_elsewhere_too_does_not_feed():
     class Residual(nn.Module):

@@ -46,6 +46,9 @@ _HOMOGENEOUS = (nn.ReLU, nn.LeakyReLU)
 _HOMOGENEOUS_FUNCTIONS = (F.relu, torch.relu, F.leaky_relu)
 _HOMOGENEOUS_METHODS = ("relu",)
 _WEIGHT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
+#: Each normalisation module's functional form, as a traced ``forward`` may call it.
+_FUNCTIONAL_FORMS = ((nn.modules.batchnorm._BatchNorm, F.batch_norm), (nn.modules.instancenorm._InstanceNorm,
+                     F.instance_norm), (nn.LayerNorm, F.layer_norm), (nn.GroupNorm, F.group_norm))
 
 
 class BatchNormTrainModeWarning(UserWarning):
@@ -164,7 +167,7 @@ def _traced_graph(module: nn.Module) -> torch.fx.Graph | None:
 def _in_traced_forwards(module: nn.Module, path: str, kinds: tuple,
                         commuting: _Commuting) -> list[tuple[str, nn.Module]]:
     if isinstance(module, _WEIGHT_LAYERS + NORMALIZATION_LAYERS + _SCALE_COMMUTING) or \
-            not any(isinstance(m, kinds) for m in module.modules()):
+            not any(isinstance(m, _WEIGHT_LAYERS) for m in module.modules()):
         return []
     graph = _traced_graph(module)
     if graph is None:
@@ -183,8 +186,10 @@ def _reaches_only_normalization(node: torch.fx.Node, root: nn.Module, kinds: tup
     normalisation layer of ``kinds`` (as the operation's input, not as one of its other arguments)."""
     if not node.users:
         return False
+    functions = tuple(f for kind, f in _FUNCTIONAL_FORMS if issubclass(kind, kinds))
     for user in node.users:
-        if user.op == "call_module" and isinstance(root.get_submodule(user.target), kinds):
+        if (user.op == "call_module" and isinstance(root.get_submodule(user.target), kinds)) or \
+                (user.op == "call_function" and user.target in functions):
             if user.args[:1] != (node,):
                 return False
         elif not (commuting(user, root) and user.args[:1] == (node,)
