@@ -166,3 +166,9 @@ def test_laplace_unnormalized_excludes_a_layer_whose_relu_feeds_batchnorm():
     model.eval()
     guide.fit_curvature((d.x_train[:32], d.y_train[:32]))
     assert guide.fixed_sites == ["net.0.weight", "net.0.bias"]
+
+
+def test_a_resnet_warning_lists_a_few_layers_and_counts_the_rest():
+    with pytest.warns(UserWarning, match=r"feed BatchNorm \(net\.conv1, net\.layer1\.0\.conv1, net\.layer1\.0\.conv2, "
+                                         r"net\.layer1\.1\.conv1, net\.layer1\.1\.conv2 and 15 more\)"):
+        pb.BNN(torchvision.models.resnet18(num_classes=10), "categorical", weight_norm=True)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["batchnorm_layers", "warn_batchnorm_in_train_mode", "BatchNormTrainModeWarning",
-           "layers_feeding_normalization", "NORMALIZATION_LAYERS"]
+           "layers_feeding_normalization", "NORMALIZATION_LAYERS", "short_list"]
 
 #: Layers that divide their input's scale out: BatchNorm / InstanceNorm (per channel), LayerNorm
 #: and GroupNorm (per example, so at least a whole layer's common scale).
@@ -70,12 +70,18 @@ def warn_batchnorm_in_train_mode(module: nn.Module) -> None:
     names = [name for name, m in module.named_modules() if _keeps_statistics(m) and m.training]
     if names:
         warnings.warn(
-            f"the model predicts (y=None) with BatchNorm layers in train mode ({', '.join(names[:3])}"
-            f"{', ...' if len(names) > 3 else ''}): each prediction is normalised with its own batch's "
+            f"the model predicts (y=None) with BatchNorm layers in train mode ({short_list(names, 3)}): each prediction is normalised with its own batch's "
             "statistics and overwrites the running statistics learnt in training with those of the "
             "inputs predicted; call model.eval() before Predictive (and model.train() before training "
             "again), or use pb.predict, which runs in eval mode itself",
             BatchNormTrainModeWarning, stacklevel=2)
+
+
+def short_list(names: list[str], limit: int = 5) -> str:
+    """``"a, b, c"``, or the first ``limit`` names and how many more (a ResNet has dozens)."""
+    if len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])} and {len(names) - limit} more"
 
 
 def layers_feeding_normalization(root: nn.Module, kinds: tuple = NORMALIZATION_LAYERS, *,

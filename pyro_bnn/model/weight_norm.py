@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .batchnorm import layers_feeding_normalization
+from .batchnorm import layers_feeding_normalization, short_list
 from .priors import IIDNormal, Prior, real_scalar
 
 __all__ = ["WeightNormLinear", "WeightNormConv2d", "weight_norm_weight", "to_weight_norm",
@@ -262,7 +262,7 @@ def warn_scales_under_batchnorm(net: nn.Module) -> None:
              layers_feeding_normalization(net, (nn.modules.batchnorm._BatchNorm,)) if is_weight_norm_layer(layer)]
     if pairs:
         warnings.warn(
-            f"weight_norm=True on layers that feed BatchNorm ({', '.join(pairs)}): BatchNorm divides "
+            f"weight_norm=True on layers that feed BatchNorm ({short_list(pairs)}): BatchNorm divides "
             "their scales g out in training, so the data do not inform |g| (its exact posterior is the "
             "prior) and the running statistics fit no single draw; predict with pb.predict(..., "
             "bn_data=training inputs), which re-estimates the statistics under each draw, or drop "

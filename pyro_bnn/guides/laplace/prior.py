@@ -52,7 +52,7 @@ from ...contract.local_params import unwrap_model
 from ...curvature import batch_covariance, glm_log_predictive, jacobian_factors
 from ...curvature import marglik as ml
 from ...data.batches import check_data
-from ...model.batchnorm import layers_feeding_normalization
+from ...model.batchnorm import layers_feeding_normalization, short_list
 from ...model.bnn import model_likelihood
 from ...model.likelihoods import Gaussian
 
@@ -434,7 +434,7 @@ def warn_evidence_under_normalization(guide) -> None:
     names = [layer.path for layer in guide.layers if id(layer.module) in feeding]
     if names:
         warnings.warn(
-            f"the Laplace evidence tunes the prior of layers that feed a normalisation layer ({', '.join(names)}): "
+            f"the Laplace evidence tunes the prior of layers that feed a normalisation layer ({short_list(names)}): "
             "normalisation divides their scale out in training, so their MAP under a Gaussian prior shrinks "
             "without a proper optimum and the Laplace evidence is not the volume of a mode (Antorán et al. "
             "2022); their posterior stays the prior, wide against their small weights, and dominates the GLM "
