@@ -448,14 +448,15 @@ def row_autonormal(args, data):
                seconds_per_epoch=sum(secs) / len(secs), convergence=convergence_of(diag),
                bound_name="ELBO (Trace_ELBO, last epoch's mean of minibatch estimates)",
                bound_full_data=-losses[-1], elbo_full_data=-losses[-1],
-               mean_sigma=float(torch.cat([v.detach().exp().reshape(-1) for v in
-                                           _autonormal_scales(guide).values()]).mean()))
+               # the constrained σ (AutoNormal's scales are softplus-positive): from the param store
+               mean_sigma=float(torch.cat([v.detach().reshape(-1) for k, v in pyro.get_param_store().items()
+                                           if ".scales." in k]).mean()))
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     return row
 
 
 def _autonormal_scales(guide) -> dict:
-    """AutoNormal's unconstrained scale parameters (``log σ``), by site."""
+    """AutoNormal's unconstrained scale parameters (what Adam moves), by site."""
     return {name: p for name, p in guide.named_parameters() if name.startswith("scales.")}
 
 
