@@ -161,7 +161,7 @@ def unnormalized_sites(network: nn.Module | None, names: list[str]) -> list[str]
     feeding = {path for path, _ in layers_feeding_normalization(network, whole_layer=True)}
     if not feeding:
         raise ValueError("subset='unnormalized': no Linear/Conv layer of the network feeds a normalisation "
-                         "layer (BatchNorm, LayerNorm, GroupNorm), so it would cover every site. Layers are found "
+                         "layer (BatchNorm, InstanceNorm, LayerNorm, GroupNorm), so it would cover every site. Layers are found "
                          "in nn.Sequential containers and in a forward that torch.fx can trace; a forward it "
                          "cannot trace (a PyroModule model's, with pyro.sample and plates) is not seen: name the "
                          "sites instead, subset=[...] (the normalisation layers' weight/bias and the layers that "
