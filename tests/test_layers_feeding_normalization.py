@@ -80,6 +80,16 @@ def test_an_output_used_elsewhere_too_does_not_feed():
             return self.bn(h) + h + self.bn(F.relu(self.b(x)))   # b: a ReLU after the bias
 
     assert paths(Residual()) == []
+
+    class CalledTwice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(self.a(x)) + self.a(x)   # the second call's scale survives
+
+    assert paths(CalledTwice()) == []
     # a ReLU commutes with a positive scale of the whole layer (weight and bias: a Laplace posterior
     # over the layer), not with one of its weight alone (weight norm's g)
     assert paths(Residual(), whole_layer=True) == ["b"]

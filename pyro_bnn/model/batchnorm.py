@@ -179,12 +179,12 @@ def _in_traced_forwards(module: nn.Module, path: str, kinds: tuple,
     if graph is None:
         return [item for name, child in module.named_children()
                 for item in _in_traced_forwards(child, _join(path, name), kinds, commuting)]
-    found = []
+    calls: dict[str, list[torch.fx.Node]] = {}     # a layer called twice feeds only if every call does
     for node in graph.nodes:
-        if node.op == "call_module" and isinstance(layer := module.get_submodule(node.target), _WEIGHT_LAYERS) \
-                and _reaches_only_normalization(node, module, kinds, commuting):
-            found.append((_join(path, node.target), layer))
-    return found
+        if node.op == "call_module" and isinstance(module.get_submodule(node.target), _WEIGHT_LAYERS):
+            calls.setdefault(node.target, []).append(node)
+    return [(_join(path, target), module.get_submodule(target)) for target, nodes in calls.items()
+            if all(_reaches_only_normalization(node, module, kinds, commuting) for node in nodes)]
 
 
 def _reaches_only_normalization(node: torch.fx.Node, root: nn.Module, kinds: tuple, commuting: _Commuting) -> bool:
