@@ -175,7 +175,8 @@ def _in_traced_forwards(module: nn.Module, path: str, kinds: tuple,
     if isinstance(module, _WEIGHT_LAYERS + NORMALIZATION_LAYERS + _SCALE_COMMUTING) or \
             not any(isinstance(m, _WEIGHT_LAYERS) for m in module.modules()):
         return []
-    graph = _traced_graph(module)
+    # nn.Sequential's own forward is read exactly by _in_sequentials: only its children need reading
+    graph = None if type(module).forward is nn.Sequential.forward else _traced_graph(module)
     if graph is None:
         return [item for name, child in module.named_children()
                 for item in _in_traced_forwards(child, _join(path, name), kinds, commuting)]
