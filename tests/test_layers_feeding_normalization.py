@@ -182,3 +182,30 @@ def test_a_resnet_warning_lists_a_few_layers_and_counts_the_rest():
     with pytest.warns(UserWarning, match=r"feed BatchNorm \(net\.conv1, net\.layer1\.0\.conv1, net\.layer1\.0\.conv2, "
                                          r"net\.layer1\.1\.conv1, net\.layer1\.1\.conv2 and 15 more\)"):
         pb.BNN(torchvision.models.resnet18(num_classes=10), "categorical", weight_norm=True)
+
+
+def test_a_ctrl_c_during_tracing_leaves_torch_as_it_was(monkeypatch):
+    """fx patches nn.Module.__call__ / __getattr__ while it traces; an interrupt in the middle left
+    them patched for the whole process (1 in ~20 timed interrupts). SIGINT is held back until the
+    trace is over, and the two methods are put back whatever happens."""
+    import os
+    import signal
+
+    from pyro_bnn.model import batchnorm
+
+    call, getattr_ = nn.Module.__call__, nn.Module.__getattr__
+
+    def interrupted_trace(self, root):
+        nn.Module.__call__ = lambda *a, **k: None           # as fx's patcher does
+        os.kill(os.getpid(), signal.SIGINT)                 # held back: nothing raised here
+        raise KeyboardInterrupt                             # an interrupt from elsewhere, mid-trace
+
+    monkeypatch.setattr(batchnorm._LayerTracer, "trace", interrupted_trace)
+    with pytest.raises(KeyboardInterrupt):
+        batchnorm._traced_graph(HandWritten())
+    assert nn.Module.__call__ is call and nn.Module.__getattr__ is getattr_
+    with pytest.raises(KeyboardInterrupt):                 # the held-back Ctrl-C arrives after the body
+        with batchnorm._sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            delivered_inside = False
+    assert delivered_inside is False
