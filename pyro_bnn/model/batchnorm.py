@@ -165,7 +165,7 @@ def _traced_graph(module: nn.Module) -> torch.fx.Graph | None:
     the random state, the param store and Pyro's effect handlers are isolated from the caller.
     fx patches ``nn.Module.__call__`` and ``__getattr__`` while it traces, and a Ctrl-C that
     lands in the middle can leave them patched for the whole process (measured: 1 in ~20
-    interrupts): SIGINT is held back until the trace is over, and the two methods are put back."""
+    interrupts): a SIGINT is held back until the trace is over, and the two methods are put back."""
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     call, getattr_ = nn.Module.__call__, nn.Module.__getattr__
     try:
@@ -182,15 +182,22 @@ def _traced_graph(module: nn.Module) -> torch.fx.Graph | None:
 
 @contextlib.contextmanager
 def _sigint_deferred():
-    """Block SIGINT in the body (POSIX, main thread); a Ctrl-C meanwhile is delivered on exit."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+    """Hold a Ctrl-C back during the body and deliver it on exit (to the handler that was there).
+
+    A Python-level handler, not a signal mask: with other threads alive a masked SIGINT goes to
+    one of them and Python still raises in the main thread.  Outside the main thread (where no
+    handler can be set) the body runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    received = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.signal(signal.SIGINT, old)
+        if received:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _in_traced_forwards(module: nn.Module, path: str, kinds: tuple,
