@@ -40,7 +40,7 @@ UNITWISE_MODULES = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._In
 @dataclass
 class Layer:
     """One curvature group: a Linear/Conv2d module with its weight/bias sites, or a normalisation
-    layer (BatchNorm, GroupNorm, LayerNorm) with its affine sites (:attr:`unitwise`)."""
+    layer (BatchNorm, InstanceNorm, GroupNorm, LayerNorm) with its affine sites (:attr:`unitwise`)."""
 
     path: str
     module: nn.Module

@@ -49,6 +49,8 @@ _HOMOGENEOUS = (nn.ReLU, nn.LeakyReLU)
 _HOMOGENEOUS_FUNCTIONS = (F.relu, torch.relu, F.leaky_relu)
 _HOMOGENEOUS_METHODS = ("relu",)
 _WEIGHT_LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
+#: Kept whole in a traced graph (their own ``forward`` is not read).
+_LEAVES = _WEIGHT_LAYERS + NORMALIZATION_LAYERS + _SCALE_COMMUTING
 #: Each normalisation module's functional form, as a traced ``forward`` may call it.
 _FUNCTIONAL_FORMS = ((nn.modules.batchnorm._BatchNorm, F.batch_norm), (nn.modules.instancenorm._InstanceNorm,
                      F.instance_norm), (nn.LayerNorm, F.layer_norm), (nn.GroupNorm, F.group_norm))
@@ -106,9 +108,9 @@ def layers_feeding_normalization(root: nn.Module, kinds: tuple = NORMALIZATION_L
       is read through its child modules, each traced on its own; what only such a ``forward``
       connects is not seen.
     """
-    commuting = _Commuting(whole_layer)
-    found = dict(_in_sequentials(root, kinds, commuting))
-    found.update(_in_traced_forwards(root, "", kinds, commuting))
+    reading = _Reading(kinds, whole_layer)
+    found = dict(_in_sequentials(root, reading))
+    found.update(_in_traced_forwards(root, "", reading))
     order = {id(m): i for i, m in enumerate(root.modules())}
     return sorted(found.items(), key=lambda item: order[id(item[1])])
 
@@ -117,23 +119,32 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-class _Commuting:
-    """The operations a layer's output may pass on its way to a normalisation layer."""
+class _Reading:
+    """What counts on the way from a layer to a normalisation layer: the normalisation layers of
+    ``kinds`` (modules, or their functional forms in a traced ``forward``) and the operations that
+    commute with the scale in question."""
 
-    def __init__(self, whole_layer: bool):
-        self.modules = _SCALE_COMMUTING + (_HOMOGENEOUS if whole_layer else ())
-        self.functions = _SCALE_COMMUTING_FUNCTIONS + (_HOMOGENEOUS_FUNCTIONS if whole_layer else ())
-        self.methods = _SCALE_COMMUTING_METHODS + (_HOMOGENEOUS_METHODS if whole_layer else ())
+    def __init__(self, kinds: tuple, whole_layer: bool):
+        self.kinds = kinds
+        self.functions = tuple(f for kind, f in _FUNCTIONAL_FORMS if issubclass(kind, kinds))
+        self.commuting_modules = _SCALE_COMMUTING + (_HOMOGENEOUS if whole_layer else ())
+        self.commuting_functions = _SCALE_COMMUTING_FUNCTIONS + (_HOMOGENEOUS_FUNCTIONS if whole_layer else ())
+        self.commuting_methods = _SCALE_COMMUTING_METHODS + (_HOMOGENEOUS_METHODS if whole_layer else ())
 
-    def __call__(self, node: torch.fx.Node, root: nn.Module) -> bool:
+    def normalizes(self, node: torch.fx.Node, root: nn.Module) -> bool:
         if node.op == "call_module":
-            return isinstance(root.get_submodule(node.target), self.modules)
+            return isinstance(root.get_submodule(node.target), self.kinds)
+        return node.op == "call_function" and node.target in self.functions
+
+    def commutes(self, node: torch.fx.Node, root: nn.Module) -> bool:
+        if node.op == "call_module":
+            return isinstance(root.get_submodule(node.target), self.commuting_modules)
         if node.op == "call_function":
-            return node.target in self.functions
-        return node.op == "call_method" and node.target in self.methods
+            return node.target in self.commuting_functions
+        return node.op == "call_method" and node.target in self.commuting_methods
 
 
-def _in_sequentials(root: nn.Module, kinds: tuple, commuting: _Commuting) -> list[tuple[str, nn.Module]]:
+def _in_sequentials(root: nn.Module, reading: _Reading) -> list[tuple[str, nn.Module]]:
     found = []
     for prefix, seq in root.named_modules():
         if not isinstance(seq, nn.Sequential):
@@ -143,9 +154,9 @@ def _in_sequentials(root: nn.Module, kinds: tuple, commuting: _Commuting) -> lis
             if not isinstance(layer, _WEIGHT_LAYERS):
                 continue
             following = [m for _, m in children[i + 1:]]
-            while following and isinstance(following[0], commuting.modules):
+            while following and isinstance(following[0], reading.commuting_modules):
                 following.pop(0)
-            if following and isinstance(following[0], kinds):
+            if following and isinstance(following[0], reading.kinds):
                 found.append((_join(prefix, name), layer))
     return found
 
@@ -154,8 +165,7 @@ class _LayerTracer(torch.fx.Tracer):
     """Keeps weight and normalisation layers (and torch's own modules) whole in the graph."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, _WEIGHT_LAYERS + NORMALIZATION_LAYERS + _SCALE_COMMUTING) or \
-            super().is_leaf_module(m, module_qualified_name)
+        return isinstance(m, _LEAVES) or super().is_leaf_module(m, module_qualified_name)
 
 
 def _traced_graph(module: nn.Module) -> torch.fx.Graph | None:
@@ -200,36 +210,31 @@ def _sigint_deferred():
             signal.raise_signal(signal.SIGINT)
 
 
-def _in_traced_forwards(module: nn.Module, path: str, kinds: tuple,
-                        commuting: _Commuting) -> list[tuple[str, nn.Module]]:
-    if isinstance(module, _WEIGHT_LAYERS + NORMALIZATION_LAYERS + _SCALE_COMMUTING) or \
-            not any(isinstance(m, _WEIGHT_LAYERS) for m in module.modules()):
+def _in_traced_forwards(module: nn.Module, path: str, reading: _Reading) -> list[tuple[str, nn.Module]]:
+    if isinstance(module, _LEAVES) or not any(isinstance(m, _WEIGHT_LAYERS) for m in module.modules()):
         return []
     # nn.Sequential's own forward is read exactly by _in_sequentials: only its children need reading
     graph = None if type(module).forward is nn.Sequential.forward else _traced_graph(module)
     if graph is None:
         return [item for name, child in module.named_children()
-                for item in _in_traced_forwards(child, _join(path, name), kinds, commuting)]
+                for item in _in_traced_forwards(child, _join(path, name), reading)]
     calls: dict[str, list[torch.fx.Node]] = {}     # a layer called twice feeds only if every call does
     for node in graph.nodes:
         if node.op == "call_module" and isinstance(module.get_submodule(node.target), _WEIGHT_LAYERS):
             calls.setdefault(node.target, []).append(node)
     return [(_join(path, target), module.get_submodule(target)) for target, nodes in calls.items()
-            if all(_reaches_only_normalization(node, module, kinds, commuting) for node in nodes)]
+            if all(_reaches_only_normalization(node, module, reading) for node in nodes)]
 
 
-def _reaches_only_normalization(node: torch.fx.Node, root: nn.Module, kinds: tuple, commuting: _Commuting) -> bool:
+def _reaches_only_normalization(node: torch.fx.Node, root: nn.Module, reading: _Reading) -> bool:
     """Every use of ``node``'s output ends, through scale-commuting operations only, in a
-    normalisation layer of ``kinds`` (as the operation's input, not as one of its other arguments)."""
+    normalisation layer (as the operation's input, not as one of its other arguments)."""
     if not node.users:
         return False
-    functions = tuple(f for kind, f in _FUNCTIONAL_FORMS if issubclass(kind, kinds))
     for user in node.users:
-        if (user.op == "call_module" and isinstance(root.get_submodule(user.target), kinds)) or \
-                (user.op == "call_function" and user.target in functions):
-            if user.args[:1] != (node,):
-                return False
-        elif not (commuting(user, root) and user.args[:1] == (node,)
-                  and _reaches_only_normalization(user, root, kinds, commuting)):
+        if user.args[:1] != (node,):
+            return False
+        if not (reading.normalizes(user, root)
+                or (reading.commutes(user, root) and _reaches_only_normalization(user, root, reading))):
             return False
     return True

@@ -252,8 +252,9 @@ def weight_norm_setup(net: nn.Module, prior, stochastic, precision: float | None
 def warn_scales_under_batchnorm(net: nn.Module) -> None:
     """Warn when a weight-norm layer feeds a BatchNorm layer (in an ``nn.Sequential`` or a
     traced ``forward``, with at most pooling, Flatten, Dropout, Identity or a reshape between,
-    which commute with a positive scale; :func:`~pyro_bnn.model.batchnorm.layers_feeding_normalization`): in training BatchNorm divides each unit's scale ``g`` out (only its sign
-    can matter), so the data say nothing about ``|g|`` (its exact posterior is the
+    which commute with a positive scale;
+    :func:`~pyro_bnn.model.batchnorm.layers_feeding_normalization`): in training BatchNorm
+    divides each unit's scale ``g`` out (only its sign can matter), so the data say nothing about ``|g|`` (its exact posterior is the
     prior), and the running statistics, averaged over draws of other scales, fit no single
     draw at prediction (measured on digits, BatchNorm MLP 64-100-10, Hypernet 100 epochs,
     ``benchmarks/batchnorm_draws.py --guide hypernet``: test NLL 0.124 with the running
