@@ -16,6 +16,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.model.batchnorm import layers_feeding_normalization
+from pyro_bnn.model.dataflow import recording_normalization_feeding
 
 
 def paths(net, **kw):
@@ -217,3 +218,101 @@ def test_a_ctrl_c_during_tracing_leaves_torch_as_it_was(monkeypatch):
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------- read from a run of the network
+
+def run_paths(net, *inputs, **kw):
+    with recording_normalization_feeding(net, **kw) as record:
+        net(*inputs)
+    return [path for path, _ in record.layers()]
+
+
+def test_a_run_is_read_as_the_graph_is():
+    """The run-time reading (what pb.guides.Laplace uses from its set-up call) gives what the
+    static reading gives wherever both can read the network."""
+    x = torch.randn(8, 1, 16, 16)
+    assert run_paths(HandWritten(), x) == paths(HandWritten()) == ["c1", "fc"]
+    net = torchvision.models.resnet18(num_classes=10)
+    assert run_paths(net, torch.randn(2, 3, 32, 32)) == paths(net)
+    for whole_layer in (False, True):
+        seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        assert run_paths(seq, torch.randn(8, 4), whole_layer=whole_layer) == paths(seq, whole_layer=whole_layer)
+
+
+def test_a_run_follows_uses_elsewhere_and_second_calls():
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.bn = nn.Linear(4, 4), nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.bn(h) + h + self.bn(F.relu(self.b(x)))
+
+    class CalledTwice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.bn, self.unused = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.bn(self.a(x)) + self.a(x)
+
+    x = torch.randn(8, 4)
+    assert run_paths(Residual(), x) == [] and run_paths(Residual(), x, whole_layer=True) == ["b"]
+    assert run_paths(CalledTwice(), x) == []
+
+
+class PyroCNN(PyroModule):
+    """A user's own PyroModule: conv → BatchNorm wired by hand, the observation in a plate."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = PyroModule[nn.Conv2d](1, 4, 3), PyroModule[nn.BatchNorm2d](4)
+        self.fc = PyroModule[nn.Linear](4 * 7 * 7, 3)
+        for mod in (self.conv, self.bn, self.fc):
+            for name, p in list(mod.named_parameters()):
+                setattr(mod, name, PyroSample(dist.Normal(0.0, 1.0).expand(p.shape).to_event(p.dim())))
+
+    def forward(self, x, y=None):
+        h = F.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        logits = self.fc(h.flatten(1))
+        with pyro.plate("data", x.shape[0]):
+            return pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+
+def test_a_pyro_module_forward_is_read_from_the_guides_set_up_run():
+    torch.manual_seed(0)
+    pyro.clear_param_store()
+    model = PyroCNN()
+    x, y = torch.randn(16, 1, 16, 16), torch.randint(0, 3, (16,))
+    assert paths(model) == []                         # torch.fx cannot trace the plate
+    model.eval()
+    guide = pb.guides.Laplace(model, "kron", subset="unnormalized")
+    guide.fit_curvature((x, y))
+    assert guide.normalization_feeding == ("conv",)
+    assert guide.laplace_sites == ["bn.weight", "bn.bias", "fc.weight", "fc.bias"]
+    assert guide.fixed_sites == ["conv.weight", "conv.bias"]
+    every = pb.guides.Laplace(model, "kron")
+    every.fit_curvature((x, y))
+    with pytest.warns(UserWarning, match=r"feed a normalisation layer \(conv\)"):
+        every.optimize_prior_precision(steps=2)
+
+
+def test_recording_leaves_the_run_as_it_was():
+    """The set-up run under the recording draws the same values and leaves the same BatchNorm
+    statistics as without it."""
+    def set_up(record):
+        torch.manual_seed(1)
+        pyro.clear_param_store()
+        model = PyroCNN()
+        x = torch.randn(16, 1, 16, 16)
+        if record:
+            with recording_normalization_feeding(model):
+                trace = pyro.poutine.trace(model).get_trace(x)
+        else:
+            trace = pyro.poutine.trace(model).get_trace(x)
+        return trace.nodes["conv.weight"]["value"], model.bn.running_mean.clone(), torch.get_rng_state()
+
+    for a, b in zip(set_up(True), set_up(False)):
+        assert torch.equal(a, b)

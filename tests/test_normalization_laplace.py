@@ -23,6 +23,7 @@ from pyro_bnn.curvature import (
     network_output,
 )
 from pyro_bnn.curvature.glm import jacobian_factors, linearized_offsets
+from pyro_bnn.model.batchnorm import layers_feeding_normalization
 
 pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("float64")]
 
@@ -267,8 +268,9 @@ def test_online_marglik_over_affine_sites_runs_without_the_normalisation_warning
 
 def test_a_hand_written_pyro_module_with_random_batchnorm_affine_parameters():
     """A user's own ``PyroModule`` whose BatchNorm γ, β (and the other layers) are ``PyroSample``
-    sites, called from a hand-written forward: ``subset="unnormalized"`` cannot see which layer
-    feeds BatchNorm there and says to name the sites; named, the curvature of γ, β is the
+    sites, called from a hand-written forward: ``subset="unnormalized"`` finds the layer that
+    feeds BatchNorm from the guide's set-up run of the model (torch.fx cannot read the forward),
+    and the same sites can be named; the curvature of γ, β is the
     per-channel block of the dense GGN of the same sites, and the weights before BatchNorm are
     point estimates."""
     import pyro
@@ -296,9 +298,12 @@ def test_a_hand_written_pyro_module_with_random_batchnorm_affine_parameters():
     x, y = d.x_train[:200].double(), d.y_train[:200]
     model = Net().double()
     model.eval()
-    with pytest.raises(ValueError, match="cannot trace .* is not seen: name the sites"):
-        pb.guides.Laplace(model, "kron", subset="unnormalized").fit_curvature((x, y))
     sites = ["bn.weight", "bn.bias", "fc2.weight", "fc2.bias"]
+    # torch.fx cannot read this forward (a plate, pyro.sample); the guide's set-up run of the model can
+    assert layers_feeding_normalization(model, whole_layer=True) == []
+    found = pb.guides.Laplace(model, "kron", subset="unnormalized")
+    found.fit_curvature((x, y))
+    assert found.laplace_sites == sites and found.normalization_feeding == ("fc1",)
     guide = pb.guides.Laplace(model, "kron", subset=sites)
     guide.fit_curvature((x, y))
     star = {k: v.detach() for k, v in guide.map_values().items()}

@@ -37,6 +37,7 @@ from ...curvature import (
 from ...curvature import marglik as ml
 from ...data.batches import checked_source, split_batch
 from ...model.bnn import is_bnn, model_likelihood, num_augmentations
+from ...model.dataflow import recording_normalization_feeding
 from ...model.likelihoods import Gaussian
 from ..draw_quantiles import (
     QUANTILE_DRAWS,
@@ -238,6 +239,8 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         self.online: OnlineEvidence | None = None   # during a fit with marglik=
         # what the handlers around the model do (handlers.read_handlers, at set-up)
         self._conditioned_values, self._hidden_sites = {}, []
+        #: paths of the layers that fed a normalisation layer in the set-up run (None: not read)
+        self.normalization_feeding: tuple[str, ...] | None = None
         self._prior_scale = self._likelihood_scale = 1.0
 
     def extra_repr(self) -> str:
@@ -258,7 +261,17 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         return self._base_model[0]
 
     def _setup_prototype(self, *args, **kwargs):
-        super()._setup_prototype(*args, **kwargs)
+        network = unwrap_model(self.base_model)
+        if isinstance(network, nn.Module):
+            # the set-up run of the model also tells which layers feed a normalisation layer,
+            # including those a PyroModule's own forward wires by hand (torch.fx cannot read it)
+            with recording_normalization_feeding(network, whole_layer=True) as record:
+                super()._setup_prototype(*args, **kwargs)
+            found = record.layers()
+            self.normalization_feeding = None if found is None else tuple(path for path, _ in found)
+        else:
+            super()._setup_prototype(*args, **kwargs)
+            self.normalization_feeding = None
         self._set_up_by_this_call = True      # read (once) by forward: a set-up call, not a draw
         self.theta = nn.ParameterDict()
         self.site_shapes: dict[str, torch.Size] = {}
@@ -271,7 +284,7 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
             if any(f.full_size not in (None, f.size) for f in site["cond_indep_stack"]):
                 raise ValueError(f"Laplace does not support subsampled latent sites; {name!r} is subsampled")
             self.site_shapes[name] = site["value"].shape
-        self.laplace_sites = select_sites(self.subset, list(self.site_shapes), unwrap_model(self.base_model))
+        self.laplace_sites = select_sites(self.subset, list(self.site_shapes), network, self.normalization_feeding)
         self.fixed_sites = [s for s in self.site_shapes if s not in self.laplace_sites]
         # point estimates are stored unconstrained: value = transform(theta)
         self._point_transforms = point_estimate_transforms(sites, self.laplace_sites)

@@ -126,7 +126,8 @@ def point_estimate_transforms(sites: dict, laplace_sites: list[str]) -> dict:
     return transforms
 
 
-def select_sites(subset, names: list[str], network: nn.Module | None = None) -> list[str]:
+def select_sites(subset, names: list[str], network: nn.Module | None = None,
+                 feeding: tuple[str, ...] | None = None) -> list[str]:
     """The sites the Laplace covers, in site order (``subset`` as in :class:`Laplace`;
     ``"unnormalized"`` needs the model's ``network``)."""
     if subset == "all":
@@ -135,18 +136,22 @@ def select_sites(subset, names: list[str], network: nn.Module | None = None) -> 
         path = names[-1].rpartition(".")[0]
         return [s for s in names if s.rpartition(".")[0] == path]
     if subset == "unnormalized":
-        return unnormalized_sites(network, names)
+        return unnormalized_sites(network, names, feeding)
     unknown = sorted(set(subset) - set(names))
     if unknown:
         raise ValueError(f"subset names sites the model lacks: {unknown}; it has {names}")
     return [s for s in names if s in set(subset)]
 
 
-def unnormalized_sites(network: nn.Module | None, names: list[str]) -> list[str]:
+def unnormalized_sites(network: nn.Module | None, names: list[str],
+                       feeding: tuple[str, ...] | None = None) -> list[str]:
     """The sites whose scale no normalisation layer divides out: every site except the
     weights and biases of layers that feed a BatchNorm/LayerNorm/GroupNorm, directly or
     through a ReLU, which commutes with a positive scale of weight and bias together
-    (:func:`~pyro_bnn.model.batchnorm.layers_feeding_normalization` with ``whole_layer=True``).
+    (``whole_layer=True``).  ``feeding`` names those layers as a run of the model found them
+    (:func:`~pyro_bnn.model.dataflow.recording_normalization_feeding`, which also reads a
+    ``PyroModule``'s hand-written ``forward``); without it the network is read without running
+    (:func:`~pyro_bnn.model.batchnorm.layers_feeding_normalization`).
 
     Raises
     ------
@@ -158,14 +163,19 @@ def unnormalized_sites(network: nn.Module | None, names: list[str]) -> list[str]
     if not isinstance(network, nn.Module):
         raise ValueError("subset='unnormalized' needs the model's network (a pb.BNN or a PyroModule) to find "
                          f"its normalisation layers, got a {type(network).__name__}")
-    feeding = {path for path, _ in layers_feeding_normalization(network, whole_layer=True)}
+    read_from_run = feeding is not None
+    if feeding is None:
+        feeding = [path for path, _ in layers_feeding_normalization(network, whole_layer=True)]
+    feeding = set(feeding)
     if not feeding:
+        where = ("in the model's set-up run" if read_from_run else
+                 "in nn.Sequential containers and in a forward that torch.fx can trace (a PyroModule model's "
+                 "forward, with pyro.sample and plates, is read from its run by pb.guides.Laplace)")
         raise ValueError("subset='unnormalized': no Linear/Conv layer of the network feeds a normalisation "
-                         "layer (BatchNorm, InstanceNorm, LayerNorm, GroupNorm), so it would cover every site. Layers are found "
-                         "in nn.Sequential containers and in a forward that torch.fx can trace; a forward it "
-                         "cannot trace (a PyroModule model's, with pyro.sample and plates) is not seen: name the "
-                         "sites instead, subset=[...] (the normalisation layers' weight/bias and the layers that "
-                         "feed none); without normalisation use subset='all'")
+                         "layer (BatchNorm, InstanceNorm, LayerNorm, GroupNorm), so it would cover every site "
+                         f"(layers were looked for {where}). Name the sites instead, subset=[...] (the "
+                         "normalisation layers' weight/bias and the layers that feed none); without "
+                         "normalisation use subset='all'")
     affine = [s for s in names if isinstance(site_module(network, s)[0], NORMALIZATION_LAYERS)]
     if not affine:
         raise ValueError(
