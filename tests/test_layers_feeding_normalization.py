@@ -258,9 +258,20 @@ def test_a_run_follows_uses_elsewhere_and_second_calls():
         def forward(self, x):
             return self.bn(self.a(x)) + self.a(x)
 
+    class WrittenInto(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            h = self.a(x)
+            buffer = torch.zeros(x.shape[0], 8)
+            buffer[:, :4] = h                   # a use that returns nothing
+            return self.bn(h).sum() + buffer.sum()
+
     x = torch.randn(8, 4)
     assert run_paths(Residual(), x) == [] and run_paths(Residual(), x, whole_layer=True) == ["b"]
-    assert run_paths(CalledTwice(), x) == []
+    assert run_paths(CalledTwice(), x) == [] and run_paths(WrittenInto(), x) == []
 
 
 class PyroCNN(PyroModule):

@@ -79,6 +79,10 @@ class _Recorder(TorchFunctionMode):
         leaves = tree_leaves((args, kwargs))
         if not any(self.origins(leaf) for leaf in leaves):
             return
+        if func is torch.Tensor.__setitem__:    # written into another tensor (returns None): a use
+            for leaf in leaves:
+                self.record.escaped |= self.origins(leaf)
+            return
         if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(out)):
             return                          # metadata (x.dim(), x.shape, x.size(0)): not a use
         first = args[0] if args else None
