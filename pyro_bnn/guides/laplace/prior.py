@@ -430,11 +430,12 @@ def warn_evidence_under_normalization(guide) -> None:
     (``subset="unnormalized"``, twenty-first session) does at 60 epochs (0.318, ECE 0.011) but is
     not converged there, and at 120 epochs its ECE (0.065) is above the MAP net's.
     """
+    network = unwrap_model(guide.base_model)
     if guide.normalization_feeding is not None:       # read from the guide's set-up run of the model
-        feeding = set(guide.normalization_feeding)
+        feeding = {id(network.get_submodule(path)) for path in guide.normalization_feeding}
     else:
-        feeding = {path for path, _ in layers_feeding_normalization(unwrap_model(guide.base_model), whole_layer=True)}
-    names = [layer.path for layer in guide.layers if layer.path in feeding]
+        feeding = {id(layer) for _, layer in layers_feeding_normalization(network, whole_layer=True)}
+    names = [layer.path for layer in guide.layers if id(layer.module) in feeding]
     if names:
         warnings.warn(
             f"the Laplace evidence tunes the prior of layers that feed a normalisation layer ({short_list(names)}): "
