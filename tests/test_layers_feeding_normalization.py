@@ -327,3 +327,29 @@ def test_recording_leaves_the_run_as_it_was():
 
     for a, b in zip(set_up(True), set_up(False)):
         assert torch.equal(a, b)
+
+
+def test_a_reading_that_fails_leaves_the_run_and_falls_back(monkeypatch):
+    """An error inside the recording must not break the user's set-up run: the record says it
+    failed and the Laplace guide reads the network statically instead."""
+    from pyro_bnn.model import dataflow
+
+    def broken(self, *args):
+        raise RuntimeError("reading failed")
+
+    monkeypatch.setattr(dataflow._Recorder, "_read", broken)
+    x = torch.randn(8, 1, 16, 16)
+    net = HandWritten()
+    with recording_normalization_feeding(net) as record:
+        out = net(x)
+    assert out.shape == (8, 3) and record.failed and record.layers() is None
+
+    def stochastic(name, module, param):
+        return isinstance(module, (nn.Linear, nn.Conv2d, nn.BatchNorm2d, nn.LayerNorm))
+
+    model = pb.BNN(HandWritten(), "categorical", stochastic=stochastic)
+    guide = pb.guides.Laplace(model, "kron", subset="unnormalized")
+    model.eval()
+    guide.fit_curvature((torch.randn(32, 1, 16, 16), torch.randint(0, 3, (32,))))
+    assert guide.normalization_feeding is None                     # the static reading decided
+    assert guide.fixed_sites == ["net.c1.weight", "net.c1.bias", "net.fc.weight", "net.fc.bias"]
