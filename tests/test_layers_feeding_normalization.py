@@ -353,3 +353,18 @@ def test_a_reading_that_fails_leaves_the_run_and_falls_back(monkeypatch):
     guide.fit_curvature((torch.randn(32, 1, 16, 16), torch.randint(0, 3, (32,))))
     assert guide.normalization_feeding is None                     # the static reading decided
     assert guide.fixed_sites == ["net.c1.weight", "net.c1.bias", "net.fc.weight", "net.fc.bias"]
+
+
+def test_a_pyro_module_is_read_when_plain_svi_sets_the_guide_up():
+    """A Pyro user's own loop: the first ``SVI.step`` runs the guide's set-up, which reads the
+    layer before BatchNorm from that run; the trained guide then selects the same sites."""
+    torch.manual_seed(0)
+    pyro.clear_param_store()
+    model = PyroCNN()
+    x, y = torch.randn(16, 1, 16, 16), torch.randint(0, 3, (16,))
+    guide = pb.guides.Laplace(model, "kron", subset="unnormalized")
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), pyro.infer.Trace_ELBO())
+    for _ in range(3):
+        svi.step(x, y)
+    assert guide.normalization_feeding == ("conv",)
+    assert guide.fixed_sites == ["conv.weight", "conv.bias"]

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from .batchnorm import _WEIGHT_LAYERS, NORMALIZATION_LAYERS, _Reading
 
@@ -31,8 +30,7 @@ class FeedingRecord:
     caller falls back on the static reading)."""
 
     def __init__(self, root: nn.Module):
-        self._paths = {id(m): path for path, m in root.named_modules() if isinstance(m, _WEIGHT_LAYERS)}
-        self._modules = {id(m): m for m in root.modules() if isinstance(m, _WEIGHT_LAYERS)}
+        self._layers = {id(m): (path, m) for path, m in root.named_modules() if isinstance(m, _WEIGHT_LAYERS)}
         self.reached: set[int] = set()       # layers whose output reached a normalisation input
         self.escaped: set[int] = set()       # ... and those with a use that is anything else
         self.failed = False
@@ -43,7 +41,18 @@ class FeedingRecord:
         if self.failed:
             return None
         feeding = self.reached - self.escaped
-        return [(path, self._modules[key]) for key, path in self._paths.items() if key in feeding]
+        return [layer for key, layer in self._layers.items() if key in feeding]
+
+
+def _tensors(value) -> list:
+    """The tensors in a call's arguments or result (nested in tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
 
 
 class _Recorder(TorchFunctionMode):
@@ -76,14 +85,14 @@ class _Recorder(TorchFunctionMode):
         return out
 
     def _read(self, func, args, kwargs, out) -> None:
-        leaves = tree_leaves((args, kwargs))
+        leaves = _tensors((args, kwargs))
         if not any(self.origins(leaf) for leaf in leaves):
             return
         if func is torch.Tensor.__setitem__:    # written into another tensor (returns None): a use
             for leaf in leaves:
                 self.record.escaped |= self.origins(leaf)
             return
-        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(out)):
+        if not _tensors(out):
             return                          # metadata (x.dim(), x.shape, x.size(0)): not a use
         first = args[0] if args else None
         normalizes = func in self.reading.functions
