@@ -2,7 +2,8 @@
 
 1. Plain ``Predictive`` on a ``pb.BNN`` whose BatchNorm layers are in train mode (``pb.fit``
    leaves a new network in train mode) normalises each prediction with its own batch and
-   overwrites the running statistics: warned (``BatchNormTrainModeWarning``).
+   overwrites the running statistics: warned (``BatchNormTrainModeWarning``); so is a user's own
+   ``PyroModule`` with BatchNorm, through the pyro_bnn guide that ``Predictive`` runs.
 2. ``pb.predict(..., bn_data=x_train)`` re-estimates every BatchNorm layer's statistics under
    each weight draw (SWAG's practice): checked against the statistics computed by hand, for a
    tensor and a loader, with every buffer, momentum and mode restored afterwards.
@@ -10,10 +11,13 @@
 
 import warnings
 
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from helpers import HandWritten, mlp
-from pyro.infer import Predictive
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.nn import PyroModule, PyroSample
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -298,3 +302,48 @@ def test_invariance_map_predict_runs_in_eval_mode():
     with torch.no_grad():
         expected = torch.softmax(model.run_with(values, d.x_test[:50]), -1)
     torch.testing.assert_close(probs, expected)
+
+
+class HandWrittenBN(PyroModule):
+    """A user's own PyroModule: Linear → BatchNorm → ReLU → Linear, the observation in a plate."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn = PyroModule[nn.Linear](64, 16), nn.BatchNorm1d(16)
+        self.fc2 = PyroModule[nn.Linear](16, 10)
+        for mod in (self.fc1, self.fc2):
+            for name, p in list(mod.named_parameters()):
+                setattr(mod, name, PyroSample(dist.Normal(0.0, 1.0).expand(p.shape).to_event(p.dim())))
+
+    def forward(self, x, y=None):
+        logits = self.fc2(torch.relu(self.bn(self.fc1(x))))
+        with pyro.plate("data", x.shape[0]):
+            return pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+
+
+@pytest.mark.parametrize("guide_name", ["meanfield", "laplace"])
+def test_predictive_on_a_users_pyro_module_in_train_mode_is_warned(guide_name):
+    """pb.BNN warns from its own forward; a user's PyroModule is warned by the pyro_bnn guide that
+    Predictive runs (poutine.get_mask() is False there), and never during SVI training."""
+    d = pb.datasets.digits()
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    model = HandWrittenBN()
+    guide = (pb.guides.MeanField(model) if guide_name == "meanfield"
+             else pb.guides.Laplace(model, "kron", subset="last_layer"))
+    x, y = d.x_train[:64], d.y_train[:64]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # training in train mode: batch statistics are right
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+        for _ in range(3):
+            svi.step(x, y)
+    if guide_name == "laplace":
+        guide.fit_curvature((x, y))
+    before = buffers(model)
+    with pytest.warns(pb.BatchNormTrainModeWarning, match=r"Predictive runs the model .*train mode \(bn\).*model\.eval\(\)"):
+        Predictive(model, guide=guide, num_samples=2)(d.x_test[:20])
+    assert not torch.equal(before["bn.running_mean"], model.bn.running_mean)  # what it warns about
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Predictive(model, guide=guide, num_samples=2)(d.x_test[:20])

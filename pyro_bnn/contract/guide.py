@@ -25,7 +25,8 @@ from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
-from ..model.bnn import example_input, initial_values_of, site_module
+from ..model.batchnorm import warn_if_predictive_in_train_mode
+from ..model.bnn import BNN, example_input, initial_values_of, site_module
 from .local_params import local_params, prepare_local_params
 from .param_store import expose_unconstrained, global_param_mode, sync_param_store
 from .pyro_objective import PyroObjective
@@ -106,6 +107,9 @@ class BNNGuide:
         if not global_param_mode():
             prepare_local_params(*modules)
         self.set_up(*args, **kwargs)
+        model = self.approximated_model()
+        if not isinstance(model, BNN):  # a pb.BNN warns from its own forward
+            warn_if_predictive_in_train_mode(model)
         if global_param_mode():
             sync_param_store(*modules)
         else:

@@ -24,7 +24,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["batchnorm_layers", "warn_batchnorm_in_train_mode", "BatchNormTrainModeWarning",
+__all__ = ["batchnorm_layers", "warn_batchnorm_in_train_mode", "warn_if_predictive_in_train_mode",
+           "BatchNormTrainModeWarning",
            "layers_feeding_normalization", "NORMALIZATION_LAYERS", "short_list"]
 
 #: Layers that divide their input's scale out: BatchNorm / InstanceNorm (per channel), LayerNorm
@@ -57,7 +58,8 @@ _FUNCTIONAL_FORMS = ((nn.modules.batchnorm._BatchNorm, F.batch_norm), (nn.module
 
 
 class BatchNormTrainModeWarning(UserWarning):
-    """A ``pb.BNN`` predicted (``y=None``) with BatchNorm layers in train mode."""
+    """A model predicted (a ``pb.BNN`` called with ``y=None``, or any model run by Pyro's
+    ``Predictive`` with a pyro_bnn guide) with BatchNorm layers in train mode."""
 
 
 def _keeps_statistics(m: nn.Module) -> bool:
@@ -69,17 +71,30 @@ def batchnorm_layers(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]
     return [m for m in module.modules() if _keeps_statistics(m)]
 
 
-def warn_batchnorm_in_train_mode(module: nn.Module) -> None:
+def warn_batchnorm_in_train_mode(module: nn.Module, when: str = "the model predicts (y=None)") -> None:
     """Warn if a BatchNorm layer of ``module`` is in train mode (called when the model
-    predicts, i.e. runs without observations)."""
+    predicts, i.e. runs without observations; ``when`` says how the prediction was seen)."""
     names = [name for name, m in module.named_modules() if _keeps_statistics(m) and m.training]
     if names:
         warnings.warn(
-            f"the model predicts (y=None) with BatchNorm layers in train mode ({short_list(names, 3)}): each prediction is normalised with its own batch's "
+            f"{when} with BatchNorm layers in train mode ({short_list(names, 3)}): each prediction is normalised with its own batch's "
             "statistics and overwrites the running statistics learnt in training with those of the "
             "inputs predicted; call model.eval() before Predictive (and model.train() before training "
             "again), or use pb.predict, which runs in eval mode itself",
             BatchNormTrainModeWarning, stacklevel=2)
+
+
+def warn_if_predictive_in_train_mode(model: nn.Module | None) -> None:
+    """Warn when Pyro's ``Predictive`` runs a guide of ``model`` while BatchNorm layers of
+    ``model`` are in train mode.
+
+    ``Predictive`` runs the guide, then the model, under ``poutine.mask(False)`` (it needs draws,
+    not log densities); :func:`pyro.poutine.get_mask` is Pyro's public way to see that.  Training
+    objectives never mask every site, so a fit in train mode is not warned.  Called by every
+    pyro_bnn guide, so a user's own ``PyroModule`` (whose ``forward`` pyro_bnn does not run
+    itself) is covered; a ``pb.BNN`` warns from its own ``forward``."""
+    if model is not None and poutine.get_mask() is False:
+        warn_batchnorm_in_train_mode(model, "pyro.infer.Predictive runs the model")
 
 
 def short_list(names: list[str], limit: int = 5) -> str:
