@@ -66,6 +66,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.analysis.ood import evaluate_probs
 from pyro_bnn.contract.guide import registered_guides
+from pyro_bnn.contract.modes import buffers_kept
 from pyro_bnn.guides.symmetrized import symmetrized_elbo
 from pyro_bnn.posterior.prediction import evaluation_mode
 from pyro_bnn.training.convergence import LIMITED_MOVE, diagnose
@@ -218,34 +219,36 @@ def predict_pair(args, model, guide, data, *, num_samples, predictive="sample", 
     return p_in, p_out
 
 
+def _full_elbo_draws(loss, x, y, draws, chunk) -> list[float]:
+    """``draws`` full-data ELBO estimates ``−Σ_c (B_c/N) · loss(x_c, y_c, N)`` over chunks of x
+    (each ``loss = −(N/B_c) log p(y_c|w) + KL`` at its own draw, so each sum is an unbiased
+    estimate of ``log p(y|w) summed over all N − KL``)."""
+    n = len(x)
+    return [-sum(float(loss(x[i:i + chunk], y[i:i + chunk], n)) * len(x[i:i + chunk]) / n
+                 for i in range(0, n, chunk)) for _ in range(draws)]
+
+
 def full_elbo(model, guide, x, y, draws=5, chunk=10000):
-    """Full-data ELBO of a MeanField guide: ``Σ_c (B_c/N) · loss_c`` over chunks of x (each
-    ``loss_c = −(N/B_c) log p(y_c|w) + KL`` at its own draw), which is an unbiased estimate of
-    ``−(log p(y|w) summed over all N − KL)``; mean of ``draws`` such estimates.  Runs the model
-    in its current mode (train mode: the training objective) and puts its buffers back (BatchNorm's
-    running statistics)."""
+    """Full-data ELBO of a MeanField guide (:func:`_full_elbo_draws` of its closed-form-KL loss),
+    mean of ``draws`` estimates.  Runs the model in its current mode (train mode: the training
+    objective) and puts its buffers back (BatchNorm's running statistics)."""
     from pyro_bnn.contract.local_params import local_params
-    from pyro_bnn.contract.modes import buffers_kept
     from pyro_bnn.guides.meanfield import meanfield_loss
 
-    n = len(x)
-    with torch.no_grad(), local_params(model, guide), buffers_kept(model):  # train mode moves BatchNorm's
-        vals = [-sum(float(meanfield_loss(model, guide, x[i:i + chunk], y[i:i + chunk], n))  # statistics
-                     * len(x[i:i + chunk]) / n for i in range(0, n, chunk)) for _ in range(draws)]
+    with torch.no_grad(), local_params(model, guide), buffers_kept(model):
+        vals = _full_elbo_draws(lambda xc, yc, n: meanfield_loss(model, guide, xc, yc, n), x, y, draws, chunk)
     return sum(vals) / len(vals)
 
 
 def autonormal_full_elbo(model, guide, x, y, draws=5, chunk=10000) -> tuple[float, float]:
-    """Full-data ``Trace_ELBO`` of a guide under plain SVI: ``Σ_c (B_c/N) · loss_c`` over
-    chunks of x (each an unbiased estimate at its own draw), ``draws`` times; returns the mean
-    and its standard error.  Far less noisy than an epoch's mean of minibatch estimates (each
-    scaled by N/64)."""
+    """Full-data ``Trace_ELBO`` of a guide under plain SVI (:func:`_full_elbo_draws`): the mean
+    of ``draws`` estimates and its standard error.  Far less noisy than an epoch's mean of
+    minibatch estimates (each scaled by N/64).  Buffers are put back, as in :func:`full_elbo`."""
     from pyro.infer import Trace_ELBO
 
-    n, elbo = len(x), Trace_ELBO()
-    with torch.no_grad():
-        vals = [-sum(elbo.loss(model, guide, x[i:i + chunk], y[i:i + chunk], n) * len(x[i:i + chunk]) / n
-                     for i in range(0, n, chunk)) for _ in range(draws)]
+    elbo = Trace_ELBO()
+    with torch.no_grad(), buffers_kept(model):
+        vals = _full_elbo_draws(lambda xc, yc, n: elbo.loss(model, guide, xc, yc, n), x, y, draws, chunk)
     mean = sum(vals) / draws
     se = (sum((v - mean) ** 2 for v in vals) / (draws - 1) / draws) ** 0.5
     return mean, se
@@ -562,7 +565,7 @@ def delta_by_validation(args, model, guide, data) -> dict:
             valid_nll = guide.optimize_prior_precision(method="gridsearch", val=data["valid"], grid=grid)
         r = score(*predict_pair(args, model, guide, data, num_samples=args.num_samples, predictive="glm"),
                   data["test"][1])
-        candidates, losses = guide.gridsearch_losses
+        losses = guide.gridsearch_losses[1]
         r.update(prior_precision=guide.prior_precision.tolist(), valid_nll=valid_nll,
                  log_evidence=float(guide.log_evidence()), grid_valid_nll=[round(float(v), 4) for v in losses],
                  seconds=time.perf_counter() - t0,

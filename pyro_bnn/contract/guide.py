@@ -19,13 +19,14 @@ import functools
 import math
 from collections.abc import Callable
 
+import pyro.poutine as poutine
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
-from ..model.batchnorm import warn_if_predictive_in_train_mode
+from ..model.batchnorm import warn_batchnorm_in_train_mode
 from ..model.bnn import BNN, example_input, initial_values_of, site_module
 from .local_params import local_params, prepare_local_params
 from .param_store import expose_unconstrained, global_param_mode, sync_param_store
@@ -107,9 +108,12 @@ class BNNGuide:
         if not global_param_mode():
             prepare_local_params(*modules)
         self.set_up(*args, **kwargs)
-        model = self.approximated_model()
-        if not isinstance(model, BNN):  # a pb.BNN warns from its own forward
-            warn_if_predictive_in_train_mode(model)
+        # Pyro's Predictive runs the guide under poutine.mask(False) (draws, not densities; no
+        # training objective masks every site): a user's own model with BatchNorm in train mode
+        # would predict on batch statistics and overwrite its running ones (pb.BNN warns itself)
+        model = self.approximated_model() if poutine.get_mask() is False else None
+        if model is not None and not isinstance(model, BNN):
+            warn_batchnorm_in_train_mode(model, "pyro.infer.Predictive runs the model")
         if global_param_mode():
             sync_param_store(*modules)
         else:

@@ -24,8 +24,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["batchnorm_layers", "warn_batchnorm_in_train_mode", "warn_if_predictive_in_train_mode",
-           "BatchNormTrainModeWarning",
+__all__ = ["batchnorm_layers", "warn_batchnorm_in_train_mode", "BatchNormTrainModeWarning",
            "layers_feeding_normalization", "NORMALIZATION_LAYERS", "short_list"]
 
 #: Layers that divide their input's scale out: BatchNorm / InstanceNorm (per channel), LayerNorm
@@ -82,19 +81,6 @@ def warn_batchnorm_in_train_mode(module: nn.Module, when: str = "the model predi
             "inputs predicted; call model.eval() before Predictive (and model.train() before training "
             "again), or use pb.predict, which runs in eval mode itself",
             BatchNormTrainModeWarning, stacklevel=2)
-
-
-def warn_if_predictive_in_train_mode(model: nn.Module | None) -> None:
-    """Warn when Pyro's ``Predictive`` runs a guide of ``model`` while BatchNorm layers of
-    ``model`` are in train mode.
-
-    ``Predictive`` runs the guide, then the model, under ``poutine.mask(False)`` (it needs draws,
-    not log densities); :func:`pyro.poutine.get_mask` is Pyro's public way to see that.  Training
-    objectives never mask every site, so a fit in train mode is not warned.  Called by every
-    pyro_bnn guide, so a user's own ``PyroModule`` (whose ``forward`` pyro_bnn does not run
-    itself) is covered; a ``pb.BNN`` warns from its own ``forward``."""
-    if model is not None and poutine.get_mask() is False:
-        warn_batchnorm_in_train_mode(model, "pyro.infer.Predictive runs the model")
 
 
 def short_list(names: list[str], limit: int = 5) -> str:
