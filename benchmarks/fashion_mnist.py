@@ -30,7 +30,8 @@ Rows (``--rows``, comma separated):
   (``--hn-prior-precision``: fixed g-prior precisions; ``--hn-marglik``: learned by the Laplace
   evidence of the mean network, ``pb.fit(..., marglik=)``);
 * ``autonormal`` — Pyro's ``AutoNormal`` under plain ``SVI`` (``Trace_ELBO``, Adam, lr ``--an-lr``, default 1e-3;
-  ``--an-schedule cosine``: ``pyro.optim.CosineAnnealingLR`` stepped once per epoch).
+  ``--an-schedule cosine``: ``pyro.optim.CosineAnnealingLR`` stepped once per epoch;
+  ``--an-full-elbo-every K``: the full-data ELBO every K epochs as well, ``elbo_full_curve``).
 
 Architectures (``--arch``): ``mlp`` 784-200-200-10 ReLU; ``cnn`` LeNet-5 style: conv 1→6 5×5,
 max-pool 2, conv 6→16 5×5, max-pool 2, fc 256→120→84→10, ReLU; ``bn-cnn`` the BatchNorm CNN of
@@ -445,9 +446,9 @@ def row_autonormal(args, data):
     else:
         optim = pyro.optim.Adam({"lr": args.an_lr})
     svi = SVI(model, guide, optim, Trace_ELBO())
-    losses, secs, lrs = [], [], []
+    losses, secs, lrs, full_curve = [], [], [], []
     scales0 = None
-    for _ in range(args.epochs):
+    for epoch in range(1, args.epochs + 1):
         t0, total = time.perf_counter(), 0.0
         perm = torch.randperm(len(x))
         for i in range(0, len(x), 64):
@@ -460,6 +461,8 @@ def row_autonormal(args, data):
             optim.step()
         losses.append(total)
         secs.append(time.perf_counter() - t0)
+        if args.an_full_elbo_every and epoch % args.an_full_elbo_every == 0 and epoch < args.epochs:
+            full_curve.append((epoch, *autonormal_full_elbo(model, guide, x, y)))
     # check (b) of pb.fit's diagnosis: the share of scales that moved at Adam's maximum rate
     budget = sum(lrs)
     moved = [(v.detach() - scales0[k]).abs() >= LIMITED_MOVE * budget for k, v in _autonormal_scales(guide).items()]
@@ -474,6 +477,9 @@ def row_autonormal(args, data):
                                            if ".scales." in k]).mean()))
     row["elbo_full_data"], row["elbo_full_data_se"] = autonormal_full_elbo(model, guide, x, y)
     row["bound_full_data"] = row["elbo_full_data"]
+    # the full-data ELBO along the fit: (epoch, mean, standard error), the last at the end
+    row["elbo_full_curve"] = [[e, round(m, 1), round(s, 1)] for e, m, s in
+                              full_curve + [(args.epochs, row["elbo_full_data"], row["elbo_full_data_se"])]]
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     return row
 
@@ -642,6 +648,8 @@ def main(argv=None):
     parser.add_argument("--hn-lr", type=float, default=None, help="Hypernet lr (default: the guide's 1e-2)")
     parser.add_argument("--hn-flows", type=int, default=None, help="Hypernet IAF blocks (default the registry's 8)")
     parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI)")
+    parser.add_argument("--an-full-elbo-every", type=int, default=0,
+                        help="AutoNormal: also estimate the full-data ELBO every this many epochs (0: only at the end)")
     parser.add_argument("--an-schedule", choices=["constant", "cosine"], default="constant",
                         help="AutoNormal's lr schedule: constant, or pyro.optim.CosineAnnealingLR stepped per epoch")
     parser.add_argument("--adam-eps-per-datum", type=float, default=None,
