@@ -67,7 +67,6 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.analysis.ood import evaluate_probs
 from pyro_bnn.contract.guide import registered_guides
-from pyro_bnn.contract.modes import buffers_kept
 from pyro_bnn.guides.symmetrized import symmetrized_elbo
 from pyro_bnn.posterior.prediction import evaluation_mode
 from pyro_bnn.training.convergence import LIMITED_MOVE, diagnose
@@ -220,39 +219,20 @@ def predict_pair(args, model, guide, data, *, num_samples, predictive="sample", 
     return p_in, p_out
 
 
-def _full_elbo_draws(loss, x, y, draws, chunk) -> list[float]:
-    """``draws`` full-data ELBO estimates ``−Σ_c (B_c/N) · loss(x_c, y_c, N)`` over chunks of x
-    (each ``loss = −(N/B_c) log p(y_c|w) + KL`` at its own draw, so each sum is an unbiased
-    estimate of ``log p(y|w) summed over all N − KL``)."""
-    n = len(x)
-    return [-sum(float(loss(x[i:i + chunk], y[i:i + chunk], n)) * len(x[i:i + chunk]) / n
-                 for i in range(0, n, chunk)) for _ in range(draws)]
+def full_elbo(model, guide, x, y, objective=None) -> tuple[float, float]:
+    """Full-data training objective (the ELBO) and its standard error: the library's
+    :func:`~pyro_bnn.training.convergence_check.estimate_objective` over all of ``x`` in chunks
+    of 10,000, 5 draws, without gradients (the model in its current mode, buffers put back).
+    Far less noisy than an epoch's mean of minibatch estimates (each scaled by N/64)."""
+    with torch.no_grad():
+        return estimate_objective(model, guide, (x, y), num_samples=5, eval_batch_size=10000, objective=objective)
 
 
-def full_elbo(model, guide, x, y, draws=5, chunk=10000):
-    """Full-data ELBO of a MeanField guide (:func:`_full_elbo_draws` of its closed-form-KL loss),
-    mean of ``draws`` estimates.  Runs the model in its current mode (train mode: the training
-    objective) and puts its buffers back (BatchNorm's running statistics)."""
-    from pyro_bnn.contract.local_params import local_params
-    from pyro_bnn.guides.meanfield import meanfield_loss
-
-    with torch.no_grad(), local_params(model, guide), buffers_kept(model):
-        vals = _full_elbo_draws(lambda xc, yc, n: meanfield_loss(model, guide, xc, yc, n), x, y, draws, chunk)
-    return sum(vals) / len(vals)
-
-
-def autonormal_full_elbo(model, guide, x, y, draws=5, chunk=10000) -> tuple[float, float]:
-    """Full-data ``Trace_ELBO`` of a guide under plain SVI (:func:`_full_elbo_draws`): the mean
-    of ``draws`` estimates and its standard error.  Far less noisy than an epoch's mean of
-    minibatch estimates (each scaled by N/64).  Buffers are put back, as in :func:`full_elbo`."""
+def trace_elbo_loss(model, guide, x, y, num_data):
+    """Pyro's ``Trace_ELBO`` loss as an ``estimate_objective`` objective (a guide under plain SVI)."""
     from pyro.infer import Trace_ELBO
 
-    elbo = Trace_ELBO()
-    with torch.no_grad(), buffers_kept(model):
-        vals = _full_elbo_draws(lambda xc, yc, n: elbo.loss(model, guide, xc, yc, n), x, y, draws, chunk)
-    mean = sum(vals) / draws
-    se = (sum((v - mean) ** 2 for v in vals) / (draws - 1) / draws) ** 0.5
-    return mean, se
+    return Trace_ELBO().loss(model, guide, x, y, num_data)
 
 
 def fit_summary(res) -> dict:
@@ -298,7 +278,7 @@ def row_meanfield(args, data):
     fit_kw = {} if args.lr is None else {"lr": args.lr}
     res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples, **fit_kw)
     row = fit_summary(res)
-    row["elbo_full_data"] = full_elbo(model, guide, *data["train"])
+    row["elbo_full_data"], row["elbo_full_data_se"] = full_elbo(model, guide, *data["train"])
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     x, y = data["train"]
     p = pb.predict(model, guide, x[:10000], num_samples=16, batch_size=2000)
@@ -462,7 +442,7 @@ def row_autonormal(args, data):
         losses.append(total)
         secs.append(time.perf_counter() - t0)
         if args.an_full_elbo_every and epoch % args.an_full_elbo_every == 0 and epoch < args.epochs:
-            full_curve.append((epoch, *autonormal_full_elbo(model, guide, x, y)))
+            full_curve.append((epoch, *full_elbo(model, guide, x, y, trace_elbo_loss)))
     # check (b) of pb.fit's diagnosis: the share of scales that moved at Adam's maximum rate
     budget = sum(lrs)
     moved = [(v.detach() - scales0[k]).abs() >= LIMITED_MOVE * budget for k, v in _autonormal_scales(guide).items()]
@@ -475,7 +455,7 @@ def row_autonormal(args, data):
                # the constrained σ (AutoNormal's scales are softplus-positive): from the param store
                mean_sigma=float(torch.cat([v.detach().reshape(-1) for k, v in pyro.get_param_store().items()
                                            if ".scales." in k]).mean()))
-    row["elbo_full_data"], row["elbo_full_data_se"] = autonormal_full_elbo(model, guide, x, y)
+    row["elbo_full_data"], row["elbo_full_data_se"] = full_elbo(model, guide, x, y, trace_elbo_loss)
     row["bound_full_data"] = row["elbo_full_data"]
     # the full-data ELBO along the fit: (epoch, mean, standard error), the last at the end
     row["elbo_full_curve"] = [[e, round(m, 1), round(s, 1)] for e, m, s in
