@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     if args.guide == "meanfield":  # last: the ELBO runs the network in train mode (BatchNorm batch statistics)
         from fashion_mnist import full_elbo  # benchmarks/fashion_mnist.py
 
-        row["elbo_full_data"], row["elbo_full_data_se"] = full_elbo(model, guide, x, y)
+        row["elbo_full_data"], row["elbo_full_data_se"], row["elbo_full_data_median"] = full_elbo(model, guide, x, y)
     line = json.dumps(row, default=float)
     print(line)
     for name, r in (("running statistics", running), ("per-draw (bn_data)", per_draw)):

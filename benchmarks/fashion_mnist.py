@@ -31,7 +31,8 @@ Rows (``--rows``, comma separated):
   evidence of the mean network, ``pb.fit(..., marglik=)``);
 * ``autonormal`` — Pyro's ``AutoNormal`` under plain ``SVI`` (``Trace_ELBO``, Adam, lr ``--an-lr``, default 1e-3;
   ``--an-schedule cosine``: ``pyro.optim.CosineAnnealingLR`` stepped once per epoch;
-  ``--an-full-elbo-every K``: the full-data ELBO every K epochs as well, ``elbo_full_curve``).
+  ``--an-full-elbo-every K``: the full-data ELBO every K epochs as well, ``elbo_full_curve``:
+  epoch, mean, standard error and median of 5 draws).
 
 Architectures (``--arch``): ``mlp`` 784-200-200-10 ReLU; ``cnn`` LeNet-5 style: conv 1→6 5×5,
 max-pool 2, conv 6→16 5×5, max-pool 2, fc 256→120→84→10, ReLU; ``bn-cnn`` the BatchNorm CNN of
@@ -54,7 +55,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import resource
+import statistics
 import sys
 import time
 import warnings
@@ -70,7 +73,7 @@ from pyro_bnn.contract.guide import registered_guides
 from pyro_bnn.guides.symmetrized import symmetrized_elbo
 from pyro_bnn.posterior.prediction import evaluation_mode
 from pyro_bnn.training.convergence import LIMITED_MOVE, diagnose
-from pyro_bnn.training.convergence_check import estimate_objective
+from pyro_bnn.training.convergence_check import estimate_objective, objective_draws
 from pyro_bnn.training.optimizer import default_optimizer
 from pyro_bnn.training.seeding import seeded
 
@@ -219,13 +222,15 @@ def predict_pair(args, model, guide, data, *, num_samples, predictive="sample", 
     return p_in, p_out
 
 
-def full_elbo(model, guide, x, y, objective=None) -> tuple[float, float]:
-    """Full-data training objective (the ELBO) and its standard error: the library's
-    :func:`~pyro_bnn.training.convergence_check.estimate_objective` over all of ``x`` in chunks
-    of 10,000, 5 draws, without gradients (the model in its current mode, buffers put back).
-    Far less noisy than an epoch's mean of minibatch estimates (each scaled by N/64)."""
+def full_elbo(model, guide, x, y, objective=None) -> tuple[float, float, float]:
+    """Full-data training objective (the ELBO): the mean of 5 draws, its standard error, and the
+    median of the draws (the typical value when one draw of the weights wrecks the net).  The
+    draws are the library's :func:`~pyro_bnn.training.convergence_check.objective_draws` over all
+    of ``x`` in chunks of 10,000, without gradients (the model in its current mode, buffers put
+    back).  Far less noisy than an epoch's mean of minibatch estimates (each scaled by N/64)."""
     with torch.no_grad():
-        return estimate_objective(model, guide, (x, y), num_samples=5, eval_batch_size=10000, objective=objective)
+        draws = objective_draws(model, guide, (x, y), num_samples=5, eval_batch_size=10000, objective=objective)
+    return statistics.fmean(draws), statistics.stdev(draws) / math.sqrt(len(draws)), statistics.median(draws)
 
 
 def trace_elbo_loss(model, guide, x, y, num_data):
@@ -278,7 +283,7 @@ def row_meanfield(args, data):
     fit_kw = {} if args.lr is None else {"lr": args.lr}
     res = fit_row(args, model, guide, data["train"], num_samples=args.num_samples, **fit_kw)
     row = fit_summary(res)
-    row["elbo_full_data"], row["elbo_full_data_se"] = full_elbo(model, guide, *data["train"])
+    row["elbo_full_data"], row["elbo_full_data_se"], row["elbo_full_data_median"] = full_elbo(model, guide, *data["train"])
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     x, y = data["train"]
     p = pb.predict(model, guide, x[:10000], num_samples=16, batch_size=2000)
@@ -455,11 +460,12 @@ def row_autonormal(args, data):
                # the constrained σ (AutoNormal's scales are softplus-positive): from the param store
                mean_sigma=float(torch.cat([v.detach().reshape(-1) for k, v in pyro.get_param_store().items()
                                            if ".scales." in k]).mean()))
-    row["elbo_full_data"], row["elbo_full_data_se"] = full_elbo(model, guide, x, y, trace_elbo_loss)
+    row["elbo_full_data"], row["elbo_full_data_se"], row["elbo_full_data_median"] = full_elbo(
+        model, guide, x, y, trace_elbo_loss)
     row["bound_full_data"] = row["elbo_full_data"]
-    # the full-data ELBO along the fit: (epoch, mean, standard error), the last at the end
-    row["elbo_full_curve"] = [[e, round(m, 1), round(s, 1)] for e, m, s in
-                              full_curve + [(args.epochs, row["elbo_full_data"], row["elbo_full_data_se"])]]
+    # the full-data ELBO along the fit: (epoch, mean, standard error, median), the last at the end
+    end = (args.epochs, row["elbo_full_data"], row["elbo_full_data_se"], row["elbo_full_data_median"])
+    row["elbo_full_curve"] = [[e, round(m, 1), round(s, 1), round(md, 1)] for e, m, s, md in full_curve + [end]]
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     return row
 

@@ -1,5 +1,6 @@
 """pb.check_convergence: fit twice as long and compare (the reliable convergence check)."""
 
+import statistics
 import warnings
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.training.convergence_check import estimate_objective
+from pyro_bnn.training.convergence_check import estimate_objective, objective_draws
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,26 @@ def test_estimate_objective_weights_minibatches_into_one_unbiased_estimate(regre
     with torch.no_grad(), local_params(model, guide):
         ref = -sum(float(objective(model, guide, *regression, num_data=100)) for _ in range(2000)) / 2000
     assert abs(full - ref) < 4 * full_se + 0.05
+
+
+def test_objective_draws_are_the_passes_estimate_objective_averages(regression):
+    """``objective_draws`` gives the independent per-pass estimates (distinct for a stochastic
+    guide) whose mean and standard error ``estimate_objective`` reports: at the same seed, the
+    same numbers to the last bit.  One draw is allowed; a standard error needs two."""
+    model, guide = _make_meanfield()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pb.ConvergenceWarning)
+        pb.fit(model, guide, regression, epochs=5, batch_size=100, seed=0, progress=False)
+    torch.manual_seed(3)
+    draws = objective_draws(model, guide, regression, num_samples=6, eval_batch_size=30)
+    torch.manual_seed(3)
+    mean, se = estimate_objective(model, guide, regression, num_samples=6, eval_batch_size=30)
+    assert len(draws) == 6 and len(set(draws)) == 6
+    assert mean == statistics.fmean(draws)
+    assert se == statistics.stdev(draws) / 6 ** 0.5
+    assert len(objective_draws(model, guide, regression, num_samples=1)) == 1
+    with pytest.raises(ValueError, match="num_samples"):
+        estimate_objective(model, guide, regression, num_samples=1)
 
 
 def test_estimate_objective_leaves_out_the_laplace_prior_normaliser():

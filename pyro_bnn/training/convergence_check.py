@@ -38,7 +38,7 @@ from .convergence import ConvergenceWarning
 from .loop import FitResult, fit
 from .seeding import seeded
 
-__all__ = ["LengthCheck", "check_convergence", "estimate_objective"]
+__all__ = ["LengthCheck", "check_convergence", "estimate_objective", "objective_draws"]
 
 #: standard errors of the difference required before calling the longer fit better
 Z = 2.0
@@ -107,9 +107,77 @@ class LengthCheck:
 
 
 @torch.no_grad()
+def objective_draws(model, guide, data, *, num_samples: int = 16, eval_batch_size: int = 1024,
+                    objective=None, device=None, num_data: int | None = None) -> list[float]:
+    """Independent Monte-Carlo estimates of a trained guide's training objective on ``data``.
+
+    Each estimate is one pass over ``data`` in minibatches of ``eval_batch_size``; each
+    minibatch loss is an unbiased estimate of the full-data objective (the likelihood scaled by
+    ``N / B``), so their ``B / N``-weighted sum over a pass is one.  The draws themselves matter
+    when they are heavy-tailed: a mean-field guide of 10⁵ weights near its prior draws, now and
+    then, a net that misclassifies most of the data, and one such pass drags the mean and
+    inflates its standard error.  Their median is then the typical value; the mean stays the
+    unbiased estimate.
+
+    Parameters
+    ----------
+    model, guide
+        A model and guide trained by :func:`pyro_bnn.fit` (or set up by it).
+    data : (x, y) tensors, Dataset or DataLoader
+        The training data (as given to ``fit``).
+    num_samples : int
+        Passes over the data (>= 1); each gives one estimate.
+    eval_batch_size : int
+        Minibatch size of a pass (>= 1).
+    objective : callable, optional
+        ``objective(model, guide, x, y, num_data)``; default the guide's own.
+    device : str or torch.device, optional
+        Default: where the model is.
+    num_data : int, optional
+        The data set size N the objective scales to (as ``fit``'s ``num_data``); default the
+        size of ``data``.
+
+    Returns
+    -------
+    list of float
+        ``num_samples`` estimates of ``−(loss − loss_constant)`` (the ELBO for variational
+        guides), in the order drawn.
+
+    Notes
+    -----
+    The model runs in its current mode, so a model left in train mode by ``fit`` gives the
+    training objective (BatchNorm on batch statistics); its buffers (BatchNorm's running
+    statistics) are restored afterwards.
+    """
+    check_int("num_samples", num_samples, minimum=1)
+    check_int("eval_batch_size", eval_batch_size, minimum=1)
+    device = torch.device(device) if device is not None else module_device(model)
+    loader = make_loader(data, batch_size=eval_batch_size, shuffle=False, device=device)
+    size = dataset_size(loader)
+    n = size if num_data is None else check_int("num_data", num_data, minimum=1)
+    objective = objective or guide_contract(guide).make_objective(1)
+    values = []
+    # the objective runs the model as it is (train mode: the training objective); BatchNorm then
+    # moves its running statistics, so every buffer is put back afterwards
+    with local_params(model, guide), buffers_kept(model, guide):
+        for _ in range(num_samples):
+            total = 0.0
+            for batch in loader:
+                xb, yb = split_batch(batch)
+                xb = xb.to(device)
+                yb = None if yb is None else yb.to(device)
+                out = objective(model, guide, xb, yb, num_data=n)
+                loss, extras = out if isinstance(out, tuple) else (out, {})
+                constant = float(extras.get("loss_constant", 0.0))
+                total += len(xb) / size * (float(loss) - constant)
+            values.append(-total)
+    return values
+
+
 def estimate_objective(model, guide, data, *, num_samples: int = 16, eval_batch_size: int = 1024,
                        objective=None, device=None, num_data: int | None = None) -> tuple[float, float]:
-    """Estimate a trained guide's final training objective on ``data``.
+    """Estimate a trained guide's final training objective on ``data``: the mean of
+    :func:`objective_draws` and its standard error.
 
     Parameters
     ----------
@@ -139,30 +207,12 @@ def estimate_objective(model, guide, data, *, num_samples: int = 16, eval_batch_
     -----
     The model runs in its current mode, so a model left in train mode by ``fit`` gives the
     training objective (BatchNorm on batch statistics); its buffers (BatchNorm's running
-    statistics) are restored afterwards.
+    statistics) are restored afterwards.  Under heavy-tailed draws the standard error is itself
+    unreliable; :func:`objective_draws` gives the draws (their median, say).
     """
     check_int("num_samples", num_samples, minimum=2)
-    check_int("eval_batch_size", eval_batch_size, minimum=1)
-    device = torch.device(device) if device is not None else module_device(model)
-    loader = make_loader(data, batch_size=eval_batch_size, shuffle=False, device=device)
-    size = dataset_size(loader)
-    n = size if num_data is None else check_int("num_data", num_data, minimum=1)
-    objective = objective or guide_contract(guide).make_objective(1)
-    values = []
-    # the objective runs the model as it is (train mode: the training objective); BatchNorm then
-    # moves its running statistics, so every buffer is put back afterwards
-    with local_params(model, guide), buffers_kept(model, guide):
-        for _ in range(num_samples):
-            total = 0.0
-            for batch in loader:
-                xb, yb = split_batch(batch)
-                xb = xb.to(device)
-                yb = None if yb is None else yb.to(device)
-                out = objective(model, guide, xb, yb, num_data=n)
-                loss, extras = out if isinstance(out, tuple) else (out, {})
-                constant = float(extras.get("loss_constant", 0.0))
-                total += len(xb) / size * (float(loss) - constant)
-            values.append(-total)
+    values = objective_draws(model, guide, data, num_samples=num_samples, eval_batch_size=eval_batch_size,
+                             objective=objective, device=device, num_data=num_data)
     return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 
