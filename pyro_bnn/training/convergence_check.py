@@ -181,21 +181,10 @@ def estimate_objective(model, guide, data, *, num_samples: int = 16, eval_batch_
 
     Parameters
     ----------
-    model, guide
-        A model and guide trained by :func:`pyro_bnn.fit` (or set up by it).
-    data : (x, y) tensors, Dataset or DataLoader
-        The training data (as given to ``fit``).
+    model, guide, data, eval_batch_size, objective, device, num_data
+        As for :func:`objective_draws`.
     num_samples : int
-        Monte-Carlo estimates: passes over the data; each gives one unbiased estimate (>= 2, for a standard error).
-    eval_batch_size : int
-        Minibatch size of a pass (>= 1); the objective is minibatch-scaled.
-    objective : callable, optional
-        ``objective(model, guide, x, y, num_data)``; default the guide's own.
-    device : str or torch.device, optional
-        Default: where the model is.
-    num_data : int, optional
-        The data set size N the objective scales to (as ``fit``'s ``num_data``); default the
-        size of ``data``.
+        Passes over the data, each one unbiased estimate (>= 2, for a standard error).
 
     Returns
     -------
@@ -205,10 +194,8 @@ def estimate_objective(model, guide, data, *, num_samples: int = 16, eval_batch_
 
     Notes
     -----
-    The model runs in its current mode, so a model left in train mode by ``fit`` gives the
-    training objective (BatchNorm on batch statistics); its buffers (BatchNorm's running
-    statistics) are restored afterwards.  Under heavy-tailed draws the standard error is itself
-    unreliable; :func:`objective_draws` gives the draws (their median, say).
+    Under heavy-tailed draws the standard error is itself unreliable; :func:`objective_draws`
+    gives the draws (their median, say).
     """
     check_int("num_samples", num_samples, minimum=2)
     values = objective_draws(model, guide, data, num_samples=num_samples, eval_batch_size=eval_batch_size,
