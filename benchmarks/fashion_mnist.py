@@ -447,7 +447,9 @@ def row_autonormal(args, data):
         losses.append(total)
         secs.append(time.perf_counter() - t0)
         if args.an_full_elbo_every and epoch % args.an_full_elbo_every == 0 and epoch < args.epochs:
-            full_curve.append((epoch, *full_elbo(model, guide, x, y, trace_elbo_loss)))
+            # on streams of its own: the fit draws the same numbers with or without these estimates
+            with seeded(args.seed + epoch):
+                full_curve.append((epoch, *full_elbo(model, guide, x, y, trace_elbo_loss)))
     # check (b) of pb.fit's diagnosis: the share of scales that moved at Adam's maximum rate
     budget = sum(lrs)
     moved = [(v.detach() - scales0[k]).abs() >= LIMITED_MOVE * budget for k, v in _autonormal_scales(guide).items()]
