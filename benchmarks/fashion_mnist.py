@@ -226,10 +226,9 @@ def full_elbo(model, guide, x, y, objective=None) -> tuple[float, float, float]:
     """Full-data training objective (the ELBO): the mean of 5 draws, its standard error, and the
     median of the draws (the typical value when one draw of the weights wrecks the net).  The
     draws are the library's :func:`~pyro_bnn.training.convergence_check.objective_draws` over all
-    of ``x`` in chunks of 10,000, without gradients (the model in its current mode, buffers put
-    back).  Far less noisy than an epoch's mean of minibatch estimates (each scaled by N/64)."""
-    with torch.no_grad():
-        draws = objective_draws(model, guide, (x, y), num_samples=5, eval_batch_size=10000, objective=objective)
+    of ``x`` in chunks of 10,000 (no gradients; the model in its current mode, buffers put back).
+    Far less noisy than an epoch's mean of minibatch estimates (each scaled by N/64)."""
+    draws = objective_draws(model, guide, (x, y), num_samples=5, eval_batch_size=10000, objective=objective)
     return statistics.fmean(draws), statistics.stdev(draws) / math.sqrt(len(draws)), statistics.median(draws)
 
 
