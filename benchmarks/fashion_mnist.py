@@ -186,6 +186,12 @@ def with_normalization_affine(name, module, param):
     return isinstance(module, (nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d))
 
 
+def norm_affine(args):
+    """``stochastic=`` of the MeanField and Symmetrized rows: BatchNorm's γ, β random with
+    ``--bn-affine random`` (then Symmetrized's groups pass through BatchNorm), else the default."""
+    return with_normalization_affine if args.bn_affine == "random" else None
+
+
 def fit_row(args, model, guide, data_xy, *, num_samples, predictive="sample", **fit_kw):
     x, y = data_xy
     n = len(x)
@@ -270,7 +276,7 @@ def row_meanfield(args, data):
         warm = dict(warm_start_epochs=args.warm_start_epochs, warm_start_loss=[round(v, 5) for v in loss],
                     warm_start_seconds=sum(sec))
         torch.manual_seed(args.seed)
-    model = pb.BNN(net, "categorical", prior=meanfield_prior(args))
+    model = pb.BNN(net, "categorical", prior=meanfield_prior(args), stochastic=norm_affine(args))
     opts = {} if args.init_scale is None else {"init_scale": args.init_scale}
     if args.kl_annealing:
         opts["kl_annealing"] = args.kl_annealing
@@ -323,7 +329,7 @@ def row_registry(args, data, name):
         if args.hn_prior_structure is not None:
             opts["prior_structure"] = args.hn_prior_structure
     else:
-        model, opts = bnn(args), {}
+        model, opts = bnn(args, stochastic=norm_affine(args)), {}
         if name == "symmetrized" and args.sym_weight_noise:
             opts = {"local_reparameterization": False}
     guide = registered_guides()[name](model, **opts)
@@ -353,6 +359,8 @@ def row_registry(args, data, name):
             row["bound_full_data"] = terms["symmetrized_elbo"]
             row["elbo_full_data"] = terms["elbo"]
             row["entropy_gap_full_data"] = terms["entropy_gap"]
+            row["log_group_order"] = terms["log_group_order"]
+            row["symmetry_groups"] = [sorted(g) for g in guide.symmetry()]
         else:
             elbo, se = estimate_objective(model, guide, data["train"], num_samples=4, eval_batch_size=4000)
             row["bound_name"] = ("ELBO of the weight-norm model (g, v random; b point estimates)"
@@ -498,6 +506,7 @@ def run_row(args, data, name):
         row = row_registry(args, data, name)
     row.update(row=name, arch=args.arch, width=args.width if args.arch == "mlp" else None,
                epochs=args.epochs, seed=args.seed, subset=args.subset or None, bn_data=args.bn_data or None,
+               bn_affine=args.bn_affine if args.arch == "bn-cnn" else None,
                num_train=len(data["train"][0]), seconds=time.perf_counter() - t0,
                peak_rss_growth_mb=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
     return row
@@ -586,6 +595,10 @@ def main(argv=None):
     parser.add_argument("--num-samples", type=int, default=100, help="posterior draws for predictions")
     parser.add_argument("--bn-data", type=int, default=0,
                         help="bn-cnn: BatchNorm statistics per draw from this many training images (0: off)")
+    parser.add_argument("--bn-affine", choices=["point", "random"], default="point",
+                        help="bn-cnn, MeanField and Symmetrized rows: BatchNorm's γ, β point estimates (pb.BNN's "
+                             "default) or random sites with the weights' prior (Symmetrized then permutes them "
+                             "with the channels)")
     parser.add_argument("--map-wd", type=float, default=None, help="MAP weight decay (default 1/N)")
     parser.add_argument("--prior-scale", type=float, default=None,
                         help="MeanField IIDNormal prior scale (default: the library's default prior)")
@@ -651,6 +664,8 @@ def main(argv=None):
         parser.error(f"--width sets the MLP's hidden units; the {args.arch} has none (got --width {args.width})")
     if args.lap_subset == "unnormalized" and args.arch != "bn-cnn":
         parser.error(f"--lap-subset unnormalized needs normalisation layers; the {args.arch} has none")
+    if args.bn_affine == "random" and args.arch != "bn-cnn":
+        parser.error(f"--bn-affine random makes BatchNorm's γ, β random; the {args.arch} has no BatchNorm")
     if args.bn_data and args.arch != "bn-cnn":
         parser.error(f"--bn-data re-estimates BatchNorm statistics; the {args.arch} has no BatchNorm")
     torch.set_num_threads(args.threads)

@@ -115,6 +115,133 @@ def test_discovery_in_handwritten_pyromodule_and_function_invariance():
     assert math.isfinite(local["symmetrized_elbo"]) and local["log_group_order"] == pytest.approx(math.log(6))
 
 
+# ------------------------------------------------- groups through normalisation layers
+def _with_norm_affine(name, module, param):
+    return isinstance(module, (nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm))
+
+
+def _scramble_running_statistics(model, gen):
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=gen))
+            m.running_var.copy_(torch.rand(m.running_var.shape, generator=gen) + 0.5)
+
+
+def test_groups_pass_through_batchnorm_with_random_affine_parameters():
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 5), nn.ReLU(),
+                        nn.BatchNorm1d(5), nn.Linear(5, 3))
+    model = pb.BNN(net, stochastic=_with_norm_affine).double()
+    shapes = {k: v.shape for k, v in model.initial_values().items()}
+    groups, running = sym.discover_symmetries(model, shapes)
+    assert groups == [{"net.0.weight": 0, "net.0.bias": 0, "net.1.weight": 0, "net.1.bias": 0, "net.4.weight": 1},
+                      {"net.7.weight": 0, "net.7.bias": 0, "net.9.weight": 0, "net.9.bias": 0, "net.10.weight": 1}]
+    assert running == ["net.1", "net.9"]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 1, 8, 8, generator=gen, dtype=torch.float64)
+    values = _random_values(shapes, gen)
+    model.train()  # batch statistics: a symmetry
+    with pb.contract.local_params.local_params(model), pb.contract.modes.buffers_kept(model):
+        assert sym.check_symmetries(_bnn_function(model, x), values, groups, generator=gen) == [True, True]
+    # eval mode with running statistics that differ between units: the permutation is no symmetry
+    _scramble_running_statistics(model, gen)
+    model.eval()
+    with pb.contract.local_params.local_params(model):
+        assert sym.check_symmetries(_bnn_function(model, x), values, groups, generator=gen) == [False, False]
+    with pytest.raises(ValueError, match=r"eval mode \(net.1, net.9\)"):
+        sym.check_batch_statistics(model, running)
+    model.train()
+    sym.check_batch_statistics(model, running)
+
+
+def test_normalisation_without_affine_parameters_and_layernorm():
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False), nn.ReLU(), nn.Linear(4, 5),
+                        nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 2))
+    model = pb.BNN(net, stochastic=_with_norm_affine)
+    groups, running = sym.discover_symmetries(model, model.site_names)
+    assert groups == [{"net.0.weight": 0, "net.0.bias": 0, "net.3.weight": 1},
+                      {"net.3.weight": 0, "net.3.bias": 0, "net.4.weight": 0, "net.4.bias": 0, "net.6.weight": 1}]
+    assert running == ["net.1"]  # LayerNorm keeps no running statistics
+    # a LayerNorm over more than the units, or point-estimate γ, β, ends the group
+    net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.ReLU(), nn.Linear(4, 2))
+    assert sym.find_symmetries(pb.BNN(net), pb.BNN(net).site_names) == []
+
+
+class _NormInForward(PyroModule):
+    """fc1 -> BatchNorm -> ReLU -> fc2 called from ``forward``; γ, β random or point estimates,
+    or random with a point-estimate per-unit gain applied without a module."""
+
+    def __init__(self, affine: str):
+        super().__init__()
+        self.fc1, self.fc2 = PyroModule[nn.Linear](3, 4), PyroModule[nn.Linear](4, 1)
+        random_bn = affine in ("random", "gain")
+        self.bn = PyroModule[nn.BatchNorm1d](4) if random_bn else nn.BatchNorm1d(4)
+        layers = (self.fc1, self.fc2, self.bn) if random_bn else (self.fc1, self.fc2)
+        for layer in layers:
+            layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand(layer.weight.shape).to_event(layer.weight.dim()))
+            layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand(layer.bias.shape).to_event(1))
+        # a per-unit point estimate that is uniform at initialisation (as BatchNorm's γ = 1)
+        self.gain = nn.Parameter(torch.ones(4)) if affine == "gain" else None
+
+    def forward(self, x, y=None):
+        h = self.bn(self.fc1(x))
+        if self.gain is not None:
+            h = h * self.gain
+        f = self.fc2(torch.relu(h)).squeeze(-1)
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(f, 0.5), obs=y)
+        return f
+
+
+@pytest.mark.parametrize("affine", ["random", "point", "gain"])
+def test_execution_order_discovery_through_batchnorm(affine):
+    torch.manual_seed(0)
+    model = _NormInForward(affine)
+    guide = pb.guides.Symmetrized(model)
+    x, y = torch.randn(16, 3), torch.randn(16)
+    # point estimates that are uniform at initialisation (γ = 1, the gain) would pass a check on
+    # their initial values; once trained they differ between units: no group may be formed
+    with pytest.warns(UserWarning, match="no permutable") if affine != "random" else nullcontext():
+        pb.training.setup_guide(model, guide, x, y)
+    before = [b.clone() for b in model.buffers()]
+    params = [p.clone() for p in model.parameters()]
+    with poutine.block():
+        assert sym.discover_symmetries(model, guide.site_shapes(), example=(x, y))[0] == guide.symmetry()
+    # the discovery's forward passes and random point estimates are undone
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    if affine != "random":
+        assert guide.symmetry() == []
+        return
+    assert guide.symmetry() == [{"fc1.weight": 0, "fc1.bias": 0, "bn.weight": 0, "bn.bias": 0, "fc2.weight": 1}]
+    assert guide._running_statistics == ["bn"]
+    model.eval()
+    with pytest.raises(ValueError, match=r"eval mode \(bn\)"):
+        pb.guides.symmetrized.symmetrized_elbo(model, guide, (x, y), num_samples=2)
+    model.train()
+    assert math.isfinite(pb.guides.symmetrized.symmetrized_elbo(model, guide, (x, y), num_samples=2))
+
+
+def test_symmetrized_trains_through_batchnorm_and_refuses_eval_mode_objective():
+    d = pb.datasets.digits()
+    net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+    model = pb.BNN(net, "categorical", stochastic=_with_norm_affine)
+    guide = pb.guides.Symmetrized(model)
+    res = pb.fit(model, guide, (d.x_train, d.y_train), epochs=2, progress=False, seed=0)
+    assert guide.symmetry()[0]["net.1.weight"] == 0
+    # 16 units: log|G| = log 16!, and the gap is positive once the units are told apart
+    terms = pb.guides.symmetrized.symmetrized_elbo(model, guide, (d.x_train, d.y_train), num_samples=4,
+                                                   return_terms=True)
+    assert terms["log_group_order"] == pytest.approx(math.lgamma(17))
+    assert 0 < terms["entropy_gap"] <= terms["log_group_order"] + 1e-9
+    assert res.history["entropy_gap"][-1] > 0
+    # plain SVI with the guide's objective, model in eval mode: a clear error, not a wrong bound
+    model.eval()
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), loss=guide.make_objective())
+    with pytest.raises(ValueError, match="normalisation layers in eval mode"):
+        svi.step(d.x_train[:32], d.y_train[:32])
+
+
 def test_declared_symmetry_validation():
     net = nn.Sequential(nn.Linear(1, 2, bias=False), nn.ReLU(), nn.Linear(2, 1, bias=False))
     shapes = {"net.0.weight": torch.Size([2, 1]), "net.2.weight": torch.Size([1, 2])}

@@ -61,11 +61,13 @@ from .meanfield import (
 )
 from .symmetrized_entropy import local_entropy_gap, log_density_ratios, uniform_entropy_gap
 from .symmetry import (
+    check_batch_statistics,
+    discover_symmetries,
     enumerate_group,
-    find_symmetries,
     group_sizes,
     log_group_order,
     resolve_symmetries,
+    running_statistics_layers,
     sample_permutations,
 )
 
@@ -149,24 +151,28 @@ class Symmetrized(MeanField):
         super().__init__(model, **meanfield_kwargs)
         self.declared_permutations = None if permutations is None else list(permutations)
         self._symmetry: list[dict[str, int]] | None = None
+        self._running_statistics: list[str] = []  # normalisation layers the groups pass through
         self._original_model = (network,)  # the module under any handlers; a tuple: no submodule
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
+        network = self._original_model[0]
         if self.declared_permutations is not None:  # fail early on a malformed declaration
             self._symmetry = resolve_symmetries(self.declared_permutations, self.site_shapes())
+            self._running_statistics = running_statistics_layers(network, self._symmetry)
         else:
             example = tuple(a[:8] if isinstance(a, torch.Tensor) and a.dim() else a for a in args)
             with poutine.block():
-                self._symmetry = find_symmetries(self._original_model[0], self.site_shapes(),
-                                                 example=example, example_kwargs=kwargs)
+                self._symmetry, self._running_statistics = discover_symmetries(
+                    network, self.site_shapes(), example=example, example_kwargs=kwargs)
             if not self._symmetry:
                 warnings.warn(
                     "Symmetrized found no permutable hidden layer in the model, so it trains exactly as "
                     "MeanField: a group needs Linear -> activation -> Linear (or Conv -> ... -> Conv) with "
-                    "random weights and biases and nothing else between; BatchNorm / LayerNorm, a "
-                    "deterministic parameter in the way and a Conv -> Flatten -> Linear boundary end a "
-                    "group. Declare the symmetry with permutations=[{site: axis, ...}, ...] if the "
+                    "random weights and biases and nothing else between but BatchNorm / InstanceNorm / "
+                    "LayerNorm whose affine parameters are random too (pb.BNN(net, stochastic=...) can select "
+                    "them); a deterministic parameter in the way and a Conv -> Flatten -> Linear boundary end "
+                    "a group. Declare the symmetry with permutations=[{site: axis, ...}, ...] if the "
                     "network has one the search does not see", UserWarning, stacklevel=2)
 
     def site_shapes(self) -> dict[str, torch.Size]:
@@ -184,8 +190,16 @@ class Symmetrized(MeanField):
         if self.prototype_trace is None:
             raise RuntimeError("the guide is not set up yet: call it (or pb.fit) on data first")
         if self._symmetry is None:
-            self._symmetry = find_symmetries(self._original_model[0], self.site_shapes())
+            self._symmetry, self._running_statistics = discover_symmetries(self._original_model[0],
+                                                                           self.site_shapes())
         return self._symmetry
+
+    def check_batch_statistics(self) -> None:
+        """Raise ``ValueError`` if a group passes through a normalisation layer that is in eval
+        mode (running statistics): the permutation is then no symmetry of the model
+        (:func:`pyro_bnn.guides.symmetry.check_batch_statistics`)."""
+        self.symmetry()
+        check_batch_statistics(self._original_model[0], self._running_statistics)
 
     def training_bound(self, model, data, *, num_samples: int = 32) -> tuple[float, str]:
         """``(L^G, "symmetrized_elbo")``: the symmetrised ELBO this guide maximises
@@ -313,6 +327,8 @@ class SymmetrizedELBO(GuideObjective):
             locs, scales = {k: v[0] for k, v in qs.items()}, {k: v[1] for k, v in qs.items()}
         trivial = self.estimator == "uniform" and self.num_permutations == 1
         groups = [] if trivial else guide.symmetry()
+        if groups:
+            guide.check_batch_statistics()
         sizes = group_sizes(groups, {k: v.shape for k, v in locs.items()})
         device = locs[sites[0]].device
         gap = surrogate = 0.0
@@ -392,10 +408,13 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
     y = None if y is None else y.to(device)
     if permutations is not None:
         groups = resolve_symmetries(list(permutations), shapes)
+        check_batch_statistics(unwrap_model(model), running_statistics_layers(unwrap_model(model), groups))
     elif isinstance(guide, Symmetrized):
         groups = guide.symmetry()
+        guide.check_batch_statistics()
     else:
-        groups = find_symmetries(model, shapes)
+        groups, running = discover_symmetries(model, shapes)
+        check_batch_statistics(model, running)
     sizes = group_sizes(groups, shapes)
     log_order = log_group_order(sizes)
     if exact and log_order > math.log(MAX_EXACT_GROUP):

@@ -23,17 +23,30 @@ Discovery (:func:`find_symmetries`) — supported architectures
 * ``Linear → (elementwise activations, Dropout, Identity)* → Linear`` with matching widths;
 * ``ConvNd → (activations, pooling, channel Dropout)* → ConvNd`` (same N, ``groups=1``):
   output channels (filters and bias) of the first, input channels of the second;
+* normalisation layers between the two, per unit: ``BatchNorm`` / ``InstanceNorm`` with
+  ``num_features`` equal to the width, and ``LayerNorm`` over the width after a Linear.  Their
+  affine parameters γ, β move with the units, so they must be random sites too (e.g.
+  ``pb.BNN(net, stochastic=...)`` selecting them) or absent (``affine=False``);
 * a group is only formed when every tensor that must move is random: the weight of both
-  layers and the first layer's bias (if it has one).  A deterministic (point-estimate)
-  parameter in the way breaks the symmetry, and so does any other module in between
-  (BatchNorm, LayerNorm, Flatten, attention, ...).  The last layer's outputs are never
+  layers, the first layer's bias (if it has one) and the normalisation layers' γ, β.  A
+  deterministic (point-estimate) parameter in the way breaks the symmetry, and so does any
+  other module in between (Flatten, attention, ...).  The last layer's outputs are never
   permuted, and the ``Conv → Flatten → Linear`` boundary is left alone (a subgroup of the
   true symmetry: still a valid, slightly looser bound).
+* a BatchNorm (or InstanceNorm) layer that keeps running statistics is a symmetry only while it
+  normalises with the batch's statistics (train mode, as the bound is trained): its running
+  statistics are one buffer shared by every weight draw, so in eval mode a permuted draw
+  computes another function.  :func:`discover_symmetries` names these layers, and the
+  symmetrised bound refuses to run while one of them is in eval mode
+  (:func:`check_batch_statistics`).
 
 * Linear/Conv layers called from a hand-written ``forward`` (not in a Sequential): chained in
-  the order they run on an example batch, and each candidate group is kept only if it is
-  verified numerically (permuting it leaves observation densities and the return value
-  unchanged on random weights).  Layers called twice disable this path.
+  the order they run on an example batch (with the normalisation layers called between
+  them), and each candidate group is kept only if it is verified numerically: permuting it
+  leaves observation densities and the return value unchanged on random weights, with the
+  model's deterministic parameters set to random values for the check (a point estimate that
+  is uniform at initialisation, such as BatchNorm's γ = 1, would otherwise pass and break the
+  symmetry once trained).  Layers called twice disable this path.
 
 Anything else (residual connections, fixed output weights as in the paper's toy) is
 declared by the user with the same list-of-dicts form and can be checked with
@@ -45,14 +58,17 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from ..contract.modes import buffers_kept
 from ..contract.pyro_objective import observed_sites
 
 __all__ = [
-    "find_symmetries", "resolve_symmetries", "group_sizes", "log_group_order",
+    "find_symmetries", "discover_symmetries", "check_batch_statistics", "running_statistics_layers",
+    "resolve_symmetries", "group_sizes", "log_group_order",
     "sample_permutations", "apply_permutation", "permute_batched", "invert_permutation",
     "compose_permutations", "enumerate_group", "check_symmetries",
 ]
@@ -71,6 +87,8 @@ _CONV_CHAIN = _LINEAR_CHAIN + (
     nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
 )
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: Normalisation layers that act on each channel alone (statistics over the batch / positions).
+_PER_CHANNEL_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
 # ----------------------------------------------------------------------------- discovery
@@ -94,6 +112,28 @@ def _link(a: nn.Module, b: nn.Module) -> int | None:
             if a.groups == 1 and b.groups == 1 and a.out_channels == b.in_channels:
                 return a.out_channels
     return None
+
+
+def _width(layer: nn.Module) -> int:
+    return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+
+
+def _unit_norm(path: str, module: nn.Module, layer: nn.Module, shapes) -> bool:
+    """Whether ``module`` normalises each of ``layer``'s output units on its own, with affine
+    parameters that are random sites (or none), so that it can move with a permutation."""
+    width = _width(layer)
+    if isinstance(module, _PER_CHANNEL_NORMS):
+        fits = module.num_features == width
+    elif isinstance(module, nn.LayerNorm):
+        fits = isinstance(layer, nn.Linear) and tuple(module.normalized_shape) == (width,)
+    else:
+        return False
+    return fits and all(f"{path}.{name}" in shapes for name in ("weight", "bias")
+                        if _has_parameter(module, name))
+
+
+def _keeps_running_statistics(module: nn.Module) -> bool:
+    return isinstance(module, _PER_CHANNEL_NORMS) and getattr(module, "running_mean", None) is not None
 
 
 def find_symmetries(model: nn.Module, sites: Mapping[str, torch.Size] | Iterable[str],
@@ -129,43 +169,101 @@ def find_symmetries(model: nn.Module, sites: Mapping[str, torch.Size] | Iterable
     >>> find_symmetries(model, model.site_names)                    # doctest: +SKIP
     [{'net.0.weight': 0, 'net.0.bias': 0, 'net.2.weight': 1}]
     """
+    return discover_symmetries(model, sites, example, example_kwargs)[0]
+
+
+def discover_symmetries(model: nn.Module, sites: Mapping[str, torch.Size] | Iterable[str],
+                        example: tuple | None = None,
+                        example_kwargs: dict | None = None) -> tuple[Symmetry, list[str]]:
+    """:func:`find_symmetries`, and the normalisation layers with running statistics that the
+    groups pass through.
+
+    Returns
+    -------
+    (list of dict, list of str)
+        The groups, and the module paths of the BatchNorm / InstanceNorm layers with running
+        statistics between a group's two layers: the groups are symmetries only while these
+        normalise with batch statistics (:func:`check_batch_statistics`).
+    """
     shapes = dict(sites) if isinstance(sites, Mapping) else {s: None for s in sites}
     groups: Symmetry = []
+    running: list[str] = []
     covered: set[int] = set()
     for path, module in model.named_modules():
         if not isinstance(module, nn.Sequential) or id(module) in covered:
             continue
         for m in module.modules():
             covered.add(id(m))
-        prev = None  # (path, layer) of the last Bayesian layer in an unbroken chain
+        prev, norms = None, []  # the last Bayesian layer of an unbroken chain; norms since it
         for child_path, child in _flatten_sequential(path, module):
             if isinstance(child, (nn.Linear,) + _CONVS):
                 if prev is not None:
-                    group = _group_between(prev, (child_path, child), shapes)
+                    group = _group_between(prev, (child_path, child), shapes, norms)
                     if group is not None:
                         groups.append(group)
-                prev = (child_path, child)
+                        running += [p for p, m in norms if _keeps_running_statistics(m)]
+                prev, norms = (child_path, child), []
             elif prev is None:
                 continue
+            elif _unit_norm(child_path, child, prev[1], shapes):
+                norms.append((child_path, child))
             elif not isinstance(child, _CONV_CHAIN if isinstance(prev[1], _CONVS) else _LINEAR_CHAIN):
                 prev = None
     if example is not None and isinstance(sites, Mapping):
-        groups.extend(_groups_by_execution(model, shapes, covered, example, example_kwargs or {}))
-    return groups
+        found = _groups_by_execution(model, shapes, covered, example, example_kwargs or {})
+        groups += [g for g, _ in found]
+        running += [p for _, paths in found for p in paths]
+    return groups, running
 
 
-def _groups_by_execution(model, shapes, covered, example, kwargs) -> Symmetry:
-    """Chain Linear/Conv layers outside Sequentials in call order; keep verified groups."""
+def check_batch_statistics(model: nn.Module, paths: Iterable[str]) -> None:
+    """Raise if a normalisation layer a symmetry passes through uses its running statistics.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The root the ``paths`` are relative to.
+    paths : iterable of str
+        Module paths, as :func:`discover_symmetries` returns them.
+
+    Raises
+    ------
+    ValueError
+        One of the layers is in eval mode with running statistics: permuting its units moves
+        the weights but not the statistics, so the permutation changes the function and the
+        symmetrised bound would count mixture components that are not posterior modes.
+    """
+    in_eval = [p for p in paths if not model.get_submodule(p).training]
+    if in_eval:
+        raise ValueError(
+            f"the permutation symmetry passes through normalisation layers in eval mode ({', '.join(in_eval)}): "
+            "they normalise with running statistics shared by every weight draw, so a permuted draw computes "
+            "another function and the symmetrised bound would be wrong. Evaluate it in train mode "
+            "(model.train(); it is trained so), where each batch's own statistics are used")
+
+
+def running_statistics_layers(model: nn.Module, groups: Symmetry) -> list[str]:
+    """Paths of the BatchNorm / InstanceNorm layers with running statistics whose γ or β some
+    group permutes (for declared symmetries; :func:`discover_symmetries` also finds the layers
+    without affine parameters)."""
+    permuted = {site for group in groups for site in group}
+    return [path for path, m in model.named_modules()
+            if _keeps_running_statistics(m) and {f"{path}.weight", f"{path}.bias"} & permuted]
+
+
+def _groups_by_execution(model, shapes, covered, example, kwargs) -> list[tuple[dict[str, int], list[str]]]:
+    """Chain Linear/Conv layers outside Sequentials in call order; keep verified groups (with
+    the paths of the running-statistics layers each passes through)."""
     from pyro import poutine
 
-    layers = {id(m): (path, m) for path, m in model.named_modules()
-              if isinstance(m, (nn.Linear,) + _CONVS) and id(m) not in covered
-              and f"{path}.weight" in shapes}
+    paths = {id(m): (path, m) for path, m in model.named_modules()}
+    layers = {k: (path, m) for k, (path, m) in paths.items()
+              if isinstance(m, (nn.Linear,) + _CONVS) and k not in covered and f"{path}.weight" in shapes}
     if len(layers) < 2:
         return []
     calls: list[int] = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: calls.append(id(mod)))
-             for _, m in layers.values()]
+    watched = [m for _, m in paths.values() if id(m) in layers or isinstance(m, _PER_CHANNEL_NORMS + (nn.LayerNorm,))]
+    hooks = [m.register_forward_hook(lambda mod, inp, out: calls.append(id(mod))) for m in watched]
     gen = torch.Generator().manual_seed(0)
     device = next((t.device for t in example if isinstance(t, torch.Tensor)), torch.device("cpu"))
     values = {k: torch.randn(tuple(v), generator=gen).to(device) for k, v in shapes.items()}
@@ -178,25 +276,42 @@ def _groups_by_execution(model, shapes, covered, example, kwargs) -> Symmetry:
             parts.append(ret.reshape(-1))
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    try:
-        with torch.no_grad():
+    with buffers_kept(model), torch.no_grad(), _deterministic_parameters_randomised(model, shapes, gen):
+        try:
             outputs(values)
+        finally:
+            for h in hooks:
+                h.remove()
+        layer_calls = [i for i, c in enumerate(calls) if c in layers]
+        if len({calls[i] for i in layer_calls}) != len(layer_calls):  # a layer used twice: no simple chain
+            return []
+        candidates = []
+        for i, j in zip(layer_calls, layer_calls[1:]):
+            (pa, la), between = layers[calls[i]], [paths[c] for c in calls[i + 1:j]]
+            if all(_unit_norm(p, m, la, shapes) for p, m in between):
+                group = _group_between((pa, la), layers[calls[j]], shapes, between)
+                if group is not None:
+                    candidates.append((group, [p for p, m in between if _keeps_running_statistics(m)]))
+        if not candidates:
+            return []
+        flags = check_symmetries(outputs, values, [g for g, _ in candidates], generator=gen)
+    return [c for c, ok in zip(candidates, flags) if ok]
+
+
+@contextmanager
+def _deterministic_parameters_randomised(model: nn.Module, shapes, generator: torch.Generator):
+    """Set every parameter that is not a random site to random values, then restore it."""
+    saved = [(p, p.detach().clone()) for name, p in model.named_parameters() if name not in shapes]
+    try:
+        for p, _ in saved:
+            p.copy_(torch.randn(p.shape, generator=generator).to(p))
+        yield
     finally:
-        for h in hooks:
-            h.remove()
-    order = [c for c in calls if c in layers]
-    if len(set(order)) != len(order):  # a layer used twice: no simple chain
-        return []
-    candidates = [g for a, b in zip(order, order[1:])
-                  if (g := _group_between(layers[a], layers[b], shapes)) is not None]
-    if not candidates:
-        return []
-    with torch.no_grad():
-        flags = check_symmetries(outputs, values, candidates, generator=gen)
-    return [g for g, ok in zip(candidates, flags) if ok]
+        for p, value in saved:
+            p.copy_(value)
 
 
-def _group_between(a, b, shapes) -> dict[str, int] | None:
+def _group_between(a, b, shapes, norms=()) -> dict[str, int] | None:
     (pa, la), (pb, lb) = a, b
     width = _link(la, lb)
     if width is None:
@@ -207,9 +322,10 @@ def _group_between(a, b, shapes) -> dict[str, int] | None:
     has_bias = b_a in shapes or _has_parameter(la, "bias")
     if has_bias and b_a not in shapes:  # a deterministic bias cannot move with its unit
         return None
-    group = {w_a: 0, w_b: 1}
-    if has_bias:
-        group = {w_a: 0, b_a: 0, w_b: 1}
+    group = {w_a: 0, b_a: 0} if has_bias else {w_a: 0}
+    for path, _ in norms:  # γ, β of the normalisation layers between (random: see _unit_norm)
+        group.update({f"{path}.{n}": 0 for n in ("weight", "bias") if f"{path}.{n}" in shapes})
+    group[w_b] = 1
     for site, axis in group.items():
         shape = shapes[site]
         if shape is not None and (len(shape) <= axis or shape[axis] != width):
