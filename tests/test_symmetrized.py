@@ -835,3 +835,29 @@ def test_exact_estimator_is_the_enumerated_gap_and_refuses_large_groups():
     with pytest.raises(ValueError, match="estimator='local'"):
         pb.fit(big, pb.guides.Symmetrized(big, estimator="exact"), (torch.randn(8, 4), torch.randint(2, (8,))),
                epochs=1, progress=False)
+
+
+class _RawScale(_CalledInForward):
+    """A point-estimate observation scale used as it is (no constraint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.noise = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x, y=None):
+        f = self.out(torch.relu(self.fc2(torch.tanh(self.fc1(x))))).squeeze(-1)
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(f, self.noise), obs=y)
+        return f
+
+
+def test_random_point_estimates_in_the_check_keep_their_sign():
+    """The check's random point estimates keep a positive scale positive, so a model that uses a
+    raw parameter as a scale is still searched (and its groups found)."""
+    torch.manual_seed(0)
+    model = _RawScale()
+    guide = pb.guides.Symmetrized(model)
+    pb.training.setup_guide(model, guide, torch.randn(16, 3), torch.randn(16))
+    assert guide.symmetry() == [{"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1},
+                                {"fc2.weight": 0, "fc2.bias": 0, "out.weight": 1}]
+    assert float(model.noise.detach()) == 0.5

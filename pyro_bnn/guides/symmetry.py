@@ -279,6 +279,8 @@ def _groups_by_execution(model, shapes, covered, example, kwargs) -> list[tuple[
     with buffers_kept(model), torch.no_grad(), _deterministic_parameters_randomised(model, shapes, gen):
         try:
             outputs(values)
+        except (ValueError, RuntimeError):  # the model rejects the random values: nothing verified
+            return []
         finally:
             for h in hooks:
                 h.remove()
@@ -300,11 +302,18 @@ def _groups_by_execution(model, shapes, covered, example, kwargs) -> list[tuple[
 
 @contextmanager
 def _deterministic_parameters_randomised(model: nn.Module, shapes, generator: torch.Generator):
-    """Set every parameter that is not a random site to random values, then restore it."""
+    """Give every parameter that is not a random site random values of its own sign, then restore it.
+
+    Each entry is scaled by a random factor in about [0.2, 5]; entries that are zero or negative
+    also move down by a random amount.  Entries that start alike (γ = 1, β = 0) then differ, and a
+    positive entry stays positive (a raw parameter used as a scale stays valid).
+    """
     saved = [(p, p.detach().clone()) for name, p in model.named_parameters() if name not in shapes]
     try:
-        for p, _ in saved:
-            p.copy_(torch.randn(p.shape, generator=generator).to(p))
+        for p, value in saved:
+            factor = torch.exp(0.5 * torch.randn(p.shape, generator=generator)).to(p)
+            shift = 0.1 * torch.randn(p.shape, generator=generator).abs().to(p)
+            p.copy_(torch.where(value > 0, value * factor, value * factor - shift))
         yield
     finally:
         for p, value in saved:
