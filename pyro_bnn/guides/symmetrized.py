@@ -406,15 +406,16 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
     device = locs[sites[0]].device
     x = x.to(device)
     y = None if y is None else y.to(device)
+    network = unwrap_model(model)
     if permutations is not None:
         groups = resolve_symmetries(list(permutations), shapes)
-        check_batch_statistics(unwrap_model(model), running_statistics_layers(unwrap_model(model), groups))
+        check_batch_statistics(network, running_statistics_layers(network, groups))
     elif isinstance(guide, Symmetrized):
         groups = guide.symmetry()
         guide.check_batch_statistics()
     else:
-        groups, running = discover_symmetries(model, shapes)
-        check_batch_statistics(model, running)
+        groups, running = discover_symmetries(network, shapes)
+        check_batch_statistics(network, running)
     sizes = group_sizes(groups, shapes)
     log_order = log_group_order(sizes)
     if exact and log_order > math.log(MAX_EXACT_GROUP):
