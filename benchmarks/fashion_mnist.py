@@ -228,6 +228,17 @@ def predict_pair(args, model, guide, data, *, num_samples, predictive="sample", 
     return p_in, p_out
 
 
+def running_statistics_scores(args, model, guide, data) -> dict:
+    """With ``--bn-data``, the same sampling predictive scored with training's running BatchNorm
+    statistics instead (``{}`` without ``--bn-data``): both ways of predicting from one fit."""
+    if not args.bn_data:
+        return {}
+    plain = copy.copy(args)
+    plain.bn_data = 0
+    probs = predict_pair(plain, model, guide, data, num_samples=args.num_samples)
+    return {"running_statistics": score(*probs, data["test"][1])}
+
+
 def full_elbo(model, guide, x, y, objective=None) -> tuple[float, float, float]:
     """Full-data training objective (the ELBO): the mean of 5 draws, its standard error, and the
     median of the draws (the typical value when one draw of the weights wrecks the net).  The
@@ -290,6 +301,7 @@ def row_meanfield(args, data):
     row = fit_summary(res)
     row["elbo_full_data"], row["elbo_full_data_se"], row["elbo_full_data_median"] = full_elbo(model, guide, *data["train"])
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
+    row.update(running_statistics_scores(args, model, guide, data))
     x, y = data["train"]
     p = pb.predict(model, guide, x[:10000], num_samples=16, batch_size=2000)
     row["train_accuracy_first10k"] = pb.metrics.accuracy(p.mean(0), y[:10000])
@@ -373,6 +385,7 @@ def row_registry(args, data, name):
     if name == "hypernet":
         row["prior_scale_by_site"] = {s: float(model.site_normal_prior(s)[1]) for s in model.site_names}
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
+    row.update(running_statistics_scores(args, model, guide, data))
     return row
 
 

@@ -347,3 +347,30 @@ def test_predictive_on_a_users_pyro_module_in_train_mode_is_warned(guide_name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Predictive(model, guide=guide, num_samples=2)(d.x_test[:20])
+
+
+def test_running_statistics_of_random_affine_are_warned_and_cost_much():
+    """With BatchNorm's γ, β random sites, the running statistics fit the single draws far worse
+    (measured on digits at 100 epochs: NLL 0.391 with them, 0.144 per draw; docs/pyro.md): a
+    sampling predictive without ``bn_data=`` is warned; with it, or with γ, β point estimates, not."""
+    d = pb.datasets.digits()
+    torch.manual_seed(0)
+    random_affine = lambda name, module, param: isinstance(module, (nn.Linear, nn.BatchNorm1d))  # noqa: E731
+    model = pb.BNN(bn_mlp(), "categorical", stochastic=random_affine)
+    guide = pb.guides.MeanField(model)
+    pb.fit(model, guide, (d.x_train, d.y_train), epochs=30, seed=0, progress=False)
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match=r"random γ, β \(net.1\).*bn_data="):
+        plain = pb.evaluate(model, guide, d.x_test, d.y_test, num_samples=30)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recal = pb.evaluate(model, guide, d.x_test, d.y_test, num_samples=30, bn_data=d.x_train)
+    assert recal["nll"] < 0.8 * plain["nll"] and recal["ece"] < plain["ece"]
+
+
+def test_running_statistics_of_point_affine_are_not_warned(fitted):
+    model, guide, d = fitted
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pb.predict(model, guide, d.x_test, num_samples=3)

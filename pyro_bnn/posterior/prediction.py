@@ -42,7 +42,7 @@ from ..model.bnn import is_bnn, model_likelihood
 from ..model.devices import module_device
 from ..model.likelihoods import distribution_kind, inverse_link, kind_and_noise
 from . import metrics
-from .batchnorm import batchnorm_recalibration
+from .batchnorm import batchnorm_recalibration, warn_running_statistics_of_random_affine
 from .guide_density import check_global_latents, latent_values
 
 __all__ = ["PredictiveSamples", "predictive_samples", "predict", "evaluate", "sample_latents",
@@ -259,6 +259,8 @@ def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: in
             latents = sample_latents(model, guide, x[:1].to(device))
             if recalibrate is not None:
                 recalibrate(latents)
+            elif not per_sample:
+                warn_running_statistics_of_random_affine(model, latents)
             kind, params = params_under(model, latents, x, batch_size, obs_site, device)
             per_sample.append(params)
     stacked = {k: torch.stack([p[k] for p in per_sample]) for k in per_sample[0]}
