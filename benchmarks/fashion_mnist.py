@@ -38,7 +38,7 @@ Architectures (``--arch``): ``mlp`` 784-200-200-10 ReLU; ``cnn`` LeNet-5 style: 
 max-pool 2, conv 6→16 5×5, max-pool 2, fc 256→120→84→10, ReLU; ``bn-cnn`` the BatchNorm CNN of
 ``benchmarks/batchnorm_draws.py`` (conv 3×3 8 → BatchNorm → ReLU → pool, conv 16 → BatchNorm →
 ReLU → pool, fc 784 → 100 → BatchNorm → ReLU → 10; BatchNorm's affine parameters are point
-estimates).  ``--bn-data N``: the sampling predictives re-estimate BatchNorm's statistics under
+estimates, or random sites in the MeanField and Symmetrized rows with ``--bn-affine random``).  ``--bn-data N``: the sampling predictives re-estimate BatchNorm's statistics under
 each draw from N training images (``pb.predict(..., bn_data=)``); the MAP nets predict in eval
 mode with their running statistics.
 

@@ -367,6 +367,11 @@ def test_running_statistics_of_random_affine_are_warned_and_cost_much():
         warnings.simplefilter("error")
         recal = pb.evaluate(model, guide, d.x_test, d.y_test, num_samples=30, bn_data=d.x_train)
     assert recal["nll"] < 0.8 * plain["nll"] and recal["ece"] < plain["ece"]
+    # Pyro's Predictive in eval mode normalises with the running statistics too: warned
+    model.eval()
+    with pytest.warns(UserWarning, match=r"pyro.infer.Predictive: BatchNorm layers with random γ, β \(net.1\)"):
+        Predictive(model, guide=guide, num_samples=2)(d.x_test[:5])
+    model.train()
 
 
 def test_running_statistics_of_point_affine_are_not_warned(fitted):

@@ -26,7 +26,7 @@ from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
-from ..model.batchnorm import warn_batchnorm_in_train_mode
+from ..model.batchnorm import warn_batchnorm_in_train_mode, warn_running_statistics_of_random_affine
 from ..model.bnn import BNN, example_input, initial_values_of, site_module
 from .local_params import local_params, prepare_local_params
 from .param_store import expose_unconstrained, global_param_mode, sync_param_store
@@ -114,6 +114,10 @@ class BNNGuide:
         model = self.approximated_model() if poutine.get_mask() is False else None
         if model is not None and not isinstance(model, BNN):
             warn_batchnorm_in_train_mode(model, "pyro.infer.Predictive runs the model")
+        if model is not None and self.prototype_trace is not None:  # eval mode: running statistics
+            latents = [n for n, site in self.prototype_trace.nodes.items()
+                       if site["type"] == "sample" and not site["is_observed"]]
+            warn_running_statistics_of_random_affine(model, latents, "pyro.infer.Predictive")
         if global_param_mode():
             sync_param_store(*modules)
         else:

@@ -17,44 +17,16 @@ a BatchNorm CNN, 30 epochs, 5,000 training images as ``bn_data``: NLL 0.2575 →
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..contract.local_params import unwrap_model
 from ..contract.modes import buffers_kept
-from ..model.batchnorm import batchnorm_layers, short_list
+from ..model.batchnorm import batchnorm_layers
 from ..model.bnn import is_bnn
 
-__all__ = ["batchnorm_recalibration", "recalibrating_batchnorm", "bn_input_batches",
-           "warn_running_statistics_of_random_affine"]
-
-
-def warn_running_statistics_of_random_affine(model, latent_names: Iterable[str]) -> None:
-    """Warn when a sampling predictive without ``bn_data=`` normalises with training's running
-    statistics a BatchNorm layer whose γ or β are random (sites among ``latent_names``).
-
-    Measured (MeanField; ``docs/pyro.md``): with γ, β random the running statistics, averaged over
-    the draws of training, fit the single draws much worse than with γ, β point estimates.  Digits
-    BatchNorm MLP: test NLL 0.391 with them against 0.144 per draw (γ, β point estimates: 0.166
-    against 0.119); Fashion-MNIST BatchNorm CNN: accuracy 0.833 / NLL 0.783 against 0.911 / 0.240.
-    """
-    network = unwrap_model(model)
-    if not isinstance(network, torch.nn.Module):
-        return
-    names = set(latent_names)
-    random = [path for path, m in network.named_modules()
-              if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-              and {f"{path}.weight", f"{path}.bias"} & names]
-    if random:
-        warnings.warn(
-            f"BatchNorm layers with random γ, β ({short_list(random, 3)}) predict with the running statistics "
-            "of training, which average over the weight draws and fit no single draw; with random γ, β that "
-            "costs much (Fashion-MNIST BatchNorm CNN, MeanField: accuracy 0.833, NLL 0.783 against 0.911, 0.240 "
-            "per draw). Pass bn_data= (a few thousand training inputs) to re-estimate them under each draw",
-            UserWarning, stacklevel=2)
+__all__ = ["batchnorm_recalibration", "recalibrating_batchnorm", "bn_input_batches"]
 
 
 def bn_input_batches(bn_data, batch_size: int) -> Iterator[torch.Tensor]:

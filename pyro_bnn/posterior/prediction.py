@@ -34,15 +34,16 @@ from pyro.poutine.util import site_is_subsample
 
 from ..arguments import check_int
 from ..contract.guide import guide_contract
-from ..contract.local_params import local_params
+from ..contract.local_params import local_params, unwrap_model
 from ..contract.modes import evaluation_mode
 from ..contract.pyro_objective import call_model
 from ..data.batches import BatchCheck, check_data, check_inputs
+from ..model.batchnorm import warn_running_statistics_of_random_affine
 from ..model.bnn import is_bnn, model_likelihood
 from ..model.devices import module_device
 from ..model.likelihoods import distribution_kind, inverse_link, kind_and_noise
 from . import metrics
-from .batchnorm import batchnorm_recalibration, warn_running_statistics_of_random_affine
+from .batchnorm import batchnorm_recalibration
 from .guide_density import check_global_latents, latent_values
 
 __all__ = ["PredictiveSamples", "predictive_samples", "predict", "evaluate", "sample_latents",
@@ -252,6 +253,7 @@ def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: in
     check = BatchCheck(model)
     check_inputs(x, "x", check.dtype, allow_integer=check.integer_inputs)
     device = device or module_device(model, guide, default=x.device)
+    network = unwrap_model(model)
     with local_params(model, guide), evaluation_mode(model, guide), \
             batchnorm_recalibration(model, bn_data, batch_size, device) as recalibrate:
         per_sample = []
@@ -259,8 +261,8 @@ def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: in
             latents = sample_latents(model, guide, x[:1].to(device))
             if recalibrate is not None:
                 recalibrate(latents)
-            elif not per_sample:
-                warn_running_statistics_of_random_affine(model, latents)
+            elif not per_sample and isinstance(network, torch.nn.Module):
+                warn_running_statistics_of_random_affine(network, latents)
             kind, params = params_under(model, latents, x, batch_size, obs_site, device)
             per_sample.append(params)
     stacked = {k: torch.stack([p[k] for p in per_sample]) for k in per_sample[0]}
