@@ -244,6 +244,47 @@ def test_symmetrized_trains_through_batchnorm_and_refuses_eval_mode_objective():
     assert math.isfinite(svi.step(d.x_train[:32], d.y_train[:32]))
 
 
+def test_declared_symmetry_through_normalisation_without_affine_parameters():
+    # a declared group through BatchNorm(affine=False): no γ, β to name it, found numerically
+    torch.manual_seed(0)
+    d = pb.datasets.digits()
+    x, y = d.x_train[:64], d.y_train[:64]
+    net = nn.Sequential(nn.Linear(64, 6), nn.BatchNorm1d(6, affine=False), nn.ReLU(), nn.Linear(6, 10))
+    model = pb.BNN(net, "categorical")
+    declared = [{"0.weight": 0, "0.bias": 0, "3.weight": 1}]
+    guide = pb.guides.Symmetrized(model, permutations=declared)
+    pb.fit(model, guide, (x, y), epochs=1, batch_size=32, progress=False, seed=0)
+    stats = net[1].running_mean.clone(), net[1].running_var.clone()
+    model.eval()
+    with pytest.raises(ValueError, match=r"eval mode \(net.1\)"):
+        pb.guides.symmetrized.symmetrized_elbo(model, guide, (x, y), num_samples=2)
+    model.train()
+    assert math.isfinite(float(pb.guides.symmetrized.symmetrized_elbo(model, guide, (x, y), num_samples=2)))
+    # the check itself leaves the statistics and the modes as they were
+    shapes = guide.site_shapes()
+    net.eval()
+    assert sym.check_declared_symmetries(model, guide.symmetry(), shapes, (x[:8], y[:8])) == ([True], ["net.1"])
+    assert not net[1].training and not net[0].training
+    net.train()
+    sym.check_declared_symmetries(model, guide.symmetry(), shapes, (x[:8], y[:8]))
+    assert net[1].training
+    assert torch.equal(net[1].running_mean, stats[0]) and torch.equal(net[1].running_var, stats[1])
+    # a BatchNorm elsewhere in the net is not on the group's path
+    net = nn.Sequential(nn.Linear(64, 6), nn.ReLU(), nn.Linear(6, 5), nn.BatchNorm1d(5, affine=False),
+                        nn.ReLU(), nn.Linear(5, 10))
+    shapes = {f"net.{name}": p.shape for name, p in net.named_parameters()}
+    model = pb.BNN(net, "categorical")
+    groups = [{"net.0.weight": 0, "net.0.bias": 0, "net.2.weight": 1}]
+    assert sym.check_declared_symmetries(model, groups, shapes, (x[:8], y[:8])) == ([True], [])
+    # a declaration that is no symmetry (the wrong axis of the next layer) is named, not trained silently
+    wrong = [{"net.0.weight": 0, "net.0.bias": 0, "net.2.weight": 0}]
+    net = nn.Sequential(nn.Linear(64, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 10))
+    model = pb.BNN(net, "categorical")
+    guide = pb.guides.Symmetrized(model, permutations=wrong)
+    with pytest.warns(UserWarning, match="is not a symmetry of the model"):
+        guide(x, y)
+
+
 def test_declared_symmetry_validation():
     net = nn.Sequential(nn.Linear(1, 2, bias=False), nn.ReLU(), nn.Linear(2, 1, bias=False))
     shapes = {"net.0.weight": torch.Size([2, 1]), "net.2.weight": torch.Size([1, 2])}

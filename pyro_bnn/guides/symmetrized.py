@@ -62,6 +62,7 @@ from .meanfield import (
 from .symmetrized_entropy import local_entropy_gap, log_density_ratios, uniform_entropy_gap
 from .symmetry import (
     check_batch_statistics,
+    check_declared_symmetries,
     discover_symmetries,
     enumerate_group,
     group_sizes,
@@ -157,11 +158,22 @@ class Symmetrized(MeanField):
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
         network = self._original_model[0]
+        example = tuple(a[:8] if isinstance(a, torch.Tensor) and a.dim() else a for a in args)
         if self.declared_permutations is not None:  # fail early on a malformed declaration
             self._symmetry = resolve_symmetries(self.declared_permutations, self.site_shapes())
-            self._running_statistics = running_statistics_layers(network, self._symmetry)
+            with poutine.block():
+                verified, needed = check_declared_symmetries(network, self._symmetry, self.site_shapes(),
+                                                             example, kwargs)
+            self._running_statistics = list(dict.fromkeys(
+                running_statistics_layers(network, self._symmetry) + needed))
+            for group, ok in zip(self._symmetry, verified):
+                if not ok:
+                    warnings.warn(
+                        f"the declared permutation group {group} is not a symmetry of the model: permuting it "
+                        "changes the model's output on random weights (eval mode, running statistics alike "
+                        "across units), so the symmetrised bound would count mixture components that are not "
+                        "posterior modes. Check the sites and axes of permutations=", UserWarning, stacklevel=2)
         else:
-            example = tuple(a[:8] if isinstance(a, torch.Tensor) and a.dim() else a for a in args)
             with poutine.block():
                 self._symmetry, self._running_statistics = discover_symmetries(
                     network, self.site_shapes(), example=example, example_kwargs=kwargs)

@@ -63,11 +63,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..contract.modes import buffers_kept
+from ..contract.modes import buffers_kept, evaluation_mode
 from ..contract.pyro_objective import observed_sites
 
 __all__ = [
     "find_symmetries", "discover_symmetries", "check_batch_statistics", "running_statistics_layers",
+    "check_declared_symmetries",
     "resolve_symmetries", "group_sizes", "log_group_order",
     "sample_permutations", "apply_permutation", "permute_batched", "invert_permutation",
     "compose_permutations", "enumerate_group", "check_symmetries",
@@ -244,18 +245,94 @@ def check_batch_statistics(model: nn.Module, paths: Iterable[str]) -> None:
 
 def running_statistics_layers(model: nn.Module, groups: Symmetry) -> list[str]:
     """Paths of the BatchNorm / InstanceNorm layers with running statistics whose γ or β some
-    group permutes (for declared symmetries; :func:`discover_symmetries` also finds the layers
-    without affine parameters)."""
+    group permutes (:func:`check_declared_symmetries` also finds the layers without affine
+    parameters that a declared group passes through)."""
     permuted = {site for group in groups for site in group}
     return [path for path, m in model.named_modules()
             if _keeps_running_statistics(m) and {f"{path}.weight", f"{path}.bias"} & permuted]
 
 
+def check_declared_symmetries(model: nn.Module, groups: Symmetry, shapes: Mapping[str, torch.Size],
+                              example: tuple, example_kwargs: dict | None = None,
+                              ) -> tuple[list[bool], list[str]]:
+    """Verify declared groups on ``example`` and find the running-statistics layers they need.
+
+    The model runs in eval mode on random values of the sites, with its point estimates as
+    they are (a declaration may rely on them, e.g. equal fixed output weights) and the running
+    statistics of every BatchNorm / InstanceNorm set alike across units (mean 0, variance 1).
+    A group is a symmetry if permuting it leaves the observation densities and the return
+    value unchanged (:func:`check_symmetries`).  Then each such layer's statistics are
+    scrambled in turn: a layer whose scrambled statistics break a verified group lies on the
+    group's path, and the group is a symmetry only while that layer uses batch statistics.
+    This finds the layers between a group's two layers that have no affine parameters to
+    permute, which :func:`running_statistics_layers` cannot see.  Buffers, parameters and
+    train/eval flags are restored.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The network whose random sites the groups permute (site names are module paths).
+    groups : list of dict
+        Declared groups ``{site: axis}`` (:func:`resolve_symmetries`).
+    shapes : mapping site -> shape
+        Every random site of the model.
+    example, example_kwargs : tuple, dict
+        Arguments of ``model(*example, **example_kwargs)`` (a few inputs suffice).
+
+    Returns
+    -------
+    (list of bool, list of str)
+        Per group, whether it was verified as a symmetry; the paths of the layers with running
+        statistics that a verified group passes through.  If the model cannot run on random
+        site values, no group is verified and every such layer is returned.
+    """
+    norms = [(path, m) for path, m in model.named_modules() if _keeps_running_statistics(m)]
+    gen = torch.Generator().manual_seed(0)
+    device = next((t.device for t in example if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    values = {k: torch.randn(tuple(v), generator=gen).to(device) for k, v in shapes.items()}
+    outputs = _conditioned_outputs(model, example, example_kwargs or {})
+
+    def alike(m):
+        m.running_mean.zero_()
+        m.running_var.fill_(1.0)
+
+    with buffers_kept(model), torch.no_grad(), evaluation_mode(model):
+        for _, m in norms:
+            alike(m)
+        try:
+            verified = check_symmetries(outputs, values, groups, generator=gen)
+        except (ValueError, RuntimeError):  # the model rejects random site values: nothing verified
+            return [False] * len(groups), [path for path, _ in norms]
+        needed = []
+        for path, m in norms:
+            m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=gen))
+            m.running_var.copy_(0.2 + 5.0 * torch.rand(m.running_var.shape, generator=gen))
+            flags = check_symmetries(outputs, values, groups, generator=gen)
+            if any(ok and not still for ok, still in zip(verified, flags)):
+                needed.append(path)
+            alike(m)
+    return verified, needed
+
+
+def _conditioned_outputs(model: nn.Module, example: tuple, kwargs: dict) -> Callable:
+    """``outputs(values)``: the model's observation log-densities and return value on ``example``
+    with the random sites set to ``values`` (what a symmetry must leave unchanged)."""
+    from pyro import poutine
+
+    def outputs(vals):
+        tr = poutine.trace(poutine.condition(model, data=vals)).get_trace(*example, **kwargs)
+        parts = [site["fn"].log_prob(site["value"]).reshape(-1) for _, site in observed_sites(tr, vals)]
+        ret = tr.nodes["_RETURN"]["value"]
+        if isinstance(ret, torch.Tensor):
+            parts.append(ret.reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    return outputs
+
+
 def _groups_by_execution(model, shapes, covered, example, kwargs) -> list[tuple[dict[str, int], list[str]]]:
     """Chain Linear/Conv layers outside Sequentials in call order; keep verified groups (with
     the paths of the running-statistics layers each passes through)."""
-    from pyro import poutine
-
     paths = {id(m): (path, m) for path, m in model.named_modules()}
     layers = {k: (path, m) for k, (path, m) in paths.items()
               if isinstance(m, (nn.Linear,) + _CONVS) and k not in covered and f"{path}.weight" in shapes}
@@ -268,14 +345,7 @@ def _groups_by_execution(model, shapes, covered, example, kwargs) -> list[tuple[
     device = next((t.device for t in example if isinstance(t, torch.Tensor)), torch.device("cpu"))
     values = {k: torch.randn(tuple(v), generator=gen).to(device) for k, v in shapes.items()}
 
-    def outputs(vals):
-        tr = poutine.trace(poutine.condition(model, data=vals)).get_trace(*example, **kwargs)
-        parts = [site["fn"].log_prob(site["value"]).reshape(-1) for _, site in observed_sites(tr, vals)]
-        ret = tr.nodes["_RETURN"]["value"]
-        if isinstance(ret, torch.Tensor):
-            parts.append(ret.reshape(-1))
-        return torch.cat(parts) if parts else torch.zeros(0)
-
+    outputs = _conditioned_outputs(model, example, kwargs)
     with buffers_kept(model), torch.no_grad(), _deterministic_parameters_randomised(model, shapes, gen):
         try:
             outputs(values)
