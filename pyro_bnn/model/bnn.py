@@ -15,6 +15,7 @@ from pyro.nn.module import to_pyro_module_
 from torch import nn
 
 from ..arguments import check_bool, check_names
+from .batch_scaling import UnscaledBatchWatch
 from .batchnorm import warn_batchnorm_in_train_mode
 from .likelihoods import Likelihood, check_output_layer, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
@@ -378,6 +379,7 @@ class BNN(PyroModule):
         # layer under another name and rename its Pyro sites.
         self._input_spec = _input_spec(net)
         self.__dict__["_weights_dtype"] = self._common_weights_dtype()
+        self.__dict__["_batch_watch"] = UnscaledBatchWatch()  # minibatches without num_data=
 
     # ------------------------------------------------------------------ model
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, num_data: int | None = None):
@@ -412,6 +414,7 @@ class BNN(PyroModule):
             self.likelihood.check_shape(y, f.shape[batch_dims:])
         elif self.training:  # predicting: BatchNorm in train mode would use and overwrite batch stats
             warn_batchnorm_in_train_mode(self)
+        self._batch_watch.see("pb.BNN", x, y, num_data)
         size = len(x) if num_data is None else int(num_data)
         with pyro.plate("data", size, subsample_size=len(x)):
             pyro.sample("obs", observation_distribution(self.likelihood, f, batch_dims), obs=y)
