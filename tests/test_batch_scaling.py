@@ -52,6 +52,10 @@ def test_no_warning_when_scaled_full_batch_or_predicting(loss, data):
     model, guide, svi = _setup(loss)
     for _ in range(WATCHED_CALLS + 2):  # the whole data set, a new tensor (as .to(device)) each step
         svi.step(x.clone(), y.clone())
+    model, guide, svi = _setup(loss)
+    for _ in range(WATCHED_CALLS + 2):  # the whole data set shuffled (a full-batch DataLoader)
+        order = torch.randperm(len(x))
+        svi.step(x[order], y[order])
     for i in range(0, 96, 16):  # predictions on changing batches run without gradients
         Predictive(model, guide=guide, num_samples=2)(x[i:i + 16])
         svi.evaluate_loss(x[i:i + 16], y[i:i + 16])
