@@ -23,7 +23,8 @@ def _setup(loss: str):
     pyro.clear_param_store()
     model = pb.BNN(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), "categorical")
     guide = pb.guides.MeanField(model)
-    objective = guide.make_objective() if loss == "guide" else Trace_ELBO()
+    objective = {"guide": guide.make_objective(), "trace_elbo": Trace_ELBO(),
+                 "particles": Trace_ELBO(num_particles=4)}[loss]
     return model, guide, SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss=objective)
 
 
@@ -33,7 +34,7 @@ def data():
     return torch.randn(96, 4, generator=gen), torch.randint(0, 3, (96,), generator=gen)
 
 
-@pytest.mark.parametrize("loss", ["guide", "trace_elbo"])
+@pytest.mark.parametrize("loss", ["guide", "trace_elbo", "particles"])
 def test_changing_batches_without_num_data_warn_once(loss, data):
     x, y = data
     model, guide, svi = _setup(loss)

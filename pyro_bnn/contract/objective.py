@@ -5,7 +5,6 @@ from __future__ import annotations
 import pyro
 import torch
 
-from ..model.batch_scaling import UnscaledBatchWatch
 from ..model.bnn import BNN
 from .guide import BNNGuide
 from .param_store import emit_param_statements, sync_param_store
@@ -43,7 +42,7 @@ class GuideObjective(pyro.infer.ELBO):
         """The loss as a differentiable 0-d tensor (Pyro's ``ELBO`` interface)."""
         x, y, num_data = model_arguments(model, args, kwargs)
         if isinstance(model, BNN):  # minibatches without num_data= (our losses skip model.forward)
-            self.__dict__.setdefault("_batch_watch", UnscaledBatchWatch()).see("pb.BNN", x, y, num_data)
+            model.batch_watch.see("pb.BNN", x, y, num_data)
         if isinstance(guide, BNNGuide):
             model_args, model_kwargs, _ = call_model(model, x, y, num_data)
             guide.set_up(*model_args, **model_kwargs)

@@ -292,13 +292,9 @@ def check_declared_symmetries(model: nn.Module, groups: Symmetry, shapes: Mappin
     values = {k: torch.randn(tuple(v), generator=gen).to(device) for k, v in shapes.items()}
     outputs = _conditioned_outputs(model, example, example_kwargs or {})
 
-    def alike(m):
-        m.running_mean.zero_()
-        m.running_var.fill_(1.0)
-
     with buffers_kept(model), torch.no_grad(), evaluation_mode(model):
         for _, m in norms:
-            alike(m)
+            m.reset_running_stats()  # mean 0, variance 1: alike across units
         try:
             verified = check_symmetries(outputs, values, groups, generator=gen)
         except (ValueError, RuntimeError):  # the model rejects random site values: nothing verified
@@ -310,7 +306,7 @@ def check_declared_symmetries(model: nn.Module, groups: Symmetry, shapes: Mappin
             flags = check_symmetries(outputs, values, groups, generator=gen)
             if any(ok and not still for ok, still in zip(verified, flags)):
                 needed.append(path)
-            alike(m)
+            m.reset_running_stats()
     return verified, needed
 
 

@@ -25,8 +25,9 @@ import torch
 
 __all__ = ["UnscaledBatchWatch", "WATCHED_CALLS"]
 
-#: Gradient-carrying calls with targets and without ``num_data`` that are looked at.
-WATCHED_CALLS = 8
+#: Gradient-carrying calls with targets and without ``num_data`` that are looked at: enough for
+#: three steps when Pyro runs the model once per particle (``Trace_ELBO(num_particles=20)``).
+WATCHED_CALLS = 64
 
 
 def _fingerprint(x: torch.Tensor) -> tuple:
@@ -42,7 +43,8 @@ class UnscaledBatchWatch:
     Attributes
     ----------
     warned : bool
-        Whether the warning has been given (it is given once per model).
+        Whether the warning has been given (once per model: a ``pb.BNN`` holds one watch, as
+        ``model.batch_watch``, which its ``forward`` and the guides' objectives both report to).
     """
 
     def __init__(self):

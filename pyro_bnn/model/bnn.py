@@ -379,7 +379,7 @@ class BNN(PyroModule):
         # layer under another name and rename its Pyro sites.
         self._input_spec = _input_spec(net)
         self.__dict__["_weights_dtype"] = self._common_weights_dtype()
-        self.__dict__["_batch_watch"] = UnscaledBatchWatch()  # minibatches without num_data=
+        self.__dict__["batch_watch"] = UnscaledBatchWatch()  # minibatches without num_data= (one per model)
 
     # ------------------------------------------------------------------ model
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, num_data: int | None = None):
@@ -414,7 +414,7 @@ class BNN(PyroModule):
             self.likelihood.check_shape(y, f.shape[batch_dims:])
         elif self.training:  # predicting: BatchNorm in train mode would use and overwrite batch stats
             warn_batchnorm_in_train_mode(self)
-        self._batch_watch.see("pb.BNN", x, y, num_data)
+        self.batch_watch.see("pb.BNN", x, y, num_data)
         size = len(x) if num_data is None else int(num_data)
         with pyro.plate("data", size, subsample_size=len(x)):
             pyro.sample("obs", observation_distribution(self.likelihood, f, batch_dims), obs=y)
