@@ -369,8 +369,16 @@ def test_running_statistics_of_random_affine_are_warned_and_cost_much():
     assert recal["nll"] < 0.8 * plain["nll"] and recal["ece"] < plain["ece"]
     # Pyro's Predictive in eval mode normalises with the running statistics too: warned
     model.eval()
-    with pytest.warns(UserWarning, match=r"pyro.infer.Predictive: BatchNorm layers with random γ, β \(net.1\)"):
-        Predictive(model, guide=guide, num_samples=2)(d.x_test[:5])
+    with warnings.catch_warnings(record=True) as record:  # once, not once per draw (Pyro's
+        warnings.simplefilter("always")                    # Predictive calls the guide per draw)
+        Predictive(model, guide=guide, num_samples=5)(d.x_test[:5])
+        Predictive(model, guide=guide, num_samples=5)(d.x_test[:5])
+        model.train()
+        Predictive(model, guide=guide, num_samples=5)(d.x_test[:5])
+    messages = [str(w.message) for w in record]
+    assert sum(m.startswith("pyro.infer.Predictive: BatchNorm layers with random γ, β (net.1)")
+               for m in messages) == 1, messages
+    assert sum("in train mode" in m for m in messages) == 1, messages
     model.train()
 
 

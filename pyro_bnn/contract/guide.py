@@ -26,6 +26,7 @@ from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
+from ..model.batch_scaling import guide_batch_watch, observations_unscaled
 from ..model.batchnorm import warn_batchnorm_in_train_mode, warn_running_statistics_of_random_affine
 from ..model.bnn import BNN, example_input, initial_values_of, site_module
 from .local_params import local_params, prepare_local_params
@@ -111,18 +112,46 @@ class BNNGuide:
         # Pyro's Predictive runs the guide under poutine.mask(False) (draws, not densities; no
         # training objective masks every site): a user's own model with BatchNorm in train mode
         # would predict on batch statistics and overwrite its running ones (pb.BNN warns itself)
+        # (each once per guide: Predictive calls the guide once per draw)
         model = self.approximated_model() if poutine.get_mask() is False else None
+        given = self.__dict__.setdefault("_predictive_warnings_given", set())
         if model is not None and not isinstance(model, BNN):
-            warn_batchnorm_in_train_mode(model, "pyro.infer.Predictive runs the model")
+            warn_batchnorm_in_train_mode(model, "pyro.infer.Predictive runs the model", given)
         if model is not None and self.prototype_trace is not None:  # eval mode: running statistics
             latents = [n for n, site in self.prototype_trace.nodes.items()
                        if site["type"] == "sample" and not site["is_observed"]]
-            warn_running_statistics_of_random_affine(model, latents, "pyro.infer.Predictive")
+            warn_running_statistics_of_random_affine(model, latents, "pyro.infer.Predictive", given)
+        if poutine.get_mask() is not False:  # training: minibatches of a hand-written model unscaled?
+            x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            self.watch_batch(x, True, kwargs.get("num_data"), args, kwargs)
         if global_param_mode():
             sync_param_store(*modules)
         else:
             expose_unconstrained(*modules)
         return super().__call__(*args, **kwargs)
+
+    def watch_batch(self, x, y, num_data, args: tuple, kwargs: dict) -> None:
+        """Show one training call to the watch over a hand-written model trained on changing
+        minibatches with nothing scaling its data term (``pyro_bnn/model/batch_scaling.py``); it
+        warns once.  A :class:`~pyro_bnn.BNN` watches itself (``model.batch_watch``).
+
+        Parameters
+        ----------
+        x : Tensor or None
+            The call's inputs (``None``: nothing to watch).
+        y : object
+            The call's targets (``None``: a prediction, not watched).
+        num_data : int or None
+            The data set's size if the caller gave it (then the batches are scaled).
+        args, kwargs
+            The model's arguments for this call: the model is run on them once, when the
+            warning is due, to see whether it scales its observations itself.
+        """
+        model = self.approximated_model()
+        watch = None if isinstance(model, BNN) or x is None else guide_batch_watch(self)
+        if watch is not None and watch.active:
+            watch.see(x, y, num_data,
+                      confirm=lambda: observations_unscaled(self.given_model(), model, args, kwargs))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a saved guide's state, as ``torch.nn.Module.load_state_dict`` does.

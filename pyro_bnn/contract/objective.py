@@ -42,10 +42,11 @@ class GuideObjective(pyro.infer.ELBO):
         """The loss as a differentiable 0-d tensor (Pyro's ``ELBO`` interface)."""
         x, y, num_data = model_arguments(model, args, kwargs)
         if isinstance(model, BNN):  # minibatches without num_data= (our losses skip model.forward)
-            model.batch_watch.see("pb.BNN", x, y, num_data)
+            model.batch_watch.see(x, y, num_data)
         if isinstance(guide, BNNGuide):
             model_args, model_kwargs, _ = call_model(model, x, y, num_data)
             guide.set_up(*model_args, **model_kwargs)
+            guide.watch_batch(x, y, num_data, model_args, model_kwargs)
         sync_param_store(guide, model)
         emit_param_statements(guide)
         emit_param_statements(model)

@@ -15,15 +15,25 @@ and warns once if the inputs changed twice, that is when a third batch arrives. 
 training, even on a tensor moved to the device anew or shuffled every step, keeps the sums;
 predictions (no targets, or ``torch.no_grad``, as ``Predictive`` runs) are not
 watched; passing ``num_data`` once ends the watch.
+
+A hand-written model collapses the same way when nothing scales its data plate (digits MLP,
+``MeanField``, plain ``SVI``: accuracy 0.10–0.11 against 0.96–0.97 with a subsampled plate).
+A pyro_bnn guide watches such a model's calls (:func:`guide_batch_watch`); since the model may
+scale its observations itself (``pyro.plate(..., subsample_size=...)``, ``poutine.scale``),
+the warning, when due, is first confirmed by :func:`observations_unscaled`, one run of the
+model that leaves no trace.  ``pb.fit`` ends the guide's watch, as it scales every batch.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
+from pyro import poutine
 
-__all__ = ["UnscaledBatchWatch", "WATCHED_CALLS"]
+__all__ = ["UnscaledBatchWatch", "WATCHED_CALLS", "BNN_REMEDY", "MODEL_REMEDY", "observations_unscaled",
+           "guide_batch_watch"]
 
 #: Gradient-carrying calls with targets and without ``num_data`` that are looked at: enough for
 #: three steps when Pyro runs the model once per particle (``Trace_ELBO(num_particles=20)``).
@@ -37,53 +47,123 @@ def _fingerprint(x: torch.Tensor) -> tuple:
     return tuple(x.shape), x.device, sums.float().cpu()
 
 
+#: What a pb.BNN's user is told to do.
+BNN_REMEDY = ("Pass the training set's size: svi.step(xb, yb, num_data=N) (pb.fit does this itself); if "
+              "every step does see all the data, pass num_data=len(x) to say so")
+
+#: What the user of a hand-written model is told to do (the guide watches it).
+MODEL_REMEDY = ("Scale the data term in the model, pyro.plate('data', N, subsample_size=len(x)) around its "
+                "observations (or poutine.scale(model, N / len(x))), or train with the guide's own objective, "
+                "which scales it: SVI(model, guide, optim, loss=guide.make_objective()) and "
+                "svi.step(xb, yb, num_data=N) (pb.fit does this itself)")
+
+
 class UnscaledBatchWatch:
     """Detect minibatch training of a model that was not told the data set's size.
+
+    Parameters
+    ----------
+    model_name : str
+        How the warning names the model.
+    remedy : str
+        What the warning tells the user to do.
 
     Attributes
     ----------
     warned : bool
         Whether the warning has been given (once per model: a ``pb.BNN`` holds one watch, as
-        ``model.batch_watch``, which its ``forward`` and the guides' objectives both report to).
+        ``model.batch_watch``, which its ``forward`` and the guides' objectives both report to;
+        a pyro_bnn guide of a hand-written model holds one for it, as ``guide.batch_watch``).
     """
 
-    def __init__(self):
+    def __init__(self, model_name: str = "pb.BNN", remedy: str = BNN_REMEDY):
+        self.model_name = model_name
+        self.remedy = remedy
         self._calls = 0
         self._changes = 0
         self._last: tuple | None = None
         self.warned = False
 
-    def see(self, model_name: str, x: torch.Tensor, y, num_data) -> None:
+    @property
+    def active(self) -> bool:
+        """Whether calls are still looked at."""
+        return self._calls < WATCHED_CALLS
+
+    def end(self) -> None:
+        """Stop watching (the caller scales its batches, or the question is settled)."""
+        self._calls, self._last = WATCHED_CALLS, None
+
+    def see(self, x: torch.Tensor, y, num_data, confirm: Callable[[], bool] | None = None) -> None:
         """Record one call of the model; warn at the second change of inputs.
 
         Parameters
         ----------
-        model_name : str
-            How the warning names the model.
-        x, y : Tensor
-            The call's inputs and targets.
+        x : Tensor
+            The call's inputs.
+        y : object
+            The call's targets; ``None`` (a prediction) is not watched.
         num_data : int or None
-            The call's ``num_data``.
+            The call's ``num_data``; given once, it ends the watch.
+        confirm : callable, optional
+            Asked once, when the warning is due: ``False`` if the model turns out to scale its
+            data term itself (a hand-written model's subsampled plate), which ends the watch
+            without a warning.
         """
-        if self._calls >= WATCHED_CALLS or y is None or not torch.is_grad_enabled():
+        if not self.active or y is None or not torch.is_grad_enabled():
             return
         if num_data is not None:  # the caller scales its batches: nothing to watch
-            self._calls, self._last = WATCHED_CALLS, None
+            self.end()
             return
         self._calls += 1
         last, self._last = self._last, _fingerprint(x)
         if last is not None and not _same(last, self._last):
             self._changes += 1
         if self._changes >= 2:
-            self._calls, self._last, self.warned = WATCHED_CALLS, None, True
+            self.end()
+            if confirm is not None and not confirm():
+                return
+            self.warned = True
             warnings.warn(
-                f"{model_name} is being trained on changing batches of {len(x)} inputs without num_data=: "
+                f"{self.model_name} is being trained on changing batches of {len(x)} inputs without num_data=: "
                 f"each step then treats its batch as the whole data set, so the prior outweighs the data "
-                f"by N / {len(x)} and the posterior stays near the prior (predictions near chance). Pass the "
-                "training set's size: svi.step(xb, yb, num_data=N) (pb.fit does this itself); if every step "
-                "does see all the data, pass num_data=len(x) to say so", UserWarning, stacklevel=2)
-        if self._calls >= WATCHED_CALLS:
+                f"by N / {len(x)} and the posterior stays near the prior (predictions near chance). "
+                f"{self.remedy}", UserWarning, stacklevel=2)
+        if not self.active:
             self._last = None
+
+
+def guide_batch_watch(guide) -> UnscaledBatchWatch:
+    """The watch a pyro_bnn guide keeps over its hand-written model (created at the first call)."""
+    watch = guide.__dict__.get("batch_watch")
+    if watch is None:
+        watch = guide.__dict__["batch_watch"] = UnscaledBatchWatch(
+            f"The model of this {type(guide).__name__} guide", MODEL_REMEDY)
+    return watch
+
+
+def observations_unscaled(model: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict) -> bool:
+    """Whether ``model(*args, **kwargs)`` observes data, all of it at scale 1 (no subsampled plate,
+    no ``poutine.scale``): then a minibatch counts as the whole data set.
+
+    The model is run once, hidden from any handler around the call, without gradients, on a
+    forked random stream, with the buffers of ``module`` (BatchNorm's running statistics) put
+    back afterwards, so the call changes nothing the user can see.  A model that fails on these
+    arguments counts as scaled (no warning rather than a wrong one).
+    """
+    saved = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), poutine.block():
+            trace = poutine.trace(model).get_trace(*args, **kwargs)
+    except Exception:  # noqa: BLE001 -- any failure means: cannot tell, so do not warn
+        return False
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+    scales = [site["scale"] for site in trace.nodes.values() if site["type"] == "sample" and site["is_observed"]]
+    return bool(scales) and all(float(torch.as_tensor(s).max()) == 1.0 == float(torch.as_tensor(s).min())
+                                for s in scales)
 
 
 def _same(a: tuple, b: tuple) -> bool:

@@ -71,11 +71,14 @@ def batchnorm_layers(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]
     return [m for m in module.modules() if _keeps_statistics(m)]
 
 
-def warn_batchnorm_in_train_mode(module: nn.Module, when: str = "the model predicts (y=None)") -> None:
+def warn_batchnorm_in_train_mode(module: nn.Module, when: str = "the model predicts (y=None)",
+                                 given: set | None = None) -> None:
     """Warn if a BatchNorm layer of ``module`` is in train mode (called when the model
-    predicts, i.e. runs without observations; ``when`` says how the prediction was seen)."""
+    predicts, i.e. runs without observations; ``when`` says how the prediction was seen).
+    ``given``: the messages already given to this caller (updated); one of them is not repeated
+    (Pyro's ``Predictive`` runs the guide once per draw)."""
     names = [name for name, m in module.named_modules() if _keeps_statistics(m) and m.training]
-    if names:
+    if names and _first_time(given, (when, *names)):
         warnings.warn(
             f"{when} with BatchNorm layers in train mode ({short_list(names, 3)}): each prediction is normalised with its own batch's "
             "statistics and overwrites the running statistics learnt in training with those of the "
@@ -84,7 +87,8 @@ def warn_batchnorm_in_train_mode(module: nn.Module, when: str = "the model predi
             BatchNormTrainModeWarning, stacklevel=2)
 
 
-def warn_running_statistics_of_random_affine(module: nn.Module, latent_names, when: str = "pb.predict") -> None:
+def warn_running_statistics_of_random_affine(module: nn.Module, latent_names, when: str = "pb.predict",
+                                             given: set | None = None) -> None:
     """Warn when a sampling predictive normalises a BatchNorm layer whose γ or β are random (sites
     among ``latent_names``) with training's running statistics (the layer in eval mode).
 
@@ -92,19 +96,28 @@ def warn_running_statistics_of_random_affine(module: nn.Module, latent_names, wh
     random that costs much more than with point estimates (measured with MeanField on converged
     fits, ``docs/pyro.md``: digits BatchNorm MLP test NLL 0.391 against 0.144 per draw, point
     estimates 0.166 against 0.119; Fashion-MNIST BatchNorm CNN accuracy 0.836 / NLL 0.723 against
-    0.911 / 0.241).  ``when`` names the caller.
+    0.911 / 0.241).  ``when`` names the caller; ``given`` as for :func:`warn_batchnorm_in_train_mode`.
     """
     names = set(latent_names)
     layers = {id(m) for m in batchnorm_layers(module)}
     random = [path for path, m in module.named_modules()
               if id(m) in layers and not m.training and {f"{path}.weight", f"{path}.bias"} & names]
-    if random:
+    if random and _first_time(given, (when, *random)):
         warnings.warn(
             f"{when}: BatchNorm layers with random γ, β ({short_list(random, 3)}) predict with the running "
             "statistics of training, which average over the weight draws and fit no single draw; with random "
             "γ, β that costs much (Fashion-MNIST BatchNorm CNN, MeanField: accuracy 0.836, NLL 0.723 against "
             "0.911, 0.241 per draw). Use pb.predict / pb.evaluate with bn_data= (a few thousand training "
             "inputs) to re-estimate them under each draw", UserWarning, stacklevel=3)
+
+
+def _first_time(given: set | None, key: tuple) -> bool:
+    """Whether ``key`` is not in ``given`` (then added); always true without ``given``."""
+    if given is None:
+        return True
+    new = key not in given
+    given.add(key)
+    return new
 
 
 def short_list(names: list[str], limit: int = 5) -> str:

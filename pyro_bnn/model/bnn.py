@@ -413,8 +413,8 @@ class BNN(PyroModule):
         if y is not None:
             self.likelihood.check_shape(y, f.shape[batch_dims:])
         elif self.training:  # predicting: BatchNorm in train mode would use and overwrite batch stats
-            warn_batchnorm_in_train_mode(self)
-        self.batch_watch.see("pb.BNN", x, y, num_data)
+            warn_batchnorm_in_train_mode(self, given=self.__dict__.setdefault("_warnings_given", set()))
+        self.batch_watch.see(x, y, num_data)
         size = len(x) if num_data is None else int(num_data)
         with pyro.plate("data", size, subsample_size=len(x)):
             pyro.sample("obs", observation_distribution(self.likelihood, f, batch_dims), obs=y)

@@ -457,7 +457,8 @@ def _save_partial(args, names, staging, exc: ComparisonInterrupted, settings, nu
         print(f"interrupted: no report written (no guide had finished); {keep}", file=sys.stderr)
         return 130
     note = (f"interrupted after guides {', '.join(done.runs)} ({len(done.runs)} of {len(names)} "
-            f"finished; {exc.interrupted} was running)")
+            + ("finished, between two guides)" if exc.interrupted is None else
+               f"finished; {exc.interrupted} was running)"))
     try:
         target = _save_aside(staging, done, "partial", note, settings, num_samples)
     except KeyboardInterrupt:

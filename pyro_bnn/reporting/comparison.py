@@ -121,12 +121,13 @@ class ComparisonInterrupted(KeyboardInterrupt):
     ----------
     comparison : Comparison
         The guides that finished before the interrupt (possibly none), with their table.
-    interrupted : str
-        The guide that was running.
+    interrupted : str or None
+        The guide that was running (``None``: the interrupt came between two guides).
     """
 
-    def __init__(self, comparison: Comparison, interrupted: str):
-        super().__init__(f"interrupted during guide {interrupted!r}")
+    def __init__(self, comparison: Comparison, interrupted: str | None):
+        super().__init__("interrupted between guides" if interrupted is None
+                         else f"interrupted during guide {interrupted!r}")
         self.comparison = comparison
         self.interrupted = interrupted
 
@@ -580,35 +581,41 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     if device is not None:
         device = check_device(device)
     runs: dict[str, GuideRun] = {}
-    for i, (name, guide_fn) in enumerate(factories.items(), 1):
-        if progress:
-            print(f"[{i}/{len(factories)}] {name}", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        try:
-            with seeded(seed):   # every guide from the same seed; the caller's streams untouched
-                runs[name] = _run_one(
-                    name, guide_fn, model_fn, split, epochs=_per_guide(epochs, name, 20),
-                    batch_size=batch_size, lr=_per_guide(lr, name, None),
-                    num_samples=num_samples,
-                    loo_samples=loo_samples, device=device, seed=seed, progress=progress,
-                    guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
-                    fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
-                    predict_method=_per_guide(predictive, name, None))
-        except KeyboardInterrupt:
-            raise ComparisonInterrupted(Comparison(_table(runs), runs, split), name) from None
-        except Exception as exc:
-            if caused_by_interrupt(exc):
-                raise ComparisonInterrupted(Comparison(_table(runs), runs, split), name) from exc
-            if errors == "raise":
+    running = None
+    try:  # a Ctrl-C anywhere, between two guides too, keeps the guides that finished
+        for i, (name, guide_fn) in enumerate(factories.items(), 1):
+            if progress:
+                print(f"[{i}/{len(factories)}] {name}", file=sys.stderr, flush=True)
+            running = name
+            t0 = time.perf_counter()
+            try:
+                with seeded(seed):   # every guide from the same seed; the caller's streams untouched
+                    runs[name] = _run_one(
+                        name, guide_fn, model_fn, split, epochs=_per_guide(epochs, name, 20),
+                        batch_size=batch_size, lr=_per_guide(lr, name, None),
+                        num_samples=num_samples,
+                        loo_samples=loo_samples, device=device, seed=seed, progress=progress,
+                        guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
+                        fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
+                        predict_method=_per_guide(predictive, name, None))
+            except KeyboardInterrupt:
                 raise
-            warnings.warn(f"guide {name!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning,
-                          stacklevel=2)
-            runs[name] = GuideRun(name, error="".join(traceback.format_exception_only(exc)).strip(),
-                                  metrics={"converged": "no: failed"})
-        if progress:
-            state = "failed" if runs[name].error is not None else "done"
-            print(f"[{i}/{len(factories)}] {name} {state} ({time.perf_counter() - t0:.1f} s)",
-                  file=sys.stderr, flush=True)
+            except Exception as exc:
+                if caused_by_interrupt(exc):
+                    raise KeyboardInterrupt from exc
+                if errors == "raise":
+                    raise
+                warnings.warn(f"guide {name!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning,
+                              stacklevel=2)
+                runs[name] = GuideRun(name, error="".join(traceback.format_exception_only(exc)).strip(),
+                                      metrics={"converged": "no: failed"})
+            running = None
+            if progress:
+                state = "failed" if runs[name].error is not None else "done"
+                print(f"[{i}/{len(factories)}] {name} {state} ({time.perf_counter() - t0:.1f} s)",
+                      file=sys.stderr, flush=True)
+    except KeyboardInterrupt as exc:
+        raise ComparisonInterrupted(Comparison(_table(runs), runs, split), running) from exc.__cause__
     table = _table(runs)
     return Comparison(table, runs, split) if details else table
 
