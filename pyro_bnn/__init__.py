@@ -10,7 +10,7 @@ from . import analysis, guides, invariance, reporting
 from ._version import __version__
 from .curvature.marglik import MarglikOptions
 from .data import datasets
-from .model import BNN, BatchNormTrainModeWarning, likelihoods, priors
+from .model import BNN, BatchNormTrainModeWarning, UnscaledBatchWarning, likelihoods, priors
 from .posterior import evaluate, metrics, predict, predictive_samples, to_arviz
 from .reporting import compare
 from .training import (
@@ -26,7 +26,7 @@ from .training import (
 )
 
 __all__ = ["__version__", "BNN", "fit", "FitResult", "ConvergenceWarning", "CompileFallbackWarning",
-           "CudaGraphFallbackWarning", "BatchNormTrainModeWarning", "check_convergence", "LengthCheck",
+           "CudaGraphFallbackWarning", "BatchNormTrainModeWarning", "UnscaledBatchWarning", "check_convergence", "LengthCheck",
            "MarglikOptions", "predict",
            "predictive_samples", "evaluate", "save_checkpoint", "load_checkpoint", "priors", "guides",
            "likelihoods", "metrics", "datasets", "to_arviz", "compare", "analysis", "reporting", "invariance"]

@@ -13,10 +13,12 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
 import pyro_bnn as pb
+from pyro_bnn.contract.guide import BNNGuide
 from pyro_bnn.contract.pyro_objective import PyroObjective
 from pyro_bnn.model.batch_scaling import WATCHED_CALLS, UnscaledBatchWatch, observations_unscaled
 
@@ -175,13 +177,13 @@ def test_checking_the_model_changes_nothing_the_user_sees(data):
         svi.step(x[i:i + 16], y[i:i + 16])
     stats = [b.clone() for b in model.norm.buffers()]
     state = torch.get_rng_state()
-    assert observations_unscaled(model, model, (x[32:48], y[32:48]), {})
+    assert observations_unscaled(model, model, (x[32:48], y[32:48]), {}) is True
     assert all(torch.equal(a, b) for a, b in zip(stats, model.norm.buffers()))
     assert torch.equal(state, torch.get_rng_state())
-    assert not observations_unscaled(model, model, (x[32:48],), {})  # nothing observed: a prediction
+    assert observations_unscaled(model, model, (x[32:48],), {}) is None  # nothing observed: a prediction
     scaled = _HandWritten(num_data=len(x))
-    assert not observations_unscaled(scaled, scaled, (x[:16], y[:16]), {})
-    assert not observations_unscaled(pyro.poutine.scale(model, scale=6.0), model, (x[:16], y[:16]), {})
+    assert observations_unscaled(scaled, scaled, (x[:16], y[:16]), {}) is False
+    assert observations_unscaled(pyro.poutine.scale(model, scale=6.0), model, (x[:16], y[:16]), {}) is False
 
 
 def test_hand_written_function_model_is_watched_too(data):
@@ -195,5 +197,66 @@ def test_hand_written_function_model_is_watched_too(data):
     pyro.clear_param_store()
     svi = SVI(model, pb.guides.MeanField(model), pyro.optim.Adam({"lr": 1e-2}), loss=Trace_ELBO())
     with pytest.warns(UserWarning, match="changing batches of 16 inputs"):
+        for i in range(0, 96, 16):
+            svi.step(x[i:i + 16], y[i:i + 16])
+
+
+def test_watch_in_a_guide_list_under_pb_fit_and_the_default_objective(data):
+    """pb.fit ends the watch of a pyro_bnn guide inside an AutoGuideList; the contract's default
+    objective (Pyro's ELBO, for a guide written from docs/DEVELOPING.md) scales when told N."""
+    x, y = data
+    pyro.clear_param_store()
+    model = _HandWritten()
+    guide = AutoGuideList(model)
+    guide.append(pb.guides.MeanField(pyro.poutine.block(model, hide=["fc2.weight", "fc2.bias"])))
+    guide.append(AutoNormal(pyro.poutine.block(model, expose=["fc2.weight", "fc2.bias"])))
+    pb.fit(model, guide, (x, y), epochs=2, batch_size=16, progress=False)  # (warnings are errors)
+
+    class MyGuide(BNNGuide, AutoNormal):
+        pass
+
+    pyro.clear_param_store()
+    model = _HandWritten()
+    guide = MyGuide(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss=guide.make_objective())
+    for i in range(0, 96, 16):
+        svi.step(x[i:i + 16], y[i:i + 16], num_data=len(x))
+    pyro.clear_param_store()
+    model = _HandWritten()
+    guide = MyGuide(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss=guide.make_objective())
+    with pytest.warns(pb.UnscaledBatchWarning, match="model of this MyGuide guide"):
+        for i in range(0, 96, 16):
+            svi.step(x[i:i + 16], y[i:i + 16])
+
+
+def test_draws_by_hand_do_not_end_the_watch(data):
+    """Guide calls with gradients but without observations (weights drawn by hand) are no
+    training steps: the watch still warns about the unscaled training that follows."""
+    x, y = data
+    model, guide, svi = _hand_written_svi("meanfield", "trace_elbo")
+    for i in range(0, 64, 16):
+        guide(x[i:i + 16])
+    assert guide.batch_watch.active
+    with pytest.warns(pb.UnscaledBatchWarning):
+        for i in range(0, 96, 16):
+            svi.step(x[i:i + 16], y[i:i + 16])
+
+
+def test_scaling_the_guide_cannot_see_is_filtered_by_category(data):
+    """A poutine.scale around the model given to SVI only is invisible to the guide: the warning
+    names the filter, and filtering its category silences it."""
+    x, y = data
+    model, guide, _ = _hand_written_svi("meanfield", "trace_elbo")
+    svi = SVI(pyro.poutine.scale(model, scale=len(x) / 16), guide, pyro.optim.Adam({"lr": 1e-2}),
+              loss=Trace_ELBO())
+    with pytest.warns(pb.UnscaledBatchWarning, match=r"filterwarnings\('ignore', category=pb.UnscaledBatchWarning\)"):
+        for i in range(0, 96, 16):
+            svi.step(x[i:i + 16], y[i:i + 16])
+    model, guide, _ = _hand_written_svi("meanfield", "trace_elbo")
+    svi = SVI(pyro.poutine.scale(model, scale=len(x) / 16), guide, pyro.optim.Adam({"lr": 1e-2}),
+              loss=Trace_ELBO())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=pb.UnscaledBatchWarning)
         for i in range(0, 96, 16):
             svi.step(x[i:i + 16], y[i:i + 16])

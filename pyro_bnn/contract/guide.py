@@ -26,7 +26,7 @@ from pyro.infer.autoguide import AutoGuideList, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
-from ..model.batch_scaling import guide_batch_watch, observations_unscaled
+from ..model.batch_scaling import WatchesBatches, observations_unscaled
 from ..model.batchnorm import warn_batchnorm_in_train_mode, warn_running_statistics_of_random_affine
 from ..model.bnn import BNN, example_input, initial_values_of, site_module
 from .local_params import local_params, prepare_local_params
@@ -42,7 +42,7 @@ class GuideStateWarning(UserWarning):
     missing or stale).  A set-up run, whose draw is discarded (``pb.fit``'s first call of the
     guide), silences this category: it is news only for draws that are used."""
 
-class BNNGuide:
+class BNNGuide(WatchesBatches):
     """The pyro_bnn guide contract, as a mixin placed before the Pyro guide class.
 
     ``class MyGuide(BNNGuide, AutoGuide): ...``.  Every method has a default, so a guide
@@ -148,7 +148,7 @@ class BNNGuide:
             warning is due, to see whether it scales its observations itself.
         """
         model = self.approximated_model()
-        watch = None if isinstance(model, BNN) or x is None else guide_batch_watch(self)
+        watch = None if isinstance(model, BNN) or x is None else self.batch_watch
         if watch is not None and watch.active:
             watch.see(x, y, num_data,
                       confirm=lambda: observations_unscaled(self.given_model(), model, args, kwargs))

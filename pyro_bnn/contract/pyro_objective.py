@@ -16,6 +16,8 @@ import inspect
 import pyro
 from pyro.poutine.messenger import Messenger
 
+from ..model.batch_scaling import end_batch_watches
+
 __all__ = ["scale_observations", "PyroObjective", "accepts_num_data", "call_model", "model_arguments",
            "observed_sites"]
 
@@ -82,6 +84,8 @@ class PyroObjective:
         self.elbo = elbo
 
     def __call__(self, model, guide, x, y, num_data=None):
+        if num_data is not None:  # the batches are scaled here: the guide need not watch them
+            end_batch_watches(guide)
         args, kwargs, factor = call_model(model, x, y, num_data)
         scaled = scale_observations(factor)(model) if factor != 1.0 else model
         return self.elbo.differentiable_loss(scaled, guide, *args, **kwargs)

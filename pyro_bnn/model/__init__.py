@@ -6,6 +6,7 @@ May import: :mod:`pyro_bnn.arguments` (nothing else of the package).
 """
 
 from . import batchnorm, devices, likelihoods, priors, weight_norm
+from .batch_scaling import UnscaledBatchWarning
 from .batchnorm import BatchNormTrainModeWarning
 from .bnn import (
     BAYESIAN_LAYERS,
@@ -30,4 +31,4 @@ from .devices import module_device
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic",
            "fan_in_of", "augmentation_of", "initial_values_of", "model_likelihood", "network_function_of",
            "network_of", "normal_prior_params", "num_augmentations", "site_prior_modules",
-           "weight_norm_of", "module_device", "BatchNormTrainModeWarning", "batchnorm", "devices", "likelihoods", "priors", "weight_norm"]
+           "weight_norm_of", "module_device", "BatchNormTrainModeWarning", "UnscaledBatchWarning", "batchnorm", "devices", "likelihoods", "priors", "weight_norm"]

@@ -18,10 +18,13 @@ watched; passing ``num_data`` once ends the watch.
 
 A hand-written model collapses the same way when nothing scales its data plate (digits MLP,
 ``MeanField``, plain ``SVI``: accuracy 0.10–0.11 against 0.96–0.97 with a subsampled plate).
-A pyro_bnn guide watches such a model's calls (:func:`guide_batch_watch`); since the model may
+A pyro_bnn guide watches such a model's calls (:class:`WatchesBatches`); since the model may
 scale its observations itself (``pyro.plate(..., subsample_size=...)``, ``poutine.scale``),
 the warning, when due, is first confirmed by :func:`observations_unscaled`, one run of the
-model that leaves no trace.  ``pb.fit`` ends the guide's watch, as it scales every batch.
+model that leaves no trace.  ``pb.fit`` and our objectives given ``num_data`` end the guide's
+watch (:func:`end_batch_watches`), as they scale every batch.  Scaling the guide cannot see (a
+``pyro.factor`` of a hand-scaled likelihood, a ``poutine.scale`` around the model given to
+``SVI`` only) is taken for none: :class:`UnscaledBatchWarning` can be filtered.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from collections.abc import Callable
 
 import torch
 from pyro import poutine
+from pyro.infer.autoguide import AutoGuideList
 
-__all__ = ["UnscaledBatchWatch", "WATCHED_CALLS", "BNN_REMEDY", "MODEL_REMEDY", "observations_unscaled",
-           "guide_batch_watch"]
+__all__ = ["UnscaledBatchWatch", "UnscaledBatchWarning", "WatchesBatches", "WATCHED_CALLS", "BNN_REMEDY",
+           "MODEL_REMEDY", "end_batch_watches", "observations_unscaled"]
 
 #: Gradient-carrying calls with targets and without ``num_data`` that are looked at: enough for
 #: three steps when Pyro runs the model once per particle (``Trace_ELBO(num_particles=20)``).
@@ -47,15 +51,25 @@ def _fingerprint(x: torch.Tensor) -> tuple:
     return tuple(x.shape), x.device, sums.float().cpu()
 
 
+class UnscaledBatchWarning(UserWarning):
+    """A model is trained on changing minibatches with nothing scaling its data term: the fit
+    collapses to the prior.  Silence it with ``warnings.filterwarnings("ignore",
+    category=pb.UnscaledBatchWarning)`` where the data term is scaled in a way the watch cannot
+    see (``pyro.factor`` with a hand-scaled likelihood, a ``poutine.scale`` around the model
+    given to ``SVI`` but not to the guide) or where each step does see all the data (fresh
+    augmentations of the whole set)."""
+
+
 #: What a pb.BNN's user is told to do.
 BNN_REMEDY = ("Pass the training set's size: svi.step(xb, yb, num_data=N) (pb.fit does this itself); if "
               "every step does see all the data, pass num_data=len(x) to say so")
 
 #: What the user of a hand-written model is told to do (the guide watches it).
 MODEL_REMEDY = ("Scale the data term in the model, pyro.plate('data', N, subsample_size=len(x)) around its "
-                "observations (or poutine.scale(model, N / len(x))), or train with the guide's own objective, "
-                "which scales it: SVI(model, guide, optim, loss=guide.make_objective()) and "
-                "svi.step(xb, yb, num_data=N) (pb.fit does this itself)")
+                "observations, or train with the guide's own objective, which scales it: SVI(model, guide, "
+                "optim, loss=guide.make_objective()) and svi.step(xb, yb, num_data=N) (pb.fit does this "
+                "itself). If the data term is scaled where the guide cannot see it, or every step sees all "
+                "the data, silence this: warnings.filterwarnings('ignore', category=pb.UnscaledBatchWarning)")
 
 
 class UnscaledBatchWatch:
@@ -73,7 +87,7 @@ class UnscaledBatchWatch:
     warned : bool
         Whether the warning has been given (once per model: a ``pb.BNN`` holds one watch, as
         ``model.batch_watch``, which its ``forward`` and the guides' objectives both report to;
-        a pyro_bnn guide of a hand-written model holds one for it, as ``guide.batch_watch``).
+        a pyro_bnn guide of a hand-written model holds one for it, :class:`WatchesBatches`).
     """
 
     def __init__(self, model_name: str = "pb.BNN", remedy: str = BNN_REMEDY):
@@ -105,9 +119,10 @@ class UnscaledBatchWatch:
         num_data : int or None
             The call's ``num_data``; given once, it ends the watch.
         confirm : callable, optional
-            Asked once, when the warning is due: ``False`` if the model turns out to scale its
-            data term itself (a hand-written model's subsampled plate), which ends the watch
-            without a warning.
+            Asked when the warning is due: ``True`` to warn; ``False`` if the model turns out to
+            scale its data term itself (a hand-written model's subsampled plate), which ends the
+            watch without a warning; ``None`` if the call observed nothing (not a training step),
+            which starts the count of changes again.
         """
         if not self.active or y is None or not torch.is_grad_enabled():
             return
@@ -119,39 +134,58 @@ class UnscaledBatchWatch:
         if last is not None and not _same(last, self._last):
             self._changes += 1
         if self._changes >= 2:
-            self.end()
-            if confirm is not None and not confirm():
-                return
-            self.warned = True
-            warnings.warn(
-                f"{self.model_name} is being trained on changing batches of {len(x)} inputs without num_data=: "
-                f"each step then treats its batch as the whole data set, so the prior outweighs the data "
-                f"by N / {len(x)} and the posterior stays near the prior (predictions near chance). "
-                f"{self.remedy}", UserWarning, stacklevel=2)
+            verdict = True if confirm is None else confirm()
+            if verdict is None:  # nothing observed in this call (weights drawn by hand): keep watching
+                self._changes = 0
+            else:
+                self.end()
+            if verdict:
+                self.warned = True
+                warnings.warn(
+                    f"{self.model_name} is being trained on changing batches of {len(x)} inputs without "
+                    f"num_data=: each step then treats its batch as the whole data set, so the prior outweighs "
+                    f"the data by N / {len(x)} and the posterior stays near the prior (predictions near "
+                    f"chance). {self.remedy}", UnscaledBatchWarning, stacklevel=2)
         if not self.active:
             self._last = None
 
 
-def guide_batch_watch(guide) -> UnscaledBatchWatch:
-    """The watch a pyro_bnn guide keeps over its hand-written model (created at the first call)."""
-    watch = guide.__dict__.get("batch_watch")
-    if watch is None:
-        watch = guide.__dict__["batch_watch"] = UnscaledBatchWatch(
-            f"The model of this {type(guide).__name__} guide", MODEL_REMEDY)
-    return watch
+class WatchesBatches:
+    """Mixin of the guides that watch their hand-written model's batches (pyro_bnn's
+    ``BNNGuide``): the watch, ``guide.batch_watch``, is created at its first use."""
+
+    @property
+    def batch_watch(self) -> UnscaledBatchWatch:
+        """The guide's :class:`UnscaledBatchWatch` over its model."""
+        watch = self.__dict__.get("_batch_watch")
+        if watch is None:
+            watch = self.__dict__["_batch_watch"] = UnscaledBatchWatch(
+                f"The model of this {type(self).__name__} guide", MODEL_REMEDY)
+        return watch
 
 
-def observations_unscaled(model: Callable, module: torch.nn.Module | None, args: tuple, kwargs: dict) -> bool:
+def end_batch_watches(guide) -> None:
+    """End the watch of ``guide`` and of its parts (an ``AutoGuideList``): the caller scales every
+    batch by ``num_data`` itself (``pb.fit``, a pyro_bnn objective given ``num_data``)."""
+    for part in (guide, *(guide if isinstance(guide, AutoGuideList) else ())):
+        if isinstance(part, WatchesBatches):
+            part.batch_watch.end()
+
+
+def observations_unscaled(model: Callable, module: torch.nn.Module | None, args: tuple,
+                          kwargs: dict) -> bool | None:
     """Whether ``model(*args, **kwargs)`` observes data, all of it at scale 1 (no subsampled plate,
-    no ``poutine.scale``): then a minibatch counts as the whole data set.
+    no ``poutine.scale`` inside the model): then a minibatch counts as the whole data set.
 
-    The model is run once, hidden from any handler around the call, without gradients, on a
-    forked random stream, with the buffers of ``module`` (BatchNorm's running statistics) put
-    back afterwards, so the call changes nothing the user can see.  A model that fails on these
-    arguments counts as scaled (no warning rather than a wrong one).
+    Returns ``True`` or ``False``, or ``None`` when the call observes nothing (a prediction, or
+    weights drawn by hand).  The model is run once, hidden from any handler around the call,
+    without gradients, on a forked random stream (CPU and every initialised CUDA device), with
+    the buffers of ``module`` (BatchNorm's running statistics) put back afterwards, so the run
+    changes nothing the user can see; a function model's own modules are not reached.  A model
+    that fails on these arguments counts as scaled (no warning rather than a wrong one).
     """
     saved = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices), poutine.block():
             trace = poutine.trace(model).get_trace(*args, **kwargs)
@@ -162,8 +196,9 @@ def observations_unscaled(model: Callable, module: torch.nn.Module | None, args:
             for buffer, value in saved:
                 buffer.copy_(value)
     scales = [site["scale"] for site in trace.nodes.values() if site["type"] == "sample" and site["is_observed"]]
-    return bool(scales) and all(float(torch.as_tensor(s).max()) == 1.0 == float(torch.as_tensor(s).min())
-                                for s in scales)
+    if not scales:
+        return None
+    return all(float(torch.as_tensor(s).max()) == 1.0 == float(torch.as_tensor(s).min()) for s in scales)
 
 
 def _same(a: tuple, b: tuple) -> bool:

@@ -585,7 +585,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     try:  # a Ctrl-C anywhere, between two guides too, keeps the guides that finished
         for i, (name, guide_fn) in enumerate(factories.items(), 1):
             if progress:
-                print(f"[{i}/{len(factories)}] {name}", file=sys.stderr, flush=True)
+                _progress_line(f"[{i}/{len(factories)}] {name}")
             running = name
             t0 = time.perf_counter()
             try:
@@ -609,15 +609,20 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
                               stacklevel=2)
                 runs[name] = GuideRun(name, error="".join(traceback.format_exception_only(exc)).strip(),
                                       metrics={"converged": "no: failed"})
-            running = None
             if progress:
                 state = "failed" if runs[name].error is not None else "done"
-                print(f"[{i}/{len(factories)}] {name} {state} ({time.perf_counter() - t0:.1f} s)",
-                      file=sys.stderr, flush=True)
+                _progress_line(f"[{i}/{len(factories)}] {name} {state} ({time.perf_counter() - t0:.1f} s)")
+        table = _table(runs)
     except KeyboardInterrupt as exc:
+        running = None if running in runs else running  # (its row was stored: it finished)
         raise ComparisonInterrupted(Comparison(_table(runs), runs, split), running) from exc.__cause__
-    table = _table(runs)
     return Comparison(table, runs, split) if details else table
+
+
+def _progress_line(text: str) -> None:
+    """Write one line to stderr in a single call, newline included: a Ctrl-C cannot split it, so
+    the interrupt's own message starts a line of its own."""
+    print(text + "\n", end="", file=sys.stderr, flush=True)
 
 
 _ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "bound", "bound_kind", "elbo", "log_evidence", "elpd_loo",

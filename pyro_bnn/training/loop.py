@@ -27,13 +27,13 @@ import torch
 from pyro import poutine
 
 from ..arguments import reject_unknown_keywords
-from ..contract.guide import BNNGuide, GuideStateWarning, guide_contract
+from ..contract.guide import GuideStateWarning, guide_contract
 from ..contract.local_params import global_param_tensors, local_params
 from ..contract.param_store import publish_after_fit, sync_param_store
 from ..contract.pyro_objective import call_model
 from ..curvature.marglik import MarglikOptions
 from ..data.batches import dataset_size, make_loader, split_batch, validate_data
-from ..model.batch_scaling import guide_batch_watch
+from ..model.batch_scaling import end_batch_watches
 from ..model.devices import module_device
 from . import distributed as _dist
 from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
@@ -353,8 +353,7 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
     if cuda_graph:   # before the guide's fit-start hook changes anything
         check_cuda_graph_device(run.device)
     with local_params(model, guide), flush_denormals():
-        if isinstance(guide, BNNGuide):  # fit scales every batch by num_data itself: nothing to watch
-            guide_batch_watch(guide).end()
+        end_batch_watches(guide)  # fit scales every batch by num_data itself: nothing to watch
         run.contract.on_fit_start(run.ctx)
         _prepare_optimisation(run, optimizer, lr, lr_schedule, clip_norm, epochs, compile, cuda_graph)
         start = resume_fit(run) if resume else 0
