@@ -114,14 +114,14 @@ class BNNGuide(WatchesBatches):
         # would predict on batch statistics and overwrite its running ones (pb.BNN warns itself)
         # (each once per guide: Predictive calls the guide once per draw)
         model = self.approximated_model() if poutine.get_mask() is False else None
-        given = self.__dict__.setdefault("_predictive_warnings_given", set())
+        given = self.__dict__.setdefault("_predictive_warnings_given", set()) if model is not None else None
         if model is not None and not isinstance(model, BNN):
             warn_batchnorm_in_train_mode(model, "pyro.infer.Predictive runs the model", given)
         if model is not None and self.prototype_trace is not None:  # eval mode: running statistics
             latents = [n for n, site in self.prototype_trace.nodes.items()
                        if site["type"] == "sample" and not site["is_observed"]]
             warn_running_statistics_of_random_affine(model, latents, "pyro.infer.Predictive", given)
-        if poutine.get_mask() is not False:  # training: minibatches of a hand-written model unscaled?
+        if poutine.get_mask() is not False and self.batch_watch.active:  # training: unscaled minibatches?
             x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             self.watch_batch(x, True, kwargs.get("num_data"), args, kwargs)
         if global_param_mode():
@@ -147,11 +147,14 @@ class BNNGuide(WatchesBatches):
             The model's arguments for this call: the model is run on them once, when the
             warning is due, to see whether it scales its observations itself.
         """
+        if x is None or not self.batch_watch.active:  # (after the first steps: no work at all)
+            return
         model = self.approximated_model()
-        watch = None if isinstance(model, BNN) or x is None else self.batch_watch
-        if watch is not None and watch.active:
-            watch.see(x, y, num_data,
-                      confirm=lambda: observations_unscaled(self.given_model(), model, args, kwargs))
+        if isinstance(model, BNN):  # it watches itself
+            self.batch_watch.end()
+        else:
+            self.batch_watch.see(x, y, num_data,
+                                 confirm=lambda: observations_unscaled(self.given_model(), model, args, kwargs))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a saved guide's state, as ``torch.nn.Module.load_state_dict`` does.
