@@ -27,12 +27,15 @@ Rows (``--rows``, comma separated):
   55,000 and adds δ chosen on the 5,000 validation images (the evidence's δ times one factor,
   and one δ for all layers);
 * ``hypernet``, ``symmetrized`` — the registry's guides under ``pb.fit`` defaults
-  (``--hn-prior-precision``: fixed g-prior precisions; ``--hn-marglik``: learned by the Laplace
+  (``--hn-prior-precision``: fixed g-prior precisions; ``--bound-draws K``: the full-data ELBO
+  from K draws, default 4; ``--hn-marglik``: learned by the Laplace
   evidence of the mean network, ``pb.fit(..., marglik=)``);
 * ``autonormal`` — Pyro's ``AutoNormal`` under plain ``SVI`` (``Trace_ELBO``, Adam, lr ``--an-lr``, default 1e-3;
   ``--an-schedule cosine``: ``pyro.optim.CosineAnnealingLR`` stepped once per epoch;
   ``--an-full-elbo-every K``: the full-data ELBO every K epochs as well, ``elbo_full_curve``:
-  epoch, mean, standard error and median of 5 draws).
+  epoch, mean, standard error and median of 5 draws; ``--an-tail-draws K``: K full-data draws at
+  the end, ``elbo_tail_draws``, beside ``last_epoch_steps``, the last epoch's per-step estimates:
+  mean, median and low quantiles, to see whether rare draws carry the mean).
 
 Architectures (``--arch``): ``mlp`` 784-200-200-10 ReLU; ``cnn`` LeNet-5 style: conv 1→6 5×5,
 max-pool 2, conv 6→16 5×5, max-pool 2, fc 256→120→84→10, ReLU; ``bn-cnn`` the BatchNorm CNN of
@@ -73,7 +76,7 @@ from pyro_bnn.contract.guide import registered_guides
 from pyro_bnn.guides.symmetrized import symmetrized_elbo
 from pyro_bnn.posterior.prediction import evaluation_mode
 from pyro_bnn.training.convergence import LIMITED_MOVE, diagnose
-from pyro_bnn.training.convergence_check import estimate_objective, objective_draws
+from pyro_bnn.training.convergence_check import objective_draws
 from pyro_bnn.training.optimizer import default_optimizer
 from pyro_bnn.training.seeding import seeded
 
@@ -374,7 +377,10 @@ def row_registry(args, data, name):
             row["log_group_order"] = terms["log_group_order"]
             row["symmetry_groups"] = [sorted(g) for g in guide.symmetry()]
         else:
-            elbo, se = estimate_objective(model, guide, data["train"], num_samples=4, eval_batch_size=4000)
+            draws = objective_draws(model, guide, data["train"], num_samples=args.bound_draws, eval_batch_size=4000)
+            elbo, se = statistics.fmean(draws), statistics.stdev(draws) / math.sqrt(len(draws))
+            row["bound_full_data_median"] = statistics.median(draws)
+            row["bound_draws"] = tail_summary(draws)
             row["bound_name"] = ("ELBO of the weight-norm model (g, v random; b point estimates)"
                                  if args.hn_random_directions else
                                  "ELBO of the weight-norm model (g random; v, b point estimates)")
@@ -454,11 +460,12 @@ def row_autonormal(args, data):
     losses, secs, lrs, full_curve = [], [], [], []
     scales0 = None
     for epoch in range(1, args.epochs + 1):
-        t0, total = time.perf_counter(), 0.0
+        t0, total, steps = time.perf_counter(), 0.0, []
         perm = torch.randperm(len(x))
         for i in range(0, len(x), 64):
             idx = perm[i:i + 64]
-            total += svi.step(x[idx], y[idx], len(x)) * len(idx) / len(x)
+            steps.append(svi.step(x[idx], y[idx], len(x)))  # one draw's estimate of the full-data loss
+            total += steps[-1] * len(idx) / len(x)
             if scales0 is None:  # AutoNormal's unconstrained scales, right after their creation
                 scales0 = {k: v.detach().clone() for k, v in _autonormal_scales(guide).items()}
             lrs.append(args.an_lr if args.an_schedule == "constant" else _current_lr(optim))
@@ -485,11 +492,33 @@ def row_autonormal(args, data):
     row["elbo_full_data"], row["elbo_full_data_se"], row["elbo_full_data_median"] = full_elbo(
         model, guide, x, y, trace_elbo_loss)
     row["bound_full_data"] = row["elbo_full_data"]
+    # the last epoch's per-step estimates (one weight draw each, scaled to all N images): their
+    # mean is the epoch's training estimate; a mean far above the median is a heavy tail
+    row["last_epoch_steps"] = tail_summary([-v for v in steps])
+    if args.an_tail_draws:
+        with seeded(args.seed + args.epochs + 1):
+            row["elbo_tail_draws"] = tail_summary(objective_draws(
+                model, guide, (x, y), num_samples=args.an_tail_draws, eval_batch_size=10000,
+                objective=trace_elbo_loss))
     # the full-data ELBO along the fit: (epoch, mean, standard error, median), the last at the end
     end = (args.epochs, row["elbo_full_data"], row["elbo_full_data_se"], row["elbo_full_data_median"])
     row["elbo_full_curve"] = [[e, round(m, 1), round(s, 1), round(md, 1)] for e, m, s, md in full_curve + [end]]
     row.update(score(*predict_pair(args, model, guide, data, num_samples=args.num_samples), data["test"][1]))
     return row
+
+
+def tail_summary(values) -> dict:
+    """Mean, standard error, median, 1 % and 10 % quantiles and minimum of estimates of an
+    objective to maximise, and the share of the mean's shortfall below the median that its
+    lowest 1 % carry (near 1: a few draws that wreck the net make the mean)."""
+    v = sorted(float(u) for u in values)
+    n, mean, median = len(v), statistics.fmean(v), statistics.median(v)
+    low = v[:max(n // 100, 1)]
+    shortfall = median - mean
+    return dict(n=n, mean=round(mean, 1), se=round(statistics.stdev(v) / math.sqrt(n), 1) if n > 1 else None,
+                median=round(median, 1), q01=round(v[int(0.01 * (n - 1))], 1), q10=round(v[int(0.1 * (n - 1))], 1),
+                min=round(v[0], 1),
+                lowest_1pct_share=round(sum(median - u for u in low) / n / shortfall, 3) if shortfall > 0 else None)
 
 
 def _autonormal_scales(guide) -> dict:
@@ -663,6 +692,11 @@ def main(argv=None):
     parser.add_argument("--an-lr", type=float, default=1e-3, help="AutoNormal's Adam lr (plain SVI)")
     parser.add_argument("--an-full-elbo-every", type=int, default=0,
                         help="AutoNormal: also estimate the full-data ELBO every this many epochs (0: only at the end)")
+    parser.add_argument("--bound-draws", type=int, default=4,
+                        help="hypernet row: full-data ELBO draws (mean, standard error, median, quantiles)")
+    parser.add_argument("--an-tail-draws", type=int, default=0,
+                        help="autonormal: this many full-data ELBO draws at the end (elbo_tail_draws: mean, "
+                             "median, quantiles: is the ELBO heavy-tailed over draws?)")
     parser.add_argument("--an-schedule", choices=["constant", "cosine"], default="constant",
                         help="AutoNormal's lr schedule: constant, or pyro.optim.CosineAnnealingLR stepped per epoch")
     parser.add_argument("--adam-eps-per-datum", type=float, default=None,
