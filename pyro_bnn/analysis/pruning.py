@@ -64,6 +64,7 @@ from torch import nn
 from ..arguments import check_choice, check_int, check_names
 from ..contract.guide import guide_contract
 from ..model.bnn import is_bnn, network_of, site_module
+from ..model.weight_masks import clear_weight_masks, set_weight_masks
 from ..posterior import metrics
 from ..posterior.draws import draw_latents, probs_from_latents, site_moments
 from .tool_support import seeded, to_model_device
@@ -209,6 +210,7 @@ class PruningHandle:
         self._hooks.clear()
         if self._model is not None and getattr(self._model, _HANDLE_ATTR, None) is self:
             self._model.__dict__.pop(_HANDLE_ATTR, None)
+            clear_weight_masks(self._model)
 
     def __enter__(self):
         return self
@@ -302,6 +304,7 @@ def prune_(model, guide, *, fraction: float | None = None, threshold: float | No
         hooks.append(module.register_forward_pre_hook(_mask_hook(attr, mask)))
     handle = PruningHandle(masks, int(drop.sum()), total, hooks, model)
     model.__dict__[_HANDLE_ATTR] = handle
+    set_weight_masks(model, masks)
     return handle
 
 
@@ -457,3 +460,4 @@ def _reinstall(model, masks, old):
         hooks.append(module.register_forward_pre_hook(_mask_hook(attr, mask)))
     handle = PruningHandle(masks, old.num_pruned, old.num_total, hooks, model)
     model.__dict__[_HANDLE_ATTR] = handle
+    set_weight_masks(model, masks)
