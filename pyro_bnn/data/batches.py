@@ -16,7 +16,17 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from pyro import poutine
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+)
 
 from ..contract.local_params import local_params
 from ..contract.modes import evaluation_mode
@@ -421,17 +431,78 @@ def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def dataset_size(loader) -> int:
-    """Number of training examples N behind a loader."""
+    """Number of training examples N behind a loader: the data set one epoch draws from.
+
+    N is what each minibatch's log-likelihood is scaled to (by ``N / B``), so it must count
+    the examples the loader actually draws from, not every example of the data set it reads
+    from.  Read from the loader's sampler (that of its batch sampler, when it has one):
+
+    * a ``SubsetRandomSampler`` (a train/validation split of one data set): ``len(indices)``;
+    * a ``SequentialSampler`` or ``RandomSampler`` (``shuffle=False``/``True``, with or
+      without replacement, any ``num_samples``): the size of its data source.  Every draw is
+      uniform over it, so ``N / B`` times a minibatch's log-likelihood is an unbiased estimate
+      of the data source's, whatever the length of an epoch;
+    * a ``DistributedSampler``: its whole data set, the global N (each rank reads a shard);
+    * no sampler (:class:`TensorBatches`): ``len(loader.dataset)``;
+    * any other sampler (a ``WeightedRandomSampler``, a sampler or batch sampler of one's own):
+      ``len(loader.dataset)`` if it draws that many examples per epoch; otherwise which
+      examples it covers cannot be known, and this raises rather than guess.
+
+    Parameters
+    ----------
+    loader : DataLoader, TensorBatches or CheckedBatches
+        The training batches (anything with a ``dataset``, and optionally a ``sampler`` or
+        ``batch_sampler`` as a ``DataLoader`` has).
+
+    Returns
+    -------
+    int
+        N.
+
+    Raises
+    ------
+    TypeError
+        The loader has no ``dataset``, its data set has no length (an ``IterableDataset``), or
+        its sampler's epoch differs from the data set and its examples cannot be known: pass
+        ``num_data=N`` to say how many training examples there are.
+    """
     ds = getattr(loader, "dataset", None)
     if ds is None:
         raise TypeError("cannot tell the data set size; pass num_data= explicitly")
     try:
-        return len(ds)  # the global N, also under a DistributedSampler
+        total = len(ds)
     except TypeError:  # an IterableDataset (a stream) has no length
         raise TypeError(f"cannot tell the data set size: the DataLoader's {type(ds).__name__} has no "
                         "len() (an IterableDataset streams its examples); pass num_data=N, the "
                         "number of training examples, which scales the likelihood of each "
                         "minibatch to the whole data set") from None
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = batch_sampler if batch_sampler is not None else getattr(loader, "sampler", None)
+    while isinstance(sampler, BatchSampler):
+        sampler = sampler.sampler
+    if sampler is None:
+        return total
+    if isinstance(sampler, SubsetRandomSampler):
+        return len(sampler.indices)
+    if isinstance(sampler, (SequentialSampler, RandomSampler)):
+        return len(sampler.data_source)
+    if isinstance(sampler, DistributedSampler):
+        return len(sampler.dataset)  # the global N
+    try:
+        draws = len(sampler)
+    except (TypeError, NotImplementedError):  # a sampler without a length
+        draws = None
+    if draws == total and sampler is not batch_sampler:  # one data set's worth of examples per epoch
+        return total
+    per_epoch = "an unknown number of" if draws is None else f"{draws:,}"
+    unit = "batches" if sampler is batch_sampler else "indices"
+    raise TypeError(
+        f"cannot tell the number of training examples N: the DataLoader's {type(sampler).__name__} yields "
+        f"{per_epoch} {unit} per epoch over a data set of {total:,} examples, and which examples it covers "
+        "cannot be read from it (only a SubsetRandomSampler's indices, a SequentialSampler's or "
+        "RandomSampler's data source and a DistributedSampler's data set can); pass num_data=N, the number "
+        "of training examples, which scales the likelihood of each minibatch to the whole data set "
+        "(e.g. num_data=len(dataset), or the size of the part of it you train on)")
 
 
 class CheckedBatches:

@@ -30,7 +30,15 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..arguments import check_int, check_positive
 from ..contract.modes import evaluation_mode
-from ..data.batches import BatchCheck, CheckedBatches, TensorBatches, as_tensors, check_data, split_batch
+from ..data.batches import (
+    BatchCheck,
+    CheckedBatches,
+    TensorBatches,
+    as_tensors,
+    check_data,
+    dataset_size,
+    split_batch,
+)
 from ..model.likelihoods import inverse_link, kind_and_noise, log_likelihood
 from ..training.divergence import DivergenceGuard
 from ..training.lr_schedule import lr_factor_function, make_lr_scheduler
@@ -86,7 +94,7 @@ class _Source:
                                                                           generator=generator)
             self.train = self.evidence = CheckedBatches(loader, BatchCheck(model, device), where=WHERE,
                                                         convert_labels=True)
-            self.num_data = len(loader.dataset)
+            self.num_data = dataset_size(loader)   # a sampler over part of the data: its examples
             return
         try:
             x, y = as_tensors(data)

@@ -113,10 +113,10 @@ def objective_draws(model, guide, data, *, num_samples: int = 16, eval_batch_siz
 
     Each estimate is one pass over ``data`` in minibatches of ``eval_batch_size``; each
     minibatch loss is an unbiased estimate of the full-data objective (the likelihood scaled by
-    ``N / B``), so their ``B / N``-weighted sum over a pass is one.  The draws themselves matter
-    when they are heavy-tailed: a mean-field guide of 10⁵ weights near its prior draws, now and
-    then, a net that misclassifies most of the data, and one such pass drags the mean and
-    inflates its standard error.  Their median is then the typical value; the mean stays the
+    ``N / B``), so their ``B / M``-weighted sum over a pass of ``M`` examples is one.  The draws
+    themselves matter when they are heavy-tailed: a mean-field guide of 10⁵ weights near its
+    prior draws, now and then, a net that misclassifies most of the data, and one such pass
+    drags the mean and inflates its standard error.  Their median is then the typical value; the mean stays the
     unbiased estimate.
 
     Parameters
@@ -135,7 +135,8 @@ def objective_draws(model, guide, data, *, num_samples: int = 16, eval_batch_siz
         Default: where the model is.
     num_data : int, optional
         The data set size N the objective scales to (as ``fit``'s ``num_data``); default the
-        size of ``data``.
+        size of ``data`` as ``fit`` reads it (:func:`pyro_bnn.data.batches.dataset_size`: a
+        ``DataLoader``'s ``SubsetRandomSampler`` counts its indices).
 
     Returns
     -------
@@ -153,15 +154,14 @@ def objective_draws(model, guide, data, *, num_samples: int = 16, eval_batch_siz
     check_int("eval_batch_size", eval_batch_size, minimum=1)
     device = torch.device(device) if device is not None else module_device(model)
     loader = make_loader(data, batch_size=eval_batch_size, shuffle=False, device=device)
-    size = dataset_size(loader)
-    n = size if num_data is None else check_int("num_data", num_data, minimum=1)
+    n = dataset_size(loader) if num_data is None else check_int("num_data", num_data, minimum=1)
     objective = objective or guide_contract(guide).make_objective(1)
     values = []
     # the objective runs the model as it is (train mode: the training objective); BatchNorm then
     # moves its running statistics, so every buffer is put back afterwards
     with local_params(model, guide), buffers_kept(model, guide):
         for _ in range(num_samples):
-            total = 0.0
+            total, seen = 0.0, 0   # seen: the examples of this pass, whose batches are averaged
             for batch in loader:
                 xb, yb = split_batch(batch)
                 xb = xb.to(device)
@@ -169,8 +169,9 @@ def objective_draws(model, guide, data, *, num_samples: int = 16, eval_batch_siz
                 out = objective(model, guide, xb, yb, num_data=n)
                 loss, extras = out if isinstance(out, tuple) else (out, {})
                 constant = float(extras.get("loss_constant", 0.0))
-                total += len(xb) / size * (float(loss) - constant)
-            values.append(-total)
+                total += len(xb) * (float(loss) - constant)
+                seen += len(xb)
+            values.append(-total / seen)
     return values
 
 

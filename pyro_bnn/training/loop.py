@@ -224,7 +224,9 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         Clip the total gradient norm to this value (> 0).
     num_data : int, optional
         Data set size N for minibatch scaling (>= 1, and at least one minibatch); default the
-        size of ``data``.
+        number of examples ``data`` draws from (:func:`pyro_bnn.data.batches.dataset_size`: a
+        ``DataLoader``'s ``SubsetRandomSampler`` counts its indices; a sampler whose examples
+        cannot be known, e.g. a ``WeightedRandomSampler`` of another length, needs ``num_data``).
     objective : callable, optional
         ``objective(model, guide, x, y, num_data) -> loss``; default the guide's own
         (``guide.make_objective``) or Pyro's ``Trace_ELBO``.

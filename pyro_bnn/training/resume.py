@@ -23,6 +23,7 @@ import os
 import torch
 
 from ..contract.guide import guide_contract
+from ..data.batches import dataset_size
 from ..model.bnn import site_prior_modules
 from .checkpoint import (
     CHECKSUM_KEY,
@@ -252,8 +253,8 @@ def _data_record(data) -> dict:
         tensors = tuple(t for t in data if t is not None)
     else:
         dataset = data.dataset if isinstance(data, DataLoader) else data
-        try:
-            size = len(dataset)
+        try:  # the examples an epoch covers (a sampler over part of the data: its own)
+            size = dataset_size(data) if isinstance(data, DataLoader) else len(dataset)
         except TypeError:
             size = None
         return {"kind": type(dataset).__qualname__, "size": repr(size)}

@@ -199,6 +199,6 @@ def warn_if_examples_left_out(data, seen: int) -> None:
         return
     if seen < total:
         warnings.warn(f"the curvature saw {seen:,} of the data set's {total:,} examples (a DataLoader with "
-                      "drop_last=True, or a sampler over part of the data): the GGN and the log evidence "
+                      "drop_last=True, or a sampler that draws fewer examples than it covers): the GGN and the log evidence "
                       f"leave {total - seen:,} out. Call fit_curvature with the (x, y) tensors or a loader "
                       "that yields every example once", UserWarning, stacklevel=3)
