@@ -80,43 +80,51 @@ def global_param_mode() -> bool:
     return not pyro.settings.get("module_local_params")
 
 
-def param_entries(root: torch.nn.Module) -> list[ParamEntry]:
-    """Every trainable parameter of ``root`` with the name Pyro gives it in the store.
+def param_entries(root: torch.nn.Module, *, frozen: bool = False) -> list[ParamEntry]:
+    """Every trainable parameter of ``root`` (every parameter with ``frozen``) with the name
+    Pyro gives it in the store.
 
     Follows ``PyroModule``'s naming: ``PyroParam`` attributes and plain ``nn.Parameter``
     attributes of a ``PyroModule`` are named by their attribute path under the root's Pyro
     name; the parameters of a plain ``nn.Module`` held by a ``PyroModule`` are registered
     by ``pyro.module`` under ``"<module path>$$$<parameter path>"``.  A root that is not a
     ``PyroModule`` has no Pyro names (empty list).
+
+    Parameters
+    ----------
+    root : torch.nn.Module
+    frozen : bool
+        Also list the frozen parameters (``requires_grad=False``, which ``pb.BNN`` keeps
+        fixed): ``PyroModule`` emits ``param`` statements for them too.
     """
     if not isinstance(root, PyroModule):
         return []
-    return list(_walk(root, root.__dict__.get("_pyro_name", ""), ()))
+    return list(_walk(root, root.__dict__.get("_pyro_name", ""), (), frozen))
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _walk(module: PyroModule, prefix: str, path: tuple[str, ...]) -> Iterator[ParamEntry]:
+def _walk(module: PyroModule, prefix: str, path: tuple[str, ...], frozen: bool) -> Iterator[ParamEntry]:
     pyro_params = module.__dict__.get("_pyro_params", {})
     for name, (constraint, _) in pyro_params.items():
         tensor = module._parameters.get(name + "_unconstrained")
-        if tensor is not None and tensor.requires_grad:
+        if tensor is not None and (frozen or tensor.requires_grad):
             yield ParamEntry(_join(prefix, name), tensor, constraint, path + (name,))
     for name, tensor in module._parameters.items():
-        if tensor is None or not tensor.requires_grad or name.endswith("_unconstrained"):
+        if tensor is None or not (frozen or tensor.requires_grad) or name.endswith("_unconstrained"):
             continue
         yield ParamEntry(_join(prefix, name), tensor, constraints.real, path + (name,))
     for name, child in module._modules.items():
         if child is None:
             continue
         if isinstance(child, PyroModule):
-            yield from _walk(child, _join(prefix, name), path + (name,))
+            yield from _walk(child, _join(prefix, name), path + (name,), frozen)
             continue
         module_name = _join(prefix, name)
         for param_name, tensor in child.named_parameters():
-            if tensor.requires_grad:
+            if frozen or tensor.requires_grad:
                 yield ParamEntry(param_with_module_name(module_name, param_name), tensor,
                                  constraints.real, path + (name,))
 
@@ -211,10 +219,12 @@ def expose_unconstrained(*modules: torch.nn.Module) -> None:
     ``SVI`` optimises ``value.unconstrained()`` of every ``param`` statement.  Pyro's
     ``PyroParam`` values carry that attribute; the plain ``nn.Parameter``s that
     ``PyroModule`` reports in module-local mode do not (in global mode the param store
-    adds it).  This gives them the same self-reference the store would.
+    adds it).  This gives them the same self-reference the store would.  Frozen parameters
+    (``requires_grad=False``) get it too, since ``PyroModule`` reports them as well; they
+    stay fixed: without a gradient an optimiser's ``step`` leaves them as they are.
     """
     for module in modules:
-        for entry in param_entries(module):
+        for entry in param_entries(module, frozen=True):
             if entry.path[-1] in getattr(_owner(module, entry.path), "_pyro_params", {}):
                 continue
             if "unconstrained" not in entry.tensor.__dict__:
