@@ -399,8 +399,11 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, fractions=(
     predictive : {"sample", "mean"}
         ``"sample"``: Monte Carlo predictive of the masked BNN with ``num_samples``
         draws — the *same* draws at every fraction; ``"mean"``: the exported
-        posterior-mean network (:func:`export_pruned`).  (A guide's own predictive such as
-        Laplace's ``"glm"`` does not see the masks, so it is refused.)
+        posterior-mean network (:func:`export_pruned`).  A guide's own predictive is not
+        offered here: the curve scores every fraction on the same posterior draws.  Laplace's
+        ``"glm"`` does see the masks (``prune_`` then :func:`pyro_bnn.predict` /
+        :func:`pyro_bnn.evaluate` give the GLM of the pruned network, ``Σ_f = (J M) P⁻¹ (J M)ᵀ``,
+        see :mod:`pyro_bnn.guides.laplace.predictive`); for a GLM curve, call those per fraction.
     seed : int or None
         Seeds the draws (scores of sample-based guides and the predictive) without
         touching the caller's random streams; ``None`` uses and advances them.

@@ -85,11 +85,14 @@ class Layer:
                              f"{self.in_dim}), got {tuple(mat.shape)}")
         lead = mat.shape[:-2]
         out = {}
+        # contiguous copies, not strided views of ``mat``: torch 2.14's CPU batch_norm in eval mode
+        # back-propagates wrong input gradients through a strided γ (measured: −0.096 against the
+        # finite difference 0.442), which reached gradients through Laplace-sampled BatchNorm γ, β
         if self.weight is not None:
             w = mat[..., :-1] if self.bias is not None else mat
-            out[self.weight] = w.reshape(*lead, *shapes[self.weight])
+            out[self.weight] = w.reshape(*lead, *shapes[self.weight]).contiguous()
         if self.bias is not None:
-            out[self.bias] = mat[..., -1].reshape(*lead, *shapes[self.bias])
+            out[self.bias] = mat[..., -1].reshape(*lead, *shapes[self.bias]).contiguous()
         return out
 
     def unflatten_flat(self, vec: torch.Tensor, shapes: dict) -> dict:

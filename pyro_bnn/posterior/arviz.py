@@ -3,7 +3,8 @@
 Groups (``S`` draws from the guide, one chain, ``N`` observations):
 
 ``posterior``
-    Parameter draws, dims ``(chain, draw, *site dims)``.  Linear/Conv weights of a
+    Parameter draws, dims ``(chain, draw, *site dims)``, in the model's precision (float64
+    draws stay float64; others are stored as float32).  Linear/Conv weights of a
     :class:`~pyro_bnn.BNN` get named dims (``net.0.out``, ``net.0.in``, ``net.0.k0`` ...),
     biases share their layer's ``out`` dim; other sites get ``<site>_dim_<i>``.
 ``log_likelihood``
@@ -136,8 +137,15 @@ def _pointwise_trace(model, values, x, y, batch_size, device, want_pp, obs_site)
     return torch.cat(loglik), (torch.cat(pp) if want_pp else None), log_prior
 
 
-#: Default cap on the posterior group (float32 values): 2.5e8 values = 1 GB.
+#: Default cap on the posterior group: 2.5e8 values = 1 GB in float32 (2 GB for a float64 model).
 MAX_POSTERIOR_VALUES = 250_000_000
+
+
+def _posterior_array(value: torch.Tensor) -> np.ndarray:
+    """A draw for the ``posterior`` group in the model's precision: float64 stays float64,
+    everything else is stored as float32 (half precision upcast, as before)."""
+    value = value.detach()
+    return (value if value.dtype == torch.float64 else value.float()).cpu().numpy()
 
 
 def _select_sites(values: dict, var_names, num_samples: int) -> list[str]:
@@ -147,7 +155,7 @@ def _select_sites(values: dict, var_names, num_samples: int) -> list[str]:
             sizes = {k: int(v.numel()) for k, v in values.items()}
             raise ValueError(
                 f"storing all {len(values)} sites for {num_samples} draws needs {total:,} values "
-                f"(> {MAX_POSTERIOR_VALUES:,}, 1 GB); pass var_names= with the sites to keep "
+                f"(> {MAX_POSTERIOR_VALUES:,}, 1 GB in float32); pass var_names= with the sites to keep "
                 f"(sizes: {sizes}) — the log-likelihood and densities still use every site")
         return list(values)
     names = list(var_names)
@@ -190,7 +198,8 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int
     var_names : sequence of str, optional
         Parameter sites to store in ``posterior`` (default: all, unless that exceeds
         ``MAX_POSTERIOR_VALUES`` = 2.5e8 floats, which raises).  Pass a few sites for large
-        networks: the group holds ``S × (size of the selected sites)`` floats.
+        networks: the group holds ``S × (size of the selected sites)`` floats (float64 for
+        float64 draws, else float32).
         The log-likelihood and densities always use all sites.
     batch_size : int
         Inputs per forward pass; memory is bounded by one batch per draw.
@@ -286,7 +295,7 @@ def _sample_groups(model, guide, x, y, num_samples, var_names, batch_size, devic
                 ll, yrep, lprior = _pointwise_trace(model, values, x, y, batch_size, device,
                                                     posterior_predictive, obs_site)
             for name in names:
-                draws.setdefault(name, []).append(values[name].detach().float().cpu().numpy())
+                draws.setdefault(name, []).append(_posterior_array(values[name]))
             loglik.append(ll.double().cpu().numpy())
             if yrep is not None:
                 pp.append(yrep.cpu().numpy())
@@ -321,7 +330,7 @@ def _glm_groups(guide, x, y, num_samples, var_names, batch_size, device, want_pp
     loglik = pointwise_log_likelihood(kind, draws.f, yd, noise).double()      # (S, N)
     lp = draws.log_prior.double() + loglik.sum(-1)
     data = {
-        "posterior": {k: v.detach().float().cpu().numpy()[None] for k, v in draws.values.items()},
+        "posterior": {k: _posterior_array(v)[None] for k, v in draws.values.items()},
         "log_likelihood": {"obs": loglik.cpu().numpy()[None]},
         "sample_stats": {"lp": lp.cpu().numpy()[None], "log_prior": draws.log_prior.double().cpu().numpy()[None],
                          "log_q": draws.log_q.double().cpu().numpy()[None]},

@@ -49,12 +49,13 @@ import torch
 
 from ...arguments import check_int, check_positive
 from ...contract.local_params import unwrap_model
-from ...curvature import batch_covariance, glm_log_predictive, jacobian_factors
+from ...curvature import glm_log_predictive, jacobian_factors
 from ...curvature import marglik as ml
 from ...data.batches import check_data
 from ...model.batchnorm import layers_feeding_normalization, short_list
 from ...model.bnn import model_likelihood
 from ...model.likelihoods import Gaussian
+from .predictive import masked_batch_covariance
 
 __all__ = ["PriorPrecision", "PriorMismatchWarning", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS",
            "POSTHOC_LR", "resolve_prior_structure", "EVIDENCE_KINDS",
@@ -339,6 +340,7 @@ class PriorPrecision:
             factors = list(jacobian_factors(layers, run, x.to(device), batch_size or self.curvature_batch_size,
                                             self._num_augmentations(), dense=self.structure == "full"))
         y = y.to(device)
+        masks = self._layer_masks()   # a pruned model's GLM (prune_): the masks' Jacobians
         out = []
         for d in cands:
             _, deltas = self._block_inputs(d)
@@ -346,7 +348,7 @@ class PriorPrecision:
             total, start = 0.0, 0
             for fac in factors:
                 m = len(fac.f)
-                cov = batch_covariance(layers, blocks, deltas, scale, fac)
+                cov = masked_batch_covariance(layers, blocks, deltas, scale, fac, masks)
                 lp = glm_log_predictive(fac.f, cov, y[start:start + m], kind, link_approx, num_samples,
                                         noise, gen)
                 total, start = total + float(lp.double().sum()), start + m
