@@ -97,6 +97,20 @@ def test_optim_args_before_set_up_is_an_error():
         pb.guides.MeanField(model).optim_args(1e-2)
 
 
+def test_optim_args_in_module_local_mode_is_a_clear_error():
+    """Pyro's optimiser names a parameter from the global store to call a per-parameter
+    callable; module-local parameters have no such name and Pyro failed inside ``step``."""
+    model, x, y = _model_and_data()
+    guide = pb.guides.MeanField(model)
+    guide(x, y)
+    pyro.settings.set(module_local_params=True)
+    try:
+        with pytest.raises(RuntimeError, match="global parameter mode"):
+            guide.optim_args(1e-2)
+    finally:
+        pyro.settings.set(module_local_params=False)
+
+
 def test_invalid_settings_are_errors():
     model, _, _ = _model_and_data()
     with pytest.raises(ValueError, match="loc_lr_scaling must be 'fan_in' or None, got 'sqrt'"):

@@ -36,6 +36,7 @@ from torch.distributions import kl_divergence
 from ..arguments import check_bool, check_positive
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
+from ..contract.param_store import global_param_mode
 from ..contract.pyro_objective import PyroObjective
 from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
@@ -300,7 +301,17 @@ class MeanField(BNNGuide, AutoNormal):
         under ``pyro.infer.SVI``: ``pyro.optim.Adam(guide.optim_args(5e-2))`` (call after the
         guide is set up, e.g. after one ``guide(x, y)``).  The rate :func:`pyro_bnn.fit` uses for
         ``N`` training points is ``guide.learning_rate(N)``:
-        ``guide.optim_args(guide.learning_rate(N))`` trains as ``fit`` does."""
+        ``guide.optim_args(guide.learning_rate(N))`` trains as ``fit`` does.
+
+        Pyro's global parameter mode only: ``pyro.optim`` hands a callable the parameter's name
+        in the param store, which module-local parameters (``pyro.settings.set(
+        module_local_params=True)``) do not have (Pyro then fails inside ``step``); there,
+        :func:`pyro_bnn.fit` applies the same factors."""
+        if not global_param_mode():
+            raise RuntimeError("optim_args needs Pyro's global parameter mode: under "
+                               "pyro.settings.set(module_local_params=True) pyro.optim cannot name the "
+                               "parameters for a per-parameter callable; train with pyro_bnn.fit (which applies "
+                               "the same learning-rate factors), or give pyro.optim.Adam one lr")
         if self.prototype_trace is None:
             raise RuntimeError("optim_args needs the guide set up first: call guide(x, y) once (or "
                                "pyro_bnn.training.loop.setup_guide) so the sites, and their fan-ins, are known")
