@@ -22,7 +22,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.analysis.pruning import prune_, unprune_
 from pyro_bnn.contract.local_params import local_params
-from pyro_bnn.guides.local_reparam_forward import add_layer_noise, noise_parameters
+from pyro_bnn.guides.local_reparam_forward import add_layer_noise, layer_function, noise_parameters
 from pyro_bnn.guides.meanfield import meanfield_loss
 from pyro_bnn.training.loop import setup_guide
 
@@ -121,3 +121,104 @@ def test_pruned_weights_add_no_noise_and_get_no_likelihood_gradient():
     finally:
         unprune_(model)
     assert handle.masks
+
+
+FLIPOUT_LAYERS = {
+    "conv2d_groups_dilation_stride": (lambda: nn.Conv2d(4, 6, 3, padding=2, dilation=2, stride=2, groups=2),
+                                      (5, 4, 9, 9)),
+    "conv2d_depthwise_same": (lambda: nn.Conv2d(4, 8, 3, padding="same", groups=4), (5, 4, 7, 7)),
+    "conv1d_stride_no_bias": (lambda: nn.Conv1d(3, 5, 4, stride=3, bias=False), (4, 3, 20)),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2, padding=1), (3, 2, 4, 5, 3)),
+    "linear_3d": (lambda: nn.Linear(5, 4), (3, 7, 5)),
+    "linear_4d_no_bias": (lambda: nn.Linear(5, 4, bias=False), (3, 2, 7, 5)),
+    "conv2d_unbatched": (lambda: nn.Conv2d(3, 4, 3), (3, 6, 6)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FLIPOUT_LAYERS))
+def test_flipout_output_is_the_layer_at_one_exact_weight_draw_per_example(kind):
+    """Each example's output equals the layer run at ``W_n = μ + σ ⊙ E ⊙ r_n s_nᵀ`` and
+    ``b_n = μ_b + σ_b ε_n``, rebuilt from the recorded noise: one draw for all its positions, with
+    the signs indexed as the layer's groups see its channels (an unbatched input is one example)."""
+    make, shape = FLIPOUT_LAYERS[kind]
+    torch.manual_seed(0)
+    layer = make().double()
+    function = layer_function(layer)
+    x = torch.randn(shape, dtype=torch.float64)
+    batched = x.dim() == layer.weight.dim() or isinstance(layer, nn.Linear)
+    mu_w, sigma_w = torch.randn_like(layer.weight), torch.rand_like(layer.weight) + 0.1
+    mu_b = sigma_b = None
+    if layer.bias is not None:
+        mu_b, sigma_b = torch.randn_like(layer.bias), torch.rand_like(layer.bias) + 0.1
+    recorded = []
+
+    def noise(t):
+        recorded.append(torch.randn_like(t))
+        return recorded[-1]
+
+    def run(inputs, w, b):
+        if function is F.linear:
+            return F.linear(inputs, w, b)
+        return function(inputs, w, b, layer.stride, layer.padding, layer.dilation, layer.groups)
+
+    out = add_layer_noise(run(x, mu_w, mu_b), x, layer, function, noise_parameters(layer, sigma_w, sigma_b), noise)
+    xb, outb = (x, out) if batched else (x.unsqueeze(0), out.unsqueeze(0))
+    e = recorded[0]
+    signs_in, signs_out = (torch.where(r >= 0, 1.0, -1.0).double() for r in recorded[1:3])
+    for n in range(len(xb)):
+        s, r = signs_in[n].reshape(-1), signs_out[n].reshape(-1)
+        if function is F.linear:
+            sign = r[:, None] * s[None, :]
+        else:
+            out_ch, in_per_group = layer.weight.shape[:2]
+            channel = (torch.arange(out_ch)[:, None] // (out_ch // layer.groups)) * in_per_group \
+                + torch.arange(in_per_group)[None, :]
+            sign = (r[:, None] * s[channel]).reshape(out_ch, in_per_group, *(1,) * (layer.weight.dim() - 2))
+        w_n = mu_w + sigma_w * e * sign
+        b_n = None if mu_b is None else mu_b + sigma_b * recorded[3][n].reshape(-1)
+        torch.testing.assert_close(outb[n:n + 1], run(xb[n:n + 1], w_n, b_n), rtol=1e-10, atol=1e-10)
+
+
+class _SharedLayer(nn.Module):
+    """One Linear called three times per forward: the calls of an example share its draw."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.out = nn.Linear(64, 16), nn.Linear(16, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(3):
+            h = torch.tanh(self.shared(h))
+        return self.out(h)
+
+
+class _FoldedRows(nn.Module):
+    """An example's 8 rows through a Linear by folding them into the batch axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.row, self.out = nn.Linear(8, 6), nn.Linear(6, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.row(x.reshape(len(x) * 8, 8))).reshape(len(x), 8, 6).mean(1)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("net", [_SharedLayer, _FoldedRows], ids=["shared_layer", "folded_rows"])
+def test_layers_per_example_noise_cannot_follow_fall_back_to_weight_noise(net):
+    """A layer called twice, or on rows folded into the batch, would give one example several
+    weight draws: ``"auto"`` switches to weight noise (the folded rows' "ELBO" was 545 ± 0.5
+    against the true 580 ± 2.4), ``True`` is an error that says so."""
+    x, y = _digits(200, (64,))
+    torch.manual_seed(0)
+    model = pb.BNN(net(), "categorical")
+    guide = pb.guides.MeanField(model, init_scale=0.5)
+    setup_guide(model, guide, x[:2], y[:2], len(x))
+    guide.local_reparameterization_setting = True
+    with local_params(model, guide), pytest.raises(ValueError, match="several weight draws"):
+        meanfield_loss(model, guide, x, y, len(x))
+    guide.local_reparameterization_setting = "auto"
+    assert guide.local_reparameterization   # "auto" resolves to per-example noise before the first step
+    _assert_same_expectation(model, guide, x, y)
+    assert not guide.local_reparameterization

@@ -20,6 +20,12 @@ to its output.  Which term is exact depends on the layer (:func:`add_layer_noise
   different examples are decorrelated by the signs (two layer calls, as local
   reparameterisation needs).
 
+Both need every example to pass each layer once, along the batch axis: a layer called twice in
+one forward (weight sharing) or on an example's rows folded into the batch axis would give one
+example several draws.  The hooks raise :class:`PerExampleNoiseError` then, and MeanField's
+``"auto"`` setting falls back to weight noise (the folded rows' "ELBO": −545 against the true
+−580).
+
 Masked weights (:mod:`pyro_bnn.model.weight_masks`, set by pruning) must be given as
 ``σ = 0`` (and ``μ = 0``) by the caller: neither term draws weights the masks could act on.
 
@@ -55,7 +61,7 @@ from ..model.bnn import BNN, augmentation_of, network_of
 from .direct_forward import has_hooks, is_plain_parameter_free
 
 __all__ = ["local_reparam_plan", "run_local_reparam", "noise_parameters", "add_layer_noise", "install_layer_noise",
-           "layer_function"]
+           "layer_function", "PerExampleNoiseError"]
 
 _CONVOLUTIONS = ((nn.Conv1d, F.conv1d), (nn.Conv2d, F.conv2d), (nn.Conv3d, F.conv3d))
 
@@ -160,6 +166,8 @@ def add_layer_noise(out: torch.Tensor, x: torch.Tensor, layer: nn.Module, functi
         ``out`` plus local-reparameterisation noise (Linear on 2-D inputs) or Flipout noise.
     """
     var_w, var_b, scale_w, scale_b = params
+    if function is not F.linear and x.dim() == scale_w.dim() - 1:  # one unbatched example (C, ...)
+        return add_layer_noise(out.unsqueeze(0), x.unsqueeze(0), layer, function, params, noise).squeeze(0)
     if function is F.linear and x.dim() <= 2:
         var = F.linear(x ** 2, var_w, var_b)
         return out + var.clamp_min(1e-30).sqrt() * noise(out)
@@ -192,7 +200,13 @@ def _random_signs(like: torch.Tensor, noise) -> torch.Tensor:
     return torch.where(noise(like) >= 0, 1.0, -1.0).to(like)
 
 
-def install_layer_noise(modules, params: Mapping[str, tuple], noise) -> list:
+class PerExampleNoiseError(ValueError):
+    """A network calls a layer in a way per-example noise cannot follow: twice in one forward
+    (weight sharing: the calls of one example must share one draw), or on an input whose first
+    axis is not the model's batch (rows of one example folded into the batch axis)."""
+
+
+def install_layer_noise(modules, params: Mapping[str, tuple], noise, batch_size: int) -> list:
     """Forward hooks that add :func:`add_layer_noise` to the output of each Linear/Conv module.
 
     Parameters
@@ -203,20 +217,41 @@ def install_layer_noise(modules, params: Mapping[str, tuple], noise) -> list:
         From :func:`noise_parameters`.
     noise : callable
         ``noise(t)``: standard normal noise shaped like ``t``.
+    batch_size : int
+        The model input's batch size: each module's input must have it as its first axis.
 
     Returns
     -------
     list
         The hook handles (remove them after the forward).
-    """
-    hooks = []
-    for site, module in modules:
-        function = layer_function(module)
 
-        def hook(mod, inputs, out, function=function, p=params[site]):
-            return add_layer_noise(out, inputs[0], mod, function, p, noise)
-        hooks.append(module.register_forward_hook(hook))
-    return hooks
+    Raises
+    ------
+    PerExampleNoiseError
+        (from the forward) A module is called a second time, or on an input whose first axis is
+        not the batch: each call would draw its own weights for the same example.
+    """
+    return [module.register_forward_hook(_noise_hook(site, layer_function(module), params[site], noise, batch_size))
+            for site, module in modules]
+
+
+def _noise_hook(site: str, function, params: tuple, noise, batch_size: int):
+    """The forward hook of :func:`install_layer_noise` for one module (it counts its calls)."""
+    calls = 0
+
+    def hook(module, inputs, out):
+        nonlocal calls
+        calls += 1
+        x = inputs[0]
+        if calls > 1 or x.dim() == 0 or x.shape[0] != batch_size:
+            how = ("is called more than once in one forward" if calls > 1 else
+                   f"gets an input of shape {tuple(x.shape)}, whose first axis is not the batch of "
+                   f"{batch_size} examples")
+            raise PerExampleNoiseError(
+                f"the layer of site {site!r} {how}: per-example weight noise would give one example several "
+                "weight draws; use local_reparameterization=False (weight noise)")
+        return add_layer_noise(out, x, module, function, params, noise)
+    return hook
 
 
 def layer_function(module: nn.Module):
