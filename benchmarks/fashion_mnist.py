@@ -378,7 +378,8 @@ def row_registry(args, data, name):
             row["symmetry_groups"] = [sorted(g) for g in guide.symmetry()]
         else:
             draws = objective_draws(model, guide, data["train"], num_samples=args.bound_draws, eval_batch_size=4000)
-            elbo, se = statistics.fmean(draws), statistics.stdev(draws) / math.sqrt(len(draws))
+            elbo = statistics.fmean(draws)
+            se = statistics.stdev(draws) / math.sqrt(len(draws)) if len(draws) > 1 else float("nan")
             row["bound_full_data_median"] = statistics.median(draws)
             row["bound_draws"] = tail_summary(draws)
             row["bound_name"] = ("ELBO of the weight-norm model (g, v random; b point estimates)"

@@ -118,16 +118,24 @@ def test_tensors_unchanged(dataset):
     assert _fit_num_data((x, y), batch_size=8) == {TOTAL}
 
 
-@pytest.mark.parametrize("sampler", ["weighted", "own"])
-def test_unknowable_sampler_refused(dataset, sampler):
+def test_unknowable_sampler_refused(dataset):
     """A sampler drawing another number of examples than the data set holds, whose examples
     cannot be known, is not guessed: the error asks for num_data."""
-    s = WeightedRandomSampler(torch.ones(TOTAL), num_samples=TRAIN) if sampler == "weighted" else _Firsts(TRAIN)
-    loader = DataLoader(dataset, batch_size=8, sampler=s)
-    name = type(s).__name__
-    with pytest.raises(TypeError, match=rf"{name} yields 24 indices per epoch over a data set of 60 examples.*"
+    loader = DataLoader(dataset, batch_size=8, sampler=_Firsts(TRAIN))
+    with pytest.raises(TypeError, match=r"_Firsts yields 24 indices per epoch over a data set of 60 examples.*"
                                         r"pass num_data=N"):
         _fit_num_data(loader)
+
+
+def test_weighted_sampler_scales_to_the_examples_it_can_draw(dataset):
+    """Class rebalancing draws from every example (N = the data set, whatever the epoch's
+    length); zero weights on a held-out part leave the rest."""
+    rebalance = WeightedRandomSampler(torch.rand(TOTAL) + 0.1, num_samples=TRAIN)
+    assert _fit_num_data(DataLoader(dataset, batch_size=8, sampler=rebalance)) == {TOTAL}
+    weights = torch.zeros(TOTAL)
+    weights[:TRAIN] = 1.0
+    held_out = WeightedRandomSampler(weights, num_samples=TOTAL)
+    assert _fit_num_data(DataLoader(dataset, batch_size=8, sampler=held_out)) == {TRAIN}
 
 
 def test_unknowable_batch_sampler_refused(dataset):
@@ -222,3 +230,7 @@ def test_learn_invariance_scales_to_the_examples_its_loader_draws(dataset):
     loader = DataLoader(dataset, batch_size=8, sampler=SubsetRandomSampler(range(TRAIN)))
     source = _Source(_model(), loader, 8, 8, torch.device("cpu"), None)
     assert source.num_data == TRAIN
+    own = DataLoader(dataset, batch_sampler=_Pairs(TRAIN))
+    with pytest.raises(TypeError, match="pass num_data=N"):
+        _Source(_model(), own, 8, 8, torch.device("cpu"), None)
+    assert _Source(_model(), own, 8, 8, torch.device("cpu"), None, num_data=TRAIN).num_data == TRAIN

@@ -121,7 +121,7 @@ def test_pruning_curve_predictive_keyword():
     assert curve["fraction"] == [0.0, 0.9] and len(curve["accuracy"]) == 2
     with pytest.raises(TypeError, match="method"):                  # the old name is gone
         pruning.pruning_curve(model, guide, x, y, fractions=[0.0], method="mean")
-    with pytest.raises(ValueError, match="does not apply the pruning masks"):
+    with pytest.raises(ValueError, match="masks one set of posterior draws at every fraction"):
         pruning.pruning_curve(model, guide, x, y, fractions=[0.0], predictive="glm")
 
 

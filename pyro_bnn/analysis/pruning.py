@@ -415,8 +415,9 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, fractions=(
         and ``kind``.
     """
     if predictive not in PRUNING_PREDICTIVES:
-        raise ValueError(f"pruning_curve: predictive must be one of {PRUNING_PREDICTIVES} (a guide's own "
-                         f"predictive does not apply the pruning masks), got {predictive!r}")
+        raise ValueError(f"pruning_curve: predictive must be one of {PRUNING_PREDICTIVES} (the curve masks one "
+                         "set of posterior draws at every fraction; for Laplace's GLM predictive of a pruned "
+                         f"model call prune_ and pb.evaluate per fraction), got {predictive!r}")
     _check_kind(kind)
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)

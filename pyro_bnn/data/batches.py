@@ -26,6 +26,7 @@ from torch.utils.data import (
     SequentialSampler,
     SubsetRandomSampler,
     TensorDataset,
+    WeightedRandomSampler,
 )
 
 from ..contract.local_params import local_params
@@ -444,7 +445,10 @@ def dataset_size(loader) -> int:
       of the data source's, whatever the length of an epoch;
     * a ``DistributedSampler``: its whole data set, the global N (each rank reads a shard);
     * no sampler (:class:`TensorBatches`): ``len(loader.dataset)``;
-    * any other sampler (a ``WeightedRandomSampler``, a sampler or batch sampler of one's own):
+    * a ``WeightedRandomSampler``: the examples it can draw (those of non-zero weight), whatever
+      the length of an epoch (class rebalancing: the data set; zero weights on a held-out part:
+      the rest);
+    * any other sampler (a sampler or batch sampler of one's own):
       ``len(loader.dataset)`` if it draws that many examples per epoch; otherwise which
       examples it covers cannot be known, and this raises rather than guess.
 
@@ -488,6 +492,8 @@ def dataset_size(loader) -> int:
         return len(sampler.data_source)
     if isinstance(sampler, DistributedSampler):
         return len(sampler.dataset)  # the global N
+    if isinstance(sampler, WeightedRandomSampler):  # the examples it can draw, whatever its epoch's length
+        return int((sampler.weights > 0).sum())
     try:
         draws = len(sampler)
     except (TypeError, NotImplementedError):  # a sampler without a length
@@ -500,7 +506,8 @@ def dataset_size(loader) -> int:
         f"cannot tell the number of training examples N: the DataLoader's {type(sampler).__name__} yields "
         f"{per_epoch} {unit} per epoch over a data set of {total:,} examples, and which examples it covers "
         "cannot be read from it (only a SubsetRandomSampler's indices, a SequentialSampler's or "
-        "RandomSampler's data source and a DistributedSampler's data set can); pass num_data=N, the number "
+        "RandomSampler's data source, a WeightedRandomSampler's weights and a DistributedSampler's data set "
+        "can); pass num_data=N, the number "
         "of training examples, which scales the likelihood of each minibatch to the whole data set "
         "(e.g. num_data=len(dataset), or the size of the part of it you train on)")
 

@@ -87,14 +87,15 @@ class _Source:
     (:func:`pyro_bnn.data.batches.check_data`): tensors in full up front, a ``DataLoader`` (or a
     ``Dataset``, batched here) batch by batch as it is read."""
 
-    def __init__(self, model, data, batch_size, eval_batch_size, device, generator):
+    def __init__(self, model, data, batch_size, eval_batch_size, device, generator, num_data=None):
         self.device = device
         if isinstance(data, DataLoader) or (isinstance(data, Dataset) and not isinstance(data, TensorDataset)):
             loader = data if isinstance(data, DataLoader) else DataLoader(data, batch_size=batch_size, shuffle=True,
                                                                           generator=generator)
             self.train = self.evidence = CheckedBatches(loader, BatchCheck(model, device), where=WHERE,
                                                         convert_labels=True)
-            self.num_data = dataset_size(loader)   # a sampler over part of the data: its examples
+            # a sampler over part of the data: its examples
+            self.num_data = num_data if num_data is not None else dataset_size(loader)
             return
         try:
             x, y = as_tensors(data)
@@ -106,7 +107,7 @@ class _Source:
         x, y = check_data(model, x.to(device), y.to(device), where=WHERE, device=device)
         self.train = TensorBatches(x, y, batch_size, generator=generator)   # reshuffled per pass
         self.evidence = TensorBatches(x, y, eval_batch_size, shuffle=False)
-        self.num_data = len(x)
+        self.num_data = num_data if num_data is not None else len(x)
 
     def batches(self, which):
         """``(x, y)`` on the device, from ``self.train`` or ``self.evidence``."""
@@ -146,7 +147,7 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
                      prior_precision: float = 1.0, augerino_weight: float = 0.01,
                      augerino_lr: float = 0.005, marglik_batch_size: int | None = None,
                      lr_schedule="constant", device=None, seed: int | None = 0,
-                     callback=None) -> InvarianceResult:
+                     callback=None, num_data: int | None = None) -> InvarianceResult:
     """Train a MAP network and its invariance (``η``) and prior precisions (``δ``).
 
     Parameters
@@ -185,6 +186,10 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
         Seeds shuffling, initial draws and augmentation draws.
     callback : callable, optional
         ``callback(epoch, result)`` after each epoch (e.g. logging); may return True to stop.
+    num_data : int, optional
+        The number of training examples N the likelihood and evidence are scaled to; default
+        read from ``data`` as :func:`pyro_bnn.fit` reads it (a ``DataLoader``'s sampler over part
+        of a data set counts its examples; a sampler whose examples cannot be known asks for it).
 
     Returns
     -------
@@ -214,7 +219,8 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
     device = torch.device(device) if device is not None else _data_device(data)
     model.to(device)
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
-    source = _Source(model, data, batch_size, marglik_batch_size or batch_size, device, gen)
+    check_int("num_data", num_data, minimum=1, optional=True)
+    source = _Source(model, data, batch_size, marglik_batch_size or batch_size, device, gen, num_data)
     with seeded(seed):   # the caller's random streams are left as they were
         return _train(model, source, method, epochs, lr, hyper_lr, burnin, every, eta_steps, delta_steps,
                       delta_lr, prior_precision, augerino_weight, augerino_lr, lr_schedule, device, gen,
