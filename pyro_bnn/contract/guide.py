@@ -15,7 +15,6 @@ pick them up.  ``docs/DEVELOPING.md`` walks through an example.
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from collections.abc import Callable
@@ -197,25 +196,28 @@ class BNNGuide(WatchesBatches):
         attaches to parameters (restored on the next call), the weak reference to a
         parent ``AutoGuideList`` (a copy has none) and the last input/output that Pyro's
         flow transforms cache (tensors of the last step's graph, which ``deepcopy`` refuses;
-        a cache miss recomputes them).  The prototype trace of the guide's set-up is copied
-        with its tensors detached from the set-up's autograd graph (:func:`_graph_free_trace`):
-        set up by a call with gradients on (``guide(x, y)``, ``svi.step``), a model with
-        trainable deterministic parameters (BatchNorm, LayerNorm, weight norm) leaves its
-        output there with a history, which ``deepcopy`` refuses; the values are the same.
+        a cache miss recomputes them).  The prototype trace holds no autograd graph: the
+        set-up runs without gradients (:meth:`_setup_prototype`).
         """
         for param in self.parameters(recurse=True):
             param.__dict__.pop("unconstrained", None)
         for module in self.modules():
             _clear_transform_cache(module)
         state = dict(self.__dict__)
-        if state.get("prototype_trace") is not None:
-            state["prototype_trace"] = _graph_free_trace(state["prototype_trace"])
         if "master" in state:
             state["master"] = None
         context = state.get("_pyro_context")
         if context is not None and context.active:
             raise RuntimeError(f"cannot copy or pickle the {type(self).__name__} guide while it runs")
         return state
+
+    def _setup_prototype(self, *args, **kwargs):
+        """Pyro's lazy set-up (one traced call of the model), without gradients: the values it
+        keeps in ``prototype_trace`` (the model's output among them) would otherwise hold the
+        call's whole forward graph for the guide's lifetime (a plain ``guide(x, y)`` or
+        ``svi.step`` sets up with gradients on).  Parameters made here still require grad."""
+        with torch.no_grad():
+            super()._setup_prototype(*args, **kwargs)
 
     def set_up(self, *args, **kwargs) -> None:
         """Create the guide's parameters from one call's arguments, if not done yet.
@@ -415,52 +417,6 @@ def _clear_transform_cache(module) -> None:
     for name, value in list(vars(module).items()):
         if name.startswith("_cached") and name != "_cached_x_y" and isinstance(value, torch.Tensor):
             setattr(module, name, None)
-
-
-def _graph_free_trace(trace):
-    """``trace`` itself if no tensor in its nodes has an autograd history, else a shallow copy
-    whose nodes hold those tensors detached (same values; the original is not changed).
-
-    Looked through: each node's fields, nested in dicts, lists and tuples, and the tensors of
-    distributions and transforms that are not modules (a prior's parameters); modules are
-    left to the copy of the guide and its model, which share them by identity.
-    """
-    memo: dict[int, object] = {}
-    nodes = {name: _detached(site, memo) for name, site in trace.nodes.items()}
-    if all(nodes[name] is site for name, site in trace.nodes.items()):
-        return trace
-    copied = trace.copy()
-    copied.nodes.update(nodes)
-    return copied
-
-
-def _detached(obj, memo: dict):
-    """``obj`` with every tensor that has an autograd history detached; unchanged containers
-    and objects are returned as they are (``memo``: results by ``id``, against cycles)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach() if obj.grad_fn is not None else obj
-    if id(obj) in memo:
-        return memo[id(obj)]
-    memo[id(obj)] = obj  # while in progress: a cycle ends at the object itself
-    result = obj
-    if isinstance(obj, dict):
-        items = {key: _detached(value, memo) for key, value in obj.items()}
-        if any(items[key] is not value for key, value in obj.items()):
-            result = copy.copy(obj)
-            result.update(items)
-    elif isinstance(obj, (list, tuple)):
-        items = [_detached(value, memo) for value in obj]
-        if any(new is not old for new, old in zip(items, obj)):
-            result = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    elif isinstance(obj, (torch.distributions.Distribution, torch.distributions.Transform)) \
-            and not isinstance(obj, torch.nn.Module):
-        fields = {key: _detached(value, memo) for key, value in vars(obj).items()}
-        changed = {key: value for key, value in fields.items() if value is not vars(obj)[key]}
-        if changed:
-            result = copy.copy(obj)
-            vars(result).update(changed)
-    memo[id(obj)] = result
-    return result
 
 
 def _parameter_count(module) -> int:
