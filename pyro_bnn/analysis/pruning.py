@@ -64,7 +64,7 @@ from torch import nn
 from ..arguments import check_choice, check_int, check_names
 from ..contract.guide import guide_contract
 from ..model.bnn import is_bnn, network_of, site_module
-from ..model.weight_masks import clear_weight_masks, set_weight_masks
+from ..model.weight_masks import attach_masking, detach_masking, masking_of
 from ..posterior import metrics
 from ..posterior.draws import draw_latents, probs_from_latents, site_moments
 from .tool_support import seeded, to_model_device
@@ -73,7 +73,6 @@ __all__ = ["scores", "prune_", "unprune_", "PruningHandle", "pruning_curve", "ex
            "posterior_mean"]
 
 KINDS = ("snr", "zero_prob", "magnitude")
-_HANDLE_ATTR = "_pyro_bnn_pruning"
 _TINY = 1e-30
 
 
@@ -208,9 +207,8 @@ class PruningHandle:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self._model is not None and getattr(self._model, _HANDLE_ATTR, None) is self:
-            self._model.__dict__.pop(_HANDLE_ATTR, None)
-            clear_weight_masks(self._model)
+        if self._model is not None:
+            detach_masking(self._model, self)
 
     def __enter__(self):
         return self
@@ -303,8 +301,7 @@ def prune_(model, guide, *, fraction: float | None = None, threshold: float | No
         masks[s] = mask
         hooks.append(module.register_forward_pre_hook(_mask_hook(attr, mask)))
     handle = PruningHandle(masks, int(drop.sum()), total, hooks, model)
-    model.__dict__[_HANDLE_ATTR] = handle
-    set_weight_masks(model, masks)
+    attach_masking(model, handle)
     return handle
 
 
@@ -318,7 +315,7 @@ def _selected(site, selected):
 
 def unprune_(model) -> bool:
     """Remove the masks :func:`prune_` installed on ``model``; True if there were any."""
-    handle = model.__dict__.get(_HANDLE_ATTR)
+    handle = masking_of(model)
     if handle is None:
         return False
     handle.remove()
@@ -353,7 +350,7 @@ def export_pruned(model, guide, x: torch.Tensor | None = None, *, num_samples: i
     if not is_bnn(model) or network_of(model) is None:
         raise TypeError(f"export_pruned needs a pyro_bnn.BNN, got {type(model).__name__}")
     mean = posterior_mean(model, guide, x, num_samples=num_samples, seed=seed)
-    handle = model.__dict__.get(_HANDLE_ATTR)
+    handle = masking_of(model)
     masks = handle.masks if handle is not None else {}
     net = copy.deepcopy(model.net)
     hook_ids = {h.id for h in handle._hooks} if handle is not None else set()
@@ -423,7 +420,7 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, fractions=(
     batch_size = check_int("batch_size", batch_size, 1)
     fractions = _check_fractions(fractions)
     x, y = to_model_device(model, guide, x, y)
-    previous = model.__dict__.get(_HANDLE_ATTR)
+    previous = masking_of(model)
     previous_masks = None if previous is None else previous.masks
     out = {"kind": kind, "fraction": [], "accuracy": [], "nll": [], "num_pruned": []}
     with seeded(seed):
@@ -463,5 +460,4 @@ def _reinstall(model, masks, old):
         module, attr = _site_module(model, s)
         hooks.append(module.register_forward_pre_hook(_mask_hook(attr, mask)))
     handle = PruningHandle(masks, old.num_pruned, old.num_total, hooks, model)
-    model.__dict__[_HANDLE_ATTR] = handle
-    set_weight_masks(model, masks)
+    attach_masking(model, handle)

@@ -8,6 +8,7 @@
 * :mod:`~.kfac`, :mod:`~.ggn` — per-batch KFAC factors, diagonal and full GGN;
 * :mod:`~.fit` — accumulation over a loader (with an optional ``reduce_fn`` all-reduce);
 * :mod:`~.glm` — streamed linearised predictive (``Σ_f``, ``J Δθ``, log predictive densities);
+  :mod:`~.masks` — its covariance for a pruned network (0/1 weight masks on the Jacobians);
 * :mod:`~.network` — how a model is run with given weights, likelihood Hessian factors;
 * :mod:`~.marglik` — the Laplace-GGN log evidence and its hyperparameter optimisation.
 
@@ -30,6 +31,7 @@ from .glm import (
 )
 from .kfac import batch_kfac_factors, kfac_blocks, kfac_sums_from_factors
 from .layers import Layer, capture_factors, find_layers
+from .masks import layer_masks
 from .network import hessian_columns, identity_columns, likelihood_kind, network_output
 from .structures import DenseBlock, DiagBlock, KronBlock, SplitBiasKronBlock
 from .unitwise import UnitBlock
@@ -39,6 +41,6 @@ __all__ = ["STRUCTURES", "CurvatureFit", "accumulate_curvature", "diag_ggn_sums"
            "JacobianFactors", "jacobian_factors", "batch_covariance", "linearized_offsets",
            "glm_log_predictive", "pointwise_log_likelihood", "sample_observations",
            "batch_kfac_factors", "kfac_blocks", "kfac_sums_from_factors", "Layer",
-           "capture_factors", "find_layers", "hessian_columns", "identity_columns",
+           "capture_factors", "find_layers", "layer_masks", "hessian_columns", "identity_columns",
            "likelihood_kind", "network_output", "DenseBlock", "DiagBlock", "KronBlock",
            "SplitBiasKronBlock", "UnitBlock"]

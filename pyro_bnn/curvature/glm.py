@@ -25,6 +25,7 @@ from ..data.batches import as_targets, check_targets
 from ..model.likelihoods import inverse_link
 from .ggn import per_example_gradients
 from .layers import Layer, capture_factors
+from .masks import flat_mask, masked_layer_variance
 from .network import identity_columns
 from .structures import DenseBlock
 
@@ -68,13 +69,19 @@ def jacobian_factors(layers: list[Layer], run: Callable, x: torch.Tensor, batch_
 
 
 def batch_covariance(layers: list[Layer], blocks: list, deltas: list, scale,
-                     factors: JacobianFactors) -> torch.Tensor:
-    """``Σ_f = J P⁻¹ Jᵀ`` of one batch, shape ``(M, C, C)``."""
+                     factors: JacobianFactors, masks: list | None = None) -> torch.Tensor:
+    """``Σ_f = J P⁻¹ Jᵀ`` of one batch, shape ``(M, C, C)``; with ``masks`` (per layer a 0/1
+    mask in the ``W̃`` layout or ``None``, :func:`~pyro_bnn.curvature.masks.layer_masks`) that of
+    the pruned network, ``(J M) P⁻¹ (J M)ᵀ`` (:mod:`~pyro_bnn.curvature.masks`)."""
+    masks = masks if masks is not None else [None] * len(layers)
     if _is_dense(blocks):
         J = factors.J if factors.J is not None else per_example_gradients(layers, factors.a, factors.g)
+        if any(m is not None for m in masks):
+            J = J * flat_mask(layers, masks, J)
         return blocks[0].functional_variance_dense(J, deltas[0], scale).detach()
-    return sum(_layer_variance(layer, block, factors, delta, scale)
-               for layer, block, delta in zip(layers, blocks, deltas)).detach()
+    return sum(_layer_variance(layer, block, factors, delta, scale) if mask is None else
+               masked_layer_variance(layer, block, factors.a[layer.path], factors.g[layer.path], mask, delta, scale)
+               for layer, block, delta, mask in zip(layers, blocks, deltas, masks)).detach()
 
 
 def _layer_variance(layer, block, factors, delta, scale):
@@ -85,12 +92,14 @@ def _layer_variance(layer, block, factors, delta, scale):
 
 
 def functional_covariance(layers: list[Layer], blocks: list, deltas: list, scale, run: Callable,
-                          x: torch.Tensor, batch_size: int = 256, num_augmentations: int = 1):
-    """``f(x; θ*)`` (``(N, C)``) and ``Σ_f = J P⁻¹ Jᵀ`` (``(N, C, C)``), batch by batch."""
+                          x: torch.Tensor, batch_size: int = 256, num_augmentations: int = 1,
+                          masks: list | None = None):
+    """``f(x; θ*)`` (``(N, C)``) and ``Σ_f = J P⁻¹ Jᵀ`` (``(N, C, C)``), batch by batch
+    (``masks``: as for :func:`batch_covariance`)."""
     means, covs = [], []
     for fac in jacobian_factors(layers, run, x, batch_size, num_augmentations, _is_dense(blocks)):
         means.append(fac.f)
-        covs.append(batch_covariance(layers, blocks, deltas, scale, fac))
+        covs.append(batch_covariance(layers, blocks, deltas, scale, fac, masks))
     return torch.cat(means), torch.cat(covs)
 
 

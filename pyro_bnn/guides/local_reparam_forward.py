@@ -120,15 +120,15 @@ def _layer_step(name: str, layer: nn.Module, sites) -> tuple | None:
 
 
 def _layer_function(layer: nn.Module):
-    """``F.linear`` for a plain Linear, ``F.conv*d`` for a plain zero-padded Conv, else ``None``."""
-    if isinstance(layer, nn.Linear):
-        return F.linear if type(layer).forward is nn.Linear.forward else None
-    for cls, function in _CONVOLUTIONS:
-        if isinstance(layer, cls):
-            plain = (type(layer).forward is cls.forward and type(layer)._conv_forward is cls._conv_forward
-                     and layer.padding_mode == "zeros")
-            return function if plain else None
-    return None
+    """:func:`layer_function` of a layer whose ``forward`` is its class's own (the plan calls the
+    function in its place), else ``None``."""
+    function = layer_function(layer)
+    if function is None:
+        return None
+    base = nn.Linear if function is F.linear else next(cls for cls, fn in _CONVOLUTIONS if fn is function)
+    plain = type(layer).forward is base.forward and (
+        base is nn.Linear or type(layer)._conv_forward is base._conv_forward)
+    return function if plain else None
 
 
 def noise_parameters(layer: nn.Module, scale_w: torch.Tensor, scale_b: torch.Tensor | None) -> tuple:
@@ -211,8 +211,9 @@ def install_layer_noise(modules, params: Mapping[str, tuple], noise, batch_size:
 
     Parameters
     ----------
-    modules : iterable of (str, nn.Module)
-        ``(weight site, module)`` pairs, in the order the noise parameters were computed.
+    modules : iterable of (str, nn.Module, callable)
+        ``(weight site, module, its layer_function)``, in the order the noise parameters were
+        computed.
     params : mapping weight site -> tuple
         From :func:`noise_parameters`.
     noise : callable
@@ -231,8 +232,8 @@ def install_layer_noise(modules, params: Mapping[str, tuple], noise, batch_size:
         (from the forward) A module is called a second time, or on an input whose first axis is
         not the batch: each call would draw its own weights for the same example.
     """
-    return [module.register_forward_hook(_noise_hook(site, layer_function(module), params[site], noise, batch_size))
-            for site, module in modules]
+    return [module.register_forward_hook(_noise_hook(site, function, params[site], noise, batch_size))
+            for site, module, function in modules]
 
 
 def _noise_hook(site: str, function, params: tuple, noise, batch_size: int):
@@ -255,15 +256,14 @@ def _noise_hook(site: str, function, params: tuple, noise, batch_size: int):
 
 
 def layer_function(module: nn.Module):
-    """``F.linear`` or the ``F.conv*d`` of a zero-padded Conv module (whatever its ``forward``);
-    ``ValueError`` for any other module."""
+    """``F.linear`` for a Linear module, the ``F.conv*d`` of a zero-padded Conv module, else
+    ``None``: the layers per-example noise applies to."""
     if isinstance(module, nn.Linear):
         return F.linear
     for cls, function in _CONVOLUTIONS:
         if isinstance(module, cls) and module.padding_mode == "zeros":
             return function
-    raise ValueError(f"local reparameterisation supports Linear and zero-padded Conv layers, got "
-                     f"{type(module).__name__}")
+    return None
 
 
 def run_local_reparam(plan: tuple, qs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from pyro.infer import TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
-from torch import nn
 from torch.distributions import kl_divergence
 
 from ..arguments import check_bool, check_positive
@@ -609,8 +608,7 @@ def supports_local_reparameterization(model) -> bool:
         module, leaf = site_module(model, site)
         if leaf not in ("weight", "bias"):
             return False
-        if not (isinstance(module, nn.Linear) or (isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-                                                  and module.padding_mode == "zeros")):
+        if layer_function(module) is None:
             return False
     return True
 
@@ -626,10 +624,10 @@ def _install_local_reparam(model, qs, batch_size):
         if wname not in qs:
             continue
         bname = f"net.{path}.bias" if path else "net.bias"
-        try:
-            layer_function(module)
-        except ValueError as exc:
-            raise ValueError(f"{exc} (site {wname!r})") from None
+        function = layer_function(module)
+        if function is None:
+            raise ValueError(f"local reparameterisation supports Linear and zero-padded Conv layers; site "
+                             f"{wname!r} belongs to {type(module).__name__}")
         params[wname] = noise_parameters(module, qs[wname][1], qs[bname][1] if bname in qs else None)
-        modules.append((wname, module))
+        modules.append((wname, module, function))
     return install_layer_noise(modules, params, standard_normal_like, batch_size)

@@ -212,6 +212,7 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     _check_arguments(epochs, batch_size, lr, hyper_lr, burnin, every, eta_steps, delta_steps, delta_lr,
                      prior_precision, augerino_weight, augerino_lr, marglik_batch_size)
+    check_int("num_data", num_data, minimum=1, optional=True)
     lr_factor_function(lr_schedule)  # a clear error for an unknown schedule, before any work
     if method != "none" and learnable_augmentation(model) is None:
         raise ValueError(f"method {method!r} needs a model with a learnable augmentation "
@@ -219,7 +220,6 @@ def learn_invariance(model, data, *, method: str = "lila", epochs: int = 100, ba
     device = torch.device(device) if device is not None else _data_device(data)
     model.to(device)
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
-    check_int("num_data", num_data, minimum=1, optional=True)
     source = _Source(model, data, batch_size, marglik_batch_size or batch_size, device, gen, num_data)
     with seeded(seed):   # the caller's random streams are left as they were
         return _train(model, source, method, epochs, lr, hyper_lr, burnin, every, eta_steps, delta_steps,

@@ -49,13 +49,12 @@ import torch
 
 from ...arguments import check_int, check_positive
 from ...contract.local_params import unwrap_model
-from ...curvature import glm_log_predictive, jacobian_factors
+from ...curvature import batch_covariance, glm_log_predictive, jacobian_factors
 from ...curvature import marglik as ml
 from ...data.batches import check_data
 from ...model.batchnorm import layers_feeding_normalization, short_list
 from ...model.bnn import model_likelihood
 from ...model.likelihoods import Gaussian
-from .predictive import masked_batch_covariance
 
 __all__ = ["PriorPrecision", "PriorMismatchWarning", "PRIOR_STRUCTURES", "DEFAULT_GRID", "POSTHOC_STEPS",
            "POSTHOC_LR", "resolve_prior_structure", "EVIDENCE_KINDS",
@@ -348,7 +347,7 @@ class PriorPrecision:
             total, start = 0.0, 0
             for fac in factors:
                 m = len(fac.f)
-                cov = masked_batch_covariance(layers, blocks, deltas, scale, fac, masks)
+                cov = batch_covariance(layers, blocks, deltas, scale, fac, masks)
                 lp = glm_log_predictive(fac.f, cov, y[start:start + m], kind, link_approx, num_samples,
                                         noise, gen)
                 total, start = total + float(lp.double().sum()), start + m
