@@ -175,9 +175,11 @@ class whole_batch_plates(Messenger):
 
 
 def _unwrap(d):
-    while isinstance(d, (dist.Independent, dist.MaskedDistribution, dist.ExpandedDistribution)) or (
-        hasattr(d, "base_dist") and not isinstance(d, (dist.Normal, dist.Categorical, dist.Bernoulli))
-    ):
+    """``d`` without the wrappers that keep its values' distribution per element
+    (``Independent``, masks, ``expand``).  Any other wrapper with a ``base_dist`` is kept: a
+    ``LogNormal`` or an affine ``TransformedDistribution`` of a ``Normal`` is not that
+    ``Normal`` (reading its base gave log-scale or standardised "means" in silence)."""
+    while isinstance(d, (dist.Independent, dist.MaskedDistribution, dist.ExpandedDistribution)):
         d = d.base_dist
     return d
 
@@ -191,7 +193,10 @@ def _params_from_distribution(d) -> tuple[str, dict]:
         return kind, {"loc": d.loc, "scale": d.scale.expand_as(d.loc)}
     raise TypeError(
         "predict supports observation sites with Categorical, Bernoulli or Normal "
-        f"distributions; got {type(d).__name__}")
+        f"distributions (also wrapped by .to_event, .mask or .expand); got {type(d).__name__}"
+        + (f" of {type(d.base_dist).__name__}: a transformed distribution's values are not its "
+           "base distribution's, so its parameters are not the predictive's"
+           if isinstance(d, torch.distributions.TransformedDistribution) else ""))
 
 
 def _params_from_bnn(model, f) -> tuple[str, dict]:
