@@ -62,3 +62,31 @@ def test_masked_normal_observation_still_predicts_its_mean():
     latents = [pb.posterior.sample_latents(model, guide, x[:1]) for _ in range(4)]
     expected = torch.stack([x @ lat["w"] + lat["b"] for lat in latents])
     torch.testing.assert_close(means.reshape(expected.shape), expected)
+
+
+class _LocalBias(PyroModule):
+    """A user's slip: ``self.b`` is first read inside an unsubsampled data plate, so Pyro
+    makes it one value per training point (a local latent), sized by the training set."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = PyroSample(dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        self.b = PyroSample(dist.Normal(0.0, 1.0))
+
+    def forward(self, x, y=None):
+        w = self.w
+        with pyro.plate("data", len(x)):
+            return pyro.sample("obs", dist.Normal(x @ w + self.b, 0.3), obs=y)
+
+
+@pytest.mark.parametrize("num_new", [20, 7])
+def test_latent_sampled_inside_an_unsubsampled_data_plate_is_refused(num_new):
+    # Before: new inputs as many as the 20 training points were predicted with the training
+    # points' own biases, one each (no error, a plausible-looking (S, 20) answer); 7 new
+    # inputs failed on a broadcast ("size of tensor a (7) must match ... (20)").
+    x = torch.randn(20, 3)
+    model = _LocalBias()
+    guide = pb.guides.MeanField(model)
+    guide(x, torch.randn(20))
+    with pytest.raises(ValueError, match="latent site 'b' has 20 values along plate 'data'"):
+        pb.predict(model, guide, torch.randn(num_new, 3), num_samples=2)

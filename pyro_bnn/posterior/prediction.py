@@ -137,7 +137,51 @@ def sample_latents(model, guide, x, y=None) -> dict[str, torch.Tensor]:
     with evaluation_mode(model, guide):
         tr = poutine.trace(poutine.block(guide, hide_types=["param"])).get_trace(*args, **kwargs)
     check_global_latents(tr)
-    return latent_values(tr)
+    latents = latent_values(tr)
+    if not is_bnn(model):
+        with evaluation_mode(model, guide):
+            poutine.trace(_LatentPlateSizes(latents, x.device)(
+                whole_batch_plates()(poutine.condition(model, data=latents)))).get_trace(*args, **kwargs)
+    return latents
+
+
+class _LatentPlateSizes(Messenger):
+    """Refuse a drawn latent whose size along one of its plates is not that plate's size.
+
+    Run on a model conditioned on a draw, called on the inputs the draw was made for (one
+    row in :func:`predictive_samples`): a site sampled inside a data plate without
+    subsampling (``with pyro.plate("data", len(x)): b = self.b``) is local, one value per
+    training point, and the guide keeps the training set's size; on new inputs of that same
+    size the per-point values were used as if they belonged to the new points (silently), on
+    any other size the model failed on a broadcast.  Every other sample site gets a zero
+    placeholder instead of a draw, so the check consumes no random numbers.
+    """
+
+    def __init__(self, latents, device):
+        super().__init__()
+        self.latents, self.device = latents, device
+
+    def _process_message(self, msg):
+        if msg["type"] != "sample" or site_is_subsample(msg):
+            return
+        fn, name = msg["fn"], msg["name"]
+        if name not in self.latents:
+            if msg["value"] is None:
+                msg["value"] = torch.zeros(fn.batch_shape + fn.event_shape, device=self.device)
+            return
+        value, event_dims = self.latents[name], len(fn.event_shape)
+        for frame in msg["cond_indep_stack"]:
+            if not frame.vectorized or frame.dim is None:
+                continue
+            dim = frame.dim - event_dims
+            if value.dim() >= -dim and value.shape[dim] not in (1, frame.size):
+                raise ValueError(
+                    f"latent site {name!r} has {value.shape[dim]} values along plate {frame.name!r} "
+                    f"(dim {frame.dim}), which has size {frame.size} for these inputs: it is sampled "
+                    "inside that plate, so the guide holds one value per training point (a local "
+                    "latent) and has no value for new inputs. If it is meant to be a global weight, "
+                    "sample it outside the plate (read PyroSample attributes before `with "
+                    "pyro.plate(...)`) and train again")
 
 
 class whole_batch_plates(Messenger):
