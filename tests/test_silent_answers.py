@@ -90,3 +90,60 @@ def test_latent_sampled_inside_an_unsubsampled_data_plate_is_refused(num_new):
     guide(x, torch.randn(20))
     with pytest.raises(ValueError, match="latent site 'b' has 20 values along plate 'data'"):
         pb.predict(model, guide, torch.randn(num_new, 3), num_samples=2)
+
+
+class _OutputsOuter(PyroModule):
+    """Observations sampled as ``(D, N)``: an outer plate over the D outputs at dim -2."""
+
+    def __init__(self, num_outputs=3):
+        super().__init__()
+        self.num_outputs = num_outputs
+        self.w = PyroSample(dist.Normal(0.0, 1.0).expand([4, num_outputs]).to_event(2))
+
+    def forward(self, x, y=None):
+        mu = (x @ self.w).T
+        with pyro.plate("out", self.num_outputs, dim=-2), pyro.plate("data", len(x), dim=-1):
+            return pyro.sample("obs", dist.Normal(mu, 1.0), obs=None if y is None else y.T)
+
+
+def test_observation_with_inputs_not_first_is_refused():
+    # Before: pb.to_arviz summed log p over the wrong entries (4.07 nats off per point
+    # against log N(y_n | x_n W_s, 1) by hand, batch_size=4), posterior_predictive had shape
+    # (9, 4) for (12, 3) targets, and pb.evaluate scored y.reshape(3, 12) against the draws.
+    x, y = torch.randn(12, 4), torch.randn(12, 3)
+    model = _OutputsOuter()
+    guide = pb.guides.MeanField(model)
+    guide(x, y)
+    with pytest.raises(ValueError, match="first dimension as the inputs"):
+        pb.to_arviz(model, guide, x, y, num_samples=2, batch_size=4)
+    with pytest.raises(ValueError, match="first dimension as the inputs"):
+        pb.evaluate(model, guide, x, y, num_samples=2)
+
+
+class _MatrixObservation(PyroModule):
+    """Each input has a 2 × 3 matrix of Gaussian observations."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = PyroSample(dist.Normal(0.0, 1.0).expand([4, 6]).to_event(2))
+
+    def forward(self, x, y=None):
+        mu = (x @ self.w).reshape(len(x), 2, 3)
+        with pyro.plate("data", len(x)):
+            return pyro.sample("obs", dist.Normal(mu, 0.5).to_event(2), obs=y)
+
+
+def test_evaluate_refuses_targets_that_only_reshape_to_the_predictive():
+    # Before: targets (N, 3, 2) were reshaped to the predictive's (N, 2, 3), pairing each
+    # target with another output's prediction.
+    x, y = torch.randn(10, 4), torch.randn(10, 2, 3)
+    model = _MatrixObservation()
+    guide = pb.guides.MeanField(model)
+    guide(x, y)
+    pyro.set_rng_seed(1)
+    scores = pb.evaluate(model, guide, x, y, num_samples=3)
+    pyro.set_rng_seed(1)
+    loc = pb.predict(model, guide, x, num_samples=3)
+    assert scores["rmse"] == pytest.approx(float(((loc.mean(0) - y) ** 2).mean().sqrt()), rel=1e-6)
+    with pytest.raises(ValueError, match=r"targets of shape \(10, 3, 2\) do not match"):
+        pb.evaluate(model, guide, x, y.transpose(1, 2), num_samples=3)

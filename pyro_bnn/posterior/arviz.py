@@ -73,7 +73,13 @@ from ..model.likelihoods import log_likelihood
 from ..training.seeding import seeded
 from .batchnorm import batchnorm_recalibration
 from .guide_density import sample_with_log_density
-from .prediction import default_predictive, predictive_name, resolve_predictive, whole_batch_plates
+from .prediction import (
+    check_inputs_first,
+    default_predictive,
+    predictive_name,
+    resolve_predictive,
+    whole_batch_plates,
+)
 
 __all__ = ["to_arviz", "loo_approximate", "psis_loo", "site_dims", "default_predictive"]
 
@@ -128,6 +134,7 @@ def _pointwise_trace(model, values, x, y, batch_size, device, want_pp, obs_site)
         node = tr.nodes[obs_site]
         d = node["fn"]
         lp = d.log_prob(node["value"])
+        check_inputs_first(obs_site, lp.shape, len(xb))
         loglik.append(lp.reshape(len(xb), -1).sum(-1))
         if want_pp:
             pp.append(d.sample())

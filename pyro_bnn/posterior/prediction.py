@@ -243,6 +243,18 @@ def _params_from_distribution(d) -> tuple[str, dict]:
            if isinstance(d, torch.distributions.TransformedDistribution) else ""))
 
 
+def check_inputs_first(obs_site: str, shape, num_inputs: int) -> None:
+    """Raise ``ValueError`` unless an observed site's values of ``num_inputs`` inputs have
+    the inputs as their first dimension, which every predictive, metric and ArviZ group
+    reads as the inputs (an observation sampled as ``(D, N)``, e.g. under an outer plate at
+    dim -2, was scored against the wrong targets in silence)."""
+    if len(shape) == 0 or shape[0] != num_inputs:
+        raise ValueError(
+            f"the observed site {obs_site!r} has shape {tuple(shape)} for {num_inputs} inputs; the "
+            "predictive reads its first dimension as the inputs: sample it with the data "
+            "dimension first (e.g. (N, D), the data plate outermost or the outputs as an event)")
+
+
 def _params_from_bnn(model, f) -> tuple[str, dict]:
     kind, noise = kind_and_noise(model.likelihood)
     if kind == "gaussian":
@@ -282,6 +294,7 @@ def params_under(model, latents: dict, x, batch_size: int = 1024, obs_site: str 
                 if obs_site not in tr.nodes:
                     raise ValueError(f"model has no observed site {obs_site!r}; sites: {list(tr.nodes)}")
                 kind, params = _params_from_distribution(tr.nodes[obs_site]["fn"])
+                check_inputs_first(obs_site, next(iter(params.values())).shape, len(xb))
             chunks.append(params)
     return kind, {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}
 
@@ -400,7 +413,7 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins,
         if kind == "gaussian":  # draws of the (linearised) function, (S, N, D)
             out = out if out.dim() == 3 else out.unsqueeze(0)
             return metrics.regression_metrics(out.cpu(), noise.detach().cpu(),
-                                              y.reshape(out.shape[1:]).to(out.dtype).cpu())
+                                              targets_like(y, out.shape[1:]).to(out.dtype).cpu())
         if out.dim() == 2:
             out = out.unsqueeze(0)
         if kind == "bernoulli":  # success probabilities (S, N, 1) -> two classes, as below
@@ -416,7 +429,24 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins,
         p1 = out.probs.reshape(out.probs.shape[0], -1)
         probs = torch.stack([1 - p1, p1], -1)
         return metrics.classification_metrics(probs, y.reshape(-1).long(), num_bins=num_bins)
-    return metrics.regression_metrics(out.loc, out.scale, y.reshape(out.loc.shape[1:]).to(out.loc.dtype))
+    return metrics.regression_metrics(out.loc, out.scale, targets_like(y, out.loc.shape[1:]).to(out.loc.dtype))
+
+
+def targets_like(y: torch.Tensor, shape) -> torch.Tensor:
+    """``y`` as targets of the predictive's shape ``shape`` (one draw, ``(N, ...)``): equal,
+    or equal up to trailing dimensions of size 1 (``(N,)`` for ``(N, 1)``); any other
+    reshape would pair targets with the wrong predictions."""
+    shape = tuple(shape)
+
+    def squeezed(s):
+        s = list(s)
+        while len(s) > 1 and s[-1] == 1:
+            s.pop()
+        return tuple(s)
+    if tuple(y.shape) != shape and squeezed(y.shape) != squeezed(shape):
+        raise ValueError(f"targets of shape {tuple(y.shape)} do not match the predictive's "
+                         f"{shape} (one value per output of each input)")
+    return y.reshape(shape)
 
 
 def _check_labels(y, num_classes):
