@@ -147,3 +147,66 @@ def test_evaluate_refuses_targets_that_only_reshape_to_the_predictive():
     assert scores["rmse"] == pytest.approx(float(((loc.mean(0) - y) ** 2).mean().sqrt()), rel=1e-6)
     with pytest.raises(ValueError, match=r"targets of shape \(10, 3, 2\) do not match"):
         pb.evaluate(model, guide, x, y.transpose(1, 2), num_samples=3)
+
+
+class _Tempered(PyroModule):
+    """A tempered likelihood ``p(y | w)^temp`` by ``poutine.scale`` inside the model; with
+    ``num_data`` its data plate subsamples (explicit indices: no random numbers drawn)."""
+
+    def __init__(self, temp, num_data=None):
+        super().__init__()
+        self.temp, self.num_data = temp, num_data
+        self.w = PyroSample(dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+
+    def forward(self, x, y=None):
+        w = self.w
+        plate = (pyro.plate("data", len(x)) if self.num_data is None else
+                 pyro.plate("data", self.num_data, subsample=torch.arange(len(x))))
+        with plate, pyro.poutine.scale(scale=self.temp):
+            return pyro.sample("obs", dist.Normal(x @ w, 0.5), obs=y)
+
+
+@pytest.mark.filterwarnings("ignore:Symmetrized found no permutable hidden layer")
+@pytest.mark.parametrize("make", [pb.guides.MeanField, pb.guides.Symmetrized])
+def test_tempered_minibatch_is_scaled_to_the_data_set(make):
+    # Before: num_data was ignored for a site that poutine.scale(0.5) had scaled, so the
+    # data term of a batch of 10 out of 100 weighed 0.5 instead of 0.5 * 10 (the loss was
+    # the same for every num_data).  Reference: the same model with a subsampled plate,
+    # which Pyro scales itself by N / M.
+    x, y = torch.randn(10, 3), torch.randn(10)
+    losses = []
+    for model in (_Tempered(0.5), _Tempered(0.5, num_data=100)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(3)
+        guide = make(model)
+        guide(x, y)
+        objective = guide.make_objective()
+        pyro.set_rng_seed(7)
+        loss = objective(model, guide, x, y, num_data=100)
+        losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_minibatch_scale_that_cannot_be_read_is_refused():
+    x, y = torch.randn(10, 3), torch.randn(10)
+    model = _Tempered(3.0)
+    guide = pb.guides.MeanField(model)
+    guide(x, y)
+    with pytest.raises(ValueError, match=r"scaled by 3 inside the model.*N/M = 10"):
+        guide.make_objective()(model, guide, x, y, num_data=100)
+    model = _Tempered(10.0)  # the model's own N / M: left as it is
+    guide = pb.guides.MeanField(model)
+    guide(x, y)
+    guide.make_objective()(model, guide, x, y, num_data=100)
+
+
+def test_tempered_model_on_changing_batches_without_num_data_warns():
+    # Before: a scale of 0.5 counted as the model scaling its own minibatches: no warning,
+    # while each batch of 16 stood for the whole data set.
+    x, y = torch.randn(96, 3), torch.randn(96)
+    model = _Tempered(0.5)
+    guide = pb.guides.MeanField(model)
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), pyro.infer.Trace_ELBO())
+    with pytest.warns(pb.UnscaledBatchWarning):
+        for i in range(0, 96, 16):
+            svi.step(x[i:i + 16], y[i:i + 16])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 
 import pyro
+import torch
 from pyro.poutine.messenger import Messenger
 
 from ..model.batch_scaling import end_batch_watches
@@ -23,10 +24,16 @@ __all__ = ["scale_observations", "PyroObjective", "accepts_num_data", "call_mode
 
 
 class scale_observations(Messenger):
-    """Multiply the log-density of observed sites by ``factor`` unless already scaled.
+    """Multiply the log-density of observed sites by ``factor`` (``N / M``) unless already scaled.
 
-    A plate with ``subsample_size`` sets ``msg["scale"]`` before this (outer) handler
-    sees the site, so models that subsample themselves are not scaled twice.
+    A plate with ``subsample_size`` sets ``msg["scale"]`` before this (outer) handler sees the
+    site, so models that subsample themselves are not scaled twice; a site that the model
+    scales by ``N / M`` itself (``poutine.scale``) is left alone too.  A scale of at most 1
+    (a tempered likelihood, ``poutine.scale(scale=0.5)``, weights per point, or a
+    ``poutine.scale`` of the whole model) is a weight on the full-data term, so it is
+    multiplied by ``N / M``: leaving it alone weighted a tempered data term by 0.5 instead of
+    0.5 N / M, and the posterior fell towards the prior in silence.  Any other scale (above 1
+    and not ``N / M``) is refused: whether it already counts the minibatch cannot be told.
     """
 
     def __init__(self, factor: float):
@@ -34,10 +41,27 @@ class scale_observations(Messenger):
         self.factor = float(factor)
 
     def _process_message(self, msg):
-        if msg["type"] == "sample" and msg["is_observed"] and self.factor != 1.0:
-            scale = msg["scale"]
-            if isinstance(scale, (int, float)) and scale == 1.0:
-                msg["scale"] = self.factor
+        if msg["type"] != "sample" or not msg["is_observed"] or self.factor == 1.0:
+            return
+        if any(frame.full_size not in (None, frame.size) for frame in msg["cond_indep_stack"]):
+            return  # a subsampled plate scales it
+        scale = msg["scale"]
+        if isinstance(scale, (int, float)) and scale == 1.0:
+            msg["scale"] = self.factor
+            return
+        values = torch.as_tensor(scale, dtype=torch.float64)
+        if bool(torch.allclose(values, torch.full_like(values, self.factor), rtol=1e-6, atol=0.0)):
+            return  # the model's own N / M
+        if bool((values <= 1.0).all()):
+            msg["scale"] = scale * self.factor
+            return
+        shown = f"{float(values.min()):.4g}" + ("" if values.numel() == 1 else f"..{float(values.max()):.4g}")
+        raise ValueError(
+            f"the observed site {msg['name']!r} is scaled by {shown} inside the model, and num_data says "
+            f"this batch is 1/{self.factor:.4g} of the data (N/M = {self.factor:.4g}): whether that scale "
+            "already counts the minibatch cannot be told. Declare the data plate with its subsample "
+            "size, pyro.plate('data', N, subsample_size=len(x)), so that Pyro scales the batch (a "
+            "poutine.scale inside it then weights the likelihood), or scale by exactly N/M yourself")
 
 
 def observed_sites(trace, *conditioned):

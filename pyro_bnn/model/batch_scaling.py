@@ -174,8 +174,9 @@ def end_batch_watches(guide) -> None:
 
 def observations_unscaled(model: Callable, module: torch.nn.Module | None, args: tuple,
                           kwargs: dict) -> bool | None:
-    """Whether ``model(*args, **kwargs)`` observes data, all of it at scale 1 (no subsampled plate,
-    no ``poutine.scale`` inside the model): then a minibatch counts as the whole data set.
+    """Whether ``model(*args, **kwargs)`` observes data, all of it at a scale of at most 1 (no
+    subsampled plate, no ``poutine.scale`` above 1 inside the model): then a minibatch counts
+    as the whole data set.
 
     Returns ``True`` or ``False``, or ``None`` when the call observes nothing (a prediction, or
     weights drawn by hand).  The model is run once, hidden from any handler around the call,
@@ -195,10 +196,19 @@ def observations_unscaled(model: Callable, module: torch.nn.Module | None, args:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
-    scales = [site["scale"] for site in trace.nodes.values() if site["type"] == "sample" and site["is_observed"]]
-    if not scales:
+    sites = [site for site in trace.nodes.values() if site["type"] == "sample" and site["is_observed"]]
+    if not sites:
         return None
-    return all(float(torch.as_tensor(s).max()) == 1.0 == float(torch.as_tensor(s).min()) for s in scales)
+    return all(_counts_batch_as_all(site) for site in sites)
+
+
+def _counts_batch_as_all(site) -> bool:
+    """Whether an observed site weighs its batch as the whole data set: in no subsampled
+    plate, at a scale of at most 1 (a tempering ``poutine.scale(scale=0.5)`` weighs the full
+    data term; it does not scale a minibatch up to the data set)."""
+    if any(frame.full_size not in (None, frame.size) for frame in site["cond_indep_stack"]):
+        return False
+    return float(torch.as_tensor(site["scale"]).max()) <= 1.0
 
 
 def _same(a: tuple, b: tuple) -> bool:
