@@ -25,11 +25,11 @@ from ..data.batches import as_targets, check_targets
 from ..model.likelihoods import inverse_link
 from .ggn import per_example_gradients
 from .layers import Layer, capture_factors
-from .masks import flat_mask, masked_layer_variance
+from .masks import flat_mask, masked_layer_variances
 from .network import identity_columns
 from .structures import DenseBlock
 
-__all__ = ["JacobianFactors", "jacobian_factors", "batch_covariance", "functional_covariance",
+__all__ = ["JacobianFactors", "jacobian_factors", "batch_covariance", "batch_covariances", "functional_covariance",
            "linearized_offsets", "probit_probs", "glm_predictive", "glm_log_predictive",
            "pointwise_log_likelihood", "sample_observations", "checked_targets"]
 
@@ -73,22 +73,48 @@ def batch_covariance(layers: list[Layer], blocks: list, deltas: list, scale,
     """``Σ_f = J P⁻¹ Jᵀ`` of one batch, shape ``(M, C, C)``; with ``masks`` (per layer a 0/1
     mask in the ``W̃`` layout or ``None``, :func:`~pyro_bnn.curvature.masks.layer_masks`) that of
     the pruned network, ``(J M) P⁻¹ (J M)ᵀ`` (:mod:`~pyro_bnn.curvature.masks`)."""
+    return batch_covariances(layers, blocks, [deltas], scale, factors, masks)[0]
+
+
+def batch_covariances(layers: list[Layer], blocks: list, candidates: list, scale,
+                      factors: JacobianFactors, masks: list | None = None) -> torch.Tensor:
+    """:func:`batch_covariance` at several prior precisions, shape ``(K, M, C, C)``.
+
+    Parameters
+    ----------
+    layers, blocks, scale, factors, masks
+        As for :func:`batch_covariance`.
+    candidates : list
+        ``K`` lists of per-block prior precisions (each as ``deltas`` of :func:`batch_covariance`).
+
+    Notes
+    -----
+    The δ-independent work is done once per layer for all candidates: an unmasked layer's
+    factors rotated into its eigenbasis and a convolution's per-example ``J``
+    (``functional_variances`` of the blocks: up to ``PER_DELTA_PRODUCTS`` candidates bit for
+    bit the results of :func:`batch_covariance`, with more equal up to rounding); a masked
+    layer's rotated Jacobian (:func:`~pyro_bnn.curvature.masks.masked_layer_variances`), equal
+    to the one-δ results up to rounding.  The dense structure takes each candidate in turn.
+    """
     masks = masks if masks is not None else [None] * len(layers)
     if _is_dense(blocks):
         J = factors.J if factors.J is not None else per_example_gradients(layers, factors.a, factors.g)
         if any(m is not None for m in masks):
             J = J * flat_mask(layers, masks, J)
-        return blocks[0].functional_variance_dense(J, deltas[0], scale).detach()
-    return sum(_layer_variance(layer, block, factors, delta, scale) if mask is None else
-               masked_layer_variance(layer, block, factors.a[layer.path], factors.g[layer.path], mask, delta, scale)
-               for layer, block, delta, mask in zip(layers, blocks, deltas, masks)).detach()
-
-
-def _layer_variance(layer, block, factors, delta, scale):
-    a, g = factors.a[layer.path], factors.g[layer.path]
-    if layer.unitwise:
-        return block.functional_variance_rows(layer.per_example(a, g), delta, scale)
-    return block.functional_variance(a, g, delta, scale)
+        return torch.stack([blocks[0].functional_variance_dense(J, deltas[0], scale)
+                            for deltas in candidates]).detach()
+    total = None
+    for i, (layer, block, mask) in enumerate(zip(layers, blocks, masks)):
+        a, g, deltas = factors.a[layer.path], factors.g[layer.path], [c[i] for c in candidates]
+        if mask is not None:
+            part = masked_layer_variances(layer, block, a, g, mask, deltas, scale)
+        elif layer.unitwise:
+            J = layer.per_example(a, g)
+            part = torch.stack([block.functional_variance_rows(J, d, scale) for d in deltas])
+        else:
+            part = block.functional_variances(a, g, deltas, scale)
+        total = part if total is None else total + part
+    return total.detach()
 
 
 def functional_covariance(layers: list[Layer], blocks: list, deltas: list, scale, run: Callable,

@@ -49,8 +49,9 @@ import torch
 
 from ...arguments import check_int, check_positive
 from ...contract.local_params import unwrap_model
-from ...curvature import batch_covariance, glm_log_predictive, jacobian_factors
+from ...curvature import glm_log_predictive, jacobian_factors
 from ...curvature import marglik as ml
+from ...curvature.glm import batch_covariances
 from ...data.batches import check_data
 from ...model.batchnorm import layers_feeding_normalization, short_list
 from ...model.bnn import model_likelihood
@@ -309,7 +310,9 @@ class PriorPrecision:
         ``−(1/N) Σ_n log p(y_n | x_n, D)`` with the predictive of
         :func:`~pyro_bnn.curvature.glm_log_predictive` (probit or Monte Carlo for
         classification, the closed-form Gaussian for regression).  The Jacobian factors
-        of ``x`` are computed once and reused for every candidate.
+        of ``x`` are computed once, and per batch the δ-independent part of ``Σ_f`` (the
+        factors or the pruned model's masked Jacobians in the curvature's eigenbasis) once for
+        all candidates (:func:`~pyro_bnn.curvature.glm.batch_covariances`).
 
         Parameters
         ----------
@@ -340,19 +343,19 @@ class PriorPrecision:
                                             self._num_augmentations(), dense=self.structure == "full"))
         y = y.to(device)
         masks = self._layer_masks()   # a pruned model's GLM (prune_): the masks' Jacobians
-        out = []
-        for d in cands:
-            _, deltas = self._block_inputs(d)
-            gen = torch.Generator(device=device).manual_seed(seed)
-            total, start = 0.0, 0
-            for fac in factors:
-                m = len(fac.f)
-                cov = batch_covariance(layers, blocks, deltas, scale, fac, masks)
+        deltas = [self._block_inputs(d)[1] for d in cands]
+        # one generator per candidate, each drawing batch by batch as if it ran alone
+        gens = [torch.Generator(device=device).manual_seed(seed) for _ in cands]
+        totals, start = [0.0] * len(cands), 0
+        for fac in factors:
+            m = len(fac.f)
+            covs = batch_covariances(layers, blocks, deltas, scale, fac, masks)   # δ-independent work once
+            for k, (cov, gen) in enumerate(zip(covs, gens)):
                 lp = glm_log_predictive(fac.f, cov, y[start:start + m], kind, link_approx, num_samples,
                                         noise, gen)
-                total, start = total + float(lp.double().sum()), start + m
-            out.append(-total / len(x))
-        return torch.tensor(out, dtype=torch.float64)
+                totals[k] = totals[k] + float(lp.double().sum())
+            start += m
+        return torch.tensor([-total / len(x) for total in totals], dtype=torch.float64)
 
     def evidence_hyperparameters(self, learn_noise=None):
         """Fresh leaves ``(log δ, log σ or None)`` at the current values, for evidence steps."""
