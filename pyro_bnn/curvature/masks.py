@@ -10,10 +10,11 @@ entries, linearised — the *marginal* posterior of the kept weights under the u
 :func:`masked_layer_variances` for each masked layer (at one δ, or at a grid of them:
 :func:`~pyro_bnn.curvature.glm.batch_covariances`).
 
-Cost (``benchmarks/pruned_glm.py``, float32, one thread of a loaded 2-core machine, 90 % of the
-weights pruned): a 784-200-200-10 MLP 19 ms per input (the pattern factors before: 55 ms), a
-LeNet CNN 2 ms (8 ms); the grid search's 100 δ on 200 inputs 7.6 s and 1.7 s (about 900 s and
-170 s when every δ redid the Jacobian work).  The dense layers' exact masked covariance costs
+Cost (``benchmarks/pruned_glm.py``, float32, one thread of a 2-core machine loaded by other
+jobs, 90 % of the weights pruned, ranges over three runs): a 784-200-200-10 MLP 13–20 ms per
+input (the pattern factors for every layer before: 31–55 ms), a LeNet CNN 2–3 ms (8–13 ms); the
+grid search's 100 δ on 200 inputs 8–12 s and 1.7–2.6 s (820–910 s and 170–260 s when every δ
+redid the Jacobian work).  The dense layers' exact masked covariance costs
 ``out·in'² + C·out²·in'`` multiplications per input in the eigenbasis (no factorisation
 survives the mask), which dominates the MLP.
 """
