@@ -413,13 +413,21 @@ class MeanFieldELBO(GuideObjective):
 
     def __call__(self, model, guide, x, y, num_data=None):
         if not is_bnn(model):
+            if guide.kl_weight != 1.0:   # Pyro's ELBO below has no KL weight: annealing would be ignored
+                raise ValueError(f"KL annealing (kl_annealing=, kl_weight={guide.kl_weight:g}) needs a pyro_bnn.BNN "
+                                 "model; Pyro's TraceMeanField_ELBO, which trains other models, weighs the KL "
+                                 f"by 1, got {type(model).__name__}")
             if guide.local_reparameterization:
                 raise ValueError("local_reparameterization=True needs a pyro_bnn.BNN model called directly (Pyro "
                                  f"handlers around it must run, so they get weight noise), got {model!r}")
             return self._fallback(model, guide, x, y, num_data)
         if guide.prototype_trace is None:
             guide._setup_prototype(x, y, num_data=num_data)
-        return meanfield_loss(model, guide, x, y, num_data, self.num_particles)
+        if guide.kl_weight == 1.0:
+            return meanfield_loss(model, guide, x, y, num_data, self.num_particles)
+        # KL annealing: the loss weighs the KL by kl_weight; fit's history["elbo"] is the ELBO
+        loss, neg_elbo = meanfield_loss(model, guide, x, y, num_data, self.num_particles, return_neg_elbo=True)
+        return loss, {"elbo": -neg_elbo}
 
 
 def standard_normal_like(t: torch.Tensor) -> torch.Tensor:
@@ -504,15 +512,17 @@ def _kl_sites_together(qs: dict, log_scales: dict, priors: dict) -> torch.Tensor
     return normal_kl_sites_log_scale(locs, scales, [log_scales[name] for name in qs], prior_locs, prior_scales)
 
 
-def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
-    """Negative ELBO for a BNN and a MeanField guide (see :class:`MeanFieldELBO`).
+def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None, return_neg_elbo=False):
+    """Negative ELBO for a BNN and a MeanField guide (see :class:`MeanFieldELBO`), its KL
+    term weighted by ``guide.kl_weight`` (KL annealing).
 
     Sites with a Normal prior are sampled together with their KL by one
     fused autograd node (:mod:`._fused_gaussian`); the rest go through ``closed_form_kl`` or
     a Monte Carlo KL.  ``on_draw(values)``, if given, is called with each particle's weight
     draw ``{site: ω}`` after its likelihood term (the symmetrised guide adds its entropy
     term on the same ω); with local reparameterisation no weights are drawn and it must
-    be ``None``.
+    be ``None``.  ``return_neg_elbo=True`` returns ``(loss, neg_elbo)``, the second detached
+    and with the KL at full weight whatever ``kl_weight`` is (the same draw's negative ELBO).
     """
     if on_draw is not None and guide.local_reparameterization:
         raise ValueError("on_draw needs weight draws, but local reparameterisation draws none")
@@ -538,7 +548,7 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
     masks = weight_masks(model) if local else {}
     noise_qs = {name: (loc * masks[name].to(loc), scale * masks[name].to(scale)) if name in masks
                 else (loc, scale) for name, (loc, scale) in qs.items()} if masks else qs
-    nll = 0.0
+    nll, kl_mc = 0.0, 0.0   # kl_mc: the Monte Carlo KL terms at full weight (for neg_elbo)
     for _ in range(num_particles):
         values, hooks = {}, []
         for name, (loc, rho, prior_loc, prior_scale) in fused.items():
@@ -565,16 +575,23 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None):
                 for h in hooks:
                     h.remove()
             if f is None:
-                return meanfield_loss(model, guide, x, y, num_data, num_particles=num_particles)
+                return meanfield_loss(model, guide, x, y, num_data, num_particles=num_particles,
+                                      return_neg_elbo=return_neg_elbo)
         nll = nll - log_likelihood(model.likelihood, f, y).sum() * scale_factor
         if on_draw is not None:
             on_draw(values)
         for name in mc_sites:
             loc, scale = qs[name]
             w = values[name] if not local else loc + scale * standard_normal_like(loc)
-            nll = nll + kl_weight * (dist.Normal(loc, scale, validate_args=False).log_prob(w).sum()
-                                     - priors[name].log_prob(w))
-    return nll / num_particles + (kl_closed if kl_weight == 1.0 else kl_weight * kl_closed)
+            kl_w = dist.Normal(loc, scale, validate_args=False).log_prob(w).sum() - priors[name].log_prob(w)
+            nll = nll + kl_weight * kl_w
+            kl_mc = kl_mc + kl_w.detach()
+    loss = nll / num_particles + (kl_closed if kl_weight == 1.0 else kl_weight * kl_closed)
+    if not return_neg_elbo:
+        return loss
+    # the loss's KL terms (closed form and Monte Carlo) at full weight instead of kl_weight
+    kl = kl_closed.detach() if isinstance(kl_closed, torch.Tensor) else kl_closed
+    return loss, loss.detach() + (1.0 - kl_weight) * (kl + kl_mc / num_particles)
 
 
 def _may_reparameterize_locally(guide, model) -> bool:

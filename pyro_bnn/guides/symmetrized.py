@@ -346,23 +346,31 @@ class SymmetrizedELBO(GuideObjective):
         sizes = group_sizes(groups, {k: v.shape for k, v in locs.items()})
         device = locs[sites[0]].device
         gap = surrogate = 0.0
+        w = guide.kl_weight  # the modified KL, KL(q‖p) − gap, is annealed as one
         if fast:  # MeanField's own loss; the gap is taken on each particle's weight draw ω
             draws = []
-            neg_elbo = meanfield_loss(model, guide, x, y, num_data, self.num_particles,
-                                      on_draw=lambda values: draws.append(
-                                          self._gap(values, locs, scales, groups, sizes, device, log_scales)))
+            out = meanfield_loss(model, guide, x, y, num_data, self.num_particles,
+                                 on_draw=lambda values: draws.append(
+                                     self._gap(values, locs, scales, groups, sizes, device, log_scales)),
+                                 return_neg_elbo=w != 1.0)
         else:     # local reparameterisation draws no weights: the gap gets its own ω ~ q
-            neg_elbo = self._meanfield(model, guide, x, y, num_data)
+            out = self._meanfield(model, guide, x, y, num_data)
             draws = [self._gap({n: locs[n] + scales[n] * standard_normal_like(locs[n]) for n in sites},
                                locs, scales, groups, sizes, device)
                      for _ in range(self.num_particles)]
         for gap_p, sur_p in draws:
             gap, surrogate = gap + gap_p, surrogate + sur_p
         gap, surrogate = gap / self.num_particles, surrogate / self.num_particles
-        w = guide.kl_weight  # the modified KL, KL(q‖p) − gap, is annealed as one
-        loss = neg_elbo - (surrogate if w == 1.0 else w * surrogate)
-        extras = {"elbo": -neg_elbo.detach(), "symmetrized_elbo": -loss.detach(),
-                  "entropy_gap": torch.as_tensor(gap).detach()}
+        gap = torch.as_tensor(gap).detach()
+        if w == 1.0:
+            loss = out - surrogate
+            extras = {"elbo": -out.detach(), "symmetrized_elbo": -loss.detach(), "entropy_gap": gap}
+        else:   # annealed: the loss weighs KL − gap by w, the reported bounds are at full weight
+            annealed, neg_elbo = out          # meanfield_loss's (loss, −ELBO) or MeanFieldELBO's (loss, extras)
+            if isinstance(neg_elbo, dict):
+                neg_elbo = -neg_elbo["elbo"]
+            loss = annealed - w * surrogate
+            extras = {"elbo": -neg_elbo, "symmetrized_elbo": gap - neg_elbo, "entropy_gap": gap}
         return loss, extras
 
 
