@@ -210,3 +210,29 @@ def test_tempered_model_on_changing_batches_without_num_data_warns():
     with pytest.warns(pb.UnscaledBatchWarning):
         for i in range(0, 96, 16):
             svi.step(x[i:i + 16], y[i:i + 16])
+
+
+def test_report_reads_bernoulli_predictions_as_two_classes(tmp_path):
+    # Before: the report took Bernoulli success probabilities (S, N, 1) as one class: the
+    # "entropy" was -p log p (test mean 0.32 for a binary entropy of 0.66), the OOD AUROC and the
+    # reliability diagram (confidence p even below 1/2) were computed from it in silence.
+    import json
+
+    from torch import nn
+
+    from pyro_bnn.data.datasets import DataSplit
+    from pyro_bnn.reporting.report import write_report
+
+    gen = torch.Generator().manual_seed(0)
+    x_train, x_test = torch.randn(64, 5, generator=gen), torch.randn(40, 5, generator=gen)
+    split = DataSplit(x_train, (x_train[:, :1] > 0).float(), x_test, (x_test[:, 0] > 0).float())
+    comparison = pb.compare(lambda: pb.BNN(nn.Linear(5, 1), "bernoulli"), ["meanfield"], split, epochs=2,
+                            batch_size=32, loo_samples=0, num_samples=8, progress=False, details=True)
+    run = comparison.runs["meanfield"]
+    assert run.error is None
+    write_report(comparison, tmp_path / "report", num_samples=8, ood={"noise": 5 * torch.randn(40, 5, generator=gen)})
+    saved = json.loads((tmp_path / "report" / "metrics.json").read_text())
+    p = run.probs.mean(0)[:, 1].double()
+    assert run.probs.shape == (8, 40, 2)
+    binary_entropy = float(-(p * p.log() + (1 - p) * (1 - p).log()).mean())
+    assert saved["mean_entropy"]["meanfield"]["test data"] == pytest.approx(binary_entropy, rel=1e-5)

@@ -70,7 +70,7 @@ from ..posterior.prediction import (
 from ..training.loop import FitResult, fit
 from ..training.seeding import seeded
 
-__all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "check_device", "check_seed", "count_variational_parameters", "as_split",
+__all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "check_device", "class_probabilities", "check_seed", "count_variational_parameters", "as_split",
            "convergence_label", "describe_configuration", "training_bound", "BOUND_KINDS"]
 
 
@@ -78,8 +78,9 @@ __all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "check_
 class GuideRun:
     """Everything :func:`compare` produced for one guide.
 
-    ``probs`` are the test-set predictive samples (``(S, N, C)`` probabilities, or ``(S, N, D)``
-    means for regression); ``error`` holds the traceback if the guide failed.
+    ``probs`` are the test-set predictive samples (``(S, N, C)`` probabilities, Bernoulli's as
+    two classes ``(S, N·D, 2)``, or ``(S, N, D)`` means for regression); ``error`` holds the
+    traceback if the guide failed.
     """
 
     name: str
@@ -395,6 +396,16 @@ def describe_configuration(model, guide, *, epochs: int, lr: float | None, batch
     return "; ".join(p for p in (guide_contract(guide).settings_description(), model_part, training) if p)
 
 
+def class_probabilities(samples: PredictiveSamples) -> torch.Tensor:
+    """Class probabilities ``(S, N, C)`` of a classification predictive: a Bernoulli's success
+    probabilities ``(S, N, D)`` as two classes ``(S, N·D, 2)`` (read as one class, their
+    "entropy" was ``−p log p`` and their confidence ``p`` even below ½)."""
+    if samples.kind != "bernoulli":
+        return samples.probs
+    p1 = samples.probs.reshape(samples.probs.shape[0], -1)
+    return torch.stack([1 - p1, p1], -1)
+
+
 def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSamples:
     """A guide's own predictive (``pb.predict(predictive=...)``) as :class:`PredictiveSamples`."""
     values = predict(model, guide, x, num_samples=num_samples, predictive=method)
@@ -433,9 +444,9 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
         scores = metrics.regression_metrics(out.loc, out.scale, y_test.reshape(out.loc.shape[1:]))
         run.probs, run.scale = out.loc.cpu(), out.scale.cpu()
     else:
-        p1 = out.probs.reshape(out.probs.shape[0], -1)
-        scores = metrics.classification_metrics(torch.stack([1 - p1, p1], -1), y_test.reshape(-1).long())
-        run.probs = out.probs.cpu()
+        probs = class_probabilities(out)  # the report's reliability and entropy read two classes
+        scores = metrics.classification_metrics(probs, y_test.reshape(-1).long())
+        run.probs = probs.cpu()
     run.metrics.update(scores)
     run.metrics["train_seconds"] = run.fit.seconds
     run.metrics["num_params"] = count_variational_parameters(guide)

@@ -38,6 +38,7 @@ from .._version import __version__
 from ..analysis.ood import auroc
 from ..model.devices import module_device
 from ..posterior import metrics
+from .comparison import class_probabilities
 from .staged_folder import StagedFolder
 
 __all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
@@ -361,7 +362,9 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
     split = comparison.data
     classification = bool(ok) and next(iter(ok.values())).scale is None
     if ok and classification:
-        fig = reliability_figure({k: r.probs for k, r in ok.items()}, split.y_test.cpu())
+        labels = split.y_test.cpu()
+        labels = labels.reshape(-1).long() if labels.is_floating_point() else labels  # Bernoulli's 0/1
+        fig = reliability_figure({k: r.probs for k, r in ok.items()}, labels)
         fig.savefig(out / "reliability.png", dpi=110)
         plt.close(fig)
         written["reliability"] = out / "reliability.png"
@@ -370,7 +373,7 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
         for name, run in ok.items() if oods else ():
             sets = {"test data": metrics.predictive_entropy(run.probs).numpy()}
             for k, xo in oods.items():
-                po = run.predictive(xo.to(module_device(run.model)), num_samples).probs.cpu()
+                po = class_probabilities(run.predictive(xo.to(module_device(run.model)), num_samples)).cpu()
                 sets[k] = metrics.predictive_entropy(po).cpu().numpy()
             entropies[name] = sets
         if entropies:
