@@ -236,3 +236,26 @@ def test_report_reads_bernoulli_predictions_as_two_classes(tmp_path):
     assert run.probs.shape == (8, 40, 2)
     binary_entropy = float(-(p * p.log() + (1 - p) * (1 - p).log()).mean())
     assert saved["mean_entropy"]["meanfield"]["test data"] == pytest.approx(binary_entropy, rel=1e-5)
+
+
+def test_ood_scores_of_a_bernoulli_model_use_both_classes():
+    # Before: success probabilities (S, N, 1) were read as one class: max_prob was 1 - p and
+    # variation_ratio constant, AUROC 0.58 and 0.5 where the binary confidence gives 0.96.
+    from torch import nn
+
+    from pyro_bnn.analysis import ood
+    from pyro_bnn.training.seeding import seeded
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(100, 5, generator=gen)
+    model = pb.BNN(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1)), "bernoulli")
+    guide = pb.guides.MeanField(model)
+    pb.fit(model, guide, (x, (x[:, :1] > 0).float()), epochs=20, progress=False, seed=0)
+    x_in, x_out = torch.randn(60, 5, generator=gen), 0.05 * torch.randn(60, 5, generator=gen)
+    result = ood.evaluate(model, guide, x_in, x_out, num_samples=16, seed=0)
+    with seeded(0):
+        p = pb.predict(model, guide, torch.cat([x_in, x_out]), num_samples=16)[..., 0].mean(0)
+    labels = torch.cat([torch.zeros(60), torch.ones(60)])
+    expected = ood.auroc(1 - torch.maximum(p, 1 - p), labels)
+    assert result["max_prob"]["auroc"] == pytest.approx(expected, abs=1e-9)
+    assert result["max_prob"]["auroc"] == pytest.approx(result["entropy"]["auroc"], abs=1e-9)

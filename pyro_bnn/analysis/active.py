@@ -40,7 +40,7 @@ from ..posterior import metrics
 from ..posterior.prediction import evaluate as _evaluate
 from ..posterior.prediction import predict
 from ..training.loop import fit
-from .tool_support import seeded, to_model_device
+from .tool_support import class_probabilities, seeded, to_model_device
 
 __all__ = ["run", "ActiveResult", "acquisition_scores", "balanced_initial", "ACQUISITIONS"]
 
@@ -209,6 +209,7 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, *, acquisition: str 
                                     num_samples=num_samples, predictive=predictive)
                     if probs.dim() == 2:  # a deterministic predictive (N, C)
                         probs = probs.unsqueeze(0)
+                    probs = class_probabilities(model, guide, probs)
                     score = acquisition_scores(probs, acquisition=acquisition)
                     chosen = (_top_k(score, per_round, g) if selection == "topk"
                               else _power_k(score, per_round, beta, g))

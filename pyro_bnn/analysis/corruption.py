@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..posterior import metrics
 from ..posterior.draws import draw_latents, probs_from_latents
 from ..posterior.prediction import predict
-from .tool_support import seeded, to_model_device
+from .tool_support import class_probabilities, seeded, to_model_device
 
 __all__ = ["rotate", "gaussian_noise", "corruption_curve", "rotation_curve", "noise_curve"]
 
@@ -125,6 +125,7 @@ def corruption_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = Non
                                 predictive=predictive)
             if probs.dim() == 2:  # deterministic predictive (N, C)
                 probs = probs.unsqueeze(0)
+            probs = class_probabilities(model, guide, probs)
         out["level"].append(float(level))
         for k, v in _summary(probs, y).items():
             out.setdefault(k, []).append(v)

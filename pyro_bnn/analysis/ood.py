@@ -15,7 +15,7 @@ import torch
 
 from ..posterior import metrics
 from ..posterior.prediction import predict
-from .tool_support import seeded, to_model_device
+from .tool_support import class_probabilities, seeded, to_model_device
 
 __all__ = ["auroc", "aupr", "uncertainty_scores", "evaluate", "evaluate_probs", "SCORES"]
 
@@ -154,6 +154,7 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, *, num_sampl
                         predictive=predictive, **kwargs)
     if probs.dim() == 2:  # deterministic predictive (N, C)
         probs = probs.unsqueeze(0)
+    probs = class_probabilities(model, guide, probs)
     labels = torch.cat([torch.zeros(len(in_x)), torch.ones(len(out_x))])
     return evaluate_probs(probs.cpu(), labels)
 
