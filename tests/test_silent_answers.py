@@ -259,3 +259,26 @@ def test_ood_scores_of_a_bernoulli_model_use_both_classes():
     expected = ood.auroc(1 - torch.maximum(p, 1 - p), labels)
     assert result["max_prob"]["auroc"] == pytest.approx(expected, abs=1e-9)
     assert result["max_prob"]["auroc"] == pytest.approx(result["entropy"]["auroc"], abs=1e-9)
+
+
+class _HandBernoulli(PyroModule):
+    def __init__(self):
+        super().__init__()
+        self.w = PyroSample(dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+
+    def forward(self, x, y=None):
+        w = self.w
+        with pyro.plate("data", len(x)):
+            return pyro.sample("obs", dist.Bernoulli(logits=x @ w), obs=y)
+
+
+def test_evaluate_refuses_soft_bernoulli_targets():
+    # Before: a hand-written Bernoulli model's target 0.7 was cast to class 0 by .long() and
+    # scored (accuracy 0.6 on 20 soft targets) in silence; pb.BNN targets are checked earlier.
+    x = torch.randn(20, 3)
+    model = _HandBernoulli()
+    guide = pb.guides.MeanField(model)
+    guide(x, (x[:, 0] > 0).float())
+    pb.evaluate(model, guide, x, (x[:, 0] > 0).float(), num_samples=2)
+    with pytest.raises(ValueError, match="exactly 0 or 1"):
+        pb.evaluate(model, guide, x, torch.full((20,), 0.7), num_samples=2)

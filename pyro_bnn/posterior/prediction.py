@@ -418,7 +418,7 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins,
             out = out.unsqueeze(0)
         if kind == "bernoulli":  # success probabilities (S, N, 1) -> two classes, as below
             p1 = out.reshape(out.shape[0], -1)
-            out, y = torch.stack([1 - p1, p1], -1), y.reshape(-1).long()
+            out, y = torch.stack([1 - p1, p1], -1), binary_labels(y)
         return metrics.classification_metrics(out.cpu(), y.cpu(), num_bins=num_bins)
     out = predictive_samples(model, guide, x, num_samples=num_samples, batch_size=batch_size, **kwargs)
     y = y.to(out.probs.device if out.probs is not None else out.loc.device)
@@ -428,7 +428,7 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins,
     if out.kind == "bernoulli":
         p1 = out.probs.reshape(out.probs.shape[0], -1)
         probs = torch.stack([1 - p1, p1], -1)
-        return metrics.classification_metrics(probs, y.reshape(-1).long(), num_bins=num_bins)
+        return metrics.classification_metrics(probs, binary_labels(y), num_bins=num_bins)
     return metrics.regression_metrics(out.loc, out.scale, targets_like(y, out.loc.shape[1:]).to(out.loc.dtype))
 
 
@@ -447,6 +447,15 @@ def targets_like(y: torch.Tensor, shape) -> torch.Tensor:
         raise ValueError(f"targets of shape {tuple(y.shape)} do not match the predictive's "
                          f"{shape} (one value per output of each input)")
     return y.reshape(shape)
+
+
+def binary_labels(y: torch.Tensor) -> torch.Tensor:
+    """Bernoulli targets as int64 class labels ``(N·D,)``; ``ValueError`` unless every target is
+    exactly 0 or 1 (a soft target such as 0.7 was truncated to class 0 in silence)."""
+    if y.numel() and not bool(((y == 0) | (y == 1)).all()):
+        bad = y[(y != 0) & (y != 1)].reshape(-1)[:3].tolist()
+        raise ValueError(f"bernoulli targets must be exactly 0 or 1 to be scored as classes, got e.g. {bad}")
+    return y.reshape(-1).long()
 
 
 def _check_labels(y, num_classes):

@@ -62,6 +62,7 @@ from ..posterior import metrics
 from ..posterior.arviz import default_predictive, loo_approximate, psis_loo, to_arviz
 from ..posterior.prediction import (
     PredictiveSamples,
+    binary_labels,
     predict,
     predictive_likelihood,
     predictive_name,
@@ -445,7 +446,7 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
         run.probs, run.scale = out.loc.cpu(), out.scale.cpu()
     else:
         probs = class_probabilities(out)  # the report's reliability and entropy read two classes
-        scores = metrics.classification_metrics(probs, y_test.reshape(-1).long())
+        scores = metrics.classification_metrics(probs, binary_labels(y_test))
         run.probs = probs.cpu()
     run.metrics.update(scores)
     run.metrics["train_seconds"] = run.fit.seconds
