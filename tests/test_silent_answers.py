@@ -282,3 +282,45 @@ def test_evaluate_refuses_soft_bernoulli_targets():
     pb.evaluate(model, guide, x, (x[:, 0] > 0).float(), num_samples=2)
     with pytest.raises(ValueError, match="exactly 0 or 1"):
         pb.evaluate(model, guide, x, torch.full((20,), 0.7), num_samples=2)
+
+
+def test_whole_model_scale_is_multiplied_by_the_minibatch_factor():
+    # poutine.scale(model, 3) is Pyro's p(y, w)^3: on a batch of 10 of 100 its data term needs
+    # 3 * 10, as the same model with a subsampled plate gets from Pyro (the reference).
+    x, y = torch.randn(10, 3), torch.randn(10)
+    losses = []
+    for model in (_Tempered(1.0), _Tempered(1.0, num_data=100)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(3)
+        scaled = pyro.poutine.scale(model, scale=3.0)
+        guide = pb.guides.MeanField(scaled)
+        guide(x, y)
+        pyro.set_rng_seed(7)
+        losses.append(float(guide.make_objective()(scaled, guide, x, y, num_data=100).detach()))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_subsampled_plate_declaring_another_data_size_is_refused():
+    # Before: pyro.plate("data", 1000, subsample_size=len(x)) trained by pb.fit on 200 points
+    # scaled every batch by 1000 / M, five times the data term, in silence.
+    x, y = torch.randn(200, 3), torch.randn(200)
+    for declared, ok in ((200, True), (1000, False)):
+        model = _SubsampledRegression(declared)
+        guide = pb.guides.MeanField(model)
+        if ok:
+            pb.fit(model, guide, (x, y), epochs=1, batch_size=50, progress=False)
+        else:
+            with pytest.raises(ValueError, match="declared with 1000 points, but the data has 200"):
+                pb.fit(model, guide, (x, y), epochs=1, batch_size=50, progress=False)
+
+
+class _SubsampledRegression(PyroModule):
+    def __init__(self, declared):
+        super().__init__()
+        self.declared = declared
+        self.w = PyroSample(dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+
+    def forward(self, x, y=None):
+        w = self.w
+        with pyro.plate("data", self.declared, subsample_size=len(x)):
+            return pyro.sample("obs", dist.Normal(x @ w, 0.5), obs=y)

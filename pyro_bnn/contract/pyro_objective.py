@@ -16,6 +16,7 @@ import inspect
 import pyro
 import torch
 from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
 
 from ..model.batch_scaling import end_batch_watches
 
@@ -28,23 +29,42 @@ class scale_observations(Messenger):
 
     A plate with ``subsample_size`` sets ``msg["scale"]`` before this (outer) handler sees the
     site, so models that subsample themselves are not scaled twice; a site that the model
-    scales by ``N / M`` itself (``poutine.scale``) is left alone too.  A scale of at most 1
-    (a tempered likelihood, ``poutine.scale(scale=0.5)``, weights per point, or a
-    ``poutine.scale`` of the whole model) is a weight on the full-data term, so it is
-    multiplied by ``N / M``: leaving it alone weighted a tempered data term by 0.5 instead of
-    0.5 N / M, and the posterior fell towards the prior in silence.  Any other scale (above 1
-    and not ``N / M``) is refused: whether it already counts the minibatch cannot be told.
+    scales by ``N / M`` itself (``poutine.scale``) is left alone too.  Any other scale is a
+    weight on the full-data term and is multiplied by ``N / M`` where that is clear: a scale of
+    at most 1 (a tempered likelihood, ``poutine.scale(scale=0.5)``, weights per point), or the
+    scale of every latent site too (a ``poutine.scale`` of the whole model).  Leaving such a
+    scale alone weighted a tempered data term by 0.5 instead of 0.5 N / M, and the posterior
+    fell towards the prior in silence.  A scale above 1 on the observations only (not ``N /
+    M``) is refused: whether it already counts the minibatch cannot be told.
+
+    With ``num_data`` (``N``) and ``batch_size`` (``M``), a subsampled plate of the batch's
+    size must declare ``N`` points: ``pyro.plate("data", 1000, subsample_size=M)`` trained on
+    200 points scaled each batch by 1000 / M, five times too much, in silence.
     """
 
-    def __init__(self, factor: float):
+    def __init__(self, factor: float, num_data: int | None = None, batch_size: int | None = None):
         super().__init__()
         self.factor = float(factor)
+        self.num_data, self.batch_size = num_data, batch_size
+        self._latent_scales: set = set()
+
+    def __enter__(self):
+        self._latent_scales = set()
+        return super().__enter__()
 
     def _process_message(self, msg):
-        if msg["type"] != "sample" or not msg["is_observed"] or self.factor == 1.0:
+        if msg["type"] != "sample" or site_is_subsample(msg):
             return
-        if any(frame.full_size not in (None, frame.size) for frame in msg["cond_indep_stack"]):
-            return  # a subsampled plate scales it
+        if not msg["is_observed"]:
+            scale = msg["scale"]
+            self._latent_scales.add(float(scale) if torch.as_tensor(scale).numel() == 1 else None)
+            return
+        subsampled = [frame for frame in msg["cond_indep_stack"] if frame.full_size not in (None, frame.size)]
+        if subsampled:  # a subsampled plate scales it
+            self._check_declared_size(msg["name"], subsampled)
+            return
+        if self.factor == 1.0:
+            return
         scale = msg["scale"]
         if isinstance(scale, (int, float)) and scale == 1.0:
             msg["scale"] = self.factor
@@ -52,7 +72,8 @@ class scale_observations(Messenger):
         values = torch.as_tensor(scale, dtype=torch.float64)
         if bool(torch.allclose(values, torch.full_like(values, self.factor), rtol=1e-6, atol=0.0)):
             return  # the model's own N / M
-        if bool((values <= 1.0).all()):
+        whole_model = values.numel() == 1 and self._latent_scales == {float(values)}
+        if bool((values <= 1.0).all()) or whole_model:
             msg["scale"] = scale * self.factor
             return
         shown = f"{float(values.min()):.4g}" + ("" if values.numel() == 1 else f"..{float(values.max()):.4g}")
@@ -62,6 +83,19 @@ class scale_observations(Messenger):
             "already counts the minibatch cannot be told. Declare the data plate with its subsample "
             "size, pyro.plate('data', N, subsample_size=len(x)), so that Pyro scales the batch (a "
             "poutine.scale inside it then weights the likelihood), or scale by exactly N/M yourself")
+
+    def _check_declared_size(self, name, frames) -> None:
+        if self.num_data is None or self.batch_size is None:
+            return
+        for frame in frames:
+            if frame.size == self.batch_size and frame.full_size != self.num_data:
+                raise ValueError(
+                    f"the observed site {name!r} lies in the subsampled plate {frame.name!r}, declared "
+                    f"with {frame.full_size} points, but the data has {self.num_data} (num_data): Pyro "
+                    f"would scale each batch of {frame.size} by {frame.full_size}/{frame.size} instead of "
+                    f"{self.num_data}/{frame.size}. Declare pyro.plate({frame.name!r}, N, subsample_size="
+                    "len(x)) with N the number of training points (or pass num_data=N for the data "
+                    "it stands for)")
 
 
 def observed_sites(trace, *conditioned):
@@ -111,7 +145,7 @@ class PyroObjective:
         if num_data is not None:  # the batches are scaled here: the guide need not watch them
             end_batch_watches(guide)
         args, kwargs, factor = call_model(model, x, y, num_data)
-        scaled = scale_observations(factor)(model) if factor != 1.0 else model
+        scaled = model if num_data is None else scale_observations(factor, num_data, len(x))(model)
         return self.elbo.differentiable_loss(scaled, guide, *args, **kwargs)
 
 

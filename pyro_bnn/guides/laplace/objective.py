@@ -63,7 +63,7 @@ class LaplaceMAPObjective(GuideObjective):
             loglik = log_likelihood(model.likelihood, f, y).sum() * (n / len(x))
         else:
             args, kwargs, factor = call_model(model, x, y, n)
-            scaled = scale_observations(factor)(model) if factor != 1.0 else model
+            scaled = model if num_data is None else scale_observations(factor, num_data, len(x))(model)
             tr = poutine.trace(poutine.condition(scaled, data=values)).get_trace(*args, **kwargs)
             tr.compute_log_prob()
             # condition() marks the latent sites it fixes as observed too (ours, and those of a
