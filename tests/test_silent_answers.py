@@ -324,3 +324,13 @@ class _SubsampledRegression(PyroModule):
         w = self.w
         with pyro.plate("data", self.declared, subsample_size=len(x)):
             return pyro.sample("obs", dist.Normal(x @ w, 0.5), obs=y)
+
+
+def test_auroc_refuses_nan_scores():
+    # Before: a NaN score (a diverged draw's entropy) sorted above every other: AUROC 1.0.
+    from pyro_bnn.analysis import ood
+
+    scores, labels = torch.tensor([0.1, float("nan"), 0.3, 0.2]), torch.tensor([0, 1, 1, 0])
+    for score in (ood.auroc, ood.aupr):
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            score(scores, labels)

@@ -28,6 +28,10 @@ def _check(scores, labels):
     if scores.shape != labels.shape:
         raise ValueError(f"scores and labels must have the same length, got {scores.numel()} "
                          f"and {labels.numel()}")
+    if not bool(torch.isfinite(scores).all()):
+        bad = int((~torch.isfinite(scores)).sum())
+        raise ValueError(f"{bad} of {scores.numel()} scores are NaN or infinite (e.g. from non-finite "
+                         "predictive probabilities); a rank statistic would place them arbitrarily")
     if not bool(((labels == 0) | (labels == 1)).all()):
         raise ValueError("labels must be 0 (negative / in-distribution) or 1 (positive / OOD)")
     labels = labels.bool()
