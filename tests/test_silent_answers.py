@@ -334,3 +334,34 @@ def test_auroc_refuses_nan_scores():
     for score in (ood.auroc, ood.aupr):
         with pytest.raises(ValueError, match="NaN or infinite"):
             score(scores, labels)
+
+
+class _LogNormalNoise(PyroModule):
+    def __init__(self):
+        super().__init__()
+        self.w = PyroSample(dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+
+    def forward(self, x, y=None):
+        sigma = pyro.sample("sigma", dist.LogNormal(0.0, 1.0))
+        w = self.w
+        with pyro.plate("data", len(x)):
+            return pyro.sample("obs", dist.Normal(x @ w, sigma), obs=y)
+
+
+def test_posterior_mean_of_a_constrained_autonormal_site_is_its_mean():
+    # Before: AutoNormal's quantiles gave the median exp(μ) = 1.0 of a LogNormal(μ, 0.8)
+    # site as its "exact" mean; the mean is exp(μ + 0.8²/2) = 1.377.
+    from pyro.infer.autoguide import AutoNormal
+
+    from pyro_bnn.posterior.draws import site_moments
+
+    x, y = torch.randn(5, 3), torch.randn(5)
+    model = _LogNormalNoise()
+    guide = AutoNormal(model, init_scale=0.8)
+    guide(x, y)
+    mean = pb.analysis.pruning.posterior_mean(model, guide, x, num_samples=4000, seed=0)
+    assert float(mean["sigma"]) == pytest.approx(float(torch.tensor(0.32).exp()), rel=0.05)
+    pyro.clear_param_store()
+    real = AutoNormal(_Regression("masked"))
+    real(x, y)
+    assert site_moments(_Regression("masked"), real, x)[2] == "quantiles"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoNormal
 
 from ..arguments import check_int
@@ -59,7 +60,10 @@ def site_moments(model, guide, x: torch.Tensor | None = None, *, num_samples: in
 
     1. ``guide.loc_and_scale(site)`` of a guide whose contract declares ``normal_per_site``
        (MeanField and guides built on it): exact μ, σ;
-    2. Pyro's ``AutoNormal``: exact, from its public ``quantiles`` (σ = q(Φ(1)) − q(½));
+    2. Pyro's ``AutoNormal`` whose sites are all real-valued: exact, from its public
+       ``quantiles`` (σ = q(Φ(1)) − q(½)); for a constrained site (a ``LogNormal`` noise scale)
+       those are the median and a quantile gap of a transformed Normal, not its mean and std
+       (1.0 for a mean of 1.38), so such a guide takes the draws below;
     3. otherwise the empirical mean and (biased) std of ``num_samples`` joint draws from
        the guide (hypernetwork, Laplace, low-rank, ``AutoDelta``...).  The Monte Carlo
        relative error of σ is about ``1/sqrt(2 num_samples)`` (5% at 200 draws).
@@ -79,7 +83,7 @@ def site_moments(model, guide, x: torch.Tensor | None = None, *, num_samples: in
                 loc, scale = guide.loc_and_scale(name)
                 mean[name], std[name] = loc.detach().clone(), scale.detach().clone()
         return mean, std, "loc_and_scale"
-    if isinstance(guide, AutoNormal):
+    if isinstance(guide, AutoNormal) and _real_sites_only(guide):
         z = 0.5 * (1.0 + math.erf(1.0 / math.sqrt(2.0)))  # Φ(1)
         with torch.no_grad(), local_params(guide):
             q = guide.quantiles([0.5, z])
@@ -95,3 +99,18 @@ def site_moments(model, guide, x: torch.Tensor | None = None, *, num_samples: in
         mean[name] = stack.mean(0)
         std[name] = stack.std(0, unbiased=False)
     return mean, std, "samples"
+
+
+def _real_sites_only(guide) -> bool:
+    """Whether every latent site of a set-up autoguide is real-valued (its Normal is not pushed
+    through a constraining transform)."""
+    trace = guide.prototype_trace
+    if trace is None:
+        return False
+    for _, site in trace.iter_stochastic_nodes():
+        support = site["fn"].support
+        while isinstance(support, constraints.independent):
+            support = support.base_constraint
+        if support is not constraints.real:
+            return False
+    return True
