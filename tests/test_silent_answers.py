@@ -365,3 +365,14 @@ def test_posterior_mean_of_a_constrained_autonormal_site_is_its_mean():
     real = AutoNormal(_Regression("masked"))
     real(x, y)
     assert site_moments(_Regression("masked"), real, x)[2] == "quantiles"
+
+
+def test_compare_refuses_test_targets_that_only_reshape_to_the_predictive():
+    from pyro_bnn.data.datasets import DataSplit
+
+    x, y = torch.randn(16, 4), torch.randn(16, 2, 3)
+    split = DataSplit(x, y, x[:8], y[:8].transpose(1, 2))
+    # Before: the (8, 3, 2) targets were reshaped to the predictive's (8, 2, 3) and scored
+    with pytest.warns(RuntimeWarning, match=r"targets of shape \(8, 3, 2\) do not match"):
+        pb.compare(_MatrixObservation, ["meanfield"], split, epochs=1, batch_size=16,
+                   loo_samples=0, num_samples=2, progress=False)

@@ -67,6 +67,7 @@ from ..posterior.prediction import (
     predictive_likelihood,
     predictive_name,
     predictive_samples,
+    targets_like,
 )
 from ..training.loop import FitResult, fit
 from ..training.seeding import seeded
@@ -442,7 +443,7 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
         scores = metrics.classification_metrics(out.probs, y_test)
         run.probs = out.probs.cpu()
     elif out.kind == "gaussian":
-        scores = metrics.regression_metrics(out.loc, out.scale, y_test.reshape(out.loc.shape[1:]))
+        scores = metrics.regression_metrics(out.loc, out.scale, targets_like(y_test, out.loc.shape[1:]))
         run.probs, run.scale = out.loc.cpu(), out.scale.cpu()
     else:
         probs = class_probabilities(out)  # the report's reliability and entropy read two classes
