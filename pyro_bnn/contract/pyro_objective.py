@@ -14,13 +14,16 @@ from __future__ import annotations
 import inspect
 
 import pyro
+import pyro.distributions as dist
 import torch
+from pyro.distributions.util import scale_and_mask
+from pyro.infer import TraceMeanField_ELBO
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from ..model.batch_scaling import end_batch_watches
 
-__all__ = ["scale_observations", "PyroObjective", "accepts_num_data", "call_model", "model_arguments",
+__all__ = ["scale_observations", "PyroObjective", "TraceMeanFieldJacobian_ELBO", "accepts_num_data", "call_model", "model_arguments",
            "observed_sites"]
 
 
@@ -123,6 +126,37 @@ def call_model(model, x, y, num_data):
         return (x, y), {"num_data": num_data}, 1.0
     factor = 1.0 if num_data is None else num_data / len(x)
     return (x, y), {}, factor
+
+
+class TraceMeanFieldJacobian_ELBO(TraceMeanField_ELBO):
+    """Pyro's ``TraceMeanField_ELBO`` with the log-density of ``Delta`` guide sites kept.
+
+    A guide that draws a constrained latent as ``u ~ N(μ, σ²)`` (an auxiliary site) and
+    ``θ = T(u)`` as ``Delta(T(u), log_density=−log|T'(u)|)`` (``AutoNormal``,
+    :class:`~pyro_bnn.guides.MeanField`) has ``log q(θ) = log N(u) + log_density``.
+    ``TraceMeanField_ELBO`` takes ``KL(Delta ‖ p) = −log p(θ)`` (Pyro's registered KL), which
+    drops ``log_density``: for ``σ ~ LogNormal`` its loss was ``E[log σ]`` too high (63.73 for
+    Trace_ELBO's 63.10 on 30 points) and its optimum biased (E[log σ] 0.581 for the exact
+    posterior's 0.615).  Here ``log_density`` is added back, value and gradient, for every
+    latent site whose guide distribution is a ``Delta`` (also inside ``Independent``).
+    """
+
+    def _differentiable_loss_particle(self, model_trace, guide_trace):
+        loss, surrogate = super()._differentiable_loss_particle(model_trace, guide_trace)
+        correction = 0.0
+        for name, model_site in model_trace.nodes.items():
+            if model_site["type"] != "sample" or model_site["is_observed"]:
+                continue
+            site = guide_trace.nodes[name]
+            base = site["fn"]
+            while isinstance(base, dist.Independent):
+                base = base.base_dist
+            if isinstance(base, dist.Delta):
+                log_density = site["fn"].log_prob(site["value"])
+                correction = correction + scale_and_mask(log_density, site["scale"], site["mask"]).sum()
+        if isinstance(correction, float):
+            return loss, surrogate
+        return loss + float(correction.detach()), surrogate + correction
 
 
 class PyroObjective:

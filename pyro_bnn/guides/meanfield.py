@@ -28,7 +28,6 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
-from pyro.infer import TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 from torch.distributions import kl_divergence
 
@@ -36,7 +35,7 @@ from ..arguments import check_bool, check_positive
 from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.param_store import global_param_mode
-from ..contract.pyro_objective import PyroObjective
+from ..contract.pyro_objective import PyroObjective, TraceMeanFieldJacobian_ELBO
 from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
 from ..model.weight_masks import weight_masks
@@ -398,7 +397,8 @@ class MeanFieldELBO(GuideObjective):
     ``local_reparameterization``, the pre-activations) and runs the network directly (no
     Pyro trace), with ``N/M`` minibatch scaling and the closed-form KL where the prior is
     Normal; the KL term is weighted by the guide's ``kl_weight`` (KL annealing).  For other
-    models it is Pyro's ``TraceMeanField_ELBO``.
+    models it is Pyro's ``TraceMeanField_ELBO`` with the log-density of constrained sites kept
+    (:class:`~pyro_bnn.contract.pyro_objective.TraceMeanFieldJacobian_ELBO`).
 
     It is what :func:`pyro_bnn.fit` optimises for a :class:`MeanField` guide, and a Pyro
     ``ELBO``: ``SVI(model, guide, optim, loss=MeanFieldELBO())`` with
@@ -409,7 +409,7 @@ class MeanFieldELBO(GuideObjective):
 
     def __init__(self, num_particles: int = 1):
         super().__init__(num_particles=int(num_particles))
-        self._fallback = PyroObjective(TraceMeanField_ELBO(num_particles=self.num_particles))
+        self._fallback = PyroObjective(TraceMeanFieldJacobian_ELBO(num_particles=self.num_particles))
 
     def __call__(self, model, guide, x, y, num_data=None):
         if not is_bnn(model):
