@@ -50,3 +50,29 @@ def test_kl_annealing_of_a_hand_written_model_is_refused():
     guide = pb.guides.MeanField(model, kl_annealing=3)
     with pytest.raises(ValueError, match="KL annealing"):
         pb.fit(model, guide, (x, y), epochs=1, batch_size=16, progress=False)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, FloatingPointError])
+def test_interrupted_annealed_fit_leaves_the_kl_at_full_weight(stop):
+    """A fit stopped in its KL warm-up (Ctrl-C, a divergence) left kl_weight at the epoch's
+    value (0.2 at epoch 2 of 10), so the objective used afterwards (SVI, ``.loss``) was the
+    annealed loss instead of the negative ELBO; now the weight is 1 again."""
+    torch.manual_seed(0)
+    x, y = torch.randn(100, 5), torch.randint(0, 3, (100,))
+    model = pb.BNN(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)))
+    guide = pb.guides.MeanField(model, kl_annealing=10)
+    objective = guide.make_objective()
+    calls = []
+
+    def stopping(model, guide, xb, yb, num_data=None):
+        calls.append(guide.kl_weight)
+        if len(calls) == 6:   # second step of epoch 2
+            raise stop("stopped")
+        return objective(model, guide, xb, yb, num_data)
+
+    with pytest.raises(stop):
+        pb.fit(model, guide, (x, y), epochs=5, batch_size=32, progress=False, seed=0, objective=stopping)
+    assert calls[-1] == pytest.approx(0.2)
+    assert guide.kl_weight == 1.0
+    out = objective(model, guide, x, y, 100)
+    assert isinstance(out, torch.Tensor)   # the plain negative ELBO: no annealed (loss, extras)

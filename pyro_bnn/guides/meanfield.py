@@ -232,6 +232,12 @@ class MeanField(BNNGuide, AutoNormal):
     def on_fit_end(self, ctx) -> None:
         self.kl_weight = 1.0
 
+    def on_fit_abort(self, ctx) -> None:
+        """A fit stopped by an exception (Ctrl-C, a divergence): the KL weight is 1 again, so the
+        objective outside the fit (``SVI``, ``make_objective().loss``) is the negative ELBO, not
+        the annealed loss of the epoch that was interrupted."""
+        self.kl_weight = 1.0
+
     def loc_and_scale(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Posterior mean μ and standard deviation σ of site ``name``."""
         loc, rho = self.loc_and_raw_scale(name)

@@ -363,14 +363,21 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
         run.guard.start(start)
         run.ctx.epoch = start
         bar = _progress(epochs, start, progress and (run.dstate is None or run.dstate.is_main))
-        for epoch in range(start + 1, epochs + 1):
-            _end_epoch(run, epoch, *_train_epoch(run, epoch))
+        try:
+            for epoch in range(start + 1, epochs + 1):
+                _end_epoch(run, epoch, *_train_epoch(run, epoch))
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{run.history['loss'][-1]:.4g}")
+            _verify_final_state(run)
+        except BaseException:   # Ctrl-C, a divergence, a failing step: no fit-only setting outlives it
+            abort = getattr(run.contract, "on_fit_abort", None)   # (MeanField: the annealed KL weight)
+            if abort is not None:
+                abort(run.ctx)
+            raise
+        finally:
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{run.history['loss'][-1]:.4g}")
-        if bar is not None:
-            bar.close()
-        _verify_final_state(run)
+                bar.close()
         run.contract.on_fit_end(run.ctx)
     publish_after_fit(model, guide)  # Predictive / SVI / the param store see the trained values
     diagnosis = run.monitor.diagnose(_judged_objective(run.history))
