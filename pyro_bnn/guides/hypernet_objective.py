@@ -92,9 +92,10 @@ class HypernetELBO(GuideObjective):
         # where the model's param statements have no effect (pb.fit's module-local mode); under
         # another Pyro handler (SVI's parameter capture, a trace) the model's own forward runs
         plan = weight_norm_plan(model, values) if direct_calls_allowed() else None
+        plain = [] if self.prob_clip is not None else None   # the unclipped data term, for the ELBO
         log_w, nll, kl = log_weights(model, values, log_q, x, y, num_data, self.prob_clip,
                                      run=None if plan is None else functools.partial(run_plan, plan),
-                                     packed=packed)
+                                     packed=packed, plain_nll=plain)
         if self.alpha == 1.0:
             # the mean of one value is that value (sum, then ÷ 1: exact, and so its gradient)
             loss = -(log_w.mean() if len(log_w) > 1 else log_w.reshape(()))
@@ -102,8 +103,15 @@ class HypernetELBO(GuideObjective):
             a = 1.0 - self.alpha
             loss = -(torch.logsumexp(a * log_w, 0) - math.log(len(log_w))) / a
         if len(log_w) == 1:
-            return loss, {"nll": nll.detach().reshape(()), "kl": kl.detach().reshape(())}
-        return loss, {"nll": nll.mean().detach(), "kl": kl.mean().detach()}
+            extras = {"nll": nll.detach().reshape(()), "kl": kl.detach().reshape(())}
+        else:
+            extras = {"nll": nll.mean().detach(), "kl": kl.mean().detach()}
+        if self.alpha != 1.0 or plain is not None:
+            # the loss is not the negative ELBO (a Rényi bound, or a clipped data term): fit's
+            # history["elbo"] gets the ELBO estimate of the same draws, −mean(nll + kl) unclipped
+            data = nll if plain is None else torch.stack(plain)
+            extras["elbo"] = -(data.detach() + kl.detach()).mean()
+        return loss, extras
 
 
 def _draws(guide, num_samples: int):
@@ -118,7 +126,7 @@ def _draws(guide, num_samples: int):
 
 
 def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, prob_clip=None, *, run=None,
-                packed: torch.Tensor | None = None):
+                packed: torch.Tensor | None = None, plain_nll: list | None = None):
     """``w_s = (N/M) log p(y|θ_s) + log p(θ_s) − log q(θ_s)`` for S joint draws of a BNN.
 
     ``run(values, x)`` computes the network output (default ``model.run_with``; the objective
@@ -128,7 +136,8 @@ def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, p
     elementwise terms are then computed once over the packed draws (the same values, summed per
     site and added in the same order: bit for bit the per-site terms).
     Returns ``(log_w, nll, kl)``, each of shape ``(S,)`` (``nll`` the scaled negative
-    log-likelihood, ``kl = log q − log p``).
+    log-likelihood, ``kl = log q − log p``).  ``plain_nll``, a list, receives each draw's scaled
+    negative log-likelihood without ``prob_clip`` (detached; for the ELBO that a clipped loss is not).
     """
     scale = (num_data or len(x)) / len(x)
     run = model.run_with if run is None else run
@@ -140,6 +149,8 @@ def log_weights(model, values: dict, log_q: torch.Tensor, x, y, num_data=None, p
                   {name: v[s] for name, v in values.items()})
         f = run(sample, x)
         nll.append(-clipped_log_likelihood(model.likelihood, f, y, prob_clip).sum() * scale)
+        if plain_nll is not None:
+            plain_nll.append(-log_likelihood(model.likelihood, f.detach(), y).sum() * scale)
     nll = torch.stack(nll) if len(nll) > 1 else nll[0].reshape(1)   # (one draw: a view, not a copy)
     log_p = None if packed is None else _packed_standard_normal_log_prob(model, values, packed)
     if log_p is None and values:
