@@ -100,3 +100,24 @@ def test_hypernet_reports_the_elbo_not_its_training_bound(options, num_particles
     other = _hypernet_history(num_particles, **options)
     torch.testing.assert_close(other["elbo"], plain["elbo"], rtol=1e-6, atol=0)
     assert all(abs(a + b) > 1.0 for a, b in zip(other["loss"], plain["elbo"]))   # the loss differs
+
+
+def test_pruning_threshold_compares_float64_scores_in_float64():
+    """prune_(threshold=t) masks every weight whose score is < t; the scores of a float64 model
+    were compared in float32, so one 1e-12 below t rounded up to t and was kept (5 pruned where
+    the rule prunes 6)."""
+    from pyro_bnn.analysis import pruning
+    from pyro_bnn.training.loop import setup_guide
+
+    torch.manual_seed(0)
+    x, y = torch.randn(20, 3, dtype=torch.float64), torch.randint(0, 2, (20,))
+    model = pb.BNN(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()).double()
+    guide = pb.guides.MeanField(model, init_scale=0.1)
+    setup_guide(model, guide, x, y, 20)
+    score = pruning.scores(guide, kind="snr")
+    flat = torch.cat([v.reshape(-1) for v in score.values()])
+    assert flat.dtype == torch.float64
+    for k in range(1, 8):
+        t = float(flat.sort().values[k - 1]) + 1e-12       # exactly k scores below t
+        with pruning.prune_(model, guide, threshold=t, score=score) as handle:
+            assert handle.num_pruned == int((flat < t).sum()) == k

@@ -284,7 +284,8 @@ def prune_(model, guide, *, fraction: float | None = None, threshold: float | No
     names = [s for s in score if _selected(s, selected)]
     if not names:
         raise ValueError(f"no site selected for pruning; sites are {list(score)}")
-    flat = torch.cat([score[s].reshape(-1).float().cpu() for s in names])
+    # float64: a float32 copy rounds float64 scores across a threshold (and merges distinct ones into ties)
+    flat = torch.cat([score[s].reshape(-1).double().cpu() for s in names])
     total = flat.numel()
     if fraction is not None:
         k = int(math.floor(fraction * total + 1e-9))
