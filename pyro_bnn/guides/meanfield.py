@@ -94,7 +94,10 @@ class MeanField(BNNGuide, AutoNormal):
     kl_annealing : int
         KL annealing (a "warm-up"): during the first ``kl_annealing`` epochs of each
         :func:`pyro_bnn.fit` the KL term is weighted by ``epoch / kl_annealing``, so the
-        reported loss is not the negative ELBO until the weight reaches 1.  0 (default): off.
+        training loss (``history["loss"]``) is not the negative ELBO until the weight reaches 1;
+        ``history["elbo"]`` is the ELBO throughout (the KL at full weight).  A fit stopped by an
+        exception leaves the weight at 1.  A :class:`pyro_bnn.BNN` only (another model is
+        trained by Pyro's ``TraceMeanField_ELBO``, which has no KL weight: refused).  0 (default): off.
     scale_parameterization : {"exp", "softplus"}
         ``σ = exp(ρ)`` (default) or ``σ = softplus(ρ)`` (Blundell et al.; Pyro's
         ``AutoNormal``).  The two agree to first order for the small σ of weight posteriors

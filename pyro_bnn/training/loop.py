@@ -60,7 +60,9 @@ class FitResult:
     history : dict[str, list[float]]
         Per-epoch ``loss`` (mean minibatch estimate of the full-data negative ELBO),
         ``elbo`` (its negative, unless the objective reports an ``elbo`` extra itself, as
-        the symmetrised guide does), ``epoch_seconds``, and any extras the objective reports.
+        the symmetrised guide does, MeanField during KL annealing and Hypernet with ``alpha < 1``
+        or ``prob_clip``, whose losses are not the negative ELBO), ``epoch_seconds``, and any
+        extras the objective reports.
         An extra ``loss_constant`` (the part of the loss that does not depend on the trained
         parameters, as the Laplace MAP objective's prior normaliser) is left out of the
         objective the convergence diagnosis judges.
