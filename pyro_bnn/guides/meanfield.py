@@ -97,7 +97,7 @@ class MeanField(BNNGuide, AutoNormal):
         training loss (``history["loss"]``) is not the negative ELBO until the weight reaches 1;
         ``history["elbo"]`` is the ELBO throughout (the KL at full weight).  A fit stopped by an
         exception leaves the weight at 1.  A :class:`pyro_bnn.BNN` only (another model is
-        trained by Pyro's ``TraceMeanField_ELBO``, which has no KL weight: refused).  0 (default): off.
+        trained by a traced Pyro mean-field ELBO, which has no KL weight: refused).  0 (default): off.
     scale_parameterization : {"exp", "softplus"}
         ``σ = exp(ρ)`` (default) or ``σ = softplus(ρ)`` (Blundell et al.; Pyro's
         ``AutoNormal``).  The two agree to first order for the small σ of weight posteriors
@@ -424,8 +424,8 @@ class MeanFieldELBO(GuideObjective):
         if not is_bnn(model):
             if guide.kl_weight != 1.0:   # Pyro's ELBO below has no KL weight: annealing would be ignored
                 raise ValueError(f"KL annealing (kl_annealing=, kl_weight={guide.kl_weight:g}) needs a pyro_bnn.BNN "
-                                 "model; Pyro's TraceMeanField_ELBO, which trains other models, weighs the KL "
-                                 f"by 1, got {type(model).__name__}")
+                                 "model; the Pyro ELBO that trains other models (a mean-field ELBO traced by "
+                                 f"Pyro) weighs the KL by 1, got {type(model).__name__}")
             if guide.local_reparameterization:
                 raise ValueError("local_reparameterization=True needs a pyro_bnn.BNN model called directly (Pyro "
                                  f"handlers around it must run, so they get weight noise), got {model!r}")
