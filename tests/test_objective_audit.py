@@ -121,3 +121,42 @@ def test_pruning_threshold_compares_float64_scores_in_float64():
         t = float(flat.sort().values[k - 1]) + 1e-12       # exactly k scores below t
         with pruning.prune_(model, guide, threshold=t, score=score) as handle:
             assert handle.num_pruned == int((flat < t).sum()) == k
+
+
+@pytest.mark.parametrize("fitted_before", [False, True])
+def test_interrupted_laplace_fit_leaves_map_mode(fitted_before):
+    """A Laplace fit stopped by an exception stayed in MAP mode, so Predictive drew a point mass
+    at θ in silence — even when a curvature from an earlier fit existed.  Now the guide leaves
+    MAP mode: without a curvature its draws warn that it is not fitted; with an earlier one they
+    are draws of that (stale) posterior, with the stale-curvature warning."""
+    from pyro.infer import Predictive
+
+    from pyro_bnn.guides.laplace.guide import StaleCurvatureWarning
+
+    torch.manual_seed(0)
+    x, y = torch.randn(100, 5), torch.randint(0, 3, (100,))
+    model = pb.BNN(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)))
+    guide = pb.guides.Laplace(model)
+    if fitted_before:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pb.fit(model, guide, (x, y), epochs=2, batch_size=32, progress=False, seed=0)
+    objective = guide.make_objective()
+    calls = []
+
+    def stopping(model, guide, xb, yb, num_data=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return objective(model, guide, xb, yb, num_data)
+
+    with pytest.raises(KeyboardInterrupt):
+        pb.fit(model, guide, (x, y), epochs=5, batch_size=32, progress=False, seed=1, objective=stopping)
+    assert not guide._map_mode
+    assert guide.online is None
+    with pytest.warns(StaleCurvatureWarning), torch.no_grad():
+        draws = Predictive(model, guide=guide, num_samples=8)(x)
+    weights = [v for k, v in draws.items() if k.endswith("weight")]
+    assert weights
+    spread = max(float(w.std(0).max()) for w in weights)
+    assert (spread > 0) == fitted_before   # an earlier curvature: real draws; none: the warned point mass

@@ -287,6 +287,10 @@ class BNNGuide(WatchesBatches):
     def on_fit_end(self, ctx) -> None:
         """Called once after the last epoch."""
 
+    def on_fit_abort(self, ctx) -> None:
+        """Called instead of :meth:`on_fit_end` when the fit stops by an exception (Ctrl-C, a
+        divergence): undo any fit-only setting so the guide outside the fit is what it says."""
+
     def fit_state(self) -> dict:
         """What the hooks keep across the epochs of one fit outside ``state_dict`` (e.g.
         Laplace's evidence optimiser and best state), as plain data (tensors, numbers,
@@ -467,6 +471,10 @@ class _PyroGuideContract(BNNGuide):
     def on_fit_end(self, ctx) -> None:
         for part in self._parts():
             part.on_fit_end(ctx)
+
+    def on_fit_abort(self, ctx) -> None:
+        for part in self._parts():
+            part.on_fit_abort(ctx)
 
     def num_variational_parameters(self) -> int:
         return _parameter_count(self.guide)

@@ -373,9 +373,7 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
                     bar.set_postfix(loss=f"{run.history['loss'][-1]:.4g}")
             _verify_final_state(run)
         except BaseException:   # Ctrl-C, a divergence, a failing step: no fit-only setting outlives it
-            abort = getattr(run.contract, "on_fit_abort", None)   # (MeanField: the annealed KL weight)
-            if abort is not None:
-                abort(run.ctx)
+            run.contract.on_fit_abort(run.ctx)   # (MeanField: the annealed KL weight; Laplace: MAP mode)
             raise
         finally:
             if bar is not None:

@@ -526,6 +526,14 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         if self.online is not None:
             self.online.after_epoch(ctx)
 
+    def on_fit_abort(self, ctx):
+        """A fit stopped by an exception: the guide leaves MAP mode (its draws are no longer a
+        silent point mass) and the fit's online-evidence state is dropped.  A curvature from an
+        earlier fit is now stale and its draws warn so; without one, Predictive warns that the
+        curvature is not fitted."""
+        self._map_mode = False
+        self.online = None
+
     def on_fit_end(self, ctx):
         self._map_mode = False
         if self.online is not None:
