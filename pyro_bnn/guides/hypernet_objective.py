@@ -6,7 +6,8 @@ particle (the functional forward of :mod:`pyro_bnn.guides.hypernet_forward` wher
     −ELBO = −(N/M) Σ_{n∈batch} log p(y_n | x_n, θ) − log p(θ) + log q(θ),  θ = h_φ(ε),
 
 with the paper's optional softmax-probability clipping and the Rényi / importance-weighted bound
-for ``alpha < 1``; any other model goes through Pyro's ``Trace_ELBO`` / ``RenyiELBO``.
+for ``alpha < 1``; any other model goes through Pyro's ``Trace_ELBO``, or for ``alpha < 1``
+through per-particle traces of the guide and the replayed model (:func:`traced_log_weights`).
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ import math
 import numbers
 
 import torch
-from pyro.infer import RenyiELBO, Trace_ELBO
+from pyro import poutine
+from pyro.infer import Trace_ELBO
 
 from ..arguments import check_choice
 from ..contract.objective import GuideObjective
-from ..contract.pyro_objective import PyroObjective
+from ..contract.pyro_objective import PyroObjective, call_model, scale_observations
+from ..model.batch_scaling import end_batch_watches
 from ..model.bnn import is_bnn, normal_prior_params
 from ..model.likelihoods import Categorical, log_likelihood
 from ..model.weight_norm import normalize_directions_
 from .hypernet_forward import direct_calls_allowed, run_plan, weight_norm_plan
 
-__all__ = ["HypernetELBO", "clipped_log_likelihood", "log_weights", "DIRECTIONS", "DEFAULT_DIRECTIONS"]
+__all__ = ["HypernetELBO", "clipped_log_likelihood", "log_weights", "traced_log_weights", "DIRECTIONS",
+           "DEFAULT_DIRECTIONS"]
 
 #: How the point-estimated weight-norm directions ``v`` are kept: ``"sphere"`` rescales every row to
 #: norm √fan_in before each training step (:func:`pyro_bnn.weight_norm.normalize_directions_`; no
@@ -80,9 +84,10 @@ class HypernetELBO(GuideObjective):
         if not is_bnn(model):
             if self.prob_clip is not None:
                 raise ValueError("prob_clip needs a pyro_bnn.BNN model")
-            elbo = (Trace_ELBO(num_particles=self.num_particles) if self.alpha == 1.0 else
-                    RenyiELBO(alpha=self.alpha, num_particles=self.num_particles))
-            return PyroObjective(elbo)(model, guide, x, y, num_data)
+            if self.alpha == 1.0:
+                return PyroObjective(Trace_ELBO(num_particles=self.num_particles))(model, guide, x, y, num_data)
+            log_w = traced_log_weights(model, guide, x, y, num_data, self.num_particles)
+            return self._renyi(log_w), {"elbo": log_w.detach().mean()}
         if guide.prototype_trace is None:
             guide._setup_prototype(x, y, num_data=num_data)
         if self.directions == "sphere":  # a gauge: the loss and its value are unchanged
@@ -100,8 +105,7 @@ class HypernetELBO(GuideObjective):
             # the mean of one value is that value (sum, then ÷ 1: exact, and so its gradient)
             loss = -(log_w.mean() if len(log_w) > 1 else log_w.reshape(()))
         else:
-            a = 1.0 - self.alpha
-            loss = -(torch.logsumexp(a * log_w, 0) - math.log(len(log_w))) / a
+            loss = self._renyi(log_w)
         if len(log_w) == 1:
             extras = {"nll": nll.detach().reshape(()), "kl": kl.detach().reshape(())}
         else:
@@ -112,6 +116,33 @@ class HypernetELBO(GuideObjective):
             data = nll if plain is None else torch.stack(plain)
             extras["elbo"] = -(data.detach() + kl.detach()).mean()
         return loss, extras
+
+
+    def _renyi(self, log_w: torch.Tensor) -> torch.Tensor:
+        """The negative Rényi bound ``−1/(1−α) · log mean_s exp((1−α) w_s)`` of the log-weights."""
+        a = 1.0 - self.alpha
+        return -(torch.logsumexp(a * log_w, 0) - math.log(len(log_w))) / a
+
+
+def traced_log_weights(model, guide, x, y, num_data=None, num_particles: int = 1) -> torch.Tensor:
+    """Log-weights ``w_s = log p(y, θ_s) − log q(θ_s)``, shape ``(S,)``, of any Pyro model by
+    tracing the guide and replaying the model on its draw, one particle at a time; the
+    observations are scaled by ``N/M`` (``num_data``) as in :class:`~pyro_bnn.contract.PyroObjective`.
+
+    Used for the Rényi bound (``alpha < 1``) of a model that is not a :class:`~pyro_bnn.BNN`
+    (Pyro's ``RenyiELBO`` has no differentiable loss); its mean is the ELBO estimate of the same
+    draws.
+    """
+    if num_data is not None:  # the batches are scaled here: the guide need not watch them
+        end_batch_watches(guide)
+    args, kwargs, factor = call_model(model, x, y, num_data)
+    scaled = model if num_data is None else scale_observations(factor, num_data, len(x))(model)
+    out = []
+    for _ in range(int(num_particles)):
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        model_trace = poutine.trace(poutine.replay(scaled, trace=guide_trace)).get_trace(*args, **kwargs)
+        out.append(model_trace.log_prob_sum() - guide_trace.log_prob_sum())
+    return torch.stack(out)
 
 
 def _draws(guide, num_samples: int):
