@@ -7,6 +7,7 @@ import pytest
 import torch
 from pyro.infer.autoguide import AutoLowRankMultivariateNormal
 from pyro.nn import PyroModule
+from torch import nn
 from uncertainty_helpers import GUIDE_NAMES, digits, mlp, trained
 
 import pyro_bnn as pb
@@ -157,3 +158,19 @@ def test_pruning_curve_meanfield():
     # everything pruned: uniform predictive, NLL = log 10
     assert curve["nll"][-1] == pytest.approx(math.log(10), abs=1e-5)
     assert "_pyro_bnn_pruning" not in model.__dict__        # masks removed afterwards
+
+
+@pytest.mark.parametrize("likelihood", ["bernoulli", "gaussian"])
+def test_pruning_curve_mean_predictive_needs_class_probabilities(likelihood):
+    """``predictive="mean"`` takes the softmax of the exported network's outputs: for one
+    Bernoulli logit that is 1 for every input (it failed inside ``gather`` with a dtype error),
+    for a regression net meaningless; both are refused by name."""
+    torch.manual_seed(0)
+    x = torch.randn(40, 3)
+    y = torch.randint(0, 2, (40, 1)).float() if likelihood == "bernoulli" else torch.randn(40, 1)
+    options = {"noise": 1.0} if likelihood == "gaussian" else {}
+    model = pb.BNN(nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1)), likelihood, **options)
+    guide = pb.guides.MeanField(model)
+    guide(x, y)
+    with pytest.raises(ValueError, match="expected a categorical model"):
+        pruning.pruning_curve(model, guide, x, y, fractions=[0.5], predictive="mean")

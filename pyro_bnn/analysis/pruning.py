@@ -420,6 +420,10 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, fractions=(
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)
     fractions = _check_fractions(fractions)
+    if predictive == "mean" and is_bnn(model) and model.likelihood.name != "categorical":
+        raise ValueError("pruning_curve(predictive='mean') scores class probabilities, the softmax of the "
+                         f"exported network's outputs: expected a categorical model, got a "
+                         f"{model.likelihood.name!r} likelihood")
     x, y = to_model_device(model, guide, x, y)
     previous = masking_of(model)
     previous_masks = None if previous is None else previous.masks
