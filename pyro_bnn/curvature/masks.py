@@ -195,15 +195,7 @@ def _eigenbases(block, deltas: list, scale):
             dinv.append((1.0 / (lam + torch.cat([dw.expand(len(w.lA)), db.reshape(1)]))).reshape(-1))
         yield (w.QG, torch.block_diag(w.QA, b.QA), None), list(range(len(deltas))), torch.stack(dinv)
         return
-    shared, own = [], []
-    for k, delta in enumerate(deltas):
-        col = block._column_delta(delta)
-        if col is None:
-            shared.append((k, block._dinv(delta, scale)))
-        elif bool((col == col[0]).all()):
-            shared.append((k, 1.0 / (block.eigenvalues(scale) + col)))
-        else:
-            own.append((k, col))
+    shared, own = block._group_deltas(deltas, scale, constant_shared=True)
     if shared:
         yield ((block.QG, block.QA, None), [k for k, _ in shared],
                torch.stack([d.reshape(-1) for _, d in shared]))

@@ -281,11 +281,7 @@ class KronBlock:
         g : Tensor, shape (C, M, T, out)
             Gradients of each output ``f_c`` w.r.t. the layer outputs.
         """
-        col = self._column_delta(delta)
-        if col is not None:
-            one = torch.ones((), dtype=col.dtype, device=col.device)
-            return self._whitened(col).functional_variance(a * col.rsqrt(), g, one, scale)
-        return _factored_variance(a @ self.QA, g @ self.QG, self._dinv(delta, scale))
+        return self.functional_variances(a, g, [delta], scale)[0]
 
     def functional_variances(self, a: torch.Tensor, g: torch.Tensor, deltas: list, scale=1.0) -> torch.Tensor:
         """:meth:`functional_variance` at each δ of ``deltas``, ``(K, M, C, C)``.
@@ -296,22 +292,32 @@ class KronBlock:
         column counts as scalar (the same ``P``, without whitening ``A`` again) and a
         convolution's ``J`` goes through :func:`weighted_grams` with all of them: equal up to
         rounding.  A per-column δ that varies over the columns takes its own whitened basis."""
-        many = len(deltas) > PER_DELTA_PRODUCTS
-        shared, out = {}, [None] * len(deltas)
+        shared, own = self._group_deltas(deltas, scale, len(deltas) > PER_DELTA_PRODUCTS)
+        out = [None] * len(deltas)
+        if shared:
+            values = _apply_all(_factored_terms(a @ self.QA, g @ self.QG), [d for _, d in shared])
+            for (k, _), value in zip(shared, values):
+                out[k] = value
+        for k, col in own:
+            one = torch.ones((), dtype=col.dtype, device=col.device)
+            out[k] = self._whitened(col).functional_variances(a * col.rsqrt(), g, [one], scale)[0]
+        return torch.stack(out)
+
+    def _group_deltas(self, deltas: list, scale, constant_shared: bool) -> tuple[list, list]:
+        """The δ of ``deltas`` by the eigenbasis of their ``P``: ``(shared, own)``, ``shared`` the
+        ``(k, D⁻¹)`` of those in the block's own basis (scalar δ, and with ``constant_shared`` a
+        per-column δ that is the same in every column: the same ``P``), ``own`` the ``(k, col)``
+        of the per-column δ that whiten ``A`` (:meth:`_whitened`) and take a basis of their own."""
+        shared, own = [], []
         for k, delta in enumerate(deltas):
             col = self._column_delta(delta)
             if col is None:
-                shared[k] = self._dinv(delta, scale)
-            elif many and bool((col == col[0]).all()):
-                shared[k] = 1.0 / (self.eigenvalues(scale) + col)
+                shared.append((k, self._dinv(delta, scale)))
+            elif constant_shared and bool((col == col[0]).all()):
+                shared.append((k, 1.0 / (self.eigenvalues(scale) + col)))
             else:
-                out[k] = self.functional_variance(a, g, delta, scale)
-        if shared:
-            terms = _factored_terms(a @ self.QA, g @ self.QG)
-            values = _apply_all(terms, list(shared.values()))
-            for k, value in zip(shared, values):
-                out[k] = value
-        return torch.stack(out)
+                own.append((k, col))
+        return shared, own
 
 
 class SplitBiasKronBlock:
@@ -392,9 +398,7 @@ class SplitBiasKronBlock:
         return self._unpermute(torch.block_diag(self.w.covariance(dw, scale), self.b.covariance(db, scale)))
 
     def functional_variance(self, a, g, delta, scale=1.0):
-        dw, db = self._deltas(delta)
-        return (self.w.functional_variance(a[..., :-1], g, dw, scale)
-                + self.b.functional_variance(a[..., -1:], g, db, scale))
+        return self.functional_variances(a, g, [delta], scale)[0]
 
     def functional_variances(self, a, g, deltas, scale=1.0):
         """:meth:`functional_variance` at each δ of ``deltas``, ``(K, M, C, C)`` (see
@@ -438,7 +442,7 @@ class DiagBlock:
 
     def functional_variance(self, a, g, delta, scale=1.0):
         """As :meth:`KronBlock.functional_variance`, with ``P⁻¹`` diagonal."""
-        return _factored_variance(a, g, self._dinv(delta, scale))
+        return self.functional_variances(a, g, [delta], scale)[0]
 
     def functional_variances(self, a, g, deltas, scale=1.0):
         """:meth:`functional_variance` at each δ of ``deltas``, ``(K, M, C, C)``, the
@@ -532,14 +536,10 @@ class DenseBlock:
         return torch.einsum("cmp,dmp->mcd", V, V)
 
 
-def _factored_variance(a, g, dinv):
-    """``Σ_ij J_c[i,j] J_d[i,j] D⁻¹[i,j]`` with ``J_c = Σ_t g[c,:,t,i] a[:,t,j]``."""
-    return _apply_factored(_factored_terms(a, g), dinv)
-
-
 def _factored_terms(a, g):
-    """The δ-independent part of :func:`_factored_variance`: ``(a², g)`` of a single position,
-    else the per-example ``J``."""
+    """The δ-independent part of ``Σ_ij J_c[i,j] J_d[i,j] D⁻¹[i,j]`` with
+    ``J_c = Σ_t g[c,:,t,i] a[:,t,j]`` (:func:`_apply_factored`): ``(a², g)`` of a single
+    position, else the per-example ``J``."""
     if a.shape[1] == 1:
         return a[:, 0] ** 2, g[:, :, 0], None                # (M, in'), (C, M, out)
     return None, None, torch.einsum("cmto,mti->cmoi", g, a)
@@ -555,7 +555,7 @@ def _apply_all(terms, dinvs: list) -> list:
 
 
 def _apply_factored(terms, dinv):
-    """:func:`_factored_variance` from its :func:`_factored_terms` at one ``D⁻¹``."""
+    """``Σ_ij J_c[i,j] J_d[i,j] D⁻¹[i,j]`` from its :func:`_factored_terms` at one ``D⁻¹``."""
     a2, u, J = terms
     if J is None:
         w = a2 @ dinv.T                                      # (M, out)
