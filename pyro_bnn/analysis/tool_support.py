@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..model.devices import module_device
-from ..posterior.prediction import predictive_likelihood
+from ..posterior.prediction import bernoulli_as_classes, predictive_likelihood
 from ..training.seeding import seeded
 
 __all__ = ["seeded", "to_model_device", "class_probabilities"]
@@ -68,8 +68,7 @@ def class_probabilities(model, guide, probs: torch.Tensor) -> torch.Tensor:
         if probs.shape[-1] != 1:
             raise ValueError(f"a Bernoulli model with {probs.shape[-1]} outputs has no single class per "
                              "input to score; give the network one output")
-        p1 = probs[..., 0]
-        return torch.stack([1 - p1, p1], -1)
+        return bernoulli_as_classes(probs)
     if kind is None and not bool(torch.allclose(probs.sum(-1), torch.ones((), dtype=probs.dtype,
                                                                            device=probs.device), atol=1e-4)):
         raise ValueError(f"expected class probabilities (rows summing to 1) of shape (S, N, C), got rows "

@@ -21,7 +21,7 @@ from pyro.infer import TraceMeanField_ELBO
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
-from ..model.batch_scaling import end_batch_watches
+from ..model.batch_scaling import end_batch_watches, subsampled_frames
 
 __all__ = ["scale_observations", "PyroObjective", "TraceMeanFieldJacobian_ELBO", "accepts_num_data", "call_model", "model_arguments",
            "observed_sites"]
@@ -59,10 +59,11 @@ class scale_observations(Messenger):
         if msg["type"] != "sample" or site_is_subsample(msg):
             return
         if not msg["is_observed"]:
-            scale = msg["scale"]
-            self._latent_scales.add(float(scale) if torch.as_tensor(scale).numel() == 1 else None)
+            scale = msg["scale"]   # (a number, but for a tensor scale of a whole-model poutine.scale)
+            self._latent_scales.add(scale if isinstance(scale, (int, float)) else
+                                    float(scale) if scale.numel() == 1 else None)
             return
-        subsampled = [frame for frame in msg["cond_indep_stack"] if frame.full_size not in (None, frame.size)]
+        subsampled = subsampled_frames(msg)
         if subsampled:  # a subsampled plate scales it
             self._check_declared_size(msg["name"], subsampled)
             return

@@ -594,7 +594,8 @@ def meanfield_loss(model, guide, x, y, num_data, num_particles=1, on_draw=None, 
             w = values[name] if not local else loc + scale * standard_normal_like(loc)
             kl_w = dist.Normal(loc, scale, validate_args=False).log_prob(w).sum() - priors[name].log_prob(w)
             nll = nll + kl_weight * kl_w
-            kl_mc = kl_mc + kl_w.detach()
+            if return_neg_elbo:
+                kl_mc = kl_mc + kl_w.detach()
     loss = nll / num_particles + (kl_closed if kl_weight == 1.0 else kl_weight * kl_closed)
     if not return_neg_elbo:
         return loss

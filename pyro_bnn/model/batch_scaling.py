@@ -36,7 +36,7 @@ import torch
 from pyro import poutine
 from pyro.infer.autoguide import AutoGuideList
 
-__all__ = ["UnscaledBatchWatch", "UnscaledBatchWarning", "WatchesBatches", "WATCHED_CALLS", "BNN_REMEDY",
+__all__ = ["UnscaledBatchWatch", "subsampled_frames", "UnscaledBatchWarning", "WatchesBatches", "WATCHED_CALLS", "BNN_REMEDY",
            "MODEL_REMEDY", "end_batch_watches", "observations_unscaled"]
 
 #: Gradient-carrying calls with targets and without ``num_data`` that are looked at: enough for
@@ -202,11 +202,17 @@ def observations_unscaled(model: Callable, module: torch.nn.Module | None, args:
     return all(_counts_batch_as_all(site) for site in sites)
 
 
+def subsampled_frames(site) -> list:
+    """The plates of a sample site (or message) that subsample their data (``subsample_size``
+    below the declared size): Pyro scales the site by their ``full_size / size``."""
+    return [frame for frame in site["cond_indep_stack"] if frame.full_size not in (None, frame.size)]
+
+
 def _counts_batch_as_all(site) -> bool:
     """Whether an observed site weighs its batch as the whole data set: in no subsampled
     plate, at a scale of at most 1 (a tempering ``poutine.scale(scale=0.5)`` weighs the full
     data term; it does not scale a minibatch up to the data set)."""
-    if any(frame.full_size not in (None, frame.size) for frame in site["cond_indep_stack"]):
+    if subsampled_frames(site):
         return False
     return float(torch.as_tensor(site["scale"]).max()) <= 1.0
 

@@ -29,8 +29,8 @@ def draw_latents(model, guide, x: torch.Tensor, *, num_samples: int) -> list[dic
     """``num_samples`` joint posterior draws ``[{site: value}, ...]`` (detached)."""
     num_samples = check_int("num_samples", num_samples, 1)
     with local_params(model, guide), torch.no_grad():
-        return [{k: v.detach() for k, v in sample_latents(model, guide, x[:1]).items()}
-                for _ in range(num_samples)]
+        return [{k: v.detach() for k, v in sample_latents(model, guide, x[:1], check_plates=i == 0).items()}
+                for i in range(num_samples)]
 
 
 def probs_from_latents(model, latents: list[dict], x: torch.Tensor, *, batch_size: int = 1024,

@@ -47,7 +47,8 @@ from .batchnorm import batchnorm_recalibration
 from .guide_density import check_global_latents, latent_values
 
 __all__ = ["PredictiveSamples", "predictive_samples", "predict", "evaluate", "sample_latents",
-           "evaluation_mode", "default_predictive", "predictive_name", "PREDICTIVES"]
+           "evaluation_mode", "default_predictive", "predictive_name", "PREDICTIVES", "check_inputs_first",
+           "targets_like", "binary_labels", "bernoulli_as_classes"]
 
 #: The predictives ``pb.predict`` / ``pb.evaluate`` / ``pb.to_arviz`` know by name (a guide
 #: may add its own, which are passed on to ``guide.predict``).
@@ -117,8 +118,12 @@ class PredictiveSamples(NamedTuple):
     scale: torch.Tensor | None = None
 
 
-def sample_latents(model, guide, x, y=None) -> dict[str, torch.Tensor]:
+def sample_latents(model, guide, x, y=None, *, check_plates: bool = True) -> dict[str, torch.Tensor]:
     """One joint draw of all latent sites from the guide, ``{site: value}``.
+
+    ``check_plates``: run the model once on the draw to refuse a latent sampled inside an
+    unsubsampled data plate (see :class:`_LatentPlateSizes`; models other than
+    :class:`~pyro_bnn.BNN`); a loop over draws checks its first only (the shapes do not change).
 
     Run in eval mode (:func:`evaluation_mode`).  The index sites of subsampling plates are
     not latents and are left out.
@@ -138,7 +143,7 @@ def sample_latents(model, guide, x, y=None) -> dict[str, torch.Tensor]:
         tr = poutine.trace(poutine.block(guide, hide_types=["param"])).get_trace(*args, **kwargs)
     check_global_latents(tr)
     latents = latent_values(tr)
-    if not is_bnn(model):
+    if check_plates and not is_bnn(model):
         with evaluation_mode(model, guide):
             poutine.trace(_LatentPlateSizes(latents, x.device)(
                 whole_batch_plates()(poutine.condition(model, data=latents)))).get_trace(*args, **kwargs)
@@ -320,7 +325,7 @@ def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: in
             batchnorm_recalibration(model, bn_data, batch_size, device) as recalibrate:
         per_sample = []
         for _ in range(num_samples):
-            latents = sample_latents(model, guide, x[:1].to(device))
+            latents = sample_latents(model, guide, x[:1].to(device), check_plates=not per_sample)
             if recalibrate is not None:
                 recalibrate(latents)
             elif not per_sample and isinstance(network, torch.nn.Module):
@@ -417,8 +422,7 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins,
         if out.dim() == 2:
             out = out.unsqueeze(0)
         if kind == "bernoulli":  # success probabilities (S, N, 1) -> two classes, as below
-            p1 = out.reshape(out.shape[0], -1)
-            out, y = torch.stack([1 - p1, p1], -1), binary_labels(y)
+            out, y = bernoulli_as_classes(out), binary_labels(y)
         return metrics.classification_metrics(out.cpu(), y.cpu(), num_bins=num_bins)
     out = predictive_samples(model, guide, x, num_samples=num_samples, batch_size=batch_size, **kwargs)
     y = y.to(out.probs.device if out.probs is not None else out.loc.device)
@@ -426,9 +430,7 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins,
         _check_labels(y, out.probs.shape[-1])
         return metrics.classification_metrics(out.probs, y, num_bins=num_bins)
     if out.kind == "bernoulli":
-        p1 = out.probs.reshape(out.probs.shape[0], -1)
-        probs = torch.stack([1 - p1, p1], -1)
-        return metrics.classification_metrics(probs, binary_labels(y), num_bins=num_bins)
+        return metrics.classification_metrics(bernoulli_as_classes(out.probs), binary_labels(y), num_bins=num_bins)
     return metrics.regression_metrics(out.loc, out.scale, targets_like(y, out.loc.shape[1:]).to(out.loc.dtype))
 
 
@@ -447,6 +449,14 @@ def targets_like(y: torch.Tensor, shape) -> torch.Tensor:
         raise ValueError(f"targets of shape {tuple(y.shape)} do not match the predictive's "
                          f"{shape} (one value per output of each input)")
     return y.reshape(shape)
+
+
+def bernoulli_as_classes(p: torch.Tensor) -> torch.Tensor:
+    """A Bernoulli predictive's success probabilities ``(S, N, ...)`` as two classes
+    ``[1 − p, p]``, shape ``(S, N·D, 2)`` (one row per output of each input), for the metrics
+    and tools that read class probabilities."""
+    p1 = p.reshape(p.shape[0], -1)
+    return torch.stack([1 - p1, p1], -1)
 
 
 def binary_labels(y: torch.Tensor) -> torch.Tensor:

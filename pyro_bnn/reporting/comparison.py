@@ -62,6 +62,7 @@ from ..posterior import metrics
 from ..posterior.arviz import default_predictive, loo_approximate, psis_loo, to_arviz
 from ..posterior.prediction import (
     PredictiveSamples,
+    bernoulli_as_classes,
     binary_labels,
     predict,
     predictive_likelihood,
@@ -402,10 +403,7 @@ def class_probabilities(samples: PredictiveSamples) -> torch.Tensor:
     """Class probabilities ``(S, N, C)`` of a classification predictive: a Bernoulli's success
     probabilities ``(S, N, D)`` as two classes ``(S, N·D, 2)`` (read as one class, their
     "entropy" was ``−p log p`` and their confidence ``p`` even below ½)."""
-    if samples.kind != "bernoulli":
-        return samples.probs
-    p1 = samples.probs.reshape(samples.probs.shape[0], -1)
-    return torch.stack([1 - p1, p1], -1)
+    return bernoulli_as_classes(samples.probs) if samples.kind == "bernoulli" else samples.probs
 
 
 def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSamples:

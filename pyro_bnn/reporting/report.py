@@ -38,6 +38,7 @@ from .._version import __version__
 from ..analysis.ood import auroc
 from ..model.devices import module_device
 from ..posterior import metrics
+from ..posterior.prediction import binary_labels
 from .comparison import class_probabilities
 from .staged_folder import StagedFolder
 
@@ -363,7 +364,7 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
     classification = bool(ok) and next(iter(ok.values())).scale is None
     if ok and classification:
         labels = split.y_test.cpu()
-        labels = labels.reshape(-1).long() if labels.is_floating_point() else labels  # Bernoulli's 0/1
+        labels = binary_labels(labels) if labels.is_floating_point() else labels  # Bernoulli's 0/1
         fig = reliability_figure({k: r.probs for k, r in ok.items()}, labels)
         fig.savefig(out / "reliability.png", dpi=110)
         plt.close(fig)
