@@ -22,6 +22,11 @@ it in eval mode.  The guide's row also reports its full-data ELBO (5 draws, Mean
 computed last because it runs the network in train mode.
 
 One JSON line per run (``--out``, refused if the file exists unless ``--overwrite``).
+
+``--checkpoint PATH`` writes the fit's state after every epoch (``pb.fit(checkpoint=...)``); the
+same command with ``--resume`` continues it bit for bit after an interruption, so a run longer
+than one sitting can be finished later.  ``fit_seconds`` then counts the resumed part only
+(``resumed_from_epoch`` says where it started).
 """
 
 from __future__ import annotations
@@ -101,6 +106,17 @@ def map_row(args, train, test, ood, side) -> dict:
                 loss_curve=[round(v, 5) for v in losses], seconds_per_epoch=sum(seconds) / len(seconds), **row)
 
 
+def resumed_epoch(path) -> int:
+    """The epochs already done in the checkpoint at ``path`` (0 when there is none yet)."""
+    if path is None:
+        raise SystemExit("--resume needs --checkpoint PATH")
+    import os
+
+    from pyro_bnn.training.checkpoint import read_checkpoint
+
+    return int(read_checkpoint(path)["epoch"]) if os.path.exists(path) else 0
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=["digits", "fashion-mnist"], default="digits")
@@ -116,6 +132,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="write the JSON line here")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument("--map", action="store_true", help="the plain PyTorch MAP net instead of a guide")
+    parser.add_argument("--checkpoint", default=None, help="write the fit's state here after every epoch")
+    parser.add_argument("--resume", action="store_true", help="continue the fit saved at --checkpoint")
     args = parser.parse_args(argv)
     if args.out:
         check_new_file(args.out, overwrite=args.overwrite)
@@ -132,8 +150,10 @@ def main(argv=None) -> None:
     # that BatchNorm divides those scales out
     model = pb.BNN(make_net(args.arch, side), "categorical", weight_norm=args.guide == "hypernet")
     guide = pb.guides.registered_guides()[args.guide](model)
+    resumed_from = resumed_epoch(args.checkpoint) if args.resume else 0
     start = time.perf_counter()
-    result = pb.fit(model, guide, (x, y), epochs=args.epochs, seed=args.seed, progress=False)
+    result = pb.fit(model, guide, (x, y), epochs=args.epochs, seed=args.seed, progress=False,
+                    checkpoint=args.checkpoint, resume=args.resume)
     fit_seconds = time.perf_counter() - start
     bn_data = x if not args.bn_inputs else x[torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
                                               [:args.bn_inputs]]
@@ -141,6 +161,7 @@ def main(argv=None) -> None:
     per_draw = scores(model, guide, xt, yt, ood, args, bn_data)
     row = dict(dataset=args.dataset, arch=args.arch, guide=args.guide, epochs=args.epochs, seed=args.seed,
                num_samples=args.num_samples, bn_inputs=len(bn_data), fit_seconds=fit_seconds,
+               resumed_from_epoch=resumed_from,
                converged=result.convergence.converged if result.convergence else None,
                convergence=str(result.convergence), running_statistics=running, per_draw_statistics=per_draw,
                time_ratio=per_draw["predict_seconds"] / running["predict_seconds"],

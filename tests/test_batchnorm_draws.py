@@ -387,3 +387,31 @@ def test_running_statistics_of_point_affine_are_not_warned(fitted):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pb.predict(model, guide, d.x_test, num_samples=3)
+
+
+def test_the_fits_final_check_leaves_running_statistics_as_the_last_step_did(tmp_path):
+    """``fit`` evaluates the loss once more at the last step's state (its divergence check), in
+    train mode: that pass must not move BatchNorm's running statistics.  The model returned, its
+    checkpoint and a resume with no epoch left all hold the last training step's statistics."""
+    d = pb.datasets.digits()
+    path = tmp_path / "bn.pt"
+
+    def run(resume):
+        pyro.clear_param_store()
+        torch.manual_seed(0)
+        model = pb.BNN(bn_mlp(), "categorical")
+        guide = pb.guides.MeanField(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pb.ConvergenceWarning)
+            pb.fit(model, guide, (d.x_train, d.y_train), epochs=2, seed=0, progress=False,
+                   checkpoint=path, resume=resume)
+        return {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "tracked" in k}
+
+    fitted_buffers = run(resume=False)
+    saved = pb.training.checkpoint.read_checkpoint(path)["model"]
+    resumed_buffers = run(resume=True)  # nothing left to train: only the final check runs
+    steps = -(-len(d.x_train) // 64) * 2
+    for name, value in fitted_buffers.items():
+        assert torch.equal(saved[name], value), name
+        assert torch.equal(resumed_buffers[name], value), name
+    assert int(fitted_buffers["net.1.num_batches_tracked"]) == steps

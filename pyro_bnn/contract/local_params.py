@@ -28,6 +28,8 @@ from pyro.params.param_store import ParamStoreDict
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 
+from .modes import buffers_kept
+
 __all__ = ["local_params", "prepare_local_params", "GlobalParamBridge", "global_param_tensors",
            "unwrap_model"]
 
@@ -176,12 +178,13 @@ def global_param_tensors(model, guide, args: tuple, kwargs: dict, *, with_source
     caller can tell a model's own parameters, e.g. its noise ``sigma``).
 
     Call inside :func:`local_params`.  Runs without gradients and without drawing from the
-    caller's random streams.
+    caller's random streams or changing a buffer (BatchNorm's running statistics are put back).
     """
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     # validation off: a broken initial state (say, infinite scales) is for fit's own state
     # check to name, not for a distribution's argument check inside this look-up
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), pyro.validation_enabled(False):
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), pyro.validation_enabled(False), \
+            buffers_kept(model, guide):
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
     out, seen = [], set()

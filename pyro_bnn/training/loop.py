@@ -29,6 +29,7 @@ from pyro import poutine
 from ..arguments import reject_unknown_keywords
 from ..contract.guide import GuideStateWarning, guide_contract
 from ..contract.local_params import global_param_tensors, local_params
+from ..contract.modes import buffers_kept
 from ..contract.param_store import publish_after_fit, sync_param_store
 from ..contract.pyro_objective import call_model
 from ..curvature.marglik import MarglikOptions
@@ -130,9 +131,10 @@ class _LossModule(torch.nn.Module):
 
 
 def setup_guide(model, guide, x, y=None, num_data=None) -> None:
-    """Run ``guide`` once (no side effects) so that lazily created parameters exist."""
+    """Run ``guide`` once so that lazily created parameters exist (no other side effect: the
+    buffers of ``model`` and ``guide``, e.g. BatchNorm's running statistics, are put back)."""
     args, kwargs, _ = call_model(model, x, y, num_data if num_data is not None else len(x))
-    with local_params(model, guide), torch.no_grad(), warnings.catch_warnings():
+    with local_params(model, guide), torch.no_grad(), buffers_kept(model, guide), warnings.catch_warnings():
         warnings.simplefilter("ignore", GuideStateWarning)  # a set-up run: its draw is discarded
         poutine.block(guide)(*args, **kwargs)
 
@@ -589,7 +591,8 @@ def _confirm_state(run: _Run) -> None:
 
 def _verify_final_state(run: _Run) -> None:
     """Evaluate the loss once at the state the last step reached (no later step does), on the
-    first batch, without drawing from the caller's random streams; keep and write it if finite.
+    first batch, without drawing from the caller's random streams or changing any buffer (a
+    BatchNorm's running statistics stay those of the last step); keep and write it if finite.
 
     Only the guide's own objective is evaluated so; a user's ``objective=`` is called for
     training steps only (it may count or log its calls), and the final state of such a fit is
@@ -601,7 +604,7 @@ def _verify_final_state(run: _Run) -> None:
         return
     loss_module = getattr(run.loss_module, "module", run.loss_module)  # not through DDP: no backward
     devices = [run.device] if run.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), buffers_kept(run.model, run.guide):
         try:
             out = loss_module(*run.example)
         except ValueError as exc:
