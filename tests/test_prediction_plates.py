@@ -95,9 +95,11 @@ def test_latents_sampled_inside_the_subsampled_plate_are_a_clear_error(name):
     x, y = _data()
     model = _Linear(200, local=True)
     guide = _guide(name, model)
-    with pytest.warns(pb.ConvergenceWarning):
-        pb.fit(model, guide, (x, y), epochs=2, batch_size=50, progress=False, seed=0)
-    with pytest.raises(ValueError, match=r"\['b', 'w'\] are sampled inside the subsampled plate 'data'"):
-        pb.predict(model, guide, x[:7], num_samples=2)
+    with pytest.raises(ValueError, match=r"latent site\(s\) \['w', 'b'\] have one value per example"):
+        pb.fit(model, guide, (x, y), epochs=2, batch_size=50, progress=False, seed=0)  # minibatches
+    with pytest.warns(pb.ConvergenceWarning):   # one fixed batch keeps them paired: trains
+        pb.fit(model, guide, (x, y), epochs=2, batch_size=len(x), shuffle=False, progress=False, seed=0)
     with pytest.raises(ValueError, match="local latent"):
-        pb.to_arviz(model, guide, x, y, num_samples=2)
+        pb.predict(model, guide, x[:7], num_samples=2)
+    with pytest.raises((ValueError, RuntimeError)):  # other inputs than the training set's 200
+        pb.to_arviz(model, guide, x[:50], y[:50], num_samples=2)

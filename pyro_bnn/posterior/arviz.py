@@ -131,7 +131,7 @@ def _pointwise_trace(model, values, x, y, batch_size, device, want_pp, obs_site)
         tr = poutine.trace(whole_batch_plates()(poutine.condition(model, data=values))).get_trace(xb, yb)
         if obs_site not in tr.nodes:
             raise ValueError(f"model has no observed site {obs_site!r}; sites: {list(tr.nodes)}")
-        node = tr.nodes[obs_site]
+        node = _unmasked_observation(tr, obs_site)
         d = node["fn"]
         lp = d.log_prob(node["value"])
         check_inputs_first(obs_site, lp.shape, len(xb))
@@ -142,6 +142,23 @@ def _pointwise_trace(model, values, x, y, batch_size, device, want_pp, obs_site)
             log_prior = sum(n["fn"].log_prob(n["value"]).sum() for name, n in tr.nodes.items()
                             if n["type"] == "sample" and name in values)
     return torch.cat(loglik), (torch.cat(pp) if want_pp else None), log_prior
+
+
+def _unmasked_observation(trace, obs_site: str) -> dict:
+    """The trace node holding ``obs_site``'s observation; ``ValueError`` if any entry of it is
+    masked out (Pyro's ``obs_mask``, ``poutine.mask``, ``Distribution.mask``): the pointwise
+    log-likelihood would count a masked entry as 0, and LOO / WAIC would score placeholders."""
+    node = trace.nodes[obs_site]
+    split = f"{obs_site}_observed"
+    if node["infer"].get("_deterministic") and split in trace.nodes:  # obs_mask: observed part
+        node = trace.nodes[split]
+    masks = [node["mask"], getattr(node["fn"], "_mask", None)]
+    if any(m is False or (torch.is_tensor(m) and not bool(m.all())) for m in masks):
+        raise ValueError(
+            f"the observed site {obs_site!r} has masked-out entries (obs_mask, poutine.mask or "
+            "Distribution.mask): pb.to_arviz would give them log-likelihood 0 and LOO/WAIC would "
+            "score them; pass the observed examples only (x[mask], y[mask])")
+    return node
 
 
 #: Default cap on the posterior group: 2.5e8 values = 1 GB in float32 (2 GB for a float64 model).

@@ -45,6 +45,7 @@ from .devices import flush_denormals
 from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .divergence import can_defer_checks as defer_step_checks
 from .fit_arguments import check_fit_arguments, refuse_overwrite
+from .local_latents import refuse_local_latents
 from .lr_schedule import make_lr_scheduler
 from .optimizer import build_optimizer, optimizer_factory, trained_parameters, warn_weight_decay
 from .resume import StateOf, checkpoint_entries, fit_fingerprint, resume_fit
@@ -426,6 +427,7 @@ def _prepare(model, guide, data, *, batch_size, device, shuffle, seed, num_data,
                          "leave num_data=None")
     x0 = x0.to(device)
     y0 = None if y0 is None else y0.to(device)
+    refuse_local_latents(model, guide, x0, y0, loader)  # per-example latents would meet other examples
     setup_guide(model, guide, x0, y0, n)
     sync_param_store(model, guide)  # a loaded Pyro param store is picked up (pyro_bnn.contract.param_store)
     if isinstance(guide, torch.nn.Module):
