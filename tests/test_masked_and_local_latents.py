@@ -11,7 +11,7 @@
   values with other examples: refused before the first step, naming the site, unless the fit
   has one fixed batch.  A plate of latents that is not the data plate is not refused.
 * A latent fixed by ``pyro.condition`` is observed but not data: a minibatch's ``N / M`` is not
-  applied to it (it was: the posterior sd of log s was 0.21 on batches of 20 for 0.42 on the
+  applied to it (a ``pyro.factor`` likelihood is data and is) (it was: the posterior sd of log s was 0.21 on batches of 20 for 0.42 on the
   full batch; exact 0.50).
 * ``pb.to_arviz`` refuses a masked observation (its pointwise log-likelihood was 0 for every
   entry), and reads an all-observed ``obs_mask`` from its observed part.
@@ -206,3 +206,10 @@ def test_a_latent_fixed_by_condition_is_not_scaled_to_the_data_set():
     vector = pyro.poutine.trace(scale_observations(10.0, 200, 20)(  # no plate: the batch's dimension
         lambda x, y: pyro.sample("obs", dist.Normal(x[:, 0], 1.0).to_event(1), obs=y))).get_trace(x[:20], y[:20])
     assert vector.nodes["obs"]["scale"] == 10.0
+
+    def factor_model(x, y):  # a custom likelihood as one pyro.factor: data, scaled
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        pyro.factor("loglik", dist.Normal(w * x[:, 0], NOISE).log_prob(y).sum())
+    for fixed in (factor_model, pyro.condition(factor_model, data={"w": torch.tensor(0.5)})):
+        trace = pyro.poutine.trace(scale_observations(10.0, 200, 20)(fixed)).get_trace(x[:20], y[:20])
+        assert trace.nodes["loglik"]["scale"] == 10.0 and trace.nodes["w"]["scale"] == 1.0

@@ -18,7 +18,9 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions.util import scale_and_mask
 from pyro.infer import TraceMeanField_ELBO
+from pyro.poutine.condition_messenger import ConditionMessenger
 from pyro.poutine.messenger import Messenger
+from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.util import site_is_subsample
 
 from ..model.batch_scaling import end_batch_watches, subsampled_frames
@@ -38,9 +40,9 @@ class scale_observations(Messenger):
     scale of every latent site too (a ``poutine.scale`` of the whole model).  Leaving such a
     scale alone weighted a tempered data term by 0.5 instead of 0.5 N / M, and the posterior
     fell towards the prior in silence.  A scale above 1 on the observations only (not ``N /
-    M``) is refused: whether it already counts the minibatch cannot be told.  An observed site
-    that does not hold the batch's examples (a latent fixed by ``pyro.condition``: no plate of
-    the batch's size, no dimension of it) is left unscaled: its density is in the joint once.
+    M``) is refused: whether it already counts the minibatch cannot be told.  A latent fixed by
+    a ``pyro.condition`` around the model is observed but not data: it is left unscaled (its
+    density is in the joint once).
 
     With ``num_data`` (``N``) and ``batch_size`` (``M``), a subsampled plate of the batch's
     size must declare ``N`` points: ``pyro.plate("data", 1000, subsample_size=M)`` trained on
@@ -69,7 +71,7 @@ class scale_observations(Messenger):
         if subsampled:  # a subsampled plate scales it
             self._check_declared_size(msg["name"], subsampled)
             return
-        if self.factor == 1.0 or not self._per_example(msg):
+        if self.factor == 1.0 or self._conditioned(msg):
             return
         scale = msg["scale"]
         if isinstance(scale, (int, float)) and scale == 1.0:
@@ -90,17 +92,13 @@ class scale_observations(Messenger):
             "size, pyro.plate('data', N, subsample_size=len(x)), so that Pyro scales the batch (a "
             "poutine.scale inside it then weights the likelihood), or scale by exactly N/M yourself")
 
-    def _per_example(self, msg) -> bool:
-        """Whether an observed site holds the batch's examples (in a plate of the batch's size,
-        or with the batch's size among its dimensions), not a latent fixed by ``pyro.condition``
-        (``sigma`` conditioned to 0.1), whose density is in the joint once, whatever the batch."""
-        m = self.batch_size
-        if m is None or m == 1:
-            return True
-        if any(f.vectorized and f.size == m for f in msg["cond_indep_stack"]):
-            return True
-        value = msg["value"]
-        return torch.is_tensor(value) and m in tuple(value.shape)
+    @staticmethod
+    def _conditioned(msg) -> bool:
+        """Whether a ``pyro.condition`` handler running the model fixes this site: a latent given
+        a value (``sigma`` conditioned to 0.1), whose density is in the joint once, whatever the
+        batch; not data."""
+        return any(isinstance(handler, ConditionMessenger) and handler.data is not None
+                   and msg["name"] in handler.data for handler in _PYRO_STACK)
 
     def _check_declared_size(self, name, frames) -> None:
         if self.num_data is None or self.batch_size is None:
