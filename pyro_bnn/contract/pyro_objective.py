@@ -153,16 +153,15 @@ class TraceMeanFieldJacobian_ELBO(TraceMeanField_ELBO):
     posterior's 0.615).  Here ``log_density`` is added back, value and gradient, for every
     latent site whose guide distribution is a ``Delta`` (also inside ``Independent``).
 
-
     Pyro's class also weighs each latent's analytic KL by the *guide* site's scale and mask
     only.  A latent that the model masks or scales on its own side (Pyro's ``obs_mask`` splits an
     observation into a masked ``<name>_observed`` site and a latent ``<name>_unobserved`` whose
     model density is masked by ``~obs_mask``; a ``poutine.scale`` around the model only) had its
     KL counted in full, so the loss and its gradient depended on guide values that are not in the
     model (under plain SVI on ``y = 2 x`` with 30 % of 200 targets masked, 2,000 steps at lr
-    0.02: the slope's sd 0.0059 for the exact 0.0085); a model-only ``poutine.scale(model, 0.1)`` tempered the
-    likelihood but not the prior (``Trace_ELBO`` tempers the whole joint).  Such sites are
-    scored here by their sampled terms as ``Trace_ELBO`` scores them, ``log p`` with the model's
+    0.02: the slope's sd 0.0059 for the exact 0.0085); a model-only ``poutine.scale(model,
+    0.1)`` tempered the likelihood but not the prior (``Trace_ELBO`` tempers the whole joint).
+    Such sites are scored here by their sampled terms as ``Trace_ELBO`` scores them, ``log p`` with the model's
     scale and mask minus ``log q`` with the guide's scale, except that the entries a model masks
     out are not in its joint density, so their guide density is left out as well
     (``Trace_ELBO`` keeps it, and the guide's scales of those entries then grow without bound).
@@ -174,6 +173,7 @@ class TraceMeanFieldJacobian_ELBO(TraceMeanField_ELBO):
                    and _model_weighs_otherwise(site, guide_trace.nodes[name])]
         sampled = 0.0
         if weighed:
+            # shallow copies; the traces are "flat" (no edges), so removing nodes spares the originals
             model_trace, guide_trace = model_trace.copy(), guide_trace.copy()
             for name in weighed:
                 site = model_trace.nodes[name]
