@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -41,6 +42,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.analysis.ood import evaluate_probs
 from pyro_bnn.reporting.output_files import check_new_file, write_text
+from pyro_bnn.training.checkpoint import read_checkpoint
 
 
 def make_net(arch: str, side: int) -> nn.Module:
@@ -110,10 +112,6 @@ def resumed_epoch(path) -> int:
     """The epochs already done in the checkpoint at ``path`` (0 when there is none yet)."""
     if path is None:
         raise SystemExit("--resume needs --checkpoint PATH")
-    import os
-
-    from pyro_bnn.training.checkpoint import read_checkpoint
-
     return int(read_checkpoint(path)["epoch"]) if os.path.exists(path) else 0
 
 
