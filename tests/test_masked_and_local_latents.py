@@ -213,3 +213,19 @@ def test_a_latent_fixed_by_condition_is_not_scaled_to_the_data_set():
     for fixed in (factor_model, pyro.condition(factor_model, data={"w": torch.tensor(0.5)})):
         trace = pyro.poutine.trace(scale_observations(10.0, 200, 20)(fixed)).get_trace(x[:20], y[:20])
         assert trace.nodes["loglik"]["scale"] == 10.0 and trace.nodes["w"]["scale"] == 1.0
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_loader_of_one_batch_in_order_keeps_local_latents(shuffle):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y, _ = _masked_data(n=32)
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=shuffle)
+    pyro.clear_param_store()
+    model = LocalOffset()
+    guide = pb.guides.MeanField(model)
+    if shuffle:
+        with pytest.raises(ValueError, match="one value per example"):
+            _quiet_fit(model, guide, loader, epochs=1)
+    else:
+        assert len(_quiet_fit(model, guide, loader, epochs=1).history["loss"]) == 1
