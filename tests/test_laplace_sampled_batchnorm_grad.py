@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from test_laplace_pruned_glm import _setup
 
-from pyro_bnn.contract.modes import evaluation_mode
+from pyro_bnn.model.modes import evaluation_mode
 from pyro_bnn.posterior.prediction import sample_latents
 
 

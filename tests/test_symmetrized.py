@@ -141,7 +141,7 @@ def test_groups_pass_through_batchnorm_with_random_affine_parameters():
     x = torch.randn(6, 1, 8, 8, generator=gen, dtype=torch.float64)
     values = _random_values(shapes, gen)
     model.train()  # batch statistics: a symmetry
-    with pb.contract.local_params.local_params(model), pb.contract.modes.buffers_kept(model):
+    with pb.contract.local_params.local_params(model), pb.model.modes.buffers_kept(model):
         assert sym.check_symmetries(_bnn_function(model, x), values, groups, generator=gen) == [True, True]
     # eval mode with running statistics that differ between units: the permutation is no symmetry
     _scramble_running_statistics(model, gen)

@@ -1,5 +1,5 @@
 """The guide contract and Pyro interop: :class:`BNNGuide` (what every guide offers, with
-defaults), the objectives, Pyro's parameter store and module-local parameters, eval mode.
+defaults), the objectives, Pyro's parameter store and module-local parameters.
 
 May import: :mod:`pyro_bnn.model`, :mod:`pyro_bnn.arguments`; no guide implementation.
 """
@@ -13,9 +13,8 @@ from .guide import (
     register_guide,
     registered_guides,
 )
-from .modes import evaluation_mode
 from .objective import GuideObjective
 from .pyro_objective import PyroObjective, call_model
 
 __all__ = ["BNNGuide", "GuideStateWarning", "guide_contract", "init_to_network", "register_guide", "registered_guides",
-           "GUIDE_REGISTRY", "GuideObjective", "PyroObjective", "call_model", "evaluation_mode"]
+           "GUIDE_REGISTRY", "GuideObjective", "PyroObjective", "call_model"]

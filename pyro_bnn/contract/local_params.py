@@ -28,7 +28,7 @@ from pyro.params.param_store import ParamStoreDict
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 
-from .modes import buffers_kept
+from ..model.modes import buffers_kept
 
 __all__ = ["local_params", "prepare_local_params", "GlobalParamBridge", "global_param_tensors",
            "unwrap_model"]

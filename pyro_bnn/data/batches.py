@@ -30,10 +30,10 @@ from torch.utils.data import (
 )
 
 from ..contract.local_params import local_params
-from ..contract.modes import evaluation_mode
 from ..model.bnn import check_input_of, initial_values_of, model_likelihood, network_function_of
 from ..model.devices import module_device
 from ..model.likelihoods import Likelihood, make_likelihood
+from ..model.modes import evaluation_mode
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
            "check_inputs", "validate_data", "check_data", "checked_source", "check_targets", "as_labels", "as_targets",

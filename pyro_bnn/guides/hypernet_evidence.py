@@ -39,12 +39,12 @@ from typing import NamedTuple
 import torch
 
 from ..arguments import check_int
-from ..contract.modes import evaluation_mode
 from ..curvature import Layer, accumulate_curvature, find_layers, likelihood_kind, network_output
 from ..curvature import marglik as ml
 from ..data.batches import TensorBatches, checked_source, make_loader, split_batch
 from ..model.bnn import is_bnn, normal_prior_params, site_module, site_prior_modules, weight_norm_of
 from ..model.devices import module_device
+from ..model.modes import evaluation_mode
 from ..model.weight_norm import is_weight_norm_layer, weight_norm_weight
 from .prior_scale import own_normal_priors_
 

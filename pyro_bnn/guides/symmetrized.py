@@ -47,12 +47,12 @@ from torch.distributions import kl_divergence
 
 from ..contract.guide import register_guide
 from ..contract.local_params import local_params, unwrap_model
-from ..contract.modes import buffers_kept
 from ..contract.objective import GuideObjective
 from ..contract.pyro_objective import observed_sites
 from ..data.batches import as_tensors
 from ..model.bnn import is_bnn
 from ..model.likelihoods import log_likelihood
+from ..model.modes import buffers_kept
 from .meanfield import (
     MeanField,
     MeanFieldELBO,

@@ -63,8 +63,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..contract.modes import buffers_kept, evaluation_mode
 from ..contract.pyro_objective import observed_sites
+from ..model.modes import buffers_kept, evaluation_mode
 
 __all__ = [
     "find_symmetries", "discover_symmetries", "check_batch_statistics", "running_statistics_layers",

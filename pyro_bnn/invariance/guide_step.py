@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from ..contract.modes import evaluation_mode
 from ..curvature import KronBlock, SplitBiasKronBlock
 from ..data.batches import TensorBatches, split_batch
 from ..model.bnn import is_bnn
+from ..model.modes import evaluation_mode
 from ..training.distributed import unsharded_batches
 from .augmentation import _Augmentation
 from .evidence import batch_seeds, invariant_curvature, likelihood_scale, log_evidence_at

@@ -29,7 +29,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..arguments import check_int, check_positive
-from ..contract.modes import evaluation_mode
 from ..data.batches import (
     BatchCheck,
     CheckedBatches,
@@ -40,6 +39,7 @@ from ..data.batches import (
     split_batch,
 )
 from ..model.likelihoods import inverse_link, kind_and_noise, log_likelihood
+from ..model.modes import evaluation_mode
 from ..training.divergence import DivergenceGuard
 from ..training.lr_schedule import lr_factor_function, make_lr_scheduler
 from ..training.seeding import seeded

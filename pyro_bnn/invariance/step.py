@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..contract.modes import evaluation_mode
+from ..model.modes import evaluation_mode
 from ..training.seeding import seeded
 from .evidence import (
     batch_seeds,

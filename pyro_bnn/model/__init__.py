@@ -5,7 +5,7 @@ readers of a model's optional members (:func:`model_likelihood`, :func:`network_
 May import: :mod:`pyro_bnn.arguments` (nothing else of the package).
 """
 
-from . import batchnorm, devices, likelihoods, priors, weight_norm
+from . import batchnorm, devices, likelihoods, modes, priors, weight_norm
 from .batch_scaling import UnscaledBatchWarning
 from .batchnorm import BatchNormTrainModeWarning
 from .bnn import (
@@ -31,4 +31,4 @@ from .devices import module_device
 __all__ = ["BNN", "BayesianNetwork", "is_bnn", "site_module", "BAYESIAN_LAYERS", "default_stochastic",
            "fan_in_of", "augmentation_of", "initial_values_of", "model_likelihood", "network_function_of",
            "network_of", "normal_prior_params", "num_augmentations", "site_prior_modules",
-           "weight_norm_of", "module_device", "BatchNormTrainModeWarning", "UnscaledBatchWarning", "batchnorm", "devices", "likelihoods", "priors", "weight_norm"]
+           "weight_norm_of", "module_device", "BatchNormTrainModeWarning", "UnscaledBatchWarning", "batchnorm", "devices", "likelihoods", "modes", "priors", "weight_norm"]

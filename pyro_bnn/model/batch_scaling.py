@@ -36,6 +36,8 @@ import torch
 from pyro import poutine
 from pyro.infer.autoguide import AutoGuideList
 
+from .modes import buffers_kept
+
 __all__ = ["UnscaledBatchWatch", "subsampled_frames", "UnscaledBatchWarning", "WatchesBatches", "WATCHED_CALLS", "BNN_REMEDY",
            "MODEL_REMEDY", "end_batch_watches", "observations_unscaled"]
 
@@ -185,17 +187,12 @@ def observations_unscaled(model: Callable, module: torch.nn.Module | None, args:
     changes nothing the user can see; a function model's own modules are not reached.  A model
     that fails on these arguments counts as scaled (no warning rather than a wrong one).
     """
-    saved = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), poutine.block():
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), poutine.block(), buffers_kept(module):
             trace = poutine.trace(model).get_trace(*args, **kwargs)
     except Exception:  # noqa: BLE001 -- any failure means: cannot tell, so do not warn
         return False
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
     sites = [site for site in trace.nodes.values() if site["type"] == "sample" and site["is_observed"]]
     if not sites:
         return None

@@ -64,12 +64,12 @@ from torch import nn
 from ..arguments import check_int
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params
-from ..contract.modes import evaluation_mode
 from ..curvature import pointwise_log_likelihood, sample_observations
 from ..data.batches import check_data, check_finite
 from ..model.bnn import is_bnn, network_of
 from ..model.devices import module_device
 from ..model.likelihoods import log_likelihood
+from ..model.modes import evaluation_mode
 from ..training.seeding import seeded
 from .batchnorm import batchnorm_recalibration
 from .guide_density import sample_with_log_density

@@ -22,9 +22,9 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..contract.modes import buffers_kept
 from ..model.batchnorm import batchnorm_layers
 from ..model.bnn import is_bnn
+from ..model.modes import buffers_kept
 
 __all__ = ["batchnorm_recalibration", "recalibrating_batchnorm", "bn_input_batches"]
 

@@ -29,8 +29,8 @@ from pyro.poutine.util import site_is_subsample
 
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params
-from ..contract.modes import evaluation_mode
 from ..contract.pyro_objective import call_model
+from ..model.modes import evaluation_mode
 
 __all__ = ["sample_with_log_density", "guide_log_density", "guide_args", "latent_values",
            "check_global_latents"]

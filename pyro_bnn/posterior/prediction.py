@@ -35,13 +35,13 @@ from pyro.poutine.util import site_is_subsample
 from ..arguments import check_int
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params, unwrap_model
-from ..contract.modes import evaluation_mode
 from ..contract.pyro_objective import call_model
 from ..data.batches import BatchCheck, check_data, check_inputs
 from ..model.batchnorm import warn_running_statistics_of_random_affine
 from ..model.bnn import is_bnn, model_likelihood
 from ..model.devices import module_device
 from ..model.likelihoods import distribution_kind, inverse_link, kind_and_noise
+from ..model.modes import evaluation_mode
 from . import metrics
 from .batchnorm import batchnorm_recalibration
 from .guide_density import check_global_latents, latent_values

@@ -31,9 +31,9 @@ import torch
 from ..arguments import check_int, check_positive
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params
-from ..contract.modes import buffers_kept
 from ..data.batches import dataset_size, make_loader, split_batch
 from ..model.devices import module_device
+from ..model.modes import buffers_kept
 from .convergence import ConvergenceWarning
 from .loop import FitResult, fit
 from .seeding import seeded

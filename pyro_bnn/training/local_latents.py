@@ -21,9 +21,9 @@ from pyro.poutine.util import site_is_subsample
 from torch.utils.data import SequentialSampler
 
 from ..contract.local_params import local_params
-from ..contract.modes import buffers_kept
 from ..contract.pyro_objective import call_model
 from ..model.bnn import is_bnn
+from ..model.modes import buffers_kept
 
 __all__ = ["batches_fixed", "local_latent_sites", "refuse_local_latents"]
 

@@ -29,13 +29,13 @@ from pyro import poutine
 from ..arguments import reject_unknown_keywords
 from ..contract.guide import GuideStateWarning, guide_contract
 from ..contract.local_params import global_param_tensors, local_params
-from ..contract.modes import buffers_kept
 from ..contract.param_store import publish_after_fit, sync_param_store
 from ..contract.pyro_objective import call_model
 from ..curvature.marglik import MarglikOptions
 from ..data.batches import dataset_size, make_loader, split_batch, validate_data
 from ..model.batch_scaling import end_batch_watches
 from ..model.devices import module_device
+from ..model.modes import buffers_kept
 from . import distributed as _dist
 from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
 from .compiled import CompiledLoss

@@ -25,7 +25,6 @@ from torch import nn
 
 from ...contract.guide import BNNGuide, init_to_network, register_guide
 from ...contract.local_params import local_params, unwrap_model
-from ...contract.modes import evaluation_mode
 from ...contract.pyro_objective import call_model
 from ...curvature import (
     STRUCTURES,
@@ -39,6 +38,7 @@ from ...data.batches import checked_source, split_batch
 from ...model.bnn import is_bnn, model_likelihood, num_augmentations
 from ...model.dataflow import recording_normalization_feeding
 from ...model.likelihoods import Gaussian
+from ...model.modes import evaluation_mode
 from ..draw_quantiles import (
     QUANTILE_DRAWS,
     QUANTILE_SEED,

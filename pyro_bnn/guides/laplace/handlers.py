@@ -24,7 +24,7 @@ import torch
 from pyro.poutine.util import site_is_subsample
 
 from ...contract.local_params import unwrap_model
-from ...contract.modes import evaluation_mode
+from ...model.modes import evaluation_mode
 
 __all__ = ["read_handlers", "held_values"]
 

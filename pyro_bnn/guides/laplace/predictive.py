@@ -20,7 +20,6 @@ import torch
 
 from ...arguments import reject_unknown_keywords
 from ...contract.local_params import local_params, unwrap_model
-from ...contract.modes import evaluation_mode
 from ...curvature import (
     functional_covariance,
     glm_predictive,
@@ -30,6 +29,7 @@ from ...curvature import (
     network_output,
 )
 from ...model.bnn import num_augmentations
+from ...model.modes import evaluation_mode
 from ...model.weight_masks import weight_masks
 from ...posterior.prediction import predict as mc_predict
 from .handlers import held_values

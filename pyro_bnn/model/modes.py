@@ -1,7 +1,9 @@
-"""Train/eval mode of the model and guide during prediction.
+"""A module's state around a look-up run: train/eval flags and buffers put back afterwards.
 
-Public as :func:`pyro_bnn.posterior.prediction.evaluation_mode`; a module of its own so that the
-prediction, density and ArviZ modules can all use it without importing each other.
+:func:`evaluation_mode` runs the model and guide in eval mode (prediction; public as
+:func:`pyro_bnn.posterior.prediction.evaluation_mode`); :func:`buffers_kept` runs them in train
+mode without moving BatchNorm's running statistics (guide set-up, objective look-ups, probes).
+In the model layer so that every layer above, the model's own checks included, uses the same two.
 """
 
 from __future__ import annotations
