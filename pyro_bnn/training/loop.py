@@ -39,6 +39,7 @@ from ..model.modes import buffers_kept
 from . import distributed as _dist
 from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
 from .compiled import CompiledLoss
+from .constant_predictor import constant_predictor_log_likelihood
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning, watched_hyperparameters
 from .cuda_graph import CudaGraphStep, check_cuda_graph_device, check_cuda_graph_fit
 from .devices import flush_denormals
@@ -383,7 +384,8 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
                 bar.close()
         run.contract.on_fit_end(run.ctx)
     publish_after_fit(model, guide)  # Predictive / SVI / the param store see the trained values
-    diagnosis = run.monitor.diagnose(_judged_objective(run.history))
+    diagnosis = run.monitor.diagnose(_judged_objective(run.history),
+                                     baseline=constant_predictor_log_likelihood(model, data, run.ctx.num_data))
     if not diagnosis.converged and epochs > 0 and (run.dstate is None or run.dstate.is_main):
         warnings.warn(diagnosis.message(), ConvergenceWarning, stacklevel=3)
     return FitResult(history=run.history, seconds=time.perf_counter() - t_start, convergence=diagnosis,
