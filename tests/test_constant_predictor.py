@@ -31,6 +31,8 @@ def test_categorical_value_is_the_frequencies_log_likelihood():
     # the objective counts num_data points (minibatch scaling): the value scales with it
     assert constant_predictor_log_likelihood(model, (x, y), 40) == pytest.approx(10 * expected, rel=1e-12)
     assert constant_predictor_log_likelihood(model, TensorDataset(x, y), 4) == pytest.approx(expected, rel=1e-12)
+    loader = DataLoader(TensorDataset(x, y), batch_size=2, shuffle=True)
+    assert constant_predictor_log_likelihood(model, loader, 4) == pytest.approx(expected, rel=1e-12)
 
 
 def test_bernoulli_value_per_output():
@@ -45,7 +47,8 @@ def test_not_judged_where_it_does_not_apply():
     regression = pb.BNN(nn.Linear(2, 1), likelihood="gaussian", noise=0.1)
     assert constant_predictor_log_likelihood(regression, (x, torch.zeros(4, 1)), 4) is None
     classifier = pb.BNN(nn.Linear(2, 2))
-    assert constant_predictor_log_likelihood(classifier, DataLoader(TensorDataset(x, y)), 4) is None
+    assert constant_predictor_log_likelihood(classifier, (x, None), 4) is None   # no targets
+    assert constant_predictor_log_likelihood(classifier, DataLoader(list(zip(x, y))), 4) is None   # not one tensor
 
     def hand_written(x, y=None):
         return None

@@ -17,7 +17,7 @@ converged one.  :func:`pyro_bnn.training.convergence.diagnose` flags it
 from __future__ import annotations
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from ..model.bnn import model_likelihood
 from ..model.likelihoods import kind_and_noise
@@ -26,8 +26,9 @@ __all__ = ["constant_predictor_log_likelihood"]
 
 
 def _labels(data) -> torch.Tensor | None:
-    """The training targets when ``data`` holds them as one tensor (``(x, y)`` or a
-    two-tensor ``TensorDataset``); ``None`` for loaders and other datasets (not read)."""
+    """The training targets when ``data`` holds them as one tensor (``(x, y)``, a two-tensor
+    ``TensorDataset``, or a ``DataLoader`` over one); ``None`` for other datasets (not read)."""
+    data = getattr(data, "dataset", data) if isinstance(data, DataLoader) else data
     if isinstance(data, TensorDataset) and len(data.tensors) == 2:
         return data.tensors[1]
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
@@ -43,8 +44,8 @@ def constant_predictor_log_likelihood(model, data, num_data: int) -> float | Non
     ----------
     model : BNN
         A :class:`~pyro_bnn.BNN` with a categorical or Bernoulli likelihood.
-    data : tuple of Tensor or TensorDataset
-        The training data ``(x, y)`` as given to :func:`pyro_bnn.fit`.
+    data : tuple of Tensor, TensorDataset or DataLoader
+        The training data as given to :func:`pyro_bnn.fit` (a loader: its dataset's targets).
     num_data : int
         The number of points the fit's objective counts (its minibatch scaling): the value is
         scaled from ``len(y)`` to it.
@@ -54,7 +55,7 @@ def constant_predictor_log_likelihood(model, data, num_data: int) -> float | Non
     float or None
         ``num_data · Σ_c p̂_c log p̂_c`` (Bernoulli: ``num_data · (p̂ log p̂ + (1 − p̂) log(1 − p̂))``),
         or ``None`` when it does not apply: another likelihood (regression), a hand-written model,
-        data given as a loader or dataset whose targets are not one tensor, or no targets.
+        data whose targets are not one tensor (a dataset of pairs, a loader over one), or no targets.
     """
     likelihood = model_likelihood(model)
     kind = kind_and_noise(likelihood)[0] if likelihood is not None else None
