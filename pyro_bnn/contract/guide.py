@@ -22,7 +22,7 @@ from collections.abc import Callable
 import pyro.poutine as poutine
 import torch
 from pyro.infer import Trace_ELBO
-from pyro.infer.autoguide import AutoGuideList, AutoNormal
+from pyro.infer.autoguide import AutoDelta, AutoGuideList, AutoLaplaceApproximation, AutoNormal
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.poutine.messenger import Messenger
 
@@ -75,6 +75,13 @@ class BNNGuide(WatchesBatches):
         (:class:`~pyro_bnn.guides.MeanField` and the guides built on it).  The tools read exact
         moments then (``site_moments``, pruning scores without a model); otherwise they use
         Pyro's ``AutoNormal`` quantiles or Monte Carlo draws.  Default ``False``.
+    bounds_evidence : bool
+        Whether the training objective's ``−loss`` is a lower bound on the log evidence
+        ``log p(y)`` (an ELBO, or the symmetrised ELBO), so that :func:`pyro_bnn.fit`'s
+        diagnosis may compare it with a constant predictor's log-likelihood (check (e) of
+        :mod:`pyro_bnn.training.convergence`).  Default ``True``; ``False`` for the Laplace
+        guide (a MAP objective, whose prior penalty is no Occam factor) and for Pyro's
+        point-mass guides (``AutoDelta``: the log joint).
 
     Every attribute a tool reads of a guide is declared here, with its default; the tools reach
     it through :func:`guide_contract` and never probe a guide with ``getattr``/``hasattr``
@@ -86,6 +93,7 @@ class BNNGuide(WatchesBatches):
     default_lr: float | None = None
     default_predictive: str = "sample"
     normal_per_site: bool = False
+    bounds_evidence: bool = True
     #: sample sites of the model that hold data; they are never latent variables of the
     #: guide, even when the guide is first set up without targets (``Predictive(model,
     #: guide=guide)(x)`` on a guide restored from Pyro's param store)
@@ -448,6 +456,15 @@ class _PyroGuideContract(BNNGuide):
 
     def predict(self, model, x, *, predictive="sample", num_samples=64, batch_size=1024, **kwargs):
         raise ValueError(f"{type(self.guide).__name__} supports only predictive='sample', got {predictive!r}")
+
+    @property
+    def bounds_evidence(self) -> bool:
+        """False if the guide, or a part of an ``AutoGuideList``, trains a point mass
+        (``AutoDelta``, ``AutoLaplaceApproximation``: their ELBO is the log joint, no bound on
+        the evidence), or is one of our guides that says so."""
+        parts = list(self.guide) if isinstance(self.guide, AutoGuideList) else [self.guide]
+        return not any(isinstance(part, (AutoDelta, AutoLaplaceApproximation))
+                       or (isinstance(part, BNNGuide) and not part.bounds_evidence) for part in parts)
 
     def _parts(self) -> list[BNNGuide]:
         """The pyro_bnn guides among an ``AutoGuideList``'s parts: their fit hooks run too (a

@@ -384,8 +384,9 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
                 bar.close()
         run.contract.on_fit_end(run.ctx)
     publish_after_fit(model, guide)  # Predictive / SVI / the param store see the trained values
-    diagnosis = run.monitor.diagnose(_judged_objective(run.history),
-                                     baseline=constant_predictor_log_likelihood(model, data, run.ctx.num_data))
+    judged_against_baseline = run.own_objective and run.contract.bounds_evidence   # check (e): an ELBO only
+    diagnosis = run.monitor.diagnose(_judged_objective(run.history), baseline=constant_predictor_log_likelihood(
+        model, data, run.ctx.num_data) if judged_against_baseline else None)
     if not diagnosis.converged and epochs > 0 and (run.dstate is None or run.dstate.is_main):
         warnings.warn(diagnosis.message(), ConvergenceWarning, stacklevel=3)
     return FitResult(history=run.history, seconds=time.perf_counter() - t_start, convergence=diagnosis,

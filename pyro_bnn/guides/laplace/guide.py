@@ -184,6 +184,7 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
     """
 
     supports_marglik = True
+    bounds_evidence = False  # its training objective is the MAP objective
     linearized = True
     #: the predictive ``pb.compare`` and ``pb.to_arviz`` use by default (linearised, GLM)
     default_predictive = "glm"
