@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data-root", default=None, help="Fashion-MNIST folder (default: Debian's)")
-    parser.add_argument("--mnist-root", default="/work/shared/data/mnist", help="MNIST IDX folder (unused here)")
+    parser.add_argument("--mnist-root", default="/work/shared/data/mnist", help="MNIST IDX folder (read by the shared loader; not scored here)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     (x, y), (xt, yt), _, side = load(args)

@@ -49,6 +49,9 @@ def test_not_judged_where_it_does_not_apply():
     classifier = pb.BNN(nn.Linear(2, 2))
     assert constant_predictor_log_likelihood(classifier, (x, None), 4) is None   # no targets
     assert constant_predictor_log_likelihood(classifier, DataLoader(list(zip(x, y))), 4) is None   # not one tensor
+    # a loader over part of its dataset (a train/validation split) has other class frequencies
+    part = DataLoader(TensorDataset(x, y), batch_size=2, sampler=torch.utils.data.SubsetRandomSampler([0, 1]))
+    assert constant_predictor_log_likelihood(classifier, part, 2) is None
 
     def hand_written(x, y=None):
         return None

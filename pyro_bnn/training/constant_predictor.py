@@ -2,23 +2,21 @@
 
 A network that predicts the training set's class frequencies for every input, whatever the
 input, reaches the log-likelihood ``N Σ_c p̂_c log p̂_c`` (``p̂_c`` the share of class ``c``
-among the labels) with no parameters to pay for.  A variational fit's objective is a lower
-bound on the log evidence and is at most its expected log-likelihood (a Laplace MAP objective:
-the log-likelihood less the prior's penalty), so a fit whose objective ends at or below this
-value does, by its own bound, no better than ignoring the inputs.  A short fit that has not
-learned yet ends there (its predictions may already beat chance: it pays more in KL than it
-gains), and so does a fit whose every posterior scale went back to its prior: on a narrow
-network a learning rate too high sends the scales there in the first epoch, before the means
-have learned, the gradient of the data term is then noise, and the fit is as flat as a
-converged one.  :func:`pyro_bnn.training.convergence.diagnose` flags it
-(check (e)).
-"""
+among the labels) with no parameters to pay for.  A variational objective (an ELBO) is a lower
+bound on the log evidence and at most the expected log-likelihood, so a fit whose ELBO ends at or
+below this value does, by its own bound, no better than ignoring the inputs.  A short fit that
+has not learned yet ends there (its predictions may already beat chance: it pays more in KL than
+it gains), and so does a fit collapsed to its prior, which is as flat as a converged one
+(measured: MeanField on a LeNet CNN at a learning rate too high for it).
+:func:`pyro_bnn.training.convergence.diagnose` flags it (check (e)); a MAP objective (Laplace,
+``AutoDelta``) is no such bound and is not compared (``BNNGuide.bounds_evidence``)."""
 
 from __future__ import annotations
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ..data.batches import as_tensors, dataset_size
 from ..model.bnn import model_likelihood
 from ..model.likelihoods import kind_and_noise
 
@@ -26,14 +24,22 @@ __all__ = ["constant_predictor_log_likelihood"]
 
 
 def _labels(data) -> torch.Tensor | None:
-    """The training targets when ``data`` holds them as one tensor (``(x, y)``, a two-tensor
-    ``TensorDataset``, or a ``DataLoader`` over one); ``None`` for other datasets (not read)."""
-    data = getattr(data, "dataset", data) if isinstance(data, DataLoader) else data
-    if isinstance(data, TensorDataset) and len(data.tensors) == 2:
-        return data.tensors[1]
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-        return data[1]
-    return None
+    """The training targets when ``data`` holds them as one tensor (``(x, y)``, a
+    ``TensorDataset``, or a ``DataLoader`` that draws from the whole of one); ``None`` otherwise
+    (other datasets are not read, and a loader over part of its dataset, a train/validation split,
+    has other class frequencies)."""
+    if isinstance(data, DataLoader):
+        try:
+            whole = isinstance(data.dataset, TensorDataset) and dataset_size(data) == len(data.dataset)
+        except (TypeError, ValueError):  # a sampler of one's own: which examples it covers is unknown
+            whole = False
+        if not whole:
+            return None
+        data = data.dataset
+    try:
+        return as_tensors(data)[1]
+    except (TypeError, ValueError):
+        return None
 
 
 def constant_predictor_log_likelihood(model, data, num_data: int) -> float | None:
@@ -55,7 +61,8 @@ def constant_predictor_log_likelihood(model, data, num_data: int) -> float | Non
     float or None
         ``num_data · Σ_c p̂_c log p̂_c`` (Bernoulli: ``num_data · (p̂ log p̂ + (1 − p̂) log(1 − p̂))``),
         or ``None`` when it does not apply: another likelihood (regression), a hand-written model,
-        data whose targets are not one tensor (a dataset of pairs, a loader over one), or no targets.
+        data whose targets are not one tensor (a dataset of pairs, a loader over one), a loader
+        over part of its dataset, or no targets.
     """
     likelihood = model_likelihood(model)
     kind = kind_and_noise(likelihood)[0] if likelihood is not None else None
