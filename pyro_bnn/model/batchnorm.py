@@ -26,7 +26,8 @@ from torch import nn
 
 __all__ = ["batchnorm_layers", "warn_batchnorm_in_train_mode", "BatchNormTrainModeWarning",
            "warn_running_statistics_of_random_affine",
-           "layers_feeding_normalization", "NORMALIZATION_LAYERS", "short_list"]
+           "layers_feeding_normalization", "convolutions_without_normalization", "NORMALIZATION_LAYERS",
+           "short_list"]
 
 #: Layers that divide their input's scale out: BatchNorm / InstanceNorm (per channel), LayerNorm
 #: and GroupNorm (per example, so at least a whole layer's common scale).
@@ -151,6 +152,25 @@ def layers_feeding_normalization(root: nn.Module, kinds: tuple = NORMALIZATION_L
     found.update(_in_traced_forwards(root, "", reading))
     order = {id(m): i for i, m in enumerate(root.modules())}
     return sorted(found.items(), key=lambda item: order[id(item[1])])
+
+
+def convolutions_without_normalization(root: nn.Module, sites=None) -> list[str]:
+    """Paths of the convolution layers of ``root`` whose output no normalisation layer divides
+    out (:func:`layers_feeding_normalization` with ``whole_layer=True``: a ReLU between counts),
+    in module order.
+
+    ``sites``: the names of the model's sample sites (``"net.0.weight"``); given, only the
+    convolutions whose weight is one of them count (a frozen feature extractor does not).
+    A model without any normalisation layer is not traced.
+    """
+    convolutions = [(path, m) for path, m in root.named_modules() if isinstance(m, nn.modules.conv._ConvNd)
+                    and (sites is None or _join(path, "weight") in sites)]
+    if not convolutions:
+        return []
+    normalized = set()
+    if any(isinstance(m, NORMALIZATION_LAYERS) for m in root.modules()):
+        normalized = {id(m) for _, m in layers_feeding_normalization(root, whole_layer=True)}
+    return [path for path, m in convolutions if id(m) not in normalized]
 
 
 def _join(prefix: str, name: str) -> str:
