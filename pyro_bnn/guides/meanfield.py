@@ -138,7 +138,8 @@ class MeanField(BNNGuide, AutoNormal):
     """
 
     #: learning rate of :func:`pyro_bnn.fit` when none is given (with its cosine decay), for
-    #: up to ``REFERENCE_NUM_DATA`` training points; :meth:`learning_rate` lowers it above
+    #: up to ``REFERENCE_NUM_DATA`` training points; :meth:`learning_rate` lowers it above, and
+    #: halves it for a net whose convolutions feed no normalisation layer
     default_lr = 5e-2
     #: q is one Normal per site: :meth:`loc_and_scale` gives its exact moments
     normal_per_site = True

@@ -160,11 +160,12 @@ def convolutions_without_normalization(root: nn.Module, sites=None) -> list[str]
     in module order.
 
     ``sites``: the names of the model's sample sites (``"net.0.weight"``); given, only the
-    convolutions whose weight is one of them count (a frozen feature extractor does not).
+    convolutions with a parameter among them count (a frozen feature extractor does not).
     A model without any normalisation layer is not traced.
     """
+    random_layers = None if sites is None else {site.rpartition(".")[0] for site in sites}
     convolutions = [(path, m) for path, m in root.named_modules() if isinstance(m, nn.modules.conv._ConvNd)
-                    and (sites is None or _join(path, "weight") in sites)]
+                    and (random_layers is None or path in random_layers)]
     if not convolutions:
         return []
     normalized = set()
