@@ -96,8 +96,11 @@ def test_meanfield_rate_halves_for_a_convolution_that_feeds_no_normalisation():
     assert plain.convolutions_without_normalization() == ["net.0"]
     assert plain.learning_rate(1348) == pytest.approx(0.025, rel=1e-12)
     assert plain.learning_rate(60_000) == pytest.approx(0.5 * 0.05 / math.sqrt(6), rel=1e-12)
-    # Symmetrized inherits the rule
-    assert pb.guides.Symmetrized(pb.BNN(_conv_net(norm=False), "categorical")).learning_rate(10) == 0.025
+    # Symmetrized: the same rule with a quarter (its long LeNet fits ended lower at the half rate)
+    sym = pb.guides.Symmetrized(pb.BNN(_conv_net(norm=False), "categorical"))
+    assert sym.learning_rate(10) == 0.0125
+    assert sym.learning_rate(60_000) == pytest.approx(0.25 * 0.05 / math.sqrt(6), rel=1e-12)  # 0.0051
+    assert pb.guides.Symmetrized(pb.BNN(_conv_net(norm=True), "categorical")).learning_rate(10) == 0.05
     # BatchNorm after the convolution, or a frozen (deterministic) convolution: the full rate
     for net in (_conv_net(norm=True), _conv_net(norm=False, frozen=True)):
         guide = pb.guides.MeanField(pb.BNN(net, "categorical"))

@@ -63,6 +63,11 @@ from .prior_scale import own_normal_priors_, update_prior_scales_
 __all__ = ["MeanField", "MeanFieldELBO"]
 
 
+#: :meth:`MeanField.learning_rate`'s factor for a model with a convolution that feeds no
+#: normalisation layer
+UNNORMALIZED_CONV_LR_FACTOR = 0.5
+
+
 class MeanField(BNNGuide, AutoNormal):
     """Mean-field Normal guide for BNNs.
 
@@ -141,6 +146,8 @@ class MeanField(BNNGuide, AutoNormal):
     #: up to ``REFERENCE_NUM_DATA`` training points; :meth:`learning_rate` lowers it above, and
     #: halves it for a net whose convolutions feed no normalisation layer
     default_lr = 5e-2
+    #: :meth:`learning_rate`'s factor for a net with a convolution that feeds no normalisation layer
+    unnormalized_conv_lr_factor = UNNORMALIZED_CONV_LR_FACTOR
     #: q is one Normal per site: :meth:`loc_and_scale` gives its exact moments
     normal_per_site = True
 
@@ -275,8 +282,9 @@ class MeanField(BNNGuide, AutoNormal):
     def learning_rate(self, num_data: int) -> float:
         """The learning rate of :func:`pyro_bnn.fit` when none is given, for ``num_data``
         training points: ``default_lr × min(1, √(REFERENCE_NUM_DATA / num_data))``, times
-        ``UNNORMALIZED_CONV_LR_FACTOR`` (½) when a convolution with random weights feeds no
-        normalisation layer (:meth:`convolutions_without_normalization`).
+        :attr:`unnormalized_conv_lr_factor` (½; :class:`~pyro_bnn.guides.Symmetrized` ¼) when a
+        convolution with random weights feeds no normalisation layer
+        (:meth:`convolutions_without_normalization`).
 
         Adam moves each mean by about ``lr`` per step, while the posterior's width shrinks as
         ``1/√N``; above ~10,000 points a fixed rate keeps the means jittering by more than
@@ -296,7 +304,7 @@ class MeanField(BNNGuide, AutoNormal):
         """
         check_positive("num_data", num_data)
         rate = self.default_lr * min(1.0, math.sqrt(REFERENCE_NUM_DATA / num_data))
-        return rate * UNNORMALIZED_CONV_LR_FACTOR if self.convolutions_without_normalization() else rate
+        return rate * self.unnormalized_conv_lr_factor if self.convolutions_without_normalization() else rate
 
     def convolutions_without_normalization(self) -> list[str]:
         """Paths of the model's convolutions with random weights whose output no normalisation
@@ -407,10 +415,6 @@ class MeanField(BNNGuide, AutoNormal):
 #: means of layers with a larger fan-in learn at a reduced rate (``loc_lr_scaling="fan_in"``):
 #: 100 keeps every layer of the small nets the defaults were tuned on (digits 64-100-10) at ``lr``
 REFERENCE_FAN_IN = 100
-
-#: :meth:`MeanField.learning_rate`'s factor for a model with a convolution that feeds no
-#: normalisation layer
-UNNORMALIZED_CONV_LR_FACTOR = 0.5
 
 #: up to this many training points :meth:`MeanField.learning_rate` is ``default_lr``; above it
 #: the rate falls as ``1/√N`` (0.02 at 60,000)

@@ -127,7 +127,10 @@ ARCH_DEFAULTS: dict[tuple[str, str], dict[str, dict]] = {
                                # at the default 0.02 Symmetrized (weight noise) diverged to chance
                                # accuracy on this CNN; with local reparameterisation at 0.01 it
                                # trains stably (30 epochs: 0.885 / NLL 0.316, not yet converged;
-                               # docs/results/fmnist_guides.md, sixth session)
+                               # docs/results/fmnist_guides.md, sixth session); the library's
+                               # default for this net is 0.0051 since the thirty-fifth session
+                               # (longer fits at 0.01 ended lower); 0.01 keeps this 30-epoch
+                               # budget's recorded setting
                                "symmetrized": {"lr": 1e-2}},
 }
 
