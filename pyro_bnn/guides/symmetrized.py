@@ -87,6 +87,7 @@ MAX_EXACT_GROUP = 100_000
 #: half) when a convolution with random weights feeds no normalisation layer
 SYMMETRIZED_UNNORMALIZED_CONV_LR_FACTOR = 0.25
 
+
 def _check_estimator(estimator) -> str:
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
@@ -145,7 +146,8 @@ class Symmetrized(MeanField):
     """
 
     #: :meth:`learning_rate` on a net with a convolution that feeds no normalisation layer: half
-    #: MeanField's (0.0051 for the LeNet on 60,000 Fashion-MNIST images).  Measured there
+    #: MeanField's rate for that net (0.0051 for the LeNet on 60,000 Fashion-MNIST images, MeanField
+    #: 0.0102).  Measured there
     #: (``docs/results/fashion_mnist.md``, thirty-fifth session), 240 epochs, seeds 0 and 1: lr
     #: 0.01 ended at symmetrised bounds −24,075 / −23,835 (below seed 0's own 120-epoch fit,
     #: −22,827), lr 0.005 at −22,276 / −22,266 (1.7 points more accurate); at 120 epochs the two
