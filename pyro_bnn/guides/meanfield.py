@@ -63,11 +63,6 @@ from .prior_scale import own_normal_priors_, update_prior_scales_
 __all__ = ["MeanField", "MeanFieldELBO"]
 
 
-#: :meth:`MeanField.learning_rate`'s factor for a model with a convolution that feeds no
-#: normalisation layer
-UNNORMALIZED_CONV_LR_FACTOR = 0.5
-
-
 class MeanField(BNNGuide, AutoNormal):
     """Mean-field Normal guide for BNNs.
 
@@ -144,10 +139,11 @@ class MeanField(BNNGuide, AutoNormal):
 
     #: learning rate of :func:`pyro_bnn.fit` when none is given (with its cosine decay), for
     #: up to ``REFERENCE_NUM_DATA`` training points; :meth:`learning_rate` lowers it above, and
-    #: halves it for a net whose convolutions feed no normalisation layer
+    #: scales it by ``unnormalized_conv_lr_factor`` for a net whose convolutions feed no
+    #: normalisation layer
     default_lr = 5e-2
     #: :meth:`learning_rate`'s factor for a net with a convolution that feeds no normalisation layer
-    unnormalized_conv_lr_factor = UNNORMALIZED_CONV_LR_FACTOR
+    unnormalized_conv_lr_factor = 0.5
     #: q is one Normal per site: :meth:`loc_and_scale` gives its exact moments
     normal_per_site = True
 

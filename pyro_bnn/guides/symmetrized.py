@@ -83,10 +83,6 @@ ESTIMATORS = {"local": (1, 100), "uniform": (10, 500), "exact": (1, 1)}
 #: Largest group ``"exact"`` enumerates.
 MAX_EXACT_GROUP = 100_000
 
-#: :attr:`Symmetrized.unnormalized_conv_lr_factor`: a quarter of the default rate (MeanField: a
-#: half) when a convolution with random weights feeds no normalisation layer
-SYMMETRIZED_UNNORMALIZED_CONV_LR_FACTOR = 0.25
-
 
 def _check_estimator(estimator) -> str:
     if estimator not in ESTIMATORS:
@@ -145,15 +141,15 @@ class Symmetrized(MeanField):
     >>> result.history["elbo"], result.history["symmetrized_elbo"]        # doctest: +SKIP
     """
 
-    #: :meth:`learning_rate` on a net with a convolution that feeds no normalisation layer: half
-    #: MeanField's rate for that net (0.0051 for the LeNet on 60,000 Fashion-MNIST images, MeanField
-    #: 0.0102).  Measured there
-    #: (``docs/results/fashion_mnist.md``, thirty-fifth session), 240 epochs, seeds 0 and 1: lr
+    #: :meth:`learning_rate`'s factor on a net with a convolution that feeds no normalisation
+    #: layer: a quarter, half MeanField's rate for that net (0.0051 for the LeNet on 60,000
+    #: Fashion-MNIST images, MeanField 0.0102).  Measured there (``docs/results/fashion_mnist.md``,
+    #: thirty-fifth session), 240 epochs, seeds 0 and 1: lr
     #: 0.01 ended at symmetrised bounds −24,075 / −23,835 (below seed 0's own 120-epoch fit,
     #: −22,827), lr 0.005 at −22,276 / −22,266 (1.7 points more accurate); at 120 epochs the two
     #: rates were level (−22,922 vs −22,827), and on 10,000 images (80 epochs, 3 seeds) 0.0125
     #: and 0.025 were level (mean −7,475 vs −7,359).
-    unnormalized_conv_lr_factor = SYMMETRIZED_UNNORMALIZED_CONV_LR_FACTOR
+    unnormalized_conv_lr_factor = 0.25
 
     def __init__(self, model, num_permutations: int | None = None,
                  permutations: Sequence[Mapping[str, int]] | None = None, *,
