@@ -59,6 +59,7 @@ import argparse
 import copy
 import dataclasses
 import math
+import os
 import resource
 import statistics
 import sys
@@ -212,6 +213,9 @@ def fit_row(args, model, guide, data_xy, *, num_samples, predictive="sample", **
                 group["eps"] = eps
             return opt
         fit_kw["optimizer"] = optimizer
+    if args.checkpoint_dir:  # one file per guide, net, length and seed; a rerun continues it
+        name = f"{type(guide).__name__}_{args.arch}_e{args.epochs}_s{args.seed}.pt"
+        fit_kw.update(checkpoint=os.path.join(args.checkpoint_dir, name), resume=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = pb.fit(model, guide, (x, y), epochs=args.epochs, seed=args.seed, progress=False,
@@ -702,6 +706,10 @@ def main(argv=None):
                         help="AutoNormal's lr schedule: constant, or pyro.optim.CosineAnnealingLR stepped per epoch")
     parser.add_argument("--adam-eps-per-datum", type=float, default=None,
                         help="pb.fit rows: Adam eps = this x N (1e-8: a mean-loss Adam step)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="the pb.fit rows (meanfield, hypernet, symmetrized) checkpoint every epoch into "
+                             "this existing folder and continue from it when rerun with the same arguments "
+                             "(one folder per command: a different run there is refused)")
     parser.add_argument("--out", default=None, help="append one JSON line per row to this file")
     args = parser.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -716,6 +724,8 @@ def main(argv=None):
         parser.error(f"--bn-affine random makes BatchNorm's γ, β random; the {args.arch} has no BatchNorm")
     if args.bn_data and args.arch != "bn-cnn":
         parser.error(f"--bn-data re-estimates BatchNorm statistics; the {args.arch} has no BatchNorm")
+    if args.checkpoint_dir and not os.path.isdir(args.checkpoint_dir):
+        parser.error(f"--checkpoint-dir must be an existing folder; got {args.checkpoint_dir!r}")
     torch.set_num_threads(args.threads)
     data = load(args)
     lengths = [args.epochs, 2 * args.epochs] if args.check_length else [args.epochs]
