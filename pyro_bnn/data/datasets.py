@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 __all__ = ["DataSplit", "digits", "mnist", "read_idx", "mnist_split", "fashion_mnist",
-           "fashion_mnist_split", "FashionMNISTSplit", "FASHION_MNIST_CLASSES", "toy_regression"]
+           "fashion_mnist_split", "FashionMNISTSplit", "FASHION_MNIST_CLASSES", "toy_regression",
+           "identify_split"]
 
 
 class DataSplit(NamedTuple):
@@ -139,6 +140,55 @@ def _find(root: Path, stem: str) -> Path | None:
     return None
 
 
+#: What tells MNIST and Fashion-MNIST apart (their files have the same names, format and
+#: sizes, so a ``root=`` that points at the other data set loaded it in silence): the class
+#: counts of each published split and its first ten labels.
+_SIGNATURES = {
+    ("MNIST", "train"): ((5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
+                         (5, 0, 4, 1, 9, 2, 1, 3, 1, 4)),
+    ("MNIST", "test"): ((980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009),
+                        (7, 2, 1, 0, 4, 1, 4, 9, 5, 9)),
+    ("Fashion-MNIST", "train"): ((6000,) * 10, (9, 0, 0, 3, 0, 2, 7, 2, 5, 5)),
+    ("Fashion-MNIST", "test"): ((1000,) * 10, (9, 2, 1, 1, 6, 1, 4, 6, 5, 7)),
+}
+_LOADERS = {"MNIST": "mnist", "Fashion-MNIST": "fashion_mnist"}
+
+
+def identify_split(labels: np.ndarray) -> tuple[str, str] | None:
+    """``(data set, split)`` of a published MNIST or Fashion-MNIST split whose labels these
+    are (its class counts and first ten labels, :data:`_SIGNATURES`), else ``None``.
+
+    Parameters
+    ----------
+    labels : numpy.ndarray, shape (N,)
+        Integer labels 0-9, in file order.
+    """
+    if labels.size < 10:
+        return None
+    counts = tuple(np.bincount(labels, minlength=10).tolist())
+    first = tuple(labels[:10].tolist())
+    for key, (ref_counts, ref_first) in _SIGNATURES.items():
+        if counts == ref_counts and first == ref_first:
+            return key
+    return None
+
+
+def _refuse_other_data_set(labels: np.ndarray, lbl: Path, wanted: str) -> None:
+    """``ValueError`` when the files read for ``wanted`` are the other data set's published
+    split (a ``root=`` pointing at the wrong folder; the files have the same names)."""
+    found = identify_split(labels)
+    if found is None or found[0] == wanted:
+        return
+    other, split = found
+    counts, _ = _SIGNATURES[found]
+    per_class = f"{min(counts):,}" if min(counts) == max(counts) else f"{min(counts):,}-{max(counts):,}"
+    raise ValueError(
+        f"{lbl}: expected {wanted} labels, got those of the {other} {split} set ({len(labels):,} labels, "
+        f"{per_class} per class, starting {', '.join(map(str, labels[:5].tolist()))}): "
+        f"root={str(lbl.parent)!r} holds {other}, whose files have the same names; pass the folder of "
+        f"{wanted}, or load these with pb.datasets.{_LOADERS[other]}()")
+
+
 def mnist(root: str | os.PathLike, split: str = "test", flatten: bool = True,
           download: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """MNIST from IDX files in ``root`` (raw or gzipped, torchvision's ``MNIST/raw`` layout too).
@@ -152,7 +202,8 @@ def mnist(root: str | os.PathLike, split: str = "test", flatten: bool = True,
         The files are not in ``root``.
     ValueError
         A damaged file (see :func:`read_idx`), images that are not ``(N, 28, 28)``,
-        labels that are not ``(N,)`` digits 0-9, or image and label counts that differ.
+        labels that are not ``(N,)`` digits 0-9, image and label counts that differ, or the
+        files of a Fashion-MNIST split (same names; :func:`identify_split`).
     """
     if split not in _MNIST_FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -176,6 +227,7 @@ def mnist(root: str | os.PathLike, split: str = "test", flatten: bool = True,
                          f"{len(labels)} labels in {lbl.name}; expected one label per image")
     if labels.size and int(labels.max()) > 9:
         raise ValueError(f"{lbl}: expected digit labels 0-9, got labels up to {int(labels.max())}")
+    _refuse_other_data_set(labels, lbl, "MNIST")
     x = torch.from_numpy(images.astype(np.float32) / 255.0)
     y = torch.from_numpy(labels.astype(np.int64))
     x = x.reshape(len(x), -1) if flatten else x.reshape(len(x), 1, 28, 28)
@@ -292,7 +344,8 @@ def fashion_mnist(root: str | os.PathLike | None = None, split: str = "train",
         and ``root=``).
     ValueError
         A wrong ``split``; a damaged, truncated or non-IDX file (see :func:`read_idx`);
-        images that are not 28×28; labels outside 0-9; image and label counts that differ.
+        images that are not 28×28; labels outside 0-9; image and label counts that differ;
+        the files of an MNIST split (same names; :func:`identify_split`).
     """
     if split not in _MNIST_FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}"
@@ -331,6 +384,7 @@ def _check_fashion(images, labels, img: Path, lbl: Path, split: str) -> None:
                          f"but {len(labels)} labels in {lbl.name}; expected one label per image")
     if labels.size and int(labels.max()) > 9:
         raise ValueError(f"{lbl}: expected class labels 0-9, got labels up to {int(labels.max())}")
+    _refuse_other_data_set(labels, lbl, "Fashion-MNIST")
     expected = _FASHION_MNIST_SIZES[split]
     if FASHION_MNIST_DEBIAN_ROOT in img.parents and len(images) != expected:
         raise ValueError(f"{img}: the installed Fashion-MNIST {split} set should hold {expected} "

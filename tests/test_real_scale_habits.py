@@ -1,0 +1,128 @@
+"""Habits of moving from toy data to real image data (thirty-sixth session audit): the MNIST and
+Fashion-MNIST loaders given the other data set's folder, and ``structure="full"`` Laplace on a
+LeNet-size network.  Synthetic IDX files and digits only; the real files are used when present."""
+
+import gzip
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.data.datasets import _SIGNATURES, identify_split
+from pyro_bnn.guides.laplace import sites
+from pyro_bnn.reporting.cli import lenet
+
+MNIST_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
+
+
+def _write_idx(folder: Path, stem: str, labels: np.ndarray) -> None:
+    """Test-split IDX files (``t10k-*``, gzipped) with the given labels and blank images."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n = len(labels)
+    with gzip.open(folder / f"{stem}-labels-idx1-ubyte.gz", "wb") as fh:
+        fh.write(struct.pack(">HBBI", 0, 8, 1, n) + labels.astype(np.uint8).tobytes())
+    with gzip.open(folder / f"{stem}-images-idx3-ubyte.gz", "wb", compresslevel=1) as fh:
+        fh.write(struct.pack(">HBBIII", 0, 8, 3, n, 28, 28) + bytes(n * 28 * 28))
+
+
+def _labels_with(counts, first) -> np.ndarray:
+    """Labels with these class counts that start with ``first`` (the rest in class order)."""
+    rest = np.bincount(np.asarray(first), minlength=10)
+    tail = np.concatenate([np.full(c - r, k) for k, (c, r) in enumerate(zip(counts, rest))])
+    return np.concatenate([np.asarray(first), tail])
+
+
+@pytest.mark.parametrize("data_set, loader, other", [
+    ("Fashion-MNIST", pb.datasets.mnist, pb.datasets.fashion_mnist),
+    ("MNIST", pb.datasets.fashion_mnist, pb.datasets.mnist),
+])
+def test_a_root_that_holds_the_other_data_set_is_refused(tmp_path, data_set, loader, other):
+    """The two data sets' files have the same names and format: ``mnist(root=<Fashion-MNIST
+    folder>)`` returned the clothes as digits (and an OOD comparison of a Fashion-MNIST model
+    against "MNIST" compared it with its own test set) without a word.  Now a ValueError names
+    what the files hold and the loader that reads them; the right loader reads them."""
+    labels = _labels_with(*_SIGNATURES[(data_set, "test")])
+    assert identify_split(labels) == (data_set, "test")
+    _write_idx(tmp_path, "t10k", labels)
+    with pytest.raises(ValueError, match=rf"expected \S+ labels, got those of the {data_set} test set "
+                                         rf"\(10,000 labels, .* per class, starting .*pb\.datasets\.{other.__name__}\(\)"):
+        loader(tmp_path, split="test")
+    x, y = other(tmp_path, split="test")
+    assert x.shape == (10000, 784) and torch.equal(y, torch.from_numpy(labels.astype(np.int64)))
+
+
+def test_other_label_files_of_the_same_size_load():
+    """No false alarm: the signature needs a published split's class counts and its first ten
+    labels; the same counts in another order, or another count, is some other data set."""
+    counts, first = _SIGNATURES[("Fashion-MNIST", "test")]
+    labels = _labels_with(counts, first)
+    assert identify_split(labels[::-1].copy()) is None
+    assert identify_split(np.concatenate([labels, [3]])) is None
+    assert identify_split(labels[:9]) is None
+
+
+@pytest.mark.skipif(not (MNIST_ROOT / "t10k-labels-idx1-ubyte.gz").exists(), reason="no MNIST test files")
+def test_the_real_mnist_test_files_are_recognised():
+    x, y = pb.datasets.mnist(MNIST_ROOT, split="test")
+    assert identify_split(y.numpy()) == ("MNIST", "test")
+    assert 0.0 <= float(x.min()) and float(x.max()) == 1.0    # bytes / 255, as fashion_mnist
+    with pytest.raises(ValueError, match="got those of the MNIST test set"):
+        pb.datasets.fashion_mnist(MNIST_ROOT, split="test")
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz").exists(),
+                    reason="no Fashion-MNIST files")
+def test_the_real_fashion_mnist_test_files_are_recognised():
+    root = "/usr/share/datasets/fashion-mnist"
+    x, y = pb.datasets.fashion_mnist(root, split="test", flatten=False)
+    assert identify_split(y.numpy()) == ("Fashion-MNIST", "test")
+    assert x.shape == (10000, 1, 28, 28) and x.dtype == torch.float32 and float(x.max()) == 1.0
+    with pytest.raises(ValueError, match="got those of the Fashion-MNIST test set"):
+        pb.datasets.mnist(root, split="test")
+
+
+def test_full_laplace_on_a_lenet_is_refused_where_its_matrices_do_not_fit(monkeypatch):
+    """LeNet has P = 44,426 weights, 7.4 GiB per P x P float32 matrix.  The refusal counted 2
+    matrices and let it through on a 24 GiB machine, where the curvature needs about 7 (see
+    the test below): it would have run out of memory after hours of GGN accumulation."""
+    monkeypatch.setattr(sites, "device_memory_bytes", lambda device: 24 * 2 ** 30)
+    model = pb.BNN(lenet(), likelihood="categorical")
+    guide = pb.guides.Laplace(model, structure="full")
+    with pytest.raises(ValueError, match=r"P = 44,426 parameters .* 7\.4 GiB per matrix .* needs \d+ at once, "
+                                         r"[\d.]+ GiB, more than the 24\.0 GiB"):
+        guide(torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long))
+    kron = pb.guides.Laplace(model, structure="kron")     # the alternatives it names set up
+    kron(torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long))
+
+
+def _resident(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's peak-RSS reset")
+def test_full_laplace_peak_memory_is_within_the_refusals_count():
+    """The refusal's count of dense matrices is what the curvature, the evidence tuning and the
+    GLM predictive really hold at their peak: measured by the process's peak resident memory
+    on P = 4,510 weights (78 MiB per matrix; the Jacobians of a batch are kept small)."""
+    data = pb.datasets.digits()
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 60), nn.ReLU(), nn.Linear(60, 10)), likelihood="categorical")
+    num_params = sum(p.numel() for p in model.initial_values().values())
+    matrix = num_params ** 2 * 4
+    guide = pb.guides.Laplace(model, structure="full", curvature_batch_size=32)
+    guide(*(t[:2] for t in data.train))
+    base = _resident("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")   # reset VmHWM to the current resident size
+    guide.fit_curvature(data.train)
+    guide.optimize_prior_precision()
+    probs = pb.predict(model, guide, data.x_test, num_samples=8, batch_size=32)
+    peak = (_resident("VmHWM") - base) / matrix
+    assert probs.shape == (8, len(data.x_test), 10)
+    assert 3 < peak <= sites.DENSE_COPIES, f"peak {peak:.2f} matrices of P = {num_params:,}"
