@@ -4,6 +4,7 @@ LeNet-size network.  Synthetic IDX files and digits only; the real files are use
 
 import gzip
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -126,3 +127,42 @@ def test_full_laplace_peak_memory_is_within_the_refusals_count():
     peak = (_resident("VmHWM") - base) / matrix
     assert probs.shape == (8, len(data.x_test), 10)
     assert 3 < peak <= sites.DENSE_COPIES, f"peak {peak:.2f} matrices of P = {num_params:,}"
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--dataset", "mnist", "--data-root", "/data/mnist"], r"--data-root \(the Fashion-MNIST folder; the MNIST folder is --data-dir\)"),
+    (["--dataset", "fashion-mnist", "--data-dir", "/data/fashion"], r"--data-dir \(the MNIST folder .*; the Fashion-MNIST folder is --data-root\)"),
+    (["--ood-root", "/data/mnist"], r"--dataset digits --arch mlp does not read --ood-root"),
+    (["--dataset", "fashion-mnist", "--arch", "cnn", "--hidden", "50"], r"--hidden \(the width of the MLP's layers"),
+])
+def test_cli_options_the_dataset_does_not_read_are_refused(argv, named, tmp_path, capsys):
+    """``pyro-bnn --dataset mnist --data-root ~/mnist`` trained on ../shared/data/mnist (the
+    default --data-dir) without a word; --ood-root with another dataset and --hidden with the
+    CNN were dropped the same way.  Refused before any data is read or anything trained."""
+    from pyro_bnn.reporting import cli
+
+    out = tmp_path / "report"
+    assert cli.main([*argv, "--guides", "meanfield", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(named, err), err
+    assert "leave it out" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_cli_mnist_reads_its_default_folder_and_records_it(tmp_path, monkeypatch, capsys):
+    """Without --data-dir, --dataset mnist still reads the default folder (and the report's
+    settings name it); --data-dir is read when given."""
+    from pyro_bnn.reporting import cli
+
+    read = []
+
+    def mnist_split(root, *args, **kwargs):
+        read.append(root)
+        raise FileNotFoundError(f"no files in {root}")
+
+    monkeypatch.setattr(cli.datasets, "mnist_split", mnist_split)
+    for argv in ([], ["--data-dir", str(tmp_path)]):
+        assert cli.main(["--dataset", "mnist", *argv, "--guides", "meanfield", "--out", str(tmp_path / "r"),
+                         "--no-progress"]) == 2
+    assert read == [cli.MNIST_DIR, str(tmp_path)]
+    assert f"no files in {cli.MNIST_DIR}" in capsys.readouterr().err

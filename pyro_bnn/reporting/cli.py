@@ -141,6 +141,28 @@ LOO_SAMPLES = {"fashion-mnist": 25}
 #: The datasets of 28x28 images, on which ``--arch cnn`` runs.
 IMAGE_DATASETS = ("fashion-mnist", "mnist")
 
+#: The MNIST test digits: ``--dataset mnist``'s data and ``--dataset fashion-mnist``'s OOD set.
+MNIST_DIR = "../shared/data/mnist"
+
+
+def unused_options(args) -> list[str]:
+    """The options given on the command line that the chosen ``--dataset`` / ``--arch`` do not
+    read, each with what it is for (``--data-root`` is Fashion-MNIST's folder, ``--data-dir``
+    MNIST's): a run that ignored them trained on other data than the user named, or at
+    another width, without a word."""
+    unused = []
+    if args.data_root is not None and args.dataset != "fashion-mnist":
+        unused.append("--data-root (the Fashion-MNIST folder"
+                      + ("; the MNIST folder is --data-dir)" if args.dataset == "mnist" else ")"))
+    if args.data_dir is not None and args.dataset != "mnist":
+        unused.append("--data-dir (the MNIST folder of --dataset mnist"
+                      + ("; the Fashion-MNIST folder is --data-root)" if args.dataset == "fashion-mnist" else ")"))
+    if args.ood_root is not None and args.dataset != "fashion-mnist":
+        unused.append("--ood-root (the MNIST digits as the OOD set of --dataset fashion-mnist)")
+    if args.hidden is not None and args.arch == "cnn":
+        unused.append("--hidden (the width of the MLP's layers; --arch cnn is the fixed LeNet)")
+    return unused
+
 
 def guide_defaults(dataset: str, name: str, *, arch: str = "mlp") -> dict:
     """The settings of guide ``name`` on ``dataset`` with network ``arch``: :data:`GUIDE_DEFAULTS`
@@ -198,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-root", default=None,
                    help="folder with the Fashion-MNIST IDX files (default: the loader's, "
                         "$PYRO_BNN_FASHION_MNIST or /usr/share/datasets/fashion-mnist)")
-    p.add_argument("--data-dir", default="../shared/data/mnist", help="folder with the MNIST IDX files")
+    p.add_argument("--data-dir", default=None,
+                   help=f"folder with the MNIST IDX files (--dataset mnist; default {MNIST_DIR})")
     p.add_argument("--ood-root", default=None,
                    help="folder with the MNIST test IDX files, the out-of-distribution set of "
                         "fashion-mnist (default ../shared/data/mnist if it exists, else no OOD figure)")
@@ -259,7 +282,7 @@ def _ood_data(args) -> tuple[dict | None, str | None]:
         return None, None
     root = args.ood_root
     if root is None:
-        root = "../shared/data/mnist"
+        root = MNIST_DIR
         if not Path(root).is_dir():
             return {}, f"no OOD figure: the MNIST test digits were not found in {root} (pass --ood-root)"
     x, _ = datasets.mnist(root, split="test", flatten=args.arch == "mlp")
@@ -393,6 +416,13 @@ def _run(args, names, staging: StagedFolder, t_start: float, previous: str, inte
         print(f"error: --arch cnn needs 28x28 images (--dataset {' or '.join(IMAGE_DATASETS)}), "
               f"got --dataset {args.dataset}", file=sys.stderr)
         return 2
+    unused = unused_options(args)
+    if unused:
+        print(f"error: --dataset {args.dataset} --arch {args.arch} does not read {'; '.join(unused)}: "
+              "leave it out, or choose the dataset it belongs to", file=sys.stderr)
+        return 2
+    if args.dataset == "mnist" and args.data_dir is None:   # the report's settings name the folder read
+        args.data_dir = MNIST_DIR
     try:
         split = _data(args)
         ood, ood_note = _ood_data(args)
