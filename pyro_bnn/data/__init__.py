@@ -1,5 +1,6 @@
 """Data: user data (tensors, a ``Dataset`` or a ``DataLoader``) as checked minibatches
-(:mod:`.batches`), and the data sets (:mod:`.datasets`).
+(:mod:`.batches`; inputs that look like unscaled 8-bit pixels are warned, :mod:`.scaling`), and the
+data sets (:mod:`.datasets`).
 
 May import: :mod:`pyro_bnn.model`, :mod:`pyro_bnn.contract`, :mod:`pyro_bnn.arguments`.
 """

@@ -34,6 +34,7 @@ from ..model.bnn import check_input_of, initial_values_of, model_likelihood, net
 from ..model.devices import module_device
 from ..model.likelihoods import Likelihood, make_likelihood
 from ..model.modes import evaluation_mode
+from .scaling import warn_unscaled_pixels
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
            "check_inputs", "validate_data", "check_data", "checked_source", "check_targets", "as_labels", "as_targets",
@@ -168,11 +169,16 @@ class BatchCheck:
         self.likelihood = lik if isinstance(lik, Likelihood) else None
         self.device = device
         self._output_shape: tuple[int, ...] | None = None
+        self._pixels_looked_at = False
 
     def __call__(self, x, y=None, where: str = "") -> None:
-        """Raise ``TypeError``/``ValueError`` naming the problem and ``where`` it is."""
+        """Raise ``TypeError``/``ValueError`` naming the problem and ``where`` it is; warn once
+        (the first call) if ``x`` looks like unscaled 8-bit pixels (:mod:`pyro_bnn.data.scaling`)."""
         at = f" in {where}" if where else ""
         check_inputs(x, f"x{at}", self.dtype, allow_integer=self.integer_inputs)
+        if not getattr(self, "_pixels_looked_at", True):
+            self._pixels_looked_at = True
+            warn_unscaled_pixels(x, f"x{at}")
         if y is None:
             return
         if not isinstance(y, torch.Tensor):
