@@ -219,3 +219,22 @@ def test_scaled_or_other_inputs_are_not_warned(inputs):
             warnings.simplefilter("error")
             warnings.simplefilter("ignore", pb.ConvergenceWarning)
             pb.fit(model, pb.guides.MeanField(model), (x, data.y_train), epochs=1, progress=False)
+
+
+def test_ood_sets_of_different_shapes_are_named():
+    """Fashion-MNIST images (N, 1, 28, 28) against MNIST loaded flat (the loaders' default):
+    torch's cat said "Tensors must have same number of dimensions: got 4 and 2"; now the
+    message names both shapes and flatten=.  Sets of equal shapes still score."""
+    data = pb.datasets.digits(image=True)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 36, 10))
+    model = pb.BNN(net, likelihood="categorical")
+    guide = pb.guides.MeanField(model)
+    guide(*(t[:2] for t in data.train))
+    flat = data.x_test.reshape(len(data.x_test), -1)
+    with pytest.raises(ValueError, match=r"got in_x \(100, 1, 8, 8\) torch\.float32 and out_x \(449, 64\) "
+                                         r"torch\.float32 \(load both with the same flatten="):
+        pb.analysis.ood.evaluate(model, guide, data.x_train[:100], flat, num_samples=2)
+    with pytest.raises(ValueError, match=r"out_x \(449, 1, 8, 8\) torch\.float64$"):
+        pb.analysis.ood.evaluate(model, guide, data.x_train[:100], data.x_test.double(), num_samples=2)
+    scores = pb.analysis.ood.evaluate(model, guide, data.x_train[:100], data.x_test.flip(-1), num_samples=2)
+    assert 0.0 <= scores["entropy"]["auroc"] <= 1.0

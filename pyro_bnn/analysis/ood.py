@@ -151,6 +151,7 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, *, num_sampl
     >>> res = pb.analysis.ood.evaluate(model, guide, x_test_0to4, x_test_5to9)   # doctest: +SKIP
     >>> res["mutual_information"]["auroc"]                               # doctest: +SKIP
     """
+    _check_same_inputs(in_x, out_x)
     in_x, out_x = to_model_device(model, guide, in_x, out_x)
     x = torch.cat([in_x, out_x])
     with seeded(seed):
@@ -161,6 +162,23 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, *, num_sampl
     probs = class_probabilities(model, guide, probs)
     labels = torch.cat([torch.zeros(len(in_x)), torch.ones(len(out_x))])
     return evaluate_probs(probs.cpu(), labels)
+
+
+def _check_same_inputs(in_x, out_x) -> None:
+    """``TypeError``/``ValueError`` unless both sets are tensors of the same per-example
+    shape and dtype: one model scores both (torch's ``cat`` said only "Tensors must have same
+    number of dimensions: got 4 and 2" for Fashion-MNIST images and MNIST loaded flat)."""
+    for name, t in (("in_x", in_x), ("out_x", out_x)):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise TypeError(f"{name} must be a tensor of inputs (N, ...), got "
+                            f"{type(t).__name__ if not isinstance(t, torch.Tensor) else 'a 0-d tensor'}")
+    if in_x.shape[1:] != out_x.shape[1:] or in_x.dtype != out_x.dtype:
+        hint = (" (load both with the same flatten=, e.g. pb.datasets.mnist(root, flatten=False) for "
+                "a CNN's images)" if in_x.shape[1:] != out_x.shape[1:] and in_x.shape[1:].numel() == out_x.shape[1:].numel()
+                else "")
+        raise ValueError(f"in_x and out_x go through the same model, so each example must have the same "
+                         f"shape and dtype: got in_x {tuple(in_x.shape)} {in_x.dtype} and out_x "
+                         f"{tuple(out_x.shape)} {out_x.dtype}{hint}")
 
 
 def evaluate_probs(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, dict[str, float]]:
