@@ -238,3 +238,25 @@ def test_ood_sets_of_different_shapes_are_named():
         pb.analysis.ood.evaluate(model, guide, data.x_train[:100], data.x_test.double(), num_samples=2)
     scores = pb.analysis.ood.evaluate(model, guide, data.x_train[:100], data.x_test.flip(-1), num_samples=2)
     assert 0.0 <= scores["entropy"]["auroc"] <= 1.0
+
+
+@pytest.mark.parametrize("labels, error, named", [
+    (lambda y: y.float(), TypeError, r"got dtype torch\.float32 \(whole numbers stored as floats: convert them with y\.long\(\)\)"),
+    (lambda y: nn.functional.one_hot(y, 10).float(), TypeError, r"got dtype torch\.float32 \(one-hot rows of 10 classes: "
+                                                               r"pass y\.argmax\(-1\)\)"),
+    (lambda y: nn.functional.one_hot(y, 10), ValueError, r"must have shape \(N,\), got \(1348, 10\) \(one-hot rows"),
+    (lambda y: nn.functional.one_hot(y, 10).float() * 0.9 + 0.01, TypeError, r"rows of class probabilities: soft labels"),
+    (lambda y: y.float() + 0.5, TypeError, r"got dtype torch\.float32$"),
+])
+def test_label_forms_of_image_pipelines_are_named(labels, error, named):
+    """Labels as floats (a ``target_transform`` or a CSV), one-hot rows (Keras habit), label
+    smoothing: the message said only "expects integer class labels, got dtype torch.float32";
+    it now names the form and the fix."""
+    data = pb.datasets.digits()
+    model = _pixels_model()
+    with pytest.raises(error, match=named):
+        pb.fit(model, pb.guides.MeanField(model), (data.x_train, labels(data.y_train)), epochs=1, progress=False)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.x_train, labels(data.y_train)),
+                                         batch_size=64)
+    with pytest.raises(error, match=named.replace(r"\(1348, 10\)", r"\(64, 10\)")):
+        pb.fit(model, pb.guides.MeanField(model), loader, epochs=1, progress=False)

@@ -70,12 +70,13 @@ class Categorical(Likelihood):
 
     def validate(self, y, f=None):
         if y.is_floating_point() or y.dtype == torch.bool or y.is_complex():
-            raise TypeError(f"categorical likelihood expects integer class labels, got dtype {y.dtype}")
+            raise TypeError(f"categorical likelihood expects integer class labels, got dtype {y.dtype}"
+                            + _label_hint(y))
         if y.dtype not in (torch.int64, torch.uint8):
             raise TypeError(f"categorical labels must be int64 (torch.long), got {y.dtype}; "
                             "convert them with y.long()")
         if y.dim() != 1:
-            raise ValueError(f"categorical labels must have shape (N,), got {tuple(y.shape)}")
+            raise ValueError(f"categorical labels must have shape (N,), got {tuple(y.shape)}" + _label_hint(y))
         if y.numel():
             lo, hi = (int(v) for v in torch.aminmax(y))
             num_classes = None if f is None else f.shape[-1]
@@ -88,6 +89,25 @@ class Categorical(Likelihood):
                     hint += (" (a categorical likelihood needs one output per class: for two classes "
                              "give the network 2 outputs, or use the 'bernoulli' likelihood with 1)")
                 raise ValueError(f"labels must lie {expected}; got labels in [{lo}, {hi}]{hint}")
+
+
+def _label_hint(y) -> str:
+    """What categorical targets that are not ``(N,)`` integer labels look like, and the fix:
+    one-hot rows (``y.argmax(-1)``), rows of class probabilities (soft labels: not a
+    categorical observation), whole numbers stored as floats (``y.long()``)."""
+    if y.is_complex() or not y.numel():
+        return ""
+    v = y.double()
+    if y.dim() == 2 and y.shape[1] > 1:
+        sums_to_one = bool(((v.sum(-1) - 1).abs() < 1e-6).all()) and bool((v >= 0).all())
+        if sums_to_one and bool(((v == 0) | (v == 1)).all()):
+            return f" (one-hot rows of {y.shape[1]} classes: pass y.argmax(-1))"
+        if sums_to_one:
+            return " (rows of class probabilities: soft labels are not supported; pass hard labels y.argmax(-1))"
+        return ""
+    if y.dim() == 1 and y.dtype != torch.bool and bool((v == v.round()).all()):
+        return " (whole numbers stored as floats: convert them with y.long())"
+    return ""
 
 
 class Bernoulli(Likelihood):
