@@ -260,3 +260,10 @@ def test_label_forms_of_image_pipelines_are_named(labels, error, named):
                                          batch_size=64)
     with pytest.raises(error, match=named.replace(r"\(1348, 10\)", r"\(64, 10\)")):
         pb.fit(model, pb.guides.MeanField(model), loader, epochs=1, progress=False)
+
+
+@pytest.mark.parametrize("loader", [pb.datasets.mnist, pb.datasets.fashion_mnist])
+def test_a_misspelt_split_is_named_alike_by_both_loaders(loader, tmp_path):
+    """fashion_mnist suggested the split; mnist only listed them (same arguments, same message now)."""
+    with pytest.raises(ValueError, match=r"split must be 'train' or 'test', got 'Test'; did you mean 'test'\?"):
+        loader(tmp_path, split="Test")

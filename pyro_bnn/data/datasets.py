@@ -206,7 +206,7 @@ def mnist(root: str | os.PathLike, split: str = "test", flatten: bool = True,
         files of a Fashion-MNIST split (same names; :func:`identify_split`).
     """
     if split not in _MNIST_FILES:
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}" + _did_you_mean(split, _MNIST_FILES))
     root = Path(root)
     img_stem, lbl_stem = _MNIST_FILES[split]
     img, lbl = _find(root, img_stem), _find(root, lbl_stem)
