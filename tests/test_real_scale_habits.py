@@ -267,3 +267,15 @@ def test_a_misspelt_split_is_named_alike_by_both_loaders(loader, tmp_path):
     """fashion_mnist suggested the split; mnist only listed them (same arguments, same message now)."""
     with pytest.raises(ValueError, match=r"split must be 'train' or 'test', got 'Test'; did you mean 'test'\?"):
         loader(tmp_path, split="Test")
+
+
+@pytest.mark.parametrize("counts, error, named", [
+    ((-5, 100), ValueError, r"num_train must be an int >= 1, got -5"),
+    ((5000, 0), ValueError, r"num_test must be an int >= 1, got 0"),
+    ((5000.0, 100), TypeError, r"num_train must be an int >= 1, got 5000\.0 \(float\)"),
+])
+def test_mnist_split_counts_are_checked(counts, error, named, tmp_path):
+    """``mnist_split(root, -5, 100)`` returned 9,995 training digits (a slice from the end) and an
+    empty test set; checked before the files are read."""
+    with pytest.raises(error, match=named):
+        pb.datasets.mnist_split(tmp_path, *counts)

@@ -18,6 +18,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..arguments import check_int
+
 __all__ = ["DataSplit", "digits", "mnist", "read_idx", "mnist_split", "fashion_mnist",
            "fashion_mnist_split", "FashionMNISTSplit", "FASHION_MNIST_CLASSES", "toy_regression",
            "identify_split"]
@@ -237,7 +239,9 @@ def mnist(root: str | os.PathLike, split: str = "test", flatten: bool = True,
 def mnist_split(root: str | os.PathLike, num_train: int = 5000, num_test: int = 5000,
                 flatten: bool = True) -> DataSplit:
     """The small-data MNIST split used by our benchmarks: the first ``num_train`` digits of
-    the MNIST test file for training and the next ``num_test`` for testing."""
+    the MNIST test file for training and the next ``num_test`` for testing (ints >= 1: a
+    negative count sliced from the end, ``-5`` gave 9,995 training digits and no test set)."""
+    num_train, num_test = check_int("num_train", num_train, 1), check_int("num_test", num_test, 1)
     x, y = mnist(root, "test", flatten=flatten)
     if num_train + num_test > len(x):
         raise ValueError(f"asked for {num_train}+{num_test} digits but the file holds {len(x)}")
