@@ -279,3 +279,22 @@ def test_mnist_split_counts_are_checked(counts, error, named, tmp_path):
     empty test set; checked before the files are read."""
     with pytest.raises(error, match=named):
         pb.datasets.mnist_split(tmp_path, *counts)
+
+
+@pytest.mark.parametrize("shape, torch_said", [((1, 10, 10), "mat1 and mat2 shapes cannot be multiplied"),
+                                                ((1, 2, 2), "Kernel size can.t be greater than actual input size")])
+def test_images_of_another_size_for_a_cnn_are_named(shape, torch_said):
+    """A CNN built for 8x8 digits (its Linear after Flatten fixes the size) given 10x10 or 2x2
+    images: torch's "mat1 and mat2 shapes cannot be multiplied (2x128 and 72x10)" named neither
+    the inputs nor what was expected; now a ValueError names the input shape and keeps torch's
+    words."""
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 36, 10))
+    model = pb.BNN(net, likelihood="categorical")
+    x, y = torch.rand(16, *shape), torch.randint(0, 10, (16,))
+    named = rf"the network cannot run on inputs of shape \(N, {', '.join(map(str, shape))}\) \(tried on 2 of them: .*{torch_said}"
+    with pytest.raises(ValueError, match=named):
+        pb.fit(model, pb.guides.MeanField(model), (x, y), epochs=1, progress=False)
+    guide = pb.guides.MeanField(model)
+    guide(*(t[:2] for t in pb.datasets.digits(image=True).train))
+    with pytest.raises(ValueError, match=named):
+        pb.evaluate(model, guide, x, y, num_samples=2)

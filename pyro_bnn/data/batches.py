@@ -139,6 +139,11 @@ def model_dtype(model) -> torch.dtype | None:
     return None
 
 
+#: Words of torch's errors for an input the layers cannot take (a wrong image size reaching
+#: a Linear layer after Flatten, a pooling that shrinks it to nothing).
+_SHAPE_ERRORS = ("shape", "size", "channels", "dimension")
+
+
 class BatchCheck:
     """Vectorised checks of one minibatch ``(x, y)`` before it reaches the model.
 
@@ -210,8 +215,16 @@ class BatchCheck:
         devices = [xs.device] if xs.device.type == "cuda" else []
         rng = torch.random.fork_rng(devices=devices) if isolate_rng else contextlib.nullcontext()
         # eval mode: the probe must not update BatchNorm's running statistics (nor drop units)
-        with rng, torch.no_grad(), poutine.block(), local_params(self.model), evaluation_mode(self.model):
-            self._output_shape = tuple(function(xs).shape[1:])
+        try:
+            with rng, torch.no_grad(), poutine.block(), local_params(self.model), evaluation_mode(self.model):
+                self._output_shape = tuple(function(xs).shape[1:])
+        except RuntimeError as exc:
+            if not any(word in str(exc) for word in _SHAPE_ERRORS):
+                raise
+            raise ValueError(
+                f"the network cannot run on inputs of shape (N, {', '.join(map(str, x.shape[1:]))}) (tried on "
+                f"{len(xs)} of them: {str(exc).splitlines()[0]}); expected inputs of the shape the network "
+                "was built for (e.g. a CNN's Linear layer after Flatten fixes the image size)") from exc
 
     def set_output_shape(self, f: torch.Tensor) -> None:
         """Take the output shape from a network output ``f`` ``(M, ...)`` already computed."""
