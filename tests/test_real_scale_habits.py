@@ -298,3 +298,45 @@ def test_images_of_another_size_for_a_cnn_are_named(shape, torch_said):
     guide(*(t[:2] for t in pb.datasets.digits(image=True).train))
     with pytest.raises(ValueError, match=named):
         pb.evaluate(model, guide, x, y, num_samples=2)
+
+
+@pytest.mark.filterwarnings("ignore::pyro_bnn.ConvergenceWarning")
+def test_batch_size_and_shuffle_that_contradict_a_dataloader_are_refused():
+    """``pb.fit(model, guide, loader, batch_size=256)`` trained on the loader's batches of 32 (8
+    times the steps per epoch) and ``shuffle=False`` kept a shuffling loader's order, both
+    without a word.  Now refused, naming both values; matching values, or none, train on the
+    loader as before, and tensors keep the defaults 64 and shuffled."""
+    data = pb.datasets.digits()
+    ds = torch.utils.data.TensorDataset(*data.train)
+    model = _pixels_model()
+    guide = pb.guides.MeanField(model)
+    loader = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True)
+    with pytest.raises(ValueError, match=r"batch_size=256 but the DataLoader yields batches of 32: .*Build the loader "
+                                         r"with batch_size=256, or leave batch_size out"):
+        pb.fit(model, guide, loader, epochs=1, batch_size=256, progress=False)
+    with pytest.raises(ValueError, match=r"shuffle=False but the DataLoader shuffles \(RandomSampler\)"):
+        pb.fit(model, guide, loader, epochs=1, shuffle=False, progress=False)
+    in_order = torch.utils.data.DataLoader(ds, batch_size=32)
+    with pytest.raises(ValueError, match=r"shuffle=True but the DataLoader reads in order \(SequentialSampler\)"):
+        pb.fit(model, guide, in_order, epochs=1, shuffle=True, progress=False)
+    sampled = torch.utils.data.DataLoader(ds, batch_size=32, sampler=torch.utils.data.SubsetRandomSampler(range(500)))
+    with pytest.raises(ValueError, match=r"shuffle=False but the DataLoader shuffles \(SubsetRandomSampler\)"):
+        pb.fit(model, guide, sampled, epochs=1, shuffle=False, progress=False)
+    by_sampler = torch.utils.data.DataLoader(    # whole batches by one index operation: batch_size=None
+        ds, batch_size=None, sampler=torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(ds), 32, False))
+    with pytest.raises(ValueError, match=r"batch_size=256 but the DataLoader yields batches of 32"):
+        pb.fit(model, guide, by_sampler, epochs=1, batch_size=256, progress=False)
+    pb.fit(model, guide, by_sampler, epochs=1, batch_size=32, shuffle=True, progress=False)
+    batches = []
+    counted = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True,
+                                          collate_fn=lambda rows: batches.append(1) or torch.utils.data.default_collate(rows))
+    for given in ({}, {"batch_size": 32, "shuffle": True}):
+        batches.clear()
+        result = pb.fit(model, guide, counted, epochs=2, progress=False, **given)
+        assert len(result.history["loss"]) == 2 and all(np.isfinite(result.history["loss"]))
+        assert len(batches) >= 2 * -(-len(ds) // 32)      # two epochs of the loader's own batches of 32
+    from pyro_bnn.training.fit_arguments import resolve_batching
+    assert resolve_batching(data.train, None, None) == (64, True)
+    assert resolve_batching(loader, None, None) == (32, True)
+    assert resolve_batching(in_order, None, None) == (32, False)
+    assert resolve_batching(loader, 256, False, distributed=True) == (256, False)   # per-rank loader: not compared

@@ -6,11 +6,86 @@ from __future__ import annotations
 
 import os
 
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+
 from ..arguments import check_bool, check_int, check_positive
 from ..curvature.marglik import check_marglik_options
+from ..data.batches import CheckedBatches
 from .lr_schedule import probe_lr_schedule
 
-__all__ = ["check_fit_arguments", "refuse_overwrite"]
+__all__ = ["check_fit_arguments", "refuse_overwrite", "resolve_batching", "DEFAULT_BATCH_SIZE"]
+
+#: ``fit``'s minibatch size for tensors and a ``Dataset``.
+DEFAULT_BATCH_SIZE = 64
+
+
+def resolve_batching(data, batch_size, shuffle, distributed=False) -> tuple[int, bool]:
+    """``fit``'s ``(batch_size, shuffle)``: as given, else 64 and ``True`` for tensors and a
+    ``Dataset``; a ``DataLoader``'s own, which ``fit`` uses as they are.
+
+    A ``DataLoader`` given with another ``batch_size`` or ``shuffle`` is an error: both were
+    ignored in silence (``pb.fit(model, guide, loader, batch_size=256)`` trained on the
+    loader's batches of 32, at 8 times the steps).  With ``distributed=`` a loader's batch
+    size is per process and ``batch_size`` the global one, so they are not compared; where a
+    sampler of one's own decides the batches or their order, the given values stand.
+
+    Raises
+    ------
+    TypeError
+        ``batch_size`` not an int >= 1 or None, ``shuffle`` not a bool or None.
+    ValueError
+        They contradict the ``DataLoader``'s.
+    """
+    if batch_size is not None:
+        check_int("batch_size", batch_size, 1)
+    if shuffle is not None:
+        check_bool("shuffle", shuffle)
+    loader = data.loader if isinstance(data, CheckedBatches) else data
+    if not isinstance(loader, DataLoader) or distributed:
+        return (DEFAULT_BATCH_SIZE if batch_size is None else batch_size), (True if shuffle is None else bool(shuffle))
+    own_batch, own_shuffle, sampler = _loader_batching(loader)
+    if batch_size is not None and own_batch is not None and batch_size != own_batch:
+        raise ValueError(f"batch_size={batch_size} but the DataLoader yields batches of {own_batch}: pb.fit trains "
+                         f"on a loader's batches as it makes them. Build the loader with batch_size={batch_size}, "
+                         "or leave batch_size out")
+    if shuffle is not None and own_shuffle is not None and bool(shuffle) != own_shuffle:
+        order = f"shuffles ({type(sampler).__name__})" if own_shuffle else f"reads in order ({type(sampler).__name__})"
+        raise ValueError(f"shuffle={shuffle} but the DataLoader {order}: a loader's sampler sets the order "
+                         f"pb.fit trains in. Build the loader with shuffle={shuffle}, or leave shuffle out")
+    return (batch_size or own_batch or DEFAULT_BATCH_SIZE), (shuffle if shuffle is not None else
+                                                              own_shuffle if own_shuffle is not None else True)
+
+
+#: Samplers that draw in a random order (``DistributedSampler`` says so itself).
+_RANDOM_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+def _loader_batching(loader: DataLoader):
+    """``(batch size, shuffles, sampler)`` of a ``DataLoader`` as far as they can be read
+    (``None`` where a sampler of one's own decides); ``sampler`` is the index sampler."""
+    size, sampler = loader.batch_size, loader.sampler
+    if size is None and isinstance(loader.batch_sampler, BatchSampler):   # batch_sampler= of torch's class
+        size = loader.batch_sampler.batch_size
+        sampler = loader.batch_sampler.sampler
+    if size is None and isinstance(sampler, BatchSampler):   # batch_size=None, sampler=BatchSampler(...)
+        size, sampler = sampler.batch_size, sampler.sampler
+    if isinstance(sampler, _RANDOM_SAMPLERS):
+        shuffles = True
+    elif isinstance(sampler, SequentialSampler):
+        shuffles = False
+    elif isinstance(sampler, DistributedSampler):
+        shuffles = bool(sampler.shuffle)
+    else:
+        shuffles = None
+    return size, shuffles, sampler
 
 
 def check_fit_arguments(*, epochs, batch_size, lr, optimizer, lr_schedule, num_particles, seed,

@@ -45,7 +45,7 @@ from .cuda_graph import CudaGraphStep, check_cuda_graph_device, check_cuda_graph
 from .devices import flush_denormals
 from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .divergence import can_defer_checks as defer_step_checks
-from .fit_arguments import check_fit_arguments, refuse_overwrite
+from .fit_arguments import check_fit_arguments, refuse_overwrite, resolve_batching
 from .local_latents import refuse_local_latents
 from .lr_schedule import make_lr_scheduler
 from .optimizer import build_optimizer, optimizer_factory, trained_parameters, warn_weight_decay
@@ -178,9 +178,9 @@ class _Run:
     fingerprint: dict = field(default_factory=dict)
 
 
-def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float | None = None,
+def fit(model, guide, data, *, epochs: int = 10, batch_size: int | None = None, lr: float | None = None,
         optimizer=None, lr_schedule="cosine", num_particles: int = 1, device=None, progress: bool = True,
-        shuffle: bool = True, seed: int | None = None, clip_norm: float | None = None,
+        shuffle: bool | None = None, seed: int | None = None, clip_norm: float | None = None,
         num_data: int | None = None, objective=None, checkpoint: str | os.PathLike | None = None,
         resume: bool = False, overwrite: bool = False, marglik: MarglikOptions | None = None,
         distributed: bool | _dist.DistributedOptions = False, compile: bool = False,
@@ -200,7 +200,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
     data : (x, y) tensors, Dataset or DataLoader
         Training data.  Tensors are moved to ``device`` once and batched by slicing.
     epochs, batch_size : int, int
-        Passes over the data (>= 0) and minibatch size (>= 1).
+        Passes over the data (>= 0) and minibatch size (>= 1; default 64, a ``DataLoader``'s own).
     lr : float, optional
         Adam learning rate (> 0; default: the guide's ``learning_rate(N)`` for the ``N``
         training points — MeanField's depends on ``N`` —, else 1e-3).  For the
@@ -224,6 +224,8 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         Where to train (``"cpu"``, ``"cuda"``); default: where the model is.
     progress : bool
         Show a progress bar (epoch, loss).
+    shuffle : bool, optional
+        Reshuffle tensors / a ``Dataset`` every epoch (default True); a ``DataLoader`` keeps its sampler.
     seed : int, optional
         Seeds Pyro's and torch's global RNGs (``pyro.set_rng_seed``).
     clip_norm : float, optional
@@ -309,6 +311,7 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int = 64, lr: float
         above it) without becoming NaN.
     """
     reject_unknown_keywords("fit", unknown, _FIT_KEYWORDS)
+    batch_size, shuffle = resolve_batching(data, batch_size, shuffle, distributed)  # a loader's own, or 64, True
     optimizer = optimizer_factory(optimizer)  # a pyro.optim optimiser -> its torch factory
     lr = check_fit_arguments(epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
                              lr_schedule=lr_schedule, num_particles=num_particles, seed=seed,
