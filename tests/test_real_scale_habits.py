@@ -202,6 +202,7 @@ def test_unscaled_pixel_inputs_are_warned_wherever_they_enter():
 @pytest.mark.parametrize("inputs", [
     lambda d: d.x_train,                                    # scaled pixels
     lambda d: torch.round(d.x_train * 16),                  # sklearn's raw digits, 0-16
+    lambda d: torch.round(d.x_train * 100),                 # counts up to 100
     lambda d: torch.round(d.x_train * 255) - 128,           # centred bytes
     lambda d: torch.round(d.x_train * 255)[:, :63],         # a few count features, not an image
     lambda d: d.x_train * 255,                              # scaled to 0-255 but not whole numbers

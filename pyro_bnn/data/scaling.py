@@ -37,7 +37,8 @@ def looks_like_unscaled_pixels(x) -> float | None:
 
     They do when ``x`` is a floating tensor of examples with at least 64 values each (images,
     not a handful of count features), and those examples hold only whole numbers in
-    ``[0, 255]`` with a largest value above 16 (sklearn's raw 8×8 digits go up to 16).
+    ``[0, 255]`` with a largest value of at least 128 (a thousand real 8-bit images reach 255;
+    sklearn's raw 8×8 digits stop at 16, word counts rarely reach 128).
 
     Parameters
     ----------
@@ -49,7 +50,7 @@ def looks_like_unscaled_pixels(x) -> float | None:
         return None
     head = x[:ROWS_LOOKED_AT]
     low, high = float(head.min()), float(head.max())
-    if low < 0 or not 16 < high <= 255 or not torch.equal(head, torch.round(head)):
+    if low < 0 or not 128 <= high <= 255 or not torch.equal(head, torch.round(head)):
         return None
     return high
 
