@@ -341,3 +341,23 @@ def test_batch_size_and_shuffle_that_contradict_a_dataloader_are_refused():
     assert resolve_batching(loader, None, None) == (32, True)
     assert resolve_batching(in_order, None, None) == (32, False)
     assert resolve_batching(loader, 256, False, distributed=True) == (256, False)   # per-rank loader: not compared
+
+
+def test_cli_smoke_keeps_the_options_given(tmp_path, monkeypatch):
+    """``--smoke`` set 10 test draws, 64 LOO draws and 16 hidden units over --num-samples,
+    --loo-samples and --hidden given on the command line, without a word (the suite's own
+    ``--smoke --loo-samples 8`` ran 64); now they are its defaults only."""
+    from pyro_bnn.reporting import cli
+
+    seen = {}
+
+    def compare(model_fn, names, split, **kwargs):
+        seen.update(kwargs, width=model_fn("meanfield").net[0].out_features)
+        raise RuntimeError("stop after the settings")
+
+    monkeypatch.setattr(cli, "compare", compare)
+    for argv, expected in [([], (10, 64, 16)),
+                           (["--num-samples", "50", "--loo-samples", "30", "--hidden", "8"], (50, 30, 8))]:
+        with pytest.raises(RuntimeError, match="stop after the settings"):
+            cli.main(["--smoke", *argv, "--guides", "meanfield", "--out", str(tmp_path / "r"), "--no-progress"])
+        assert (seen["num_samples"], seen["loo_samples"], seen["width"]) == expected
