@@ -124,6 +124,7 @@ def main(argv=None) -> None:
     parser.add_argument("--num-samples", type=int, default=50)
     parser.add_argument("--bn-inputs", type=int, default=0, help="training inputs for bn_data (0: all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: the guide's own rate for N)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data-root", default=None, help="Fashion-MNIST folder (default: Debian's)")
     parser.add_argument("--mnist-root", default="/work/shared/data/mnist", help="MNIST IDX folder (OOD set)")
@@ -150,7 +151,7 @@ def main(argv=None) -> None:
     guide = pb.guides.registered_guides()[args.guide](model)
     resumed_from = resumed_epoch(args.checkpoint) if args.resume else 0
     start = time.perf_counter()
-    result = pb.fit(model, guide, (x, y), epochs=args.epochs, seed=args.seed, progress=False,
+    result = pb.fit(model, guide, (x, y), epochs=args.epochs, seed=args.seed, progress=False, lr=args.lr,
                     checkpoint=args.checkpoint, resume=args.resume)
     fit_seconds = time.perf_counter() - start
     bn_data = x if not args.bn_inputs else x[torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
@@ -158,7 +159,7 @@ def main(argv=None) -> None:
     running = scores(model, guide, xt, yt, ood, args, None)
     per_draw = scores(model, guide, xt, yt, ood, args, bn_data)
     row = dict(dataset=args.dataset, arch=args.arch, guide=args.guide, epochs=args.epochs, seed=args.seed,
-               num_samples=args.num_samples, bn_inputs=len(bn_data), fit_seconds=fit_seconds,
+               num_samples=args.num_samples, bn_inputs=len(bn_data), lr=result.lr, fit_seconds=fit_seconds,
                resumed_from_epoch=resumed_from,
                converged=result.convergence.converged if result.convergence else None,
                convergence=str(result.convergence), running_statistics=running, per_draw_statistics=per_draw,
