@@ -9,7 +9,7 @@ only from its own layer and those below.
 from . import analysis, guides, invariance, reporting
 from ._version import __version__
 from .curvature.marglik import MarglikOptions
-from .data import datasets
+from .data import UnscaledPixelsWarning, datasets
 from .model import BNN, BatchNormTrainModeWarning, UnscaledBatchWarning, likelihoods, priors
 from .posterior import evaluate, metrics, predict, predictive_samples, to_arviz
 from .reporting import compare
@@ -26,7 +26,8 @@ from .training import (
 )
 
 __all__ = ["__version__", "BNN", "fit", "FitResult", "ConvergenceWarning", "CompileFallbackWarning",
-           "CudaGraphFallbackWarning", "BatchNormTrainModeWarning", "UnscaledBatchWarning", "check_convergence", "LengthCheck",
+           "CudaGraphFallbackWarning", "BatchNormTrainModeWarning", "UnscaledBatchWarning", "UnscaledPixelsWarning",
+           "check_convergence", "LengthCheck",
            "MarglikOptions", "predict",
            "predictive_samples", "evaluate", "save_checkpoint", "load_checkpoint", "priors", "guides",
            "likelihoods", "metrics", "datasets", "to_arviz", "compare", "analysis", "reporting", "invariance"]

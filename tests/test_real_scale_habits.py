@@ -199,6 +199,7 @@ def test_unscaled_pixel_inputs_are_warned_wherever_they_enter():
     caller's line by pb.fit (tensors and each DataLoader once), pb.evaluate and pb.predict."""
     from pyro_bnn.data.scaling import UnscaledPixelsWarning
 
+    assert pb.UnscaledPixelsWarning is UnscaledPixelsWarning   # public, to filter by category
     data = pb.datasets.digits()
     x255 = torch.round(data.x_train * 255)          # what x.float() of 8-bit images gives
     model = _pixels_model()

@@ -24,7 +24,9 @@ from .batches import (
     split_batch,
     validate_data,
 )
+from .scaling import UnscaledPixelsWarning
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
            "check_inputs", "validate_data", "check_data", "checked_source", "check_targets", "as_labels",
-           "as_targets", "model_dtype", "dataset_size", "split_batch", "datasets"]
+           "as_targets", "model_dtype", "dataset_size", "split_batch", "datasets",
+           "UnscaledPixelsWarning"]
