@@ -181,7 +181,7 @@ class BatchCheck:
         (the first call) if ``x`` looks like unscaled 8-bit pixels (:mod:`pyro_bnn.data.scaling`)."""
         at = f" in {where}" if where else ""
         check_inputs(x, f"x{at}", self.dtype, allow_integer=self.integer_inputs)
-        if not getattr(self, "_pixels_looked_at", True):
+        if not self._pixels_looked_at:
             self._pixels_looked_at = True
             warn_unscaled_pixels(x, f"x{at}")
         if y is None:
