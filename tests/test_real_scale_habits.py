@@ -195,7 +195,7 @@ def _pixels_model():
 def test_unscaled_pixel_inputs_are_warned_wherever_they_enter():
     """``x.float()`` of byte images (0-255) trained and scored without a word: on Fashion-MNIST
     an MLP reached test accuracy 0.14 instead of 0.74, and a model trained on [0, 1] scored
-    NLL 2.22 instead of 0.68 on 0-255 test inputs (pyro_bnn/data/scaling.py).  Warned at the
+    NLL 2.22 instead of 0.68 on 0-255 test inputs (pyro_bnn/model/input_scale.py).  Warned at the
     caller's line by pb.fit (tensors and each DataLoader once), pb.evaluate and pb.predict."""
     from pyro_bnn.data.scaling import UnscaledPixelsWarning
 

@@ -41,8 +41,10 @@ class GuideObjective(pyro.infer.ELBO):
     def differentiable_loss(self, model, guide, *args, **kwargs) -> torch.Tensor:
         """The loss as a differentiable 0-d tensor (Pyro's ``ELBO`` interface)."""
         x, y, num_data = model_arguments(model, args, kwargs)
-        if isinstance(model, BNN):  # minibatches without num_data= (our losses skip model.forward)
+        if isinstance(model, BNN):  # minibatches without num_data=, unscaled pixels (our losses skip model.forward)
             model.batch_watch.see(x, y, num_data)
+            if model.input_watch.looking[y is None]:
+                model.input_watch.see(x, y is None)
         if isinstance(guide, BNNGuide):
             model_args, model_kwargs, _ = call_model(model, x, y, num_data)
             guide.set_up(*model_args, **model_kwargs)

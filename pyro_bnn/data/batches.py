@@ -32,6 +32,7 @@ from torch.utils.data import (
 from ..contract.local_params import local_params
 from ..model.bnn import check_input_of, initial_values_of, model_likelihood, network_function_of
 from ..model.devices import module_device
+from ..model.input_scale import end_input_watch
 from ..model.likelihoods import Likelihood, make_likelihood
 from ..model.modes import evaluation_mode
 from .scaling import warn_unscaled_pixels
@@ -178,12 +179,15 @@ class BatchCheck:
 
     def __call__(self, x, y=None, where: str = "") -> None:
         """Raise ``TypeError``/``ValueError`` naming the problem and ``where`` it is; warn once
-        (the first call) if ``x`` looks like unscaled 8-bit pixels (:mod:`pyro_bnn.data.scaling`)."""
+        (the first call) if ``x`` looks like unscaled 8-bit pixels (:mod:`pyro_bnn.data.scaling`);
+        a ``pb.BNN`` warned about is told (:func:`~pyro_bnn.model.input_scale.end_input_watch`), so
+        that its own look at its inputs does not warn a second time."""
         at = f" in {where}" if where else ""
         check_inputs(x, f"x{at}", self.dtype, allow_integer=self.integer_inputs)
         if not self._pixels_looked_at:
             self._pixels_looked_at = True
-            warn_unscaled_pixels(x, f"x{at}")
+            if warn_unscaled_pixels(x, f"x{at}"):
+                end_input_watch(self.model)
         if y is None:
             return
         if not isinstance(y, torch.Tensor):

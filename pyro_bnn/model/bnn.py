@@ -17,6 +17,7 @@ from torch import nn
 from ..arguments import check_bool, check_names
 from .batch_scaling import UnscaledBatchWatch
 from .batchnorm import warn_batchnorm_in_train_mode
+from .input_scale import InputScaleWatch
 from .likelihoods import Likelihood, check_output_layer, make_likelihood
 from .priors import IIDNormal, Prior, PriorSpec, check_prior_keys, resolve_prior
 from .vectorized import batched_function, observation_distribution, under_outer_plate
@@ -127,7 +128,6 @@ def example_input(model) -> torch.Tensor:
         return torch.zeros(1, spec[1])
     raise ValueError("could not build an example input for this model; pass x= (one batch of "
                      "inputs) so the guide can be sampled")
-
 
 
 def site_prior_modules(model) -> dict[str, Prior]:
@@ -380,6 +380,7 @@ class BNN(PyroModule):
         self._input_spec = _input_spec(net)
         self.__dict__["_weights_dtype"] = self._common_weights_dtype()
         self.__dict__["batch_watch"] = UnscaledBatchWatch()  # minibatches without num_data= (one per model)
+        self.__dict__["input_watch"] = InputScaleWatch()  # unscaled 0-255 pixels (input_scale.py)
 
     # ------------------------------------------------------------------ model
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, num_data: int | None = None):
@@ -407,6 +408,8 @@ class BNN(PyroModule):
             ``y`` does not have the shape the likelihood expects of ``f`` (a Gaussian target
             of shape ``(M,)`` for an output ``(M, 1)`` would broadcast to ``(M, M)``).
         """
+        if self.input_watch.looking[y is None]:  # unscaled pixels? (first training / prediction call)
+            self.input_watch.see(x, y is None)
         # inside a caller's plate (Predictive(parallel=True), vectorize_particles) the weight
         # draws may be batched: one network pass per draw, f of shape (*P, M, ...)
         f, batch_dims = batched_function(self, x) if under_outer_plate() else (self.function(x), 0)
