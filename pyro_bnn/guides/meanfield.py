@@ -36,7 +36,7 @@ from ..contract.guide import BNNGuide, init_to_network, register_guide
 from ..contract.objective import GuideObjective
 from ..contract.param_store import global_param_mode
 from ..contract.pyro_objective import PyroObjective, TraceMeanFieldJacobian_ELBO
-from ..model.batchnorm import convolutions_without_normalization
+from ..model.batchnorm import convolutions_without_normalization, random_convolutions
 from ..model.bnn import BAYESIAN_LAYERS, augmentation_of, is_bnn, network_of, normal_prior_params, site_module
 from ..model.likelihoods import log_likelihood
 from ..model.weight_masks import weight_masks
@@ -138,12 +138,14 @@ class MeanField(BNNGuide, AutoNormal):
     """
 
     #: learning rate of :func:`pyro_bnn.fit` when none is given (with its cosine decay), for
-    #: up to ``REFERENCE_NUM_DATA`` training points; :meth:`learning_rate` lowers it above, and
-    #: scales it by ``unnormalized_conv_lr_factor`` for a net whose convolutions feed no
-    #: normalisation layer
+    #: up to ``REFERENCE_NUM_DATA`` training points; :meth:`learning_rate` lowers it above, scales
+    #: it by ``unnormalized_conv_lr_factor`` for a net whose convolutions feed no normalisation
+    #: layer and caps it at ``dense_lr_ceiling`` for a net without random convolutions
     default_lr = 5e-2
     #: :meth:`learning_rate`'s factor for a net with a convolution that feeds no normalisation layer
     unnormalized_conv_lr_factor = 0.5
+    #: :meth:`learning_rate`'s ceiling for a net without random convolutions (an MLP); ``None``: none
+    dense_lr_ceiling = 2.5e-2
     #: q is one Normal per site: :meth:`loc_and_scale` gives its exact moments
     normal_per_site = True
 
@@ -277,42 +279,49 @@ class MeanField(BNNGuide, AutoNormal):
 
     def learning_rate(self, num_data: int) -> float:
         """The learning rate of :func:`pyro_bnn.fit` when none is given, for ``num_data``
-        training points: ``default_lr × min(1, √(REFERENCE_NUM_DATA / num_data))``, times
-        :attr:`unnormalized_conv_lr_factor` (½; :class:`~pyro_bnn.guides.Symmetrized` ¼) when a
-        convolution with random weights feeds no normalisation layer
-        (:meth:`convolutions_without_normalization`).
+        training points: ``default_lr × min(1, √(REFERENCE_NUM_DATA / num_data))``, then
+
+        * times :attr:`unnormalized_conv_lr_factor` (½; :class:`~pyro_bnn.guides.Symmetrized` ¼)
+          when a convolution with random weights feeds no normalisation layer
+          (:meth:`convolutions_without_normalization`);
+        * at most :attr:`dense_lr_ceiling` (0.025) when no convolution has random weights (an
+          MLP), so an MLP trains at 0.025 up to 40,000 points and at the ``1/√N`` rule above.
 
         Adam moves each mean by about ``lr`` per step, while the posterior's width shrinks as
-        ``1/√N``; above ~10,000 points a fixed rate keeps the means jittering by more than
-        their posterior spread until the cosine decay brings it down.  Measured by the
-        training ELBO on all 60,000 Fashion-MNIST images (MLP 784-200-200-10, 30 epochs,
-        ``docs/results/fmnist_meanfield.md``): lr 0.05 −43,340, 0.02 −34,084, 0.01 −34,199; on
-        digits (1,348) and 10,000 images 0.05 is best or level (``docs/results/convergence.md``),
-        and those sizes keep it.
-
-        A convolutional net without normalisation (the LeNet-5 of ``docs/results/fashion_mnist.md``)
-        needs the half: on 10,000 Fashion-MNIST images lr 0.05 ended long fits at the prior
-        (test accuracy 0.10) on 3 of 3 seeds and 0.025 learned on 3 of 3; on 60,000, 0.01 beat
-        0.0204 by 830 nats of ELBO at 30 epochs and 4,763 at 60 (0.0204 ended 2,665 nats below
-        its own 30-epoch fit).  A second such net (3×3 convolutions, one dense layer) collapsed
-        on 1 of 3 seeds at 0.05 and learned better on all three at 0.025.  With BatchNorm after
-        each convolution the full rate trains well (the BatchNorm CNN's converged rows).
+        ``1/√N``.  Convolutions whose output BatchNorm divides out keep the full rate.  Every
+        branch is a measurement, tabulated in ``docs/training.md`` ("The default learning
+        rate"): the ``1/√N`` fall on the 60,000-image Fashion-MNIST MLP, the half for the LeNet
+        (which collapsed to its prior at 0.05 on 10,000 images), the MLP ceiling on digits,
+        MNIST 5k and Fashion-MNIST 5,000–10,000 (0.05 ended up to 13 % lower in ELBO), the full
+        rate on the BatchNorm CNN (1.6 % higher than the half at 60,000 images).
         """
         check_positive("num_data", num_data)
         rate = self.default_lr * min(1.0, math.sqrt(REFERENCE_NUM_DATA / num_data))
-        return rate * self.unnormalized_conv_lr_factor if self.convolutions_without_normalization() else rate
+        if self.convolutions_without_normalization():
+            return rate * self.unnormalized_conv_lr_factor
+        if self.dense_lr_ceiling is not None and not self.random_convolutions():
+            return min(rate, self.dense_lr_ceiling)
+        return rate
+
+    def random_convolutions(self) -> list[str]:
+        """Paths of the model's convolutions with random weights (the guide's sites once set up,
+        a :class:`pyro_bnn.BNN`'s before, else every convolution)."""
+        return self._read_convolutions(random_convolutions)
 
     def convolutions_without_normalization(self) -> list[str]:
         """Paths of the model's convolutions with random weights whose output no normalisation
         layer divides out (:func:`pyro_bnn.model.batchnorm.convolutions_without_normalization`);
         the sites are the guide's once set up, a :class:`pyro_bnn.BNN`'s before, else every
         convolution counts."""
+        return self._read_convolutions(convolutions_without_normalization)
+
+    def _read_convolutions(self, reader) -> list[str]:
         model = self.approximated_model()
         if model is None:
             return []
         sites = self.site_names() if self.prototype_trace is not None else (
             model.site_names if is_bnn(model) else None)
-        return convolutions_without_normalization(model, sites=None if sites is None else set(sites))
+        return reader(model, sites=None if sites is None else set(sites))
 
     def learning_rate_factors(self) -> list[tuple[torch.Tensor, float]]:
         """The means of wide Linear/Conv layers and their factor ``√(REFERENCE_FAN_IN / f)``

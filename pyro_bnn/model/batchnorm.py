@@ -26,8 +26,8 @@ from torch import nn
 
 __all__ = ["batchnorm_layers", "warn_batchnorm_in_train_mode", "BatchNormTrainModeWarning",
            "warn_running_statistics_of_random_affine",
-           "layers_feeding_normalization", "convolutions_without_normalization", "NORMALIZATION_LAYERS",
-           "short_list"]
+           "layers_feeding_normalization", "convolutions_without_normalization", "random_convolutions",
+           "NORMALIZATION_LAYERS", "short_list"]
 
 #: Layers that divide their input's scale out: BatchNorm / InstanceNorm (per channel), LayerNorm
 #: and GroupNorm (per example, so at least a whole layer's common scale).
@@ -163,15 +163,21 @@ def convolutions_without_normalization(root: nn.Module, sites=None) -> list[str]
     convolutions with a parameter among them count (a frozen feature extractor does not).
     A model without any normalisation layer is not traced.
     """
-    random_layers = None if sites is None else {site.rpartition(".")[0] for site in sites}
-    convolutions = [(path, m) for path, m in root.named_modules() if isinstance(m, nn.modules.conv._ConvNd)
-                    and (random_layers is None or path in random_layers)]
+    convolutions = random_convolutions(root, sites)
     if not convolutions:
         return []
     normalized = set()
     if any(isinstance(m, NORMALIZATION_LAYERS) for m in root.modules()):
         normalized = {id(m) for _, m in layers_feeding_normalization(root, whole_layer=True)}
-    return [path for path, m in convolutions if id(m) not in normalized]
+    return [path for path in convolutions if id(root.get_submodule(path)) not in normalized]
+
+
+def random_convolutions(root: nn.Module, sites=None) -> list[str]:
+    """Paths of the convolution layers of ``root``, in module order; ``sites`` (the model's
+    sample-site names), given: only those with a parameter among them (the random ones)."""
+    random_layers = None if sites is None else {site.rpartition(".")[0] for site in sites}
+    return [path for path, m in root.named_modules() if isinstance(m, nn.modules.conv._ConvNd)
+            and (random_layers is None or path in random_layers)]
 
 
 def _join(prefix: str, name: str) -> str:
