@@ -205,6 +205,12 @@ class BatchCheck:
         (:func:`as_labels`); anything else unchanged."""
         return as_labels(self.likelihood, y)
 
+    def targets(self, x, y):
+        """``y`` as targets for inputs ``x``: :meth:`labels`, and Gaussian or Bernoulli
+        targets ``(N,)`` of a network with one output as ``(N, 1)`` (:func:`as_targets`; the
+        output shape is learnt from ``x`` once, the random streams restored)."""
+        return _one_output_column(self, x, self.labels(y))
+
     def learn_output_shape(self, x, isolate_rng: bool = True) -> None:
         """Run the network once on two examples of ``x`` to learn its output shape.
 
@@ -322,7 +328,7 @@ def check_data(model, x, y=None, *, where: str = "pb.evaluate", device=None):
         Naming ``where``, what was expected and what was received.
     """
     check = BatchCheck(model, device if device is not None else module_device(model, default=None))
-    y = _one_output_column(check, x, check.labels(y))
+    y = check.targets(x, y)
     check(x, y, where)
     return x, y
 

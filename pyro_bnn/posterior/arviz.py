@@ -60,12 +60,13 @@ import numpy as np
 import torch
 from pyro import poutine
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ..arguments import check_int
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params
 from ..curvature import pointwise_log_likelihood, sample_observations
-from ..data.batches import check_data, check_finite
+from ..data.prediction_data import prediction_data
 from ..model.bnn import is_bnn, network_of
 from ..model.devices import module_device
 from ..model.likelihoods import log_likelihood
@@ -201,7 +202,7 @@ def _seed_forked(fn):
 
 @_seed_forked
 @torch.no_grad()
-def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int = 200,
+def to_arviz(model, guide, x: torch.Tensor | DataLoader, y: torch.Tensor | None = None, *, num_samples: int = 200,
              var_names: Sequence[str] | None = None, batch_size: int = 1024,
              predictive: str | None = None, posterior_predictive: bool = True, obs_site: str = "obs",
              seed: int | None = None, device=None, bn_data=None):
@@ -213,10 +214,13 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int
         The model (on CPU or CUDA).
     guide : Pyro guide
         A trained guide: ``pb.guides.*``, Pyro autoguides, any guide with latent sites.
-    x : Tensor, shape (N, ...)
-        Inputs.  Use the training data for LOO (see the module docstring).
-    y : Tensor, shape (N,) or (N, D)
-        Targets.
+    x : Tensor, shape (N, ...), or DataLoader
+        Inputs.  Use the training data for LOO (see the module docstring).  Or a ``DataLoader``
+        yielding ``(x, y)`` batches (tuples or lists): read once, each batch checked as tensors
+        are, and its examples used as tensors in the loader's order (``obs_id``), the same draws
+        for every batch (same seed, same groups; :mod:`pyro_bnn.data.prediction_data`).
+    y : Tensor, shape (N,) or (N, D), optional
+        Targets of tensor ``x``; not with a loader (its batches hold them).
     num_samples : int
         Number of joint draws ``S`` from the guide.
     var_names : sequence of str, optional
@@ -259,21 +263,20 @@ def to_arviz(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int
     ------
     ValueError
         Bad ``num_samples``/``batch_size``, mismatched ``x``/``y``, unknown ``var_names`` or
-        ``predictive``, or ``predictive="glm"`` for a guide without a linearised predictive.
+        ``predictive``, or ``predictive="glm"`` for a guide without a linearised predictive;
+        ``y`` with a loader, a batch without targets, an empty loader.
+    TypeError
+        ``x`` neither a tensor nor a ``DataLoader``, tensor ``x`` without ``y``, a batch of
+        another structure.
 
     Examples
     --------
     >>> dt = pb.to_arviz(model, guide, x_train, y_train, num_samples=200)   # doctest: +SKIP
     >>> az.loo(dt); pb.posterior.arviz.loo_approximate(dt)                           # doctest: +SKIP
     """
-    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-        raise TypeError(f"x and y must be torch.Tensors, got {type(x).__name__} and {type(y).__name__}")
-    if len(x) != len(y):
-        raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)
-    check_finite(x, "x")
-    x, y = check_data(model, x, y, where="pb.to_arviz")
+    x, y = prediction_data(model, x, y, where="pb.to_arviz", targets=True)
     device = torch.device(device) if device is not None else module_device(model, guide, default=x.device)
     predictive = resolve_predictive(guide, predictive)
     if predictive == "glm_probit":

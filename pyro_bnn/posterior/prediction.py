@@ -36,7 +36,8 @@ from ..arguments import check_int
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params, unwrap_model
 from ..contract.pyro_objective import call_model
-from ..data.batches import BatchCheck, check_data, check_inputs
+from ..data.batches import BatchCheck, check_inputs
+from ..data.prediction_data import prediction_data
 from ..model.batchnorm import warn_running_statistics_of_random_affine
 from ..model.bnn import is_bnn, model_likelihood
 from ..model.devices import module_device
@@ -347,12 +348,19 @@ def predict(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
     ----------
     model, guide
         A trained model and guide.
-    x : Tensor, shape (N, ...)
-        Inputs.
+    x : Tensor, shape (N, ...), or DataLoader
+        Inputs, or a ``DataLoader`` of the test set whose batches are ``x``, ``(x,)`` or
+        ``(x, y)`` (tuples or lists; a ``y`` is not read).  The loader is read once and its
+        inputs gathered (:mod:`pyro_bnn.data.prediction_data`), each batch checked as tensor
+        inputs are: the result is the one of the same inputs as a tensor, the same draws
+        used for every batch (same seed, same result).  The output follows the loader's order
+        in that pass: with ``shuffle=True`` an order the caller does not see (another pass gives
+        another), so use ``shuffle=False`` to pair the outputs with the data set's examples.
     num_samples : int
         Posterior draws S (an int >= 1).
     batch_size : int
-        Inputs per forward pass (bounds memory; an int >= 1).
+        Inputs per forward pass (bounds memory; an int >= 1; a loader's own batch size
+        does not set it).
     predictive : str, optional
         The predictive (module docstring): ``"sample"``, ``"glm"`` (Monte-Carlo GLM),
         ``"glm_probit"``, or a guide's own (passed to ``guide.predict``).  Default: the
@@ -370,8 +378,24 @@ def predict(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
         ``(S, N, C)`` probabilities (for ``"bernoulli"``, ``(S, N, D)`` success
         probabilities) or ``(S, N, D)`` predictive means for regression; ``"glm_probit"``
         gives ``(1, N, C)`` probabilities.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Inputs the model cannot take, or a loader whose batches are not of the forms above or
+        that yields nothing (:func:`pyro_bnn.data.prediction_data.prediction_data`); bad options.
+
+    Examples
+    --------
+    >>> probs = pb.predict(model, guide, x_test, num_samples=64)           # doctest: +SKIP
+    >>> probs = pb.predict(model, guide, test_loader, num_samples=64)      # doctest: +SKIP
     """
-    check_data(model, x, where="pb.predict")
+    x, _ = prediction_data(model, x, where="pb.predict", targets=False)
+    return _predict(model, guide, x, num_samples, batch_size, predictive, **kwargs)
+
+
+def _predict(model, guide, x, num_samples, batch_size, predictive, **kwargs) -> torch.Tensor:
+    """:func:`predict` on inputs already checked."""
     predictive = resolve_predictive(guide, predictive)
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)
@@ -388,16 +412,59 @@ def predict(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
     return out.probs if out.probs is not None else out.loc
 
 
-def evaluate(model, guide, x, y, *, num_samples: int = 64, batch_size: int = 1024,
+def evaluate(model, guide, x, y=None, *, num_samples: int = 64, batch_size: int = 1024,
              predictive: str | None = None, num_bins: int = 15, **kwargs) -> dict:
     """Test metrics of the posterior predictive (:func:`predict`'s, same ``predictive`` default).
 
     Classification: ``accuracy``, ``nll``, ``ece`` (``num_bins`` equal-width bins),
     ``brier``.  Regression: ``rmse``, ``nll`` (Gaussian mixture), ``coverage_95``.
-    ``predictive`` names the predictive (:func:`predictive_name`, e.g. ``"glm-mc(64)"``).
     Runs in eval mode; the model's modes and buffers are left as they were.
+
+    Parameters
+    ----------
+    model, guide
+        A trained model and guide.
+    x : Tensor, shape (N, ...), or DataLoader
+        Inputs, or a ``DataLoader`` of the test set yielding ``(x, y)`` batches (tuples or
+        lists, e.g. torchvision's ``FashionMNIST(..., transform=ToTensor())`` in a loader).
+        The loader is read once, each batch checked as tensors are, and the metrics are those
+        of its examples as tensors, with the same draws for every batch (same seed, same
+        metrics; :mod:`pyro_bnn.data.prediction_data`).  A shuffled loader gives the same
+        metrics (each input is scored against its own target; the sums differ in rounding
+        only).  It scores the examples one pass yields (a sampler's subset, without the
+        ``drop_last`` remainder).
+    y : Tensor, shape (N,) or (N, D), optional
+        Targets of tensor ``x``; not with a loader (its batches hold them).
+    num_samples : int
+        Posterior draws S.
+    batch_size : int
+        Inputs per forward pass (a loader's own batch size does not set it).
+    predictive : str, optional
+        As for :func:`predict`.
+    num_bins : int
+        Bins of the expected calibration error.
+    **kwargs
+        As for :func:`predict`.
+
+    Returns
+    -------
+    dict
+        The metrics above and ``predictive``, the predictive's name
+        (:func:`predictive_name`, e.g. ``"glm-mc(64)"``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Inputs or targets the model cannot take (naming ``pb.evaluate`` or the loader's
+        batch), tensor ``x`` without ``y``, ``y`` with a loader, a loader's batch without
+        targets or of another structure, an empty loader; bad options.
+
+    Examples
+    --------
+    >>> pb.evaluate(model, guide, x_test, y_test, num_samples=64)          # doctest: +SKIP
+    >>> pb.evaluate(model, guide, test_loader, num_samples=64)             # doctest: +SKIP
     """
-    x, y = check_data(model, x, y, where="pb.evaluate")
+    x, y = prediction_data(model, x, y, where="pb.evaluate", targets=True)
     predictive = resolve_predictive(guide, predictive)
     name = predictive_name(predictive, num_samples, kwargs.get("link_approx"))
     scores = _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins, **kwargs)
@@ -412,8 +479,7 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins,
     if len(y) != len(x):
         raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
     if predictive != "sample":
-        out = predict(model, guide, x, num_samples=num_samples, batch_size=batch_size,
-                      predictive=predictive, **kwargs)
+        out = _predict(model, guide, x, num_samples, batch_size, predictive, **kwargs)
         kind, noise = predictive_likelihood(model, guide)
         if kind == "gaussian":  # draws of the (linearised) function, (S, N, D)
             out = out if out.dim() == 3 else out.unsqueeze(0)
