@@ -576,11 +576,12 @@ class CheckedBatches:
             self.check(x, y, f"batch {count} of the DataLoader{given}")
             yield batch
         if count == 0:
-            raise ValueError(f"data is empty: the DataLoader yielded no batch ({_loader_summary(self.loader)}); "
+            raise ValueError(f"data is empty: the DataLoader yielded no batch ({loader_summary(self.loader)}); "
                              "expected at least one")
 
 
-def _loader_summary(loader) -> str:
+def loader_summary(loader) -> str:
+    """What a ``DataLoader`` holds, for messages: ``"449 examples, batch_size=64, drop_last=True"``."""
     parts = []
     try:
         parts.append(f"{len(loader.dataset)} examples")

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..model.devices import module_device
-from .batches import BatchCheck, _loader_summary, check_data
+from .batches import BatchCheck, check_data, loader_summary
 
 __all__ = ["prediction_data", "read_loader"]
 
@@ -146,7 +146,7 @@ def read_loader(model, loader, *, where: str, targets: bool, device=None):
             xs.append(x)
             ys.append(y)
     if not xs:
-        raise ValueError(f"{given} is empty: it yielded no batch ({_loader_summary(loader)}); "
+        raise ValueError(f"{given} is empty: it yielded no batch ({loader_summary(loader)}); "
                          "expected at least one")
     return torch.cat(xs), (torch.cat(ys) if targets else None)
 
