@@ -137,7 +137,7 @@ def test_fit_of_a_hand_written_model_still_warns(pixels):
 
     pyro.clear_param_store()
     model = Net()
-    end_input_watch(model)                                 # nothing to tell: no error, no effect
+    end_input_watch(model)                                 # no watch: the model is marked (for its guides), no error
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         pb.fit(model, pb.guides.MeanField(model), (x, y), epochs=1, batch_size=64, progress=False)

@@ -29,9 +29,10 @@ from pyro.poutine.messenger import Messenger
 from ..model.batch_scaling import WatchesBatches, observations_unscaled
 from ..model.batchnorm import warn_batchnorm_in_train_mode, warn_running_statistics_of_random_affine
 from ..model.bnn import BNN, example_input, initial_values_of, site_module
+from ..model.input_scale import WatchesInputs, inputs_warned
 from .local_params import local_params, prepare_local_params
 from .param_store import expose_unconstrained, global_param_mode, sync_param_store
-from .pyro_objective import PyroObjective
+from .pyro_objective import PyroObjective, model_arguments
 
 __all__ = ["BNNGuide", "GuideStateWarning", "guide_contract", "init_to_network", "register_guide",
            "registered_guides", "GUIDE_REGISTRY"]
@@ -42,7 +43,7 @@ class GuideStateWarning(UserWarning):
     missing or stale).  A set-up run, whose draw is discarded (``pb.fit``'s first call of the
     guide), silences this category: it is news only for draws that are used."""
 
-class BNNGuide(WatchesBatches):
+class BNNGuide(WatchesBatches, WatchesInputs):
     """The pyro_bnn guide contract, as a mixin placed before the Pyro guide class.
 
     ``class MyGuide(BNNGuide, AutoGuide): ...``.  Every method has a default, so a guide
@@ -132,6 +133,8 @@ class BNNGuide(WatchesBatches):
         if poutine.get_mask() is not False and self.batch_watch.active:  # training: unscaled minibatches?
             x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             self.watch_batch(x, True, kwargs.get("num_data"), args, kwargs)
+        if True in self.input_watch.looking:  # unscaled pixels given to a hand-written model? (first calls)
+            self.watch_inputs(args, kwargs)
         if global_param_mode():
             sync_param_store(*modules)
         else:
@@ -163,6 +166,37 @@ class BNNGuide(WatchesBatches):
         else:
             self.batch_watch.see(x, y, num_data,
                                  confirm=lambda: observations_unscaled(self.given_model(), model, args, kwargs))
+
+    def watch_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Look at the inputs of a hand-written model for unscaled 0-255 pixels
+        (``pyro_bnn/model/input_scale.py``): the first call with targets and the first without
+        (``svi.step(x, y)``, ``Predictive(model, guide=guide, ...)(x)``) are looked at, and the
+        guide warns once, naming the inputs as given to the model of this guide.  A
+        :class:`~pyro_bnn.BNN` looks at its own inputs, and a model whose inputs a caller has
+        warned about (``pb.fit``, ``pb.evaluate``, ...:
+        :func:`~pyro_bnn.model.input_scale.inputs_warned`) is not looked at again: the watch ends.
+
+        Parameters
+        ----------
+        args, kwargs
+            The model's arguments for this call, read as ``(x, y=None, num_data=None)``
+            (:func:`~pyro_bnn.contract.pyro_objective.model_arguments`); a model that takes
+            other arguments is not watched (the watch ends; nothing is raised).
+        """
+        watch = self.input_watch
+        try:
+            x, y, _ = model_arguments(self.given_model(), args, kwargs)
+        except TypeError:  # arguments that are not (x, y, num_data); none at all: a later call may tell
+            if args or kwargs:
+                watch.end()
+            return
+        if not watch.looking[y is None]:
+            return
+        model = self.approximated_model()
+        if isinstance(model, BNN) or inputs_warned(model) or inputs_warned(self.given_model()):
+            watch.end()  # a pb.BNN watches itself; a caller has warned already
+            return
+        watch.see(x, y is None)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a saved guide's state, as ``torch.nn.Module.load_state_dict`` does.

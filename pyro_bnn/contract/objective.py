@@ -49,6 +49,8 @@ class GuideObjective(pyro.infer.ELBO):
             model_args, model_kwargs, _ = call_model(model, x, y, num_data)
             guide.set_up(*model_args, **model_kwargs)
             guide.watch_batch(x, y, num_data, model_args, model_kwargs)
+            if True in guide.input_watch.looking:  # a hand-written model's unscaled pixels (first calls)
+                guide.watch_inputs(model_args, model_kwargs)
         sync_param_store(guide, model)
         emit_param_statements(guide)
         emit_param_statements(model)

@@ -180,8 +180,9 @@ class BatchCheck:
     def __call__(self, x, y=None, where: str = "") -> None:
         """Raise ``TypeError``/``ValueError`` naming the problem and ``where`` it is; warn once
         (the first call) if ``x`` looks like unscaled 8-bit pixels (:mod:`pyro_bnn.data.scaling`);
-        a ``pb.BNN`` warned about is told (:func:`~pyro_bnn.model.input_scale.end_input_watch`), so
-        that its own look at its inputs does not warn a second time."""
+        the model warned about is told (:func:`~pyro_bnn.model.input_scale.end_input_watch`), so
+        that neither a ``pb.BNN``'s own look at its inputs nor the look of a hand-written model's
+        pyro_bnn guide warns a second time."""
         at = f" in {where}" if where else ""
         check_inputs(x, f"x{at}", self.dtype, allow_integer=self.integer_inputs)
         if not self._pixels_looked_at:

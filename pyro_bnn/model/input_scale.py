@@ -16,6 +16,12 @@ Such inputs are warned about (:class:`UnscaledPixelsWarning`) where they enter t
 holds an :class:`InputScaleWatch` that looks at the inputs of its first training call and of its
 first prediction call, then costs one boolean test per call.  A caller that has warned tells the
 model's watch (:func:`end_input_watch`), so one fit gives one warning.
+
+A hand-written model (a ``PyroModule`` of the user's, not a ``pb.BNN``) has no watch of its own;
+a pyro_bnn guide of it holds one (:class:`WatchesInputs`) and looks at the model's arguments in
+its own first calls, which ``SVI`` and ``Predictive`` make with the model's arguments.  For such a
+model :func:`end_input_watch` leaves a mark on the model instead (:func:`inputs_warned`), which
+its guides' watches read before they look, so ``pb.fit`` on a hand-written model warns once too.
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ import pyro
 import torch
 
 __all__ = ["UnscaledPixelsWarning", "warn_unscaled_pixels", "looks_like_unscaled_pixels", "ROWS_LOOKED_AT",
-           "InputScaleWatch", "end_input_watch"]
+           "InputScaleWatch", "WatchesInputs", "end_input_watch", "inputs_warned"]
 
 #: Examples looked at (the first ones): the check costs the same for 100 or 60,000 images.
 ROWS_LOOKED_AT = 1024
+
+#: The key of the mark :func:`end_input_watch` leaves in a hand-written model's ``__dict__``.
+_WARNED_MARK = "_pyro_bnn_inputs_warned"
 
 #: Frames the warning skips to reach the user's line: this package's, and Pyro's and torch's
 #: (``svi.step`` and ``Predictive`` reach a ``pb.BNN``'s ``forward`` through both); each folder
@@ -146,16 +155,57 @@ class InputScaleWatch:
         self.warned = self.warned or warned
 
 
+class WatchesInputs:
+    """Mixin of the guides that look at their hand-written model's inputs (pyro_bnn's
+    ``BNNGuide``): the watch, ``guide.input_watch``, is created at its first use and names the
+    inputs as given to the model of this guide (one warning per guide)."""
+
+    @property
+    def input_watch(self) -> InputScaleWatch:
+        """The guide's :class:`InputScaleWatch` over its model's inputs."""
+        watch = self.__dict__.get("_input_watch")
+        if watch is None:
+            watch = self.__dict__["_input_watch"] = InputScaleWatch(
+                f"x given to the model of this {type(self).__name__} guide")
+        return watch
+
+
 def end_input_watch(model) -> None:
-    """Tell a ``pb.BNN``'s own :class:`InputScaleWatch` that its inputs have been warned about
-    (by ``pb.fit``, ``pb.evaluate``, ...: :class:`pyro_bnn.data.batches.BatchCheck`), so that
-    the model does not warn a second time.  Any other model holds no watch: nothing happens.
+    """Tell the watches over ``model``'s inputs that they have been warned about (by ``pb.fit``,
+    ``pb.evaluate``, ...: :class:`pyro_bnn.data.batches.BatchCheck`), so that none warns a second
+    time.
+
+    A ``pb.BNN``'s own :class:`InputScaleWatch` ends.  Any other model (a hand-written one) is
+    marked instead, an entry of its ``__dict__`` that :func:`inputs_warned` reads: the watches of
+    its pyro_bnn guides (:class:`WatchesInputs`) end when they see it.  An object without a
+    ``__dict__`` is left as it is.
 
     Parameters
     ----------
     model : torch.nn.Module or callable
         The model whose inputs were warned about.
     """
-    watch = vars(model).get("input_watch") if isinstance(model, torch.nn.Module) else None
+    marks = _marks_of(model)
+    watch = marks.get("input_watch") if isinstance(model, torch.nn.Module) and marks is not None else None
     if isinstance(watch, InputScaleWatch):
         watch.end(warned=True)
+    elif marks is not None:
+        marks[_WARNED_MARK] = True
+
+
+def inputs_warned(model) -> bool:
+    """Whether a caller has warned about ``model``'s inputs (:func:`end_input_watch`).
+
+    Parameters
+    ----------
+    model : torch.nn.Module or callable or None
+        A model, as a guide holds it.
+    """
+    marks = _marks_of(model)
+    return marks is not None and bool(marks.get(_WARNED_MARK, False))
+
+
+def _marks_of(model) -> dict | None:
+    """``model.__dict__`` if it has one that can hold a mark, else ``None``."""
+    marks = getattr(model, "__dict__", None) if model is not None else None
+    return marks if isinstance(marks, dict) else None
