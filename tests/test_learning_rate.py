@@ -68,6 +68,18 @@ def test_mlp_rate_is_at_most_the_dense_ceiling():
     assert Uncapped(_problem()[0]).learning_rate(1348) == 0.05
 
 
+def test_symmetrized_takes_half_meanfields_mlp_rate():
+    # docs/results/fashion_mnist.md (thirty-seventh session): on the Fashion-MNIST MLP, 10,000
+    # images, 0.0125 beat 0.025 (whose 320-epoch fit ended below its 160) and 0.05
+    sym = pb.guides.Symmetrized(_problem()[0])
+    assert sym.dense_lr_factor == 0.5
+    for n in (1, 1348, REFERENCE_NUM_DATA, 4 * REFERENCE_NUM_DATA):
+        assert sym.learning_rate(n) == pytest.approx(0.0125, rel=1e-12)
+    assert sym.learning_rate(60_000) == pytest.approx(0.5 * 0.05 / math.sqrt(6), rel=1e-12)  # 0.0102
+    # not on convolutional nets: BatchNorm'd convolutions keep MeanField's full rate
+    assert pb.guides.Symmetrized(pb.BNN(_conv_net(norm=True), "categorical")).learning_rate(10) == 0.05
+
+
 def test_fit_trains_at_the_resolved_rate_and_reports_it():
     # lr=None at N = 160,000 (num_data scales the likelihood) is bit-identical to lr=0.0125 given
     # explicitly, and differs from the small-data rate 0.025 (the control)

@@ -150,6 +150,13 @@ class Symmetrized(MeanField):
     #: rates were level (−22,922 vs −22,827), and on 10,000 images (80 epochs, 3 seeds) 0.0125
     #: and 0.025 were level (mean −7,475 vs −7,359).
     unnormalized_conv_lr_factor = 0.25
+    #: :meth:`learning_rate`'s factor on a net without random convolutions (an MLP), after
+    #: MeanField's ceiling: half MeanField's rate (0.0125 up to 40,000 points, 0.0102 at 60,000).
+    #: Measured on the Fashion-MNIST MLP (``docs/results/fashion_mnist.md``, thirty-seventh
+    #: session), 10,000 images, seed 0: lr 0.0125 ended at the symmetrised bound −10,221 at 160
+    #: epochs and −10,124 at 320 (the 2× check passes), lr 0.025 at −10,408 and −10,734 (its longer
+    #: fit ended lower) and lr 0.05 at −11,801; accuracy 0.818 against 0.789 and 0.682.
+    dense_lr_factor = 0.5
 
     def __init__(self, model, num_permutations: int | None = None,
                  permutations: Sequence[Mapping[str, int]] | None = None, *,
@@ -167,6 +174,12 @@ class Symmetrized(MeanField):
         self._symmetry: list[dict[str, int]] | None = None
         self._running_statistics: list[str] = []  # normalisation layers the groups pass through
         self._original_model = (network,)  # the module under any handlers; a tuple: no submodule
+
+    def learning_rate(self, num_data: int) -> float:
+        """:meth:`MeanField.learning_rate`, times :attr:`dense_lr_factor` on a net without random
+        convolutions (an MLP; on convolutional nets :attr:`unnormalized_conv_lr_factor` applies)."""
+        rate = super().learning_rate(num_data)
+        return rate if self.random_convolutions() else rate * self.dense_lr_factor
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
