@@ -9,8 +9,15 @@ only from its own layer and those below.
 from . import analysis, guides, invariance, reporting
 from ._version import __version__
 from .curvature.marglik import MarglikOptions
-from .data import UnscaledPixelsWarning, datasets
-from .model import BNN, BatchNormTrainModeWarning, UnscaledBatchWarning, likelihoods, priors
+from .data import datasets
+from .model import (
+    BNN,
+    BatchNormTrainModeWarning,
+    UnscaledBatchWarning,
+    UnscaledPixelsWarning,
+    likelihoods,
+    priors,
+)
 from .posterior import evaluate, metrics, predict, predictive_samples, to_arviz
 from .reporting import compare
 from .training import (

@@ -65,6 +65,13 @@ def _pixel_warnings(rec):
     return [w for w in rec if issubclass(w.category, pb.UnscaledPixelsWarning)]
 
 
+def _fresh_meanfield():
+    """A new hand-written model and its MeanField guide, on an empty param store."""
+    pyro.clear_param_store()
+    model = Net()
+    return model, pb.guides.MeanField(model)
+
+
 def _svi_steps(model, guide, x, y, steps=3):
     """A user's own loop, full batch (nothing to scale)."""
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), loss=Trace_ELBO())
@@ -109,9 +116,7 @@ def test_the_guides_own_objective_under_svi_warns_once(kind, pixels):
 
 def test_predictive_with_our_guide_on_raw_pixels_warns(pixels):
     x, y = pixels
-    pyro.clear_param_store()
-    model = Net()
-    guide = pb.guides.MeanField(model)
+    model, guide = _fresh_meanfield()
     with warnings.catch_warnings():
         warnings.simplefilter("error", pb.UnscaledPixelsWarning)
         _svi_steps(model, guide, x / 255, y)                 # trained on scaled inputs: silent
@@ -127,9 +132,7 @@ def test_predictive_with_our_guide_on_raw_pixels_warns(pixels):
 def test_scaled_inputs_are_not_warned(scale, pixels):
     x, y = pixels
     x = scale(x)
-    pyro.clear_param_store()
-    model = Net()
-    guide = pb.guides.MeanField(model)
+    model, guide = _fresh_meanfield()
     with warnings.catch_warnings():
         warnings.simplefilter("error", pb.UnscaledPixelsWarning)
         _svi_steps(model, guide, x, y)
@@ -143,9 +146,7 @@ def test_the_look_runs_once_per_kind_of_call_not_per_step(pixels, monkeypatch):
     calls = []
     real = input_scale.looks_like_unscaled_pixels
     monkeypatch.setattr(input_scale, "looks_like_unscaled_pixels", lambda t: calls.append(len(t)) or real(t))
-    pyro.clear_param_store()
-    model = Net()
-    guide = pb.guides.MeanField(model)
+    model, guide = _fresh_meanfield()
     _svi_steps(model, guide, x / 255, y, steps=10)
     assert calls == [len(x)]                                 # the first training call only
     Predictive(model, guide=guide, num_samples=5)(x / 255)
@@ -159,9 +160,7 @@ def test_fit_and_predict_of_a_hand_written_model_warn_once(pixels):
     """pb.fit's data check warns and marks the model (end_input_watch), so the guide, called
     by fit and by the user's Predictive afterwards, stays silent."""
     x, y = pixels
-    pyro.clear_param_store()
-    model = Net()
-    guide = pb.guides.MeanField(model)
+    model, guide = _fresh_meanfield()
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         pb.fit(model, guide, (x, y), epochs=2, batch_size=32, progress=False)
@@ -176,9 +175,7 @@ def test_fit_and_predict_of_a_hand_written_model_warn_once(pixels):
 def test_predict_on_raw_pixels_after_a_scaled_fit_warns_once(pixels):
     """pb.predict calls the guide without targets (a prediction look): its own check has warned."""
     x, y = pixels
-    pyro.clear_param_store()
-    model = Net()
-    guide = pb.guides.MeanField(model)
+    model, guide = _fresh_meanfield()
     with warnings.catch_warnings():
         warnings.simplefilter("error", pb.UnscaledPixelsWarning)
         pb.fit(model, guide, (x / 255, y), epochs=1, batch_size=64, progress=False)

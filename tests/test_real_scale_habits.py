@@ -197,7 +197,7 @@ def test_unscaled_pixel_inputs_are_warned_wherever_they_enter():
     an MLP reached test accuracy 0.14 instead of 0.74, and a model trained on [0, 1] scored
     NLL 2.22 instead of 0.68 on 0-255 test inputs (pyro_bnn/model/input_scale.py).  Warned at the
     caller's line by pb.fit (tensors and each DataLoader once), pb.evaluate and pb.predict."""
-    from pyro_bnn.data.scaling import UnscaledPixelsWarning
+    from pyro_bnn.model.input_scale import UnscaledPixelsWarning
 
     assert pb.UnscaledPixelsWarning is UnscaledPixelsWarning   # public, to filter by category
     data = pb.datasets.digits()
@@ -227,7 +227,7 @@ def test_unscaled_pixel_inputs_are_warned_wherever_they_enter():
     lambda d: d.x_train * 255,                              # scaled to 0-255 but not whole numbers
 ])
 def test_scaled_or_other_inputs_are_not_warned(inputs):
-    from pyro_bnn.data.scaling import looks_like_unscaled_pixels
+    from pyro_bnn.model.input_scale import looks_like_unscaled_pixels
 
     data = pb.datasets.digits()
     x = inputs(data)

@@ -1,7 +1,8 @@
 """Data: user data (tensors, a ``Dataset`` or a ``DataLoader``) as checked minibatches
-(:mod:`.batches`; inputs that look like unscaled 8-bit pixels are warned, :mod:`.scaling`), the test
-data of ``pb.evaluate``/``predict``/``to_arviz`` (tensors or a ``DataLoader`` read once,
-:mod:`.prediction_data`), and the data sets (:mod:`.datasets`).
+(:mod:`.batches`; inputs that look like unscaled 8-bit pixels are warned,
+:mod:`pyro_bnn.model.input_scale`), the test data of ``pb.evaluate``/``predict``/``to_arviz``
+(tensors or a ``DataLoader`` read once, :mod:`.prediction_data`), and the data sets
+(:mod:`.datasets`).
 
 May import: :mod:`pyro_bnn.model`, :mod:`pyro_bnn.contract`, :mod:`pyro_bnn.arguments`.
 """
@@ -26,9 +27,7 @@ from .batches import (
     validate_data,
 )
 from .prediction_data import prediction_data, read_loader
-from .scaling import UnscaledPixelsWarning
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
            "check_inputs", "validate_data", "check_data", "checked_source", "check_targets", "as_labels",
-           "as_targets", "model_dtype", "dataset_size", "split_batch", "prediction_data", "read_loader", "datasets",
-           "UnscaledPixelsWarning"]
+           "as_targets", "model_dtype", "dataset_size", "split_batch", "prediction_data", "read_loader", "datasets"]

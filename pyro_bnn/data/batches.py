@@ -32,10 +32,9 @@ from torch.utils.data import (
 from ..contract.local_params import local_params
 from ..model.bnn import check_input_of, initial_values_of, model_likelihood, network_function_of
 from ..model.devices import module_device
-from ..model.input_scale import end_input_watch
+from ..model.input_scale import end_input_watch, warn_unscaled_pixels
 from ..model.likelihoods import Likelihood, make_likelihood
 from ..model.modes import evaluation_mode
-from .scaling import warn_unscaled_pixels
 
 __all__ = ["as_tensors", "make_loader", "TensorBatches", "CheckedBatches", "BatchCheck", "check_finite",
            "check_inputs", "validate_data", "check_data", "checked_source", "check_targets", "as_labels", "as_targets",
@@ -179,7 +178,7 @@ class BatchCheck:
 
     def __call__(self, x, y=None, where: str = "") -> None:
         """Raise ``TypeError``/``ValueError`` naming the problem and ``where`` it is; warn once
-        (the first call) if ``x`` looks like unscaled 8-bit pixels (:mod:`pyro_bnn.data.scaling`);
+        (the first call) if ``x`` looks like unscaled 8-bit pixels (:mod:`pyro_bnn.model.input_scale`);
         the model warned about is told (:func:`~pyro_bnn.model.input_scale.end_input_watch`), so
         that neither a ``pb.BNN``'s own look at its inputs nor the look of a hand-written model's
         pyro_bnn guide warns a second time."""

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..model.devices import module_device
-from .batches import BatchCheck, check_data, loader_summary
+from .batches import BatchCheck, check_data, loader_summary, split_batch
 
 __all__ = ["prediction_data", "read_loader"]
 
@@ -163,20 +163,22 @@ def _describe(batch) -> str:
 
 
 def _split(batch, at: str, where: str, targets: bool):
-    """``(x, y)`` of one batch; ``y`` is ``None`` unless ``targets``."""
+    """``(x, y)`` of one batch (:func:`~pyro_bnn.data.batches.split_batch`); ``y`` is ``None``
+    unless ``targets``."""
     expected = "(x, y) batches" if targets else "batches x, (x,) or (x, y)"
-    parts = (batch,) if isinstance(batch, torch.Tensor) else batch
-    if not isinstance(parts, (tuple, list)) or not 1 <= len(parts) <= 2:
+    try:
+        x, y = split_batch(batch)
+    except TypeError:
         hint = (": give the DataLoader a collate_fn that returns (x, y), or a data set whose examples are "
                 "(x, y)" if isinstance(batch, dict) else "")
-        raise TypeError(f"{at} is {_describe(batch)}; expected {expected} (a tuple or list of tensors){hint}")
+        raise TypeError(f"{at} is {_describe(batch)}; expected {expected} (a tuple or list of tensors){hint}") from None
     if not targets:
-        return parts[0], None
-    if len(parts) == 1:
+        return x, None
+    if y is None:
         raise ValueError(f"{at} holds no targets ({_describe(batch)}); {where} scores predictions against "
                          "targets: expected (x, y) batches, as a DataLoader over TensorDataset(x, y) or "
                          "torchvision's data sets yields them")
-    return parts[0], parts[1]
+    return x, y
 
 
 def _same_layout(what: str, t: torch.Tensor, first: torch.Tensor, at: str) -> None:

@@ -11,7 +11,7 @@ error.  The loaders of :mod:`pyro_bnn.data.datasets` and torchvision's ``ToTenso
 
 Such inputs are warned about (:class:`UnscaledPixelsWarning`) where they enter the library
 (``pb.fit``, ``pb.evaluate``, ``pb.predict``, ``pb.to_arviz``, the Laplace curvature:
-:mod:`pyro_bnn.data.scaling`), and by a ``pb.BNN`` itself, for a Pyro user's own loop
+:class:`pyro_bnn.data.batches.BatchCheck`), and by a ``pb.BNN`` itself, for a Pyro user's own loop
 (``SVI(...).step(x, y, num_data=N)``, ``Predictive(model, guide=guide, ...)(x)``): the model
 holds an :class:`InputScaleWatch` that looks at the inputs of its first training call and of its
 first prediction call, then costs one boolean test per call.  A caller that has warned tells the
