@@ -35,10 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.data import DataLoader
 
+from ..data.prediction_data import prediction_data
 from ..posterior import metrics
-from ..posterior.prediction import evaluate as _evaluate
-from ..posterior.prediction import predict
+from ..posterior.prediction import evaluate_checked, predict
 from ..training.loop import fit
 from .tool_support import class_probabilities, seeded, to_model_device
 
@@ -137,8 +138,15 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, *, acquisition: str 
         ``model_fn() -> model`` builds a fresh model (e.g. a ``pb.BNN``).
     guide_fn : callable
         ``guide_fn(model) -> guide``.
-    pool, test : (x, y) tensors
-        Unlabelled pool (labels revealed on acquisition) and test set.
+    pool : (x, y) tensors
+        Unlabelled pool (labels revealed on acquisition).  Tensors: the rounds index it by
+        the points labelled (a ``DataLoader`` is refused; stack its batches).
+    test : (x, y) tensors or DataLoader
+        The test set, or a ``DataLoader`` of ``(x, y)`` batches, read once with the first round's
+        model and each batch checked as :func:`pyro_bnn.evaluate` reads one
+        (:func:`pyro_bnn.data.prediction_data.read_loader`): every round scores the same
+        examples, bit-equal to the tensors at the same ``seed``.  A shuffled loader gives the
+        same metrics up to rounding.
     acquisition : {"bald", "entropy", "variation_ratio", "random"}
     initial : int
         Size of the class-balanced random starting set.
@@ -166,13 +174,20 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, *, acquisition: str 
     ActiveResult
         ``accuracy[r]`` after training with ``num_labelled[r] = initial + r·per_round``
         labels, ``r = 0..rounds``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``pool`` not a pair of tensors, ``test`` neither a pair of tensors nor a ``DataLoader``
+        (naming what was received), a test loader that yields no batch or batches without
+        labels, data the model cannot take; bad options.
     """
     if acquisition not in ACQUISITIONS:
         raise ValueError(f"acquisition must be one of {ACQUISITIONS}, got {acquisition!r}")
     if selection not in ("topk", "power"):
         raise ValueError(f"selection must be 'topk' or 'power', got {selection!r}")
-    x_pool, y_pool = pool
-    x_test, y_test = test
+    x_pool, y_pool = _pair(pool, "pool", loader=False)
+    test = test if isinstance(test, DataLoader) else _pair(test, "test", loader=True)
     if initial + rounds * per_round > len(x_pool):
         raise ValueError(f"the pool has {len(x_pool)} points, fewer than initial + rounds·per_round "
                          f"= {initial + rounds * per_round}")
@@ -188,14 +203,17 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, *, acquisition: str 
                 with seeded(seed * 1009 + r):
                     model = model_fn()
                     guide = guide_fn(model)
+            if r == 0:  # checked (a loader read) once, with the first model: every round scores these
+                x_test, y_test = prediction_data(model, *((test,) if isinstance(test, DataLoader) else test),
+                                                 where="pb.analysis.active.run (test)", targets=True)
             idx = torch.nonzero(mask).reshape(-1)
             fitted = fit(model, guide, (x_pool[idx], y_pool[idx]), epochs=epochs, batch_size=batch_size,
                          lr=lr, progress=progress, seed=seed * 1009 + r, **fit_kwargs)
             result.elbo.append(-fitted.final_loss)
             result.converged.append(bool(fitted.convergence.converged))
             with seeded(seed * 7919 + r):
-                test_metrics = _evaluate(model, guide, *to_model_device(model, guide, x_test, y_test),
-                                         num_samples=eval_num_samples, predictive=predictive)
+                test_metrics = evaluate_checked(model, guide, *to_model_device(model, guide, x_test, y_test),
+                                                num_samples=eval_num_samples, predictive=predictive)
                 result.num_labelled.append(int(mask.sum()))
                 result.accuracy.append(test_metrics["accuracy"])
                 result.nll.append(test_metrics["nll"])
@@ -217,3 +235,16 @@ def run(model_fn: Callable, guide_fn: Callable, pool, test, *, acquisition: str 
             mask[pick] = True
             result.acquired.append(pick.tolist())
     return result
+
+
+def _pair(data, name: str, *, loader: bool):
+    """``(x, y)`` of ``pool=`` / ``test=``: a tuple or list of two tensors, else ``TypeError``
+    naming what was expected and what was received."""
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        return data
+    expected = "a tuple (x, y) of tensors" + (" or a DataLoader of (x, y) batches" if loader else "")
+    got = (f"a {type(data).__name__} of {len(data)} ({', '.join(type(t).__name__ for t in data[:3])})"
+           if isinstance(data, (tuple, list)) else type(data).__name__)
+    hint = ("; the pool is indexed by the points each round labels, so it must be tensors: stack the "
+            "loader's batches, x, y = map(torch.cat, zip(*loader))" if isinstance(data, DataLoader) else "")
+    raise TypeError(f"{name} in pb.analysis.active.run must be {expected}, got {got}{hint}")

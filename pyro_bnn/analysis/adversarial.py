@@ -11,12 +11,20 @@ with ``w_1..w_n`` drawn from the guide.  ``n = 1`` attacks one sampled network; 
 differentiate through, so it always uses the sampled predictive (no ``predictive=``).
 
 Inputs are moved to the model's device, and ``x_adv`` is returned there.
+
+:func:`fgsm_curve` scores a test set and takes it as tensors or as a ``DataLoader`` of
+``(x, y)`` batches (read once, :func:`pyro_bnn.data.prediction_data.read_loader`; the attack then
+differentiates the gathered tensors).  :func:`fgsm` and :func:`fgsm_from_latents` return the
+attacked inputs themselves, ``x_adv`` paired row by row with ``x``: they take tensors only, and
+refuse a loader (whose order, shuffled or not, the caller would have to reconstruct).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.data import DataLoader
 
+from ..data.prediction_data import prediction_data
 from ..posterior import metrics
 from ..posterior.draws import draw_latents, probs_from_latents
 from .tool_support import seeded, to_model_device
@@ -29,10 +37,24 @@ def _check_eps(epsilon):
         raise ValueError(f"epsilon must be a non-negative number, got {epsilon!r}")
 
 
+def _check_tensors(x, y, where: str) -> None:
+    """``TypeError`` unless ``x`` and ``y`` are tensors, naming what was received (a
+    ``DataLoader`` with the way to score one: :func:`fgsm_curve`)."""
+    for name, t in (("x", x), ("y", y)):
+        if isinstance(t, torch.Tensor):
+            continue
+        hint = ("; the attack returns the perturbed inputs paired row by row with x, so it takes tensors: "
+                "stack the loader's batches (x, y = map(torch.cat, zip(*loader))), or score a loader with "
+                "fgsm_curve" if isinstance(t, DataLoader) else "")
+        raise TypeError(f"{name} in {where} must be a torch.Tensor, got {type(t).__name__}{hint}")
+
+
 def fgsm_from_latents(model, latents: list[dict], x: torch.Tensor, y: torch.Tensor, *,
                       epsilon: float, clamp: tuple[float, float] | None = None,
                       batch_size: int = 1024) -> torch.Tensor:
-    """FGSM inputs with the gradient of the predictive NLL under the given weight draws."""
+    """FGSM inputs with the gradient of the predictive NLL under the given weight draws
+    (``x``, ``y``: tensors; a ``DataLoader`` is refused, see the module docstring)."""
+    _check_tensors(x, y, "pb.analysis.adversarial.fgsm_from_latents")
     _check_eps(epsilon)
     x, y = to_model_device(model, None, x, y)
     if epsilon == 0:
@@ -58,7 +80,8 @@ def fgsm(model, guide, x: torch.Tensor, y: torch.Tensor, *, epsilon: float, num_
     model, guide
         Trained classification model and guide.
     x : Tensor, shape (N, ...)
-        Inputs.
+        Inputs (a tensor: ``x_adv`` is paired with it row by row; a ``DataLoader`` is refused,
+        see the module docstring).
     y : Tensor, shape (N,)
         True labels (the attack increases their NLL).
     epsilon : float
@@ -75,7 +98,13 @@ def fgsm(model, guide, x: torch.Tensor, y: torch.Tensor, *, epsilon: float, num_
     -------
     Tensor
         ``x_adv``, same shape as ``x``, on the model's device; ``|x_adv − x|_∞ ≤ ε``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` or ``y`` is not a tensor (a ``DataLoader`` included).
     """
+    _check_tensors(x, y, "pb.analysis.adversarial.fgsm")
     _check_eps(epsilon)
     x, y = to_model_device(model, guide, x, y)
     if epsilon == 0:
@@ -85,7 +114,7 @@ def fgsm(model, guide, x: torch.Tensor, y: torch.Tensor, *, epsilon: float, num_
     return fgsm_from_latents(model, latents, x, y, epsilon=epsilon, clamp=clamp, batch_size=batch_size)
 
 
-def fgsm_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, epsilons=(0.0, 0.05, 0.1, 0.2, 0.3),
+def fgsm_curve(model, guide, x, y: torch.Tensor | None = None, *, epsilons=(0.0, 0.05, 0.1, 0.2, 0.3),
                num_samples: int = 1, eval_num_samples: int = 32, clamp: tuple[float, float] | None = None,
                seed: int | None = 0, batch_size: int = 1024) -> dict[str, list[float]]:
     """Accuracy and uncertainty of the posterior predictive on FGSM inputs vs step size.
@@ -94,14 +123,45 @@ def fgsm_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, epsilons=(0.0,
     once (seeded by ``seed`` without touching the caller's random streams), so the curve
     changes with ε only through the inputs.
 
+    Parameters
+    ----------
+    model, guide
+        Trained classification model and guide.
+    x : Tensor, shape (N, ...), or DataLoader
+        Test inputs, or a ``DataLoader`` of the test set yielding ``(x, y)`` batches, read once
+        and each batch checked as :func:`pyro_bnn.evaluate` reads one
+        (:func:`pyro_bnn.data.prediction_data.read_loader`); the attack differentiates the
+        gathered tensors, and the curve is that of the same tensors, bit for bit at the same
+        ``seed``.  A shuffled loader gives the same curve up to rounding (means over the examples).
+    y : Tensor, shape (N,), optional
+        Labels of tensor ``x``; not with a loader (its batches hold them).
+    epsilons : sequence of float
+        Step sizes ε ≥ 0.
+    num_samples, eval_num_samples : int
+        Posterior draws attacked, and draws of the evaluated predictive.
+    clamp : (float, float), optional
+        Valid input range.
+    seed : int, optional
+        Seeds both sets of draws (``None``: the caller's streams).
+    batch_size : int
+        Inputs per forward pass.
+
     Returns
     -------
     dict
         Lists over ``epsilon``: ``accuracy``, ``nll``, mean ``entropy``,
         ``mutual_information``, ``variation_ratio``, ``max_prob`` (mean confidence).
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``x`` neither a tensor nor a ``DataLoader``, tensor ``x`` without ``y``, ``y`` with a
+        loader, a loader's batch without labels, an empty loader, inputs or labels the model
+        cannot take; a negative ε.
     """
     for e in epsilons:
         _check_eps(e)
+    x, y = prediction_data(model, x, y, where="pb.analysis.adversarial.fgsm_curve", targets=True)
     x, y = to_model_device(model, guide, x, y)
     with seeded(seed):
         attack = draw_latents(model, guide, x, num_samples=num_samples)

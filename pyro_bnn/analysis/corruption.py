@@ -10,6 +10,14 @@ Images may be flat ``(N, H·W)`` vectors of square images (8×8 digits, 28×28 M
 ``(N, C, H, W)`` tensors; flat inputs are returned flat.  The curves move ``x`` and ``y``
 to the model's device, and their ``seed`` seeds the draws (and the noise pattern) without
 touching the caller's random streams.
+
+The curves take the test set as tensors ``x`` (and optionally ``y``) or as a ``DataLoader``
+in place of ``x`` whose batches are ``x``, ``(x,)`` or ``(x, y)`` (with targets in every batch the
+curve has ``accuracy``), read once, each batch checked as :func:`pyro_bnn.predict` checks a
+loader's (:func:`pyro_bnn.data.prediction_data.read_loader`): the curve is that of its examples
+as tensors, bit for bit at the same ``seed``.  A shuffled loader gives the same rotation curve
+up to rounding (means over the examples); :func:`noise_curve`'s fixed noise pattern then falls
+on other examples, another draw of the same curve.
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..data.prediction_data import prediction_data
 from ..posterior import metrics
 from ..posterior.draws import draw_latents, probs_from_latents
-from ..posterior.prediction import predict
+from ..posterior.prediction import predict_checked
 from .tool_support import class_probabilities, seeded, to_model_device
 
 __all__ = ["rotate", "gaussian_noise", "corruption_curve", "rotation_curve", "noise_curve"]
@@ -96,7 +105,7 @@ def _summary(probs, y):
     return res
 
 
-def corruption_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None, *, transform, levels,
+def corruption_curve(model, guide, x, y: torch.Tensor | None = None, *, transform, levels,
                      num_samples: int = 32, seed: int | None = 0, batch_size: int = 1024,
                      predictive: str = "sample") -> dict[str, list[float]]:
     """Mean uncertainty over ``x`` after ``transform(x, level)``, for each level.
@@ -105,12 +114,50 @@ def corruption_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = Non
     curve changes only through the inputs.  Any other ``predictive`` (e.g. a Laplace guide's
     linearised ``"glm"`` predictive) goes through ``guide.predict`` via
     :func:`pyro_bnn.predict`, seeded alike at every level (common random numbers where that
-    predictive samples; ``seed=None`` gives up both).  Returns lists over ``level``: ``entropy``,
-    ``mutual_information``, ``variation_ratio``, ``max_prob`` and, with ``y``, ``accuracy``.
-    (A deterministic predictive, e.g. GLM with the probit link, has one "draw": its mutual
-    information and variation ratio are 0.)
+    predictive samples; ``seed=None`` gives up both).  (A deterministic predictive, e.g. GLM
+    with the probit link, has one "draw": its mutual information and variation ratio are 0.)
+
+    Parameters
+    ----------
+    model, guide
+        Trained classification model and guide.
+    x : Tensor, shape (N, ...), or DataLoader
+        Test inputs, or a ``DataLoader`` of them (module docstring).
+    y : Tensor, shape (N,), optional
+        Labels of tensor ``x`` (adds ``accuracy``); not with a loader (its batches hold them).
+    transform : callable
+        ``transform(x, level) -> x'``, the corruption.
+    levels : sequence of float
+        Its levels.
+    num_samples, seed, batch_size, predictive
+        Posterior draws, their seed, inputs per forward pass, the predictive.
+
+    Returns
+    -------
+    dict
+        Lists over ``level``: ``entropy``, ``mutual_information``, ``variation_ratio``,
+        ``max_prob`` and, with targets, ``accuracy``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``x`` neither a tensor nor a ``DataLoader`` (naming what was received), ``y`` with a
+        loader, a loader that yields no batch or batches of another structure (or targets in
+        some batches only), inputs or labels the model cannot take.
     """
-    x, y = to_model_device(model, guide, x, y)
+    x, y = _test_set(model, guide, x, y, "corruption_curve")
+    return _curve(model, guide, x, y, transform, levels, num_samples, seed, batch_size, predictive)
+
+
+def _test_set(model, guide, x, y, name: str):
+    """``(x, y)`` checked (a loader read once; ``y`` where given or held by its batches), on the
+    model's device."""
+    x, y = prediction_data(model, x, y, where=f"pb.analysis.corruption.{name}", targets=None)
+    return to_model_device(model, guide, x, y)
+
+
+def _curve(model, guide, x, y, transform, levels, num_samples, seed, batch_size, predictive):
+    """:func:`corruption_curve` on a checked test set."""
     if predictive == "sample":
         with seeded(seed):
             latents = draw_latents(model, guide, x, num_samples=num_samples)
@@ -121,8 +168,8 @@ def corruption_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = Non
             probs = probs_from_latents(model, latents, xt, batch_size=batch_size)
         else:
             with seeded(seed):
-                probs = predict(model, guide, xt, num_samples=num_samples, batch_size=batch_size,
-                                predictive=predictive)
+                probs = predict_checked(model, guide, xt, num_samples=num_samples, batch_size=batch_size,
+                                        predictive=predictive)
             if probs.dim() == 2:  # deterministic predictive (N, C)
                 probs = probs.unsqueeze(0)
             probs = class_probabilities(model, guide, probs)
@@ -132,25 +179,28 @@ def corruption_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = Non
     return out
 
 
-def rotation_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None, *,
+def rotation_curve(model, guide, x, y: torch.Tensor | None = None, *,
                    angles=tuple(range(0, 181, 15)), num_samples: int = 32, seed: int | None = 0,
                    batch_size: int = 1024, predictive: str = "sample") -> dict[str, list[float]]:
-    """:func:`corruption_curve` over rotation ``angles`` (degrees); key ``angle`` added."""
-    out = corruption_curve(model, guide, x, y, transform=rotate, levels=angles, num_samples=num_samples,
-                           seed=seed, batch_size=batch_size, predictive=predictive)
+    """:func:`corruption_curve` over rotation ``angles`` (degrees); key ``angle`` added.
+    ``x``: tensors or a ``DataLoader`` (module docstring)."""
+    x, y = _test_set(model, guide, x, y, "rotation_curve")
+    out = _curve(model, guide, x, y, rotate, angles, num_samples, seed, batch_size, predictive)
     out["angle"] = out["level"]
     return out
 
 
-def noise_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None, *,
+def noise_curve(model, guide, x, y: torch.Tensor | None = None, *,
                 stds=(0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0), num_samples: int = 32, seed: int | None = 0,
                 clamp: tuple[float, float] | None = (0.0, 1.0), batch_size: int = 1024,
                 predictive: str = "sample") -> dict[str, list[float]]:
     """:func:`corruption_curve` over Gaussian noise ``stds``; key ``std`` added.
 
     The noise pattern is the same at every level (one seeded standard-normal draw, scaled).
+    ``x``: tensors or a ``DataLoader`` (module docstring; a shuffled loader puts the pattern on
+    other examples).
     """
-    x, y = to_model_device(model, guide, x, y)
+    x, y = _test_set(model, guide, x, y, "noise_curve")
     with seeded(seed):
         base = torch.randn(x.shape).to(x.device, x.dtype)
 
@@ -158,7 +208,6 @@ def noise_curve(model, guide, x: torch.Tensor, y: torch.Tensor | None = None, *,
         out = x_ + float(s) * base
         return out.clamp(*clamp) if clamp is not None else out
 
-    out = corruption_curve(model, guide, x, y, transform=transform, levels=stds, num_samples=num_samples,
-                           seed=seed, batch_size=batch_size, predictive=predictive)
+    out = _curve(model, guide, x, y, transform, stds, num_samples, seed, batch_size, predictive)
     out["std"] = out["level"]
     return out

@@ -12,9 +12,11 @@ probability); see :mod:`pyro_bnn.posterior.metrics`.
 from __future__ import annotations
 
 import torch
+from torch.utils.data import DataLoader
 
+from ..data.prediction_data import prediction_data, read_loader
 from ..posterior import metrics
-from ..posterior.prediction import predict
+from ..posterior.prediction import predict_checked
 from .tool_support import class_probabilities, seeded, to_model_device
 
 __all__ = ["auroc", "aupr", "uncertainty_scores", "evaluate", "evaluate_probs", "SCORES"]
@@ -114,7 +116,11 @@ def uncertainty_scores(probs: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, *, num_samples: int = 256,
+#: How :func:`evaluate` is named in messages.
+WHERE = "pb.analysis.ood.evaluate"
+
+
+def evaluate(model, guide, in_x, out_x, *, num_samples: int = 256,
              batch_size: int = 1024, predictive: str = "sample", seed: int | None = 0,
              **kwargs) -> dict[str, dict[str, float]]:
     """AUROC and AUPR of every uncertainty score for separating ``out_x`` from ``in_x``.
@@ -123,8 +129,15 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, *, num_sampl
     ----------
     model, guide
         Trained classification model and guide.
-    in_x, out_x : Tensor
-        In-distribution and out-of-distribution inputs (moved to the model's device).
+    in_x, out_x : Tensor, shape (N, ...), or DataLoader
+        In-distribution and out-of-distribution inputs (moved to the model's device), each a
+        tensor or a ``DataLoader`` whose batches are ``x``, ``(x,)`` or ``(x, y)`` (a ``y`` is
+        not read).  A loader is read once, each batch checked as :func:`pyro_bnn.predict` checks
+        a loader's (:func:`pyro_bnn.data.prediction_data.read_loader`); the scores are those of
+        its inputs as a tensor, bit for bit at the same ``seed``.  A shuffled loader gives each
+        input the same scores up to rounding (their order does not enter them), so the same
+        AUROC and AUPR but where two scores equal up to rounding change places (on 60 + 60
+        digits: the mutual information's AUROC moved by one pair, 1/3600).
     num_samples : int
         Posterior draws S per input.  The Monte Carlo error of the per-input scores
         (mutual information above all) lowers their AUROC: for mean-field posteriors whose
@@ -146,22 +159,42 @@ def evaluate(model, guide, in_x: torch.Tensor, out_x: torch.Tensor, *, num_sampl
         ``{score: {"auroc", "aupr" (OOD positive), "aupr_in" (in-distribution positive),
         "mean_in", "mean_out"}}`` for every score in :data:`SCORES`.
 
+    Raises
+    ------
+    TypeError, ValueError
+        ``in_x`` or ``out_x`` neither a tensor nor a ``DataLoader``, or of another shape or
+        dtype per example than the other; inputs the model cannot take; a loader that yields no
+        batch or batches of another structure.
+
     Examples
     --------
     >>> res = pb.analysis.ood.evaluate(model, guide, x_test_0to4, x_test_5to9)   # doctest: +SKIP
     >>> res["mutual_information"]["auroc"]                               # doctest: +SKIP
     """
-    _check_same_inputs(in_x, out_x)
-    in_x, out_x = to_model_device(model, guide, in_x, out_x)
-    x = torch.cat([in_x, out_x])
+    in_x, out_x, x = _inputs(model, in_x, out_x)
     with seeded(seed):
-        probs = predict(model, guide, x, num_samples=num_samples, batch_size=batch_size,
-                        predictive=predictive, **kwargs)
+        probs = predict_checked(model, guide, to_model_device(model, guide, x), num_samples=num_samples,
+                                batch_size=batch_size, predictive=predictive, **kwargs)
     if probs.dim() == 2:  # deterministic predictive (N, C)
         probs = probs.unsqueeze(0)
     probs = class_probabilities(model, guide, probs)
     labels = torch.cat([torch.zeros(len(in_x)), torch.ones(len(out_x))])
     return evaluate_probs(probs.cpu(), labels)
+
+
+def _inputs(model, in_x, out_x):
+    """``(in_x, out_x, x)``: the two sets as tensors (a loader read once, its batches checked),
+    ``x`` their concatenation; the sets given as tensors are checked together (one look for
+    unscaled pixels, as :func:`pyro_bnn.predict` on ``x``)."""
+    given = {"in_x": in_x, "out_x": out_x}
+    read = {name: read_loader(model, t, where=f"{WHERE} ({name})", targets=False)[0]
+            for name, t in given.items() if isinstance(t, DataLoader)}
+    in_x, out_x = read.get("in_x", in_x), read.get("out_x", out_x)
+    _check_same_inputs(in_x, out_x)
+    tensors = [t for name, t in (("in_x", in_x), ("out_x", out_x)) if name not in read]
+    if tensors:
+        prediction_data(model, torch.cat(tensors), where=WHERE, targets=False)
+    return in_x, out_x, torch.cat([in_x, out_x])
 
 
 def _check_same_inputs(in_x, out_x) -> None:
@@ -170,7 +203,8 @@ def _check_same_inputs(in_x, out_x) -> None:
     number of dimensions: got 4 and 2" for Fashion-MNIST images and MNIST loaded flat)."""
     for name, t in (("in_x", in_x), ("out_x", out_x)):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            raise TypeError(f"{name} must be a tensor of inputs (N, ...), got "
+            raise TypeError(f"{name} in {WHERE} must be a tensor of inputs (N, ...) or a DataLoader of x or "
+                            "(x, y) batches, got "
                             f"{type(t).__name__ if not isinstance(t, torch.Tensor) else 'a 0-d tensor'}")
     if in_x.shape[1:] != out_x.shape[1:] or in_x.dtype != out_x.dtype:
         hint = (" (load both with the same flatten=, e.g. pb.datasets.mnist(root, flatten=False) for "

@@ -63,6 +63,7 @@ from torch import nn
 
 from ..arguments import check_choice, check_int, check_names
 from ..contract.guide import guide_contract
+from ..data.prediction_data import prediction_data
 from ..model.bnn import is_bnn, network_of, site_module
 from ..model.weight_masks import attach_masking, detach_masking, masking_of
 from ..posterior import metrics
@@ -379,15 +380,21 @@ PRUNING_PREDICTIVES = ("sample", "mean")
 
 
 @torch.no_grad()
-def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, fractions=(0.0, 0.5, 0.9, 0.95),
+def pruning_curve(model, guide, x, y: torch.Tensor | None = None, *, fractions=(0.0, 0.5, 0.9, 0.95),
                   kind: str = "snr", num_samples: int = 32, predictive: str = "sample",
                   sites=None, seed: int | None = 0, batch_size: int = 1024) -> dict[str, list]:
     """Test accuracy and NLL as a growing fraction of weights is pruned.
 
     Parameters
     ----------
-    x, y : Tensor
-        Test inputs ``(N, ...)`` and labels ``(N,)``; moved to the model's device.
+    x : Tensor, shape (N, ...), or DataLoader
+        Test inputs (moved to the model's device), or a ``DataLoader`` of the test set yielding
+        ``(x, y)`` batches, read once and each batch checked as :func:`pyro_bnn.evaluate` reads
+        one (:func:`pyro_bnn.data.prediction_data.read_loader`): the curve is that of its
+        examples as tensors, bit for bit at the same ``seed``.  A shuffled loader gives the same
+        curve up to rounding (accuracy and NLL are means over the examples).
+    y : Tensor, shape (N,), optional
+        Labels of tensor ``x``; not with a loader (its batches hold them).
     fractions : sequence of float
         Fractions pruned (each in [0, 1]).
     kind : {"snr", "zero_prob", "magnitude"}
@@ -411,6 +418,13 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, fractions=(
     dict
         ``fraction``, ``accuracy``, ``nll``, ``num_pruned`` lists (one entry per fraction)
         and ``kind``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``x`` neither a tensor nor a ``DataLoader`` (naming what was received), tensor ``x``
+        without ``y``, ``y`` with a loader, a loader's batch without labels, an empty loader,
+        inputs or labels the model cannot take; bad options.
     """
     if predictive not in PRUNING_PREDICTIVES:
         raise ValueError(f"pruning_curve: predictive must be one of {PRUNING_PREDICTIVES} (the curve masks one "
@@ -424,6 +438,7 @@ def pruning_curve(model, guide, x: torch.Tensor, y: torch.Tensor, *, fractions=(
         raise ValueError("pruning_curve(predictive='mean') scores class probabilities, the softmax of the "
                          f"exported network's outputs: expected a categorical model, got a "
                          f"{model.likelihood.name!r} likelihood")
+    x, y = prediction_data(model, x, y, where="pb.analysis.pruning.pruning_curve", targets=True)
     x, y = to_model_device(model, guide, x, y)
     previous = masking_of(model)
     previous_masks = None if previous is None else previous.masks

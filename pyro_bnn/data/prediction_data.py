@@ -1,5 +1,6 @@
-"""The data given to ``pb.evaluate``, ``pb.predict`` and ``pb.to_arviz``: tensors, or a
-``DataLoader`` of the test set, read once.
+"""The data given to ``pb.evaluate``, ``pb.predict``, ``pb.predictive_samples``, ``pb.to_arviz`` and
+the ``pb.analysis`` tools that score test inputs: tensors, or a ``DataLoader`` of the test set,
+read once.
 
 A predictive averages over joint weight draws, and each draw is used for every input
 (:func:`pyro_bnn.posterior.prediction.predictive_samples` streams the inputs in ``batch_size``
@@ -27,10 +28,10 @@ from torch.utils.data import DataLoader, Dataset
 from ..model.devices import module_device
 from .batches import BatchCheck, check_data, loader_summary, split_batch
 
-__all__ = ["prediction_data", "read_loader"]
+__all__ = ["prediction_data", "read_loader", "data_type_error"]
 
 
-def prediction_data(model, x, y=None, *, where: str, targets: bool, device=None):
+def prediction_data(model, x, y=None, *, where: str, targets: bool | None, device=None):
     """Checked inputs (and targets) for ``where`` from tensors or a ``DataLoader``.
 
     Parameters
@@ -44,8 +45,10 @@ def prediction_data(model, x, y=None, *, where: str, targets: bool, device=None)
         Targets ``(N, ...)`` of tensor ``x``; ``None`` with a loader (its batches hold them).
     where : str
         The entry point, named in messages (``"pb.evaluate"``).
-    targets : bool
-        Whether ``where`` scores targets (``pb.evaluate``, ``pb.to_arviz``) or predicts only.
+    targets : bool or None
+        Whether ``where`` scores targets (``pb.evaluate``, ``pb.to_arviz``) or predicts only;
+        ``None``: targets are optional (the corruption curves' accuracy), read where tensor
+        ``y`` is given or the loader's batches hold them.
     device : torch.device, optional
         Where the model is (default: where its parameters are).
 
@@ -53,8 +56,8 @@ def prediction_data(model, x, y=None, *, where: str, targets: bool, device=None)
     -------
     x : Tensor, shape (N, ...)
     y : Tensor or None
-        ``(N, ...)`` targets (int64 labels for a categorical likelihood); ``None`` unless
-        ``targets``.
+        ``(N, ...)`` targets (int64 labels for a categorical likelihood); ``None`` if
+        ``targets`` is ``False``, or ``None`` and there are none.
 
     Raises
     ------
@@ -75,14 +78,32 @@ def prediction_data(model, x, y=None, *, where: str, targets: bool, device=None)
                              "hold the targets: pass the loader alone, or tensors x and y")
         return read_loader(model, x, where=where, targets=targets, device=device)
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x in {where} must be a torch.Tensor or a DataLoader of "
-                        f"{'(x, y)' if targets else 'x or (x, y)'} batches, got {type(x).__name__}"
-                        f"{_hint(x)}")
+        raise data_type_error(x, where, targets)
     if targets and y is None:
         raise TypeError(f"{where} scores predictions against targets: pass y (N targets) with tensor x, "
                         "or a DataLoader of (x, y) batches in place of x")
-    x, y = check_data(model, x, y, where=where, device=device)
-    return x, (y if targets else None)
+    x, y = check_data(model, x, y if targets is not False else None, where=where, device=device)
+    return x, y
+
+
+def data_type_error(x, where: str, targets: bool | None, name: str = "x") -> TypeError:
+    """The error for ``x`` given to ``where`` that is neither a tensor nor a ``DataLoader``:
+    what was expected (``targets``: ``(x, y)`` batches, else ``x`` or ``(x, y)``) and what was
+    received, with a hint for a ``Dataset`` or an ``(x, y)`` pair.
+
+    Parameters
+    ----------
+    x : object
+        What was received.
+    where : str
+        The entry point, named in the message.
+    targets : bool or None
+        As for :func:`prediction_data`.
+    name : str
+        The argument's name (``"in_x"``).
+    """
+    return TypeError(f"{name} in {where} must be a torch.Tensor or a DataLoader of "
+                     f"{'(x, y)' if targets else 'x or (x, y)'} batches, got {type(x).__name__}{_hint(x)}")
 
 
 def _hint(x) -> str:
@@ -93,7 +114,7 @@ def _hint(x) -> str:
     return ""
 
 
-def read_loader(model, loader, *, where: str, targets: bool, device=None):
+def read_loader(model, loader, *, where: str, targets: bool | None, device=None):
     """Read a ``DataLoader`` once, checking each batch; return its inputs and targets as tensors.
 
     Each batch passes the checks tensors get (:class:`~pyro_bnn.data.batches.BatchCheck`,
@@ -101,7 +122,8 @@ def read_loader(model, loader, *, where: str, targets: bool, device=None):
     looks at the first batch) and must have the first batch's shape after the batch dimension,
     dtype and device.  The batches are concatenated in the order the loader yields them (with
     ``shuffle=True``, an order of this pass only).  Torch's global random stream is forked while
-    the loader is read (module docstring).
+    the loader is read (module docstring).  With ``targets=None`` the first batch says whether
+    targets are read: every batch must then hold them, or none.
 
     Parameters
     ----------
@@ -111,9 +133,10 @@ def read_loader(model, loader, *, where: str, targets: bool, device=None):
         as tuples or lists.
     where : str
         The entry point, named in messages.
-    targets : bool
+    targets : bool or None
         Whether the batches must hold targets (returned as int64 labels for a categorical
-        likelihood, ``(N, 1)`` for one Gaussian or Bernoulli output).
+        likelihood, ``(N, 1)`` for one Gaussian or Bernoulli output); ``None``: read them if
+        the batches hold them (``x``, ``(x,)`` or ``(x, y)`` batches).
     device : torch.device, optional
         Where the model is.
 
@@ -122,7 +145,7 @@ def read_loader(model, loader, *, where: str, targets: bool, device=None):
     x : Tensor, shape (N, ...)
         Every input the loader yielded in one pass.
     y : Tensor or None
-        Their targets, ``None`` unless ``targets``.
+        Their targets; ``None`` if ``targets`` is ``False``, or ``None`` and the batches hold none.
 
     Raises
     ------
@@ -136,19 +159,23 @@ def read_loader(model, loader, *, where: str, targets: bool, device=None):
         for count, batch in enumerate(loader, 1):
             at = f"batch {count} of {given}"
             x, y = _split(batch, at, where, targets)
-            if targets:
+            if xs and targets is None and (y is None) != (ys[0] is None):
+                held = "holds no targets but batch 1 did" if y is None else "holds targets but batch 1 held none"
+                raise ValueError(f"{at} {held} ({_describe(batch)}); expected every batch to hold targets, "
+                                 "(x, y), or none")
+            if y is not None:
                 y = check.targets(x, y)
             check(x, y, at)
             if xs:
                 _same_layout("x", x, xs[0], at)
-                if targets:
+                if y is not None:
                     _same_layout("y", y, ys[0], at)
             xs.append(x)
             ys.append(y)
     if not xs:
         raise ValueError(f"{given} is empty: it yielded no batch ({loader_summary(loader)}); "
                          "expected at least one")
-    return torch.cat(xs), (torch.cat(ys) if targets else None)
+    return torch.cat(xs), (None if ys[0] is None else torch.cat(ys))
 
 
 def _describe(batch) -> str:
@@ -162,9 +189,9 @@ def _describe(batch) -> str:
     return f"a {type(batch).__name__}"
 
 
-def _split(batch, at: str, where: str, targets: bool):
+def _split(batch, at: str, where: str, targets: bool | None):
     """``(x, y)`` of one batch (:func:`~pyro_bnn.data.batches.split_batch`); ``y`` is ``None``
-    unless ``targets``."""
+    if ``targets`` is ``False`` (and where the batch holds none, ``targets=None``)."""
     expected = "(x, y) batches" if targets else "batches x, (x,) or (x, y)"
     try:
         x, y = split_batch(batch)
@@ -172,9 +199,9 @@ def _split(batch, at: str, where: str, targets: bool):
         hint = (": give the DataLoader a collate_fn that returns (x, y), or a data set whose examples are "
                 "(x, y)" if isinstance(batch, dict) else "")
         raise TypeError(f"{at} is {_describe(batch)}; expected {expected} (a tuple or list of tensors){hint}") from None
-    if not targets:
+    if targets is False:
         return x, None
-    if y is None:
+    if y is None and targets:
         raise ValueError(f"{at} holds no targets ({_describe(batch)}); {where} scores predictions against "
                          "targets: expected (x, y) batches, as a DataLoader over TensorDataset(x, y) or "
                          "torchvision's data sets yields them")

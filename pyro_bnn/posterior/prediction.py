@@ -31,13 +31,14 @@ import torch
 from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
+from torch.utils.data import DataLoader
 
 from ..arguments import check_int
 from ..contract.guide import guide_contract
 from ..contract.local_params import local_params, unwrap_model
 from ..contract.pyro_objective import call_model
 from ..data.batches import BatchCheck, check_inputs
-from ..data.prediction_data import prediction_data
+from ..data.prediction_data import data_type_error, prediction_data, read_loader
 from ..model.batchnorm import warn_running_statistics_of_random_affine
 from ..model.bnn import is_bnn, model_likelihood
 from ..model.devices import module_device
@@ -47,7 +48,8 @@ from . import metrics
 from .batchnorm import batchnorm_recalibration
 from .guide_density import check_global_latents, latent_values
 
-__all__ = ["PredictiveSamples", "predictive_samples", "predict", "evaluate", "sample_latents",
+__all__ = ["PredictiveSamples", "predictive_samples", "predict", "evaluate", "predict_checked", "evaluate_checked",
+           "sample_latents",
            "evaluation_mode", "default_predictive", "predictive_name", "PREDICTIVES", "check_inputs_first",
            "targets_like", "binary_labels", "bernoulli_as_classes"]
 
@@ -312,10 +314,45 @@ def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: in
 
     Each draw's weights are used for every input batch, so memory is bounded by one batch
     of inputs times ``num_samples`` outputs.  Runs in eval mode (module docstring).
-    ``bn_data`` (training inputs, or a loader over them): re-estimate every BatchNorm
-    layer's statistics under each draw before predicting with it
-    (:mod:`pyro_bnn.posterior.batchnorm`; one pass over ``bn_data`` per draw).
+
+    Parameters
+    ----------
+    model, guide
+        A trained model and guide.
+    x : Tensor, shape (N, ...), or DataLoader
+        Inputs, or a ``DataLoader`` of the test set whose batches are ``x``, ``(x,)`` or
+        ``(x, y)`` (a ``y`` is not read), read once as for :func:`predict`
+        (:func:`pyro_bnn.data.prediction_data.read_loader`: each batch checked, the same draws
+        for every batch, bit-equal to its inputs as a tensor at the same seed).  The output
+        follows the loader's order in that pass (with ``shuffle=True`` an order the caller does
+        not see).
+    num_samples : int
+        Posterior draws S (an int >= 1).
+    batch_size : int
+        Inputs per forward pass (a loader's own batch size does not set it).
+    obs_site : str
+        The observed site of a hand-written model.
+    device : torch.device, optional
+        Where to predict (default: where the model is).
+    bn_data : Tensor or DataLoader, optional
+        Training inputs: re-estimate every BatchNorm layer's statistics under each draw before
+        predicting with it (:mod:`pyro_bnn.posterior.batchnorm`; one pass over ``bn_data`` per draw).
+
+    Returns
+    -------
+    PredictiveSamples
+        ``probs`` ``(S, N, C)``, or ``loc``/``scale`` ``(S, N, D)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``x`` neither a tensor nor a ``DataLoader`` (naming what was received), inputs the model
+        cannot take, a loader's batch of another structure, an empty loader.
     """
+    if isinstance(x, DataLoader):
+        x, _ = read_loader(model, x, where="pb.predictive_samples", targets=False)
+    elif not isinstance(x, torch.Tensor):
+        raise data_type_error(x, "pb.predictive_samples", targets=False)
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)
     check = BatchCheck(model)
@@ -391,11 +428,15 @@ def predict(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
     >>> probs = pb.predict(model, guide, test_loader, num_samples=64)      # doctest: +SKIP
     """
     x, _ = prediction_data(model, x, where="pb.predict", targets=False)
-    return _predict(model, guide, x, num_samples, batch_size, predictive, **kwargs)
+    return predict_checked(model, guide, x, num_samples=num_samples, batch_size=batch_size,
+                           predictive=predictive, **kwargs)
 
 
-def _predict(model, guide, x, num_samples, batch_size, predictive, **kwargs) -> torch.Tensor:
-    """:func:`predict` on inputs already checked."""
+def predict_checked(model, guide, x: torch.Tensor, *, num_samples: int = 64, batch_size: int = 1024,
+                    predictive: str | None = None, **kwargs) -> torch.Tensor:
+    """:func:`predict` on inputs that :func:`pyro_bnn.data.prediction_data.prediction_data` has
+    checked (read from a loader, or tensors): for the tools that check (or read) their data once
+    and predict on it, so that it is not checked, nor warned about, a second time."""
     predictive = resolve_predictive(guide, predictive)
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)
@@ -465,10 +506,19 @@ def evaluate(model, guide, x, y=None, *, num_samples: int = 64, batch_size: int 
     >>> pb.evaluate(model, guide, test_loader, num_samples=64)             # doctest: +SKIP
     """
     x, y = prediction_data(model, x, y, where="pb.evaluate", targets=True)
+    return evaluate_checked(model, guide, x, y, num_samples=num_samples, batch_size=batch_size,
+                            predictive=predictive, num_bins=num_bins, **kwargs)
+
+
+def evaluate_checked(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int = 64,
+                     batch_size: int = 1024, predictive: str | None = None, num_bins: int = 15,
+                     **kwargs) -> dict:
+    """:func:`evaluate` on inputs and targets that
+    :func:`pyro_bnn.data.prediction_data.prediction_data` has checked (as
+    :func:`predict_checked`)."""
     predictive = resolve_predictive(guide, predictive)
-    name = predictive_name(predictive, num_samples, kwargs.get("link_approx"))
     scores = _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins, **kwargs)
-    scores["predictive"] = name
+    scores["predictive"] = predictive_name(predictive, num_samples, kwargs.get("link_approx"))
     return scores
 
 
@@ -479,7 +529,8 @@ def _evaluate(model, guide, x, y, num_samples, batch_size, predictive, num_bins,
     if len(y) != len(x):
         raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
     if predictive != "sample":
-        out = _predict(model, guide, x, num_samples, batch_size, predictive, **kwargs)
+        out = predict_checked(model, guide, x, num_samples=num_samples, batch_size=batch_size,
+                              predictive=predictive, **kwargs)
         kind, noise = predictive_likelihood(model, guide)
         if kind == "gaussian":  # draws of the (linearised) function, (S, N, D)
             out = out if out.dim() == 3 else out.unsqueeze(0)
