@@ -86,7 +86,8 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
                          structure: str = "kron", *, device=None,
                          reduce_fn: Callable[[dict], dict] | None = None,
                          num_augmentations: int = 1, split_bias: bool = False,
-                         gradient: bool = False, where: str = "the curvature data") -> CurvatureFit:
+                         gradient: bool = False, where: str = "the curvature data",
+                         model=None) -> CurvatureFit:
     """GGN curvature (``structure``) and log-likelihood at fixed weights over ``batches``.
 
     Parameters
@@ -117,6 +118,12 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
         (:func:`~pyro_bnn.curvature.marglik.linearized_evidence_terms`).
     where : str
         Names the data in messages.
+    model : BNN or PyroModule, optional
+        The model the batches are for.  Their inputs are looked at for unscaled 0-255 pixels
+        only if nobody has warned about its inputs yet (the caller's own check of the data
+        usually has: ``pb.fit``, ``Laplace.fit_curvature``), and it is told if they are
+        (:class:`~pyro_bnn.data.batches.BatchCheck`'s ``inputs_of``): one warning per model.
+        Without it, the first batch is looked at.
 
     Raises
     ------
@@ -131,7 +138,7 @@ def accumulate_curvature(layers: list[Layer], batches: Iterable, run: Callable, 
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
     sums: dict[str, torch.Tensor] = {}
-    check = BatchCheck(likelihood=make_likelihood(kind))
+    check = BatchCheck(likelihood=make_likelihood(kind), inputs_of=model)
     with torch.enable_grad():
         for i, batch in enumerate(batches, 1):
             x, y = split_batch(batch)

@@ -32,7 +32,7 @@ from torch.utils.data import (
 from ..contract.local_params import local_params
 from ..model.bnn import check_input_of, initial_values_of, model_likelihood, network_function_of
 from ..model.devices import module_device
-from ..model.input_scale import end_input_watch, warn_unscaled_pixels
+from ..model.input_scale import end_input_watch, inputs_warned, warn_unscaled_pixels
 from ..model.likelihoods import Likelihood, make_likelihood
 from ..model.modes import evaluation_mode
 
@@ -163,10 +163,18 @@ class BatchCheck:
         The model; without it only the model-free checks run (no dtype, no label range).
     device : torch.device, optional
         Where the model is (the output-shape pass moves two examples there).
+    likelihood : Likelihood, optional
+        The likelihood the targets are checked against (default: the model's).
+    inputs_of : BNN or PyroModule, optional
+        Without ``model``: the model whose inputs the batches are (the curvature pass checks
+        against a likelihood only).  They are looked at for unscaled pixels only if nobody has
+        warned about that model's inputs (:func:`~pyro_bnn.model.input_scale.inputs_warned`),
+        and the model is told when they are: one warning per model.
     """
 
-    def __init__(self, model=None, device=None, *, likelihood: Likelihood | None = None):
+    def __init__(self, model=None, device=None, *, likelihood: Likelihood | None = None, inputs_of=None):
         self.model = model
+        self.inputs_of = model if model is not None else inputs_of
         self.dtype = model_dtype(model) if model is not None else None
         self.integer_inputs = model is None or (isinstance(model, torch.nn.Module) and any(
             isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) for m in model.modules()))
@@ -186,8 +194,9 @@ class BatchCheck:
         check_inputs(x, f"x{at}", self.dtype, allow_integer=self.integer_inputs)
         if not self._pixels_looked_at:
             self._pixels_looked_at = True
-            if warn_unscaled_pixels(x, f"x{at}"):
-                end_input_watch(self.model)
+            warned = self.model is None and inputs_warned(self.inputs_of)
+            if not warned and warn_unscaled_pixels(x, f"x{at}"):
+                end_input_watch(self.inputs_of)
         if y is None:
             return
         if not isinstance(y, torch.Tensor):

@@ -189,7 +189,7 @@ def evidence_prior_precisions(model, scales: dict[str, torch.Tensor], data, init
     kind, noise = likelihood_kind(model, values, x0[:2])
     noise = None if noise is None else noise.detach()
     fit = accumulate_curvature(layers, _chain(first, batches), lambda x: network_output(model, values, x), kind,
-                               "kron", device=device, where="the data of the scales' evidence update")
+                               "kron", device=device, where="the data of the scales' evidence update", model=model)
     log_lik = ml.log_likelihood_from_stats(fit.loglik_stats, noise)
     scale = 1.0 if noise is None else noise ** -2
     weights = mean_network_values(pairs, scales)

@@ -108,7 +108,7 @@ def invariant_curvature(model, values: dict, batches: Sequence, seeds: Sequence[
             return model.run_with(values, x)
 
     return accumulate_curvature(layers, batches, run, kind, "kron", reduce_fn=reduce_fn,
-                                num_augmentations=num_augmentations(model))
+                                num_augmentations=num_augmentations(model), model=model)
 
 
 def eta_surrogate(model, values: dict, x: torch.Tensor, y: torch.Tensor, layers: list[Layer],

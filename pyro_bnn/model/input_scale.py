@@ -194,7 +194,12 @@ def end_input_watch(model) -> None:
 
 
 def inputs_warned(model) -> bool:
-    """Whether a caller has warned about ``model``'s inputs (:func:`end_input_watch`).
+    """Whether ``model``'s inputs have been warned about: by a caller (:func:`end_input_watch`),
+    or, for a ``pb.BNN``, by its own :class:`InputScaleWatch`.
+
+    A check that looks at data another check of the same call has looked at already (the
+    curvature pass of ``Laplace.fit_curvature`` after ``pb.fit``'s or ``fit_curvature``'s own check)
+    reads it to warn once per model.
 
     Parameters
     ----------
@@ -202,7 +207,10 @@ def inputs_warned(model) -> bool:
         A model, as a guide holds it.
     """
     marks = _marks_of(model)
-    return marks is not None and bool(marks.get(_WARNED_MARK, False))
+    if marks is None:
+        return False
+    watch = marks.get("input_watch") if isinstance(model, torch.nn.Module) else None
+    return bool(marks.get(_WARNED_MARK, False)) or (isinstance(watch, InputScaleWatch) and watch.warned)
 
 
 def _marks_of(model) -> dict | None:

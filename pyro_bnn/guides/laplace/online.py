@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from ...curvature import marglik as ml
-from ...data.batches import TensorBatches, dataset_size, make_loader
+from ...data.batches import BatchCheck, TensorBatches, dataset_size, make_loader
 from ...invariance.guide_step import guide_curvature_source, guide_online_eta_step
 from ...invariance.learning import guide_eta_optimizer
 from ...model.bnn import model_likelihood, num_augmentations
@@ -166,12 +166,15 @@ def _copy(state: dict) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _batches(data, batch_size):
-    """Unshuffled batches of ``data``; loaders (also ``fit``'s own) are used as they are."""
+def _batches(data, batch_size, model=None):
+    """Unshuffled batches of ``data``; loaders (also ``fit``'s own) are used as they are.  A
+    ``Dataset``'s batches are checked as read, and looked at for unscaled pixels once per
+    ``model`` (:class:`~pyro_bnn.data.batches.BatchCheck`'s ``inputs_of``: ``fit_curvature``
+    reads them twice)."""
     if isinstance(data, TensorBatches):
         return TensorBatches(data.x, data.y, batch_size, shuffle=False)
     try:
-        return make_loader(data, batch_size, shuffle=False)
+        return make_loader(data, batch_size, shuffle=False, check=BatchCheck(inputs_of=model))
     except TypeError:
         if hasattr(data, "__iter__"):
             return data
