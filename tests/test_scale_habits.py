@@ -1,0 +1,82 @@
+"""Habits at the scale of the full Fashion-MNIST training set (thirty-eighth session), held on
+small data: what went wrong only with many observations, many draws or large activations is
+reproduced here by scaling the quantity that grew (docs/results/input_checks.md,
+"Thirty-eighth session: real-scale habits")."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.posterior.arviz import correction_ess, loo_approximate
+
+
+@pytest.fixture(scope="module")
+def digits_tree():
+    """A MeanField fit on 300 digits and its DataTree on them (40 draws)."""
+    d = pb.datasets.digits()
+    x, y = d.x_train[:300], d.y_train[:300]
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
+    guide = pb.guides.MeanField(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pb.ConvergenceWarning)
+        pb.fit(model, guide, (x, y), epochs=5, seed=0, progress=False)
+    return pb.to_arviz(model, guide, x, y, num_samples=40, seed=0)
+
+
+def _spread(dt, factor: float):
+    """``dt`` with ``log p`` and ``log q`` multiplied by ``factor``: their difference spans
+    ``factor`` times as many nats, as it does when ``log p`` sums over 60,000 observations and
+    both densities over 200,000 weights."""
+    out = dt.copy(deep=True)
+    stats = out["sample_stats"].to_dataset()
+    out["sample_stats"] = stats.assign(lp=stats["lp"] * factor, log_q=stats["log_q"] * factor)
+    return out
+
+
+def test_loo_approximate_names_weights_that_collapsed_on_one_draw(digits_tree):
+    """Fashion-MNIST MLP, 60,000 images, 200 draws: ``log p − log q`` spanned > 10,000 nats,
+    ArviZ's ``loo_approximate_posterior`` returned NaN for every Pareto k̂, ``warning=False`` and
+    no warning, and an ELPD that was one draw's log-likelihood (−29,720 against PSIS-LOO's
+    −46,539): a silent wrong answer that ``pb.compare`` reported with 0 % bad k̂.  Now the
+    undefined k̂ count as very bad, ``warning`` is set and a warning names the effective sample
+    size; where the weights did not collapse the result is ArviZ's own."""
+    import arviz_stats
+
+    ess, span = correction_ess(digits_tree["sample_stats"]["lp"].values,
+                               digits_tree["sample_stats"]["log_q"].values)
+    factor = 20_000.0 / span
+    wide = _spread(digits_tree, factor)
+    assert correction_ess(wide["sample_stats"]["lp"].values, wide["sample_stats"]["log_q"].values)[0] < 1.01
+    with pytest.warns(UserWarning, match=r"could not be fitted .* effective sample size of 1\.00.* psis_loo"):
+        res = loo_approximate(wide, pointwise=True)
+    assert res.warning
+    k = res.pareto_k.values
+    assert not np.isnan(k).any() and (k > res.good_k).sum() >= np.isinf(k).sum() > 0
+    with pytest.warns(UserWarning, match="could not be fitted"):
+        short = loo_approximate(wide, pointwise=False)
+    assert short.pareto_k is None and short.elpd_i is None and short.warning
+    assert short.elpd == pytest.approx(res.elpd)
+
+    # the weights of the fit itself: nothing added to ArviZ's answer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="Estimated shape parameter of Pareto")  # ArviZ's own
+        ours = loo_approximate(digits_tree, pointwise=True)
+        theirs = arviz_stats.loo_approximate_posterior(
+            digits_tree, log_p=digits_tree["sample_stats"]["lp"], log_q=digits_tree["sample_stats"]["log_q"],
+            pointwise=True)
+    assert ours.elpd == theirs.elpd and ours.warning == theirs.warning
+    np.testing.assert_array_equal(ours.pareto_k.values, theirs.pareto_k.values)
+
+
+def test_correction_ess_by_hand():
+    """``(Σ w)² / Σ w²`` for weights ``exp(log p − log q)`` and their span in nats."""
+    lp, lq = np.array([0.0, 0.0, math.log(2.0)]), np.zeros(3)
+    ess, span = correction_ess(lp, lq)
+    assert ess == pytest.approx(16 / 6) and span == pytest.approx(math.log(2.0))
+    assert correction_ess(torch.tensor([1e4, 0.0]).numpy(), np.zeros(2))[0] == pytest.approx(1.0)
