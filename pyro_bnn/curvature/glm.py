@@ -129,7 +129,13 @@ def functional_covariance(layers: list[Layer], blocks: list, deltas: list, scale
     return torch.cat(means), torch.cat(covs)
 
 
-def linearized_offsets(layers: list[Layer], factors: JacobianFactors, offsets: list[torch.Tensor]) -> torch.Tensor:
+#: Floats of one layer's ``ΔW̃ ã_t`` block ``(draws, M, T, out)`` in :func:`linearized_offsets`
+#: (64 MiB in float32); more draws than fit are taken in turns.
+OFFSET_BLOCK_VALUES = 2 ** 24
+
+
+def linearized_offsets(layers: list[Layer], factors: JacobianFactors, offsets: list[torch.Tensor], *,
+                       max_values: int = OFFSET_BLOCK_VALUES) -> torch.Tensor:
     """``J (θ_s − θ*)`` for one batch, shape ``(S, M, C)``.
 
     Parameters
@@ -138,16 +144,30 @@ def linearized_offsets(layers: list[Layer], factors: JacobianFactors, offsets: l
     factors : JacobianFactors
     offsets : list of Tensor
         Per layer ``θ_s − θ*`` as ``(S, out, in')`` (``W̃`` layout).
+    max_values : int
+        At most this many floats in one layer's ``(draws, M, T, out)`` block: the draws are
+        taken in turns of ``max(1, max_values // (M T out))``.
 
     Notes
     -----
     ``J_c Δθ = Σ_t g_{c,t}ᵀ ΔW̃ ã_t`` per layer: ``S`` matrix products with the layer
-    inputs, no per-parameter Jacobian.
+    inputs, no per-parameter Jacobian.  The block ``ΔW̃ ã_t`` holds ``S · M · T · out``
+    floats: for a convolution ``T`` is its number of output positions, so all draws at once
+    cost ``S ×`` the layer's activations for the batch (LeNet's first convolution, ``S`` = 200,
+    ``M`` = 1,024: 2.8 GB, and ``pb.to_arviz`` peaked 5.8 GB above its start on 2,000 test
+    images); in turns they cost ``max_values`` floats whatever ``S`` and ``M``.  A Linear
+    layer (``T`` = 1) takes every draw in one turn.
     """
+    max_values = int(max_values)
+    if max_values < 1:
+        raise ValueError(f"max_values must be >= 1, got {max_values}")
     total = 0.0
     for layer, dw in zip(layers, offsets):
-        h = layer.output_offsets(factors.a[layer.path], dw)         # (S, M, T, out)
-        total = total + torch.einsum("cmto,smto->smc", factors.g[layer.path], h)
+        a, g = factors.a[layer.path], factors.g[layer.path]
+        turn = max(1, max_values // max(1, g[0].numel()))              # g[0]: (M, T, out)
+        parts = [torch.einsum("cmto,smto->smc", g, layer.output_offsets(a, dw[s:s + turn]))
+                 for s in range(0, dw.shape[0], turn)]
+        total = total + (parts[0] if len(parts) == 1 else torch.cat(parts))
     return total
 
 
