@@ -123,3 +123,29 @@ def test_linearized_draws_of_a_cnn_take_bounded_memory(monkeypatch):
     torch.testing.assert_close(turns.log_q, whole.log_q)
     with pytest.raises(ValueError, match="max_values must be >= 1, got 0"):
         glm.linearized_offsets(guide.layers, None, [], max_values=0)
+
+
+@pytest.mark.parametrize("resume, overwrite", [(False, True), (False, False), (True, False)])
+def test_a_checkpoint_path_that_is_a_folder_is_refused_before_training(tmp_path, resume, overwrite):
+    """``pb.fit(..., checkpoint=<a folder>, overwrite=True)`` trained its first epoch (a minute
+    on Fashion-MNIST's 60,000 images) and then failed with ``IsADirectoryError`` from renaming
+    its temporary file over the folder.  Now a ValueError before any training names the folder
+    and a file path in it; the folder and its files are untouched.  So is a path under a file."""
+    d = pb.datasets.digits()
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    model = pb.BNN(nn.Linear(64, 10), "categorical")
+    guide = pb.guides.MeanField(model)
+    calls = []
+    objective = lambda *args: calls.append(1)  # noqa: E731  (never reached)
+    with pytest.raises(ValueError, match=r"checkpoint must be the path of a file, got the folder .*runs'; "
+                                         r"name a file in it, e\.g\. checkpoint=.*fit\.pt"):
+        pb.fit(model, guide, d.train, epochs=1, checkpoint=folder, resume=resume, overwrite=overwrite,
+               objective=objective, progress=False)
+    with pytest.raises(ValueError, match=r"lies under .*notes\.txt', which is a file, not a folder"):
+        pb.fit(model, guide, d.train, epochs=1, checkpoint=folder / "notes.txt" / "new" / "fit.pt",
+               objective=objective, progress=False)
+    assert not calls and [p.name for p in folder.iterdir()] == ["notes.txt"]
+    assert (folder / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]       # no lock file left behind

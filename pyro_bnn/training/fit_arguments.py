@@ -21,7 +21,7 @@ from ..curvature.marglik import check_marglik_options
 from ..data.batches import CheckedBatches
 from .lr_schedule import probe_lr_schedule
 
-__all__ = ["check_fit_arguments", "refuse_overwrite", "resolve_batching", "DEFAULT_BATCH_SIZE"]
+__all__ = ["check_fit_arguments", "check_checkpoint_path", "refuse_overwrite", "resolve_batching", "DEFAULT_BATCH_SIZE"]
 
 #: ``fit``'s minibatch size for tensors and a ``Dataset``.
 DEFAULT_BATCH_SIZE = 64
@@ -114,6 +114,7 @@ def check_fit_arguments(*, epochs, batch_size, lr, optimizer, lr_schedule, num_p
     if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(f"checkpoint must be a path (str or os.PathLike) or None, got "
                         f"{type(checkpoint).__name__}")
+    check_checkpoint_path(checkpoint)
     if resume and checkpoint is None:
         raise ValueError("resume=True needs checkpoint=<path> (the file to resume from and to keep writing)")
     if overwrite and checkpoint is None:
@@ -133,6 +134,30 @@ def check_fit_arguments(*, epochs, batch_size, lr, optimizer, lr_schedule, num_p
         raise NotImplementedError("resume=True is not supported with distributed= yet; resume the fit in "
                                   "one process, or start the distributed fit afresh")
     return lr
+
+
+def check_checkpoint_path(checkpoint) -> None:
+    """A checkpoint path must name a file, before any training: a folder there (or a file where
+    its folder should be) failed only at the first epoch's write, after that epoch's work, with
+    ``IsADirectoryError`` from the temporary file's rename.
+
+    Raises
+    ------
+    ValueError
+        ``checkpoint`` is an existing folder, or one of its parents is an existing file.
+    """
+    if checkpoint is None:
+        return
+    path = os.fspath(checkpoint)
+    if os.path.isdir(path):
+        raise ValueError(f"checkpoint must be the path of a file, got the folder {path!r}; name a file in it, "
+                         f"e.g. checkpoint={os.path.join(path, 'fit.pt')!r}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)      # the nearest parent that exists (fit creates the rest)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise ValueError(f"checkpoint {path!r} lies under {parent!r}, which is a file, not a folder; "
+                         "choose a path in a folder")
 
 
 def refuse_overwrite(checkpoint, resume: bool, overwrite: bool) -> None:
