@@ -149,3 +149,24 @@ def test_a_checkpoint_path_that_is_a_folder_is_refused_before_training(tmp_path,
     assert not calls and [p.name for p in folder.iterdir()] == ["notes.txt"]
     assert (folder / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]       # no lock file left behind
+
+
+def test_fit_curvature_with_x_and_y_as_two_arguments_names_the_tuple():
+    """``laplace.fit_curvature(x_train, y_train)`` (the data written out as for an SVI step)
+    stopped at ``batch_size or default`` with "Boolean value of Tensor with more than one value
+    is ambiguous".  Now a TypeError names ``fit_curvature((x, y))``; ``batch_size`` is an int
+    >= 1, and the tuple with a batch size gives the curvature of the default one."""
+    d = pb.datasets.digits()
+    x, y = d.x_train[:200], d.y_train[:200]
+    model = pb.BNN(nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), "categorical")
+    guide = pb.guides.Laplace(model, subset="last_layer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pb.ConvergenceWarning)
+        pb.fit(model, guide, (x, y), epochs=2, seed=0, progress=False)
+    with pytest.raises(TypeError, match=r"takes the data as its first argument: \(x, y\) tensors as one tuple, "
+                                        r"fit_curvature\(\(x, y\)\).* got a Tensor of shape \(200,\)"):
+        guide.fit_curvature(x, y)
+    with pytest.raises(ValueError, match="batch_size must be"):
+        guide.fit_curvature((x, y), 0)
+    reference = float(guide.fit_curvature((x, y)).log_evidence())
+    assert float(guide.fit_curvature((x, y), 64).log_evidence()) == pytest.approx(reference, rel=1e-5)

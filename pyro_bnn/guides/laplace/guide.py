@@ -609,7 +609,7 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
         """
         model = self.base_model
         data = checked_source(model, data, where="Laplace.fit_curvature")
-        first = next(iter(_batches(data, batch_size or self.curvature_batch_size, model)))
+        first = next(iter(_batches(data, batch_size, model, self.curvature_batch_size)))
         x0, y0 = split_batch(first)
         device = self._device(x0)
         with local_params(model, self), evaluation_mode(unwrap_model(model), self):
@@ -622,7 +622,7 @@ class Laplace(PriorPrecision, LinearizedPredictive, BNNGuide, AutoGuide):
             kind, noise = likelihood_kind(model, values, x0[:2].to(device), self.obs_site)
             check_linearized_evidence(self.evidence, kind, self.structure)
             self._fixed_noise = None if noise is None else noise.detach()
-            loader = _batches(data, batch_size or self.curvature_batch_size, model)
+            loader = _batches(data, batch_size, model, self.curvature_batch_size)
             self.posterior = accumulate_curvature(
                 self.layers, loader, lambda x: network_output(model, values, x, self.obs_site), kind,
                 self.structure, device=device, reduce_fn=reduce_fn, model=model,

@@ -27,6 +27,7 @@ import warnings
 
 import torch
 
+from ...arguments import check_int
 from ...curvature import marglik as ml
 from ...data.batches import BatchCheck, TensorBatches, dataset_size, make_loader
 from ...invariance.guide_step import guide_curvature_source, guide_online_eta_step
@@ -166,11 +167,37 @@ def _copy(state: dict) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _batches(data, batch_size, model=None):
+def curvature_batch_size(batch_size, default: int) -> int:
+    """``Laplace.fit_curvature``'s ``batch_size`` (``None``: ``default``), checked.
+
+    ``fit_curvature(x, y)`` (two tensors, as ``pb.fit``'s data is often written out) put ``y``
+    here, and the guide stopped at ``bool(y)``: "Boolean value of Tensor with more than one
+    value is ambiguous".
+
+    Raises
+    ------
+    TypeError
+        A tensor (the targets given as a second argument) or another non-integer.
+    ValueError
+        An integer below 1.
+    """
+    if batch_size is None:
+        return default
+    if isinstance(batch_size, torch.Tensor):
+        raise TypeError(f"Laplace.fit_curvature takes the data as its first argument: (x, y) tensors as one tuple, "
+                        f"fit_curvature((x, y)), a Dataset or a DataLoader; its second is batch_size, an int, "
+                        f"got a Tensor of shape {tuple(batch_size.shape)}")
+    return check_int("batch_size", batch_size, 1)
+
+
+def _batches(data, batch_size, model=None, default: int | None = None):
     """Unshuffled batches of ``data``; loaders (also ``fit``'s own) are used as they are.  A
     ``Dataset``'s batches are checked as read, and looked at for unscaled pixels once per
     ``model`` (:class:`~pyro_bnn.data.batches.BatchCheck`'s ``inputs_of``: ``fit_curvature``
-    reads them twice)."""
+    reads them twice).  With ``default``, ``batch_size`` is checked by
+    :func:`curvature_batch_size` (``None``: ``default``)."""
+    if default is not None:
+        batch_size = curvature_batch_size(batch_size, default)
     if isinstance(data, TensorBatches):
         return TensorBatches(data.x, data.y, batch_size, shuffle=False)
     try:
