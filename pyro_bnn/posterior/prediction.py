@@ -44,6 +44,7 @@ from ..model.bnn import is_bnn, model_likelihood
 from ..model.devices import module_device
 from ..model.likelihoods import distribution_kind, inverse_link, kind_and_noise
 from ..model.modes import evaluation_mode
+from ..training.seeding import seeded
 from . import metrics
 from .batchnorm import batchnorm_recalibration
 from .guide_density import check_global_latents, latent_values
@@ -309,7 +310,8 @@ def params_under(model, latents: dict, x, batch_size: int = 1024, obs_site: str 
 
 @torch.no_grad()
 def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
-                       obs_site: str = "obs", device=None, bn_data=None) -> PredictiveSamples:
+                       obs_site: str = "obs", device=None, bn_data=None,
+                       seed: int | None = None) -> PredictiveSamples:
     """Predictive parameters under ``num_samples`` joint draws from ``guide``.
 
     Each draw's weights are used for every input batch, so memory is bounded by one batch
@@ -337,6 +339,9 @@ def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: in
     bn_data : Tensor or DataLoader, optional
         Training inputs: re-estimate every BatchNorm layer's statistics under each draw before
         predicting with it (:mod:`pyro_bnn.posterior.batchnorm`; one pass over ``bn_data`` per draw).
+    seed : int, optional
+        Seeds the draws (every random stream forked: the caller's streams are left as they
+        were, :func:`pyro_bnn.training.seeding.seeded`).  Default: the caller's streams.
 
     Returns
     -------
@@ -349,6 +354,11 @@ def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: in
         ``x`` neither a tensor nor a ``DataLoader`` (naming what was received), inputs the model
         cannot take, a loader's batch of another structure, an empty loader.
     """
+    with seeded(seed):
+        return _predictive_samples(model, guide, x, num_samples, batch_size, obs_site, device, bn_data)
+
+
+def _predictive_samples(model, guide, x, num_samples, batch_size, obs_site, device, bn_data) -> PredictiveSamples:
     if isinstance(x, DataLoader):
         x, _ = read_loader(model, x, where="pb.predictive_samples", targets=False)
     elif not isinstance(x, torch.Tensor):
@@ -375,7 +385,7 @@ def predictive_samples(model, guide, x, *, num_samples: int = 64, batch_size: in
 
 
 def predict(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
-            predictive: str | None = None, **kwargs) -> torch.Tensor:
+            predictive: str | None = None, seed: int | None = None, **kwargs) -> torch.Tensor:
     """Posterior predictive: class probabilities ``(S, N, C)`` or regression means ``(S, N, D)``.
 
     Runs in eval mode and leaves every module's mode and buffers as they were (module
@@ -402,6 +412,11 @@ def predict(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
         The predictive (module docstring): ``"sample"``, ``"glm"`` (Monte-Carlo GLM),
         ``"glm_probit"``, or a guide's own (passed to ``guide.predict``).  Default: the
         guide's own (``"glm"`` for the Laplace guide, else ``"sample"``).
+    seed : int, optional
+        Seeds the draws (every random stream forked: the caller's streams are left as they
+        were, :func:`pyro_bnn.training.seeding.seeded`), as ``pb.to_arviz(seed=)`` does; the
+        same seed gives the same draws for tensor inputs and for a loader of them.  Default:
+        the caller's streams.
     **kwargs
         For ``"sample"``: ``bn_data`` (the training inputs, or a loader over them) re-estimates
         every BatchNorm layer's statistics under each draw, as SWAG does: the running
@@ -427,9 +442,10 @@ def predict(model, guide, x, *, num_samples: int = 64, batch_size: int = 1024,
     >>> probs = pb.predict(model, guide, x_test, num_samples=64)           # doctest: +SKIP
     >>> probs = pb.predict(model, guide, test_loader, num_samples=64)      # doctest: +SKIP
     """
-    x, _ = prediction_data(model, x, where="pb.predict", targets=False)
-    return predict_checked(model, guide, x, num_samples=num_samples, batch_size=batch_size,
-                           predictive=predictive, **kwargs)
+    with seeded(seed):
+        x, _ = prediction_data(model, x, where="pb.predict", targets=False)
+        return predict_checked(model, guide, x, num_samples=num_samples, batch_size=batch_size,
+                               predictive=predictive, **kwargs)
 
 
 def predict_checked(model, guide, x: torch.Tensor, *, num_samples: int = 64, batch_size: int = 1024,
@@ -454,7 +470,8 @@ def predict_checked(model, guide, x: torch.Tensor, *, num_samples: int = 64, bat
 
 
 def evaluate(model, guide, x, y=None, *, num_samples: int = 64, batch_size: int = 1024,
-             predictive: str | None = None, num_bins: int = 15, **kwargs) -> dict:
+             predictive: str | None = None, num_bins: int = 15, seed: int | None = None,
+             **kwargs) -> dict:
     """Test metrics of the posterior predictive (:func:`predict`'s, same ``predictive`` default).
 
     Classification: ``accuracy``, ``nll``, ``ece`` (``num_bins`` equal-width bins),
@@ -484,6 +501,8 @@ def evaluate(model, guide, x, y=None, *, num_samples: int = 64, batch_size: int 
         As for :func:`predict`.
     num_bins : int
         Bins of the expected calibration error.
+    seed : int, optional
+        Seeds the draws, as for :func:`predict`.
     **kwargs
         As for :func:`predict`.
 
@@ -505,9 +524,10 @@ def evaluate(model, guide, x, y=None, *, num_samples: int = 64, batch_size: int 
     >>> pb.evaluate(model, guide, x_test, y_test, num_samples=64)          # doctest: +SKIP
     >>> pb.evaluate(model, guide, test_loader, num_samples=64)             # doctest: +SKIP
     """
-    x, y = prediction_data(model, x, y, where="pb.evaluate", targets=True)
-    return evaluate_checked(model, guide, x, y, num_samples=num_samples, batch_size=batch_size,
-                            predictive=predictive, num_bins=num_bins, **kwargs)
+    with seeded(seed):
+        x, y = prediction_data(model, x, y, where="pb.evaluate", targets=True)
+        return evaluate_checked(model, guide, x, y, num_samples=num_samples, batch_size=batch_size,
+                                predictive=predictive, num_bins=num_bins, **kwargs)
 
 
 def evaluate_checked(model, guide, x: torch.Tensor, y: torch.Tensor, *, num_samples: int = 64,
