@@ -62,4 +62,4 @@ def test_a_loader_and_its_tensors_give_the_same_draws_at_one_seed(fitted):
 def test_seed_is_keyword_only(fitted):
     x, _, (model, guide), _ = fitted
     with pytest.raises(TypeError):
-        pb.predict(model, guide, x, 4, 1024, None, 7)  # noqa: the options are keyword-only
+        pb.predict(model, guide, x, 4, 1024, None, 7)  # the options are keyword-only
