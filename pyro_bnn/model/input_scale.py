@@ -185,9 +185,8 @@ def end_input_watch(model) -> None:
     model : torch.nn.Module or callable
         The model whose inputs were warned about.
     """
-    marks = _marks_of(model)
-    watch = marks.get("input_watch") if isinstance(model, torch.nn.Module) and marks is not None else None
-    if isinstance(watch, InputScaleWatch):
+    marks, watch = _marks_of(model), _own_watch(model)
+    if watch is not None:
         watch.end(warned=True)
     elif marks is not None:
         marks[_WARNED_MARK] = True
@@ -206,11 +205,17 @@ def inputs_warned(model) -> bool:
     model : torch.nn.Module or callable or None
         A model, as a guide holds it.
     """
-    marks = _marks_of(model)
+    marks, watch = _marks_of(model), _own_watch(model)
     if marks is None:
         return False
-    watch = marks.get("input_watch") if isinstance(model, torch.nn.Module) else None
-    return bool(marks.get(_WARNED_MARK, False)) or (isinstance(watch, InputScaleWatch) and watch.warned)
+    return bool(marks.get(_WARNED_MARK, False)) or (watch is not None and watch.warned)
+
+
+def _own_watch(model) -> InputScaleWatch | None:
+    """A ``pb.BNN``'s own :class:`InputScaleWatch` (its ``input_watch``), else ``None``."""
+    marks = _marks_of(model) if isinstance(model, torch.nn.Module) else None
+    watch = marks.get("input_watch") if marks is not None else None
+    return watch if isinstance(watch, InputScaleWatch) else None
 
 
 def _marks_of(model) -> dict | None:

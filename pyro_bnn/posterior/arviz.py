@@ -52,7 +52,6 @@ Linearised (GLM) draws of a Laplace guide (``predictive="glm"``, its default)
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -191,17 +190,6 @@ def _select_sites(values: dict, var_names, num_samples: int) -> list[str]:
     return names
 
 
-def _seed_forked(fn):
-    """``seed=`` runs ``fn`` under :func:`pyro_bnn.training.seeding.seeded`: reproducible draws, and the
-    caller's random streams are left as they were."""
-    @functools.wraps(fn)
-    def wrapper(*args, seed: int | None = None, **kwargs):
-        with seeded(seed):
-            return fn(*args, **kwargs)
-    return wrapper
-
-
-@_seed_forked
 @torch.no_grad()
 def to_arviz(model, guide, x: torch.Tensor | DataLoader, y: torch.Tensor | None = None, *, num_samples: int = 200,
              var_names: Sequence[str] | None = None, batch_size: int = 1024,
@@ -275,6 +263,13 @@ def to_arviz(model, guide, x: torch.Tensor | DataLoader, y: torch.Tensor | None 
     >>> dt = pb.to_arviz(model, guide, x_train, y_train, num_samples=200)   # doctest: +SKIP
     >>> az.loo(dt); pb.posterior.arviz.loo_approximate(dt)                           # doctest: +SKIP
     """
+    with seeded(seed):
+        return _to_arviz(model, guide, x, y, num_samples, var_names, batch_size, predictive,
+                         posterior_predictive, obs_site, device, bn_data)
+
+
+def _to_arviz(model, guide, x, y, num_samples, var_names, batch_size, predictive, posterior_predictive,
+              obs_site, device, bn_data):
     num_samples = check_int("num_samples", num_samples, 1)
     batch_size = check_int("batch_size", batch_size, 1)
     x, y = prediction_data(model, x, y, where="pb.to_arviz", targets=True)
