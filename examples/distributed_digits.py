@@ -55,6 +55,7 @@ def main(argv=None) -> None:
               f"seconds={result.seconds:.1f}")
         print("test " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in scores.items()))
     if pbd.is_distributed():
+        torch.distributed.barrier()   # rank 0 has evaluated: no rank tears down while another still runs
         torch.distributed.destroy_process_group()
 
 
