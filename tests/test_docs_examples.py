@@ -154,7 +154,8 @@ def tiny_mnist(tmp_path) -> Path:
 
 #: script -> (arguments, a regex its stdout must match, files it must write under out/ as glob patterns).
 EXAMPLE_RUNS = {
-    "laplace_digits": (["--epochs", "2", "--hidden", "20"], r"GLM \(probit\)\s+acc 0\.\d+", []),
+    "laplace_digits": (["--epochs", "2", "--hidden", "20"],
+                       r"GLM, MC \(64\)\s+acc 0\.\d+.*\n.*GLM \(probit\)\s+acc 0\.\d+.*\n.*weights \(64\)\s+acc 0\.\d+", []),
     "bimodal_toy": (["--steps", "20", "--mf-steps", "20", "--hidden", "8"],
                     r"seed 0 hypernet.*ELBO -?\d+\.\d+ .*\| meanfield ELBO -?\d", []),
     "symmetric_toy": (["--epochs", "1", "--seeds", "1", "--alphas", "0.05", "--eval-samples", "10"],
