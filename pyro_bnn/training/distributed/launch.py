@@ -26,6 +26,8 @@ def _child(rank: int, fn: Callable, nprocs: int, port: int, threads: int, args: 
     torch.set_num_threads(threads)
     try:
         fn(rank, *args)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()   # no rank tears the group down while another still uses it (Gloo aborts)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
