@@ -54,9 +54,7 @@ def main(argv=None) -> None:
               f"global_batch={args.batch_size} final_loss={result.final_loss:.4f} "
               f"seconds={result.seconds:.1f}")
         print("test " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in scores.items()))
-    if pbd.is_distributed():
-        torch.distributed.barrier()   # rank 0 has evaluated: no rank tears down while another still runs
-        torch.distributed.destroy_process_group()
+    pbd.leave_process_group()   # every rank waits for rank 0's evaluation, then all leave
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from .group import (
     init_process_group,
     is_distributed,
     is_main_process,
+    leave_process_group,
     start,
     torchrun_env,
     warn_if_undistributed_launch,
@@ -51,7 +52,7 @@ __all__ = [
     "DistributedOptions", "DistributedState", "default_backend", "torchrun_env",
     "init_process_group", "start", "is_distributed", "is_main_process", "get_rank",
     "get_world_size", "all_reduce_sum_", "all_reduce_mean_", "all_reduce_sums", "broadcast_seed",
-    "local_batch_size", "ShardedTensorBatches", "shard_loader", "unpadded_shard", "unsharded_batches",
+    "leave_process_group", "local_batch_size", "ShardedTensorBatches", "shard_loader", "unpadded_shard", "unsharded_batches",
     "set_epoch",
     "launch_local", "find_free_port", "warn_if_undistributed_launch",
 ]

@@ -21,6 +21,7 @@ __all__ = [
     "DistributedOptions", "DistributedState", "default_backend", "torchrun_env",
     "init_process_group", "start", "is_distributed", "is_main_process", "get_rank",
     "get_world_size", "all_reduce_sum_", "all_reduce_mean_", "all_reduce_sums", "broadcast_seed",
+    "leave_process_group",
 ]
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -74,6 +75,19 @@ def torchrun_env() -> dict[str, int | str] | None:
 def is_distributed() -> bool:
     """Whether a ``torch.distributed`` process group is initialised."""
     return dist.is_available() and dist.is_initialized()
+
+
+def leave_process_group() -> None:
+    """End of a distributed script: every rank waits for the others, then all leave the group.
+
+    ``pb.fit(..., distributed=True)`` joins the process group and leaves it open (later fits
+    reuse it).  Destroying it while another rank still works in it (rank 0 evaluating) made Gloo
+    abort that rank at exit now and then, hence the barrier first.  Nothing to do without a
+    process group.
+    """
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def get_rank() -> int:

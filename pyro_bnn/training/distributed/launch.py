@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .group import leave_process_group
+
 __all__ = ["launch_local", "find_free_port"]
 
 
@@ -26,9 +28,8 @@ def _child(rank: int, fn: Callable, nprocs: int, port: int, threads: int, args: 
     torch.set_num_threads(threads)
     try:
         fn(rank, *args)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()   # no rank tears the group down while another still uses it (Gloo aborts)
-    finally:
+        leave_process_group()
+    finally:   # after an error: leave without waiting for ranks that may never arrive
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
