@@ -259,10 +259,10 @@ def test_loo_needs_25_draws_and_says_so(split, draws, computed):
     guide = pb.guides.MeanField(model)
     pb.fit(model, guide, (split.x_train, split.y_train), epochs=1, progress=False)
     dt = pb.to_arviz(model, guide, split.x_train, split.y_train, num_samples=draws)
-    from pyro_bnn.reporting.comparison import _loo_columns
+    from pyro_bnn.reporting.loo_columns import loo_columns
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cols = _loo_columns(dt)
+        cols = loo_columns(dt)
     messages = [str(w.message) for w in caught if "ELPD-LOO not computed" in str(w.message)]
     assert math.isfinite(cols["elpd_loo_psis"]) is computed
     if computed:

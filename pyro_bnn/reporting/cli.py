@@ -42,6 +42,7 @@ from ..curvature.marglik import MarglikOptions
 from ..data import datasets
 from ..model.bnn import BNN
 from .comparison import MAX_SEED, ComparisonInterrupted, caused_by_interrupt, check_device, compare
+from .loo_columns import DEFAULT_LOO_OBSERVATIONS
 from .report import markdown_table, report_info, write_report
 from .staged_folder import StagedFolder, check_replaceable
 
@@ -253,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draws in each DataTree (ELBO, ELPD-LOO; default 200, fashion-mnist 25: "
                         "each draw is a pass over the 60,000 training images; ELPD-LOO needs "
                         "at least 25; 64 with --smoke)")
+    p.add_argument("--loo-observations", type=_int_at_least(1), default=DEFAULT_LOO_OBSERVATIONS,
+                   help="training observations ELPD-LOO scores: a seeded random sample of this many, "
+                        "scaled to the whole set, when there are more (default 10000; fashion-mnist's "
+                        "60,000 in full take about 70 s per guide)")
     p.add_argument("--device", type=_device, default="cpu",
                    help="cpu, cuda, cuda:N or mps (checked before any training)")
     p.add_argument("--out", type=_folder, default="pyro-bnn-report",
@@ -455,6 +460,7 @@ def _run(args, names, staging: StagedFolder, t_start: float, previous: str, inte
     try:
         result = compare(_model_fn(args, split), names, split, epochs=epochs, lr=lr,
                          batch_size=args.batch_size, num_samples=num_samples, loo_samples=loo_samples,
+                         loo_observations=args.loo_observations,
                          device=args.device, seed=args.seed, progress=not args.no_progress,
                          guide_options=guide_kw, fit_options=fit_kw, predictive=predict, details=True)
     except ComparisonInterrupted as exc:

@@ -33,7 +33,10 @@ meaningful.  The table has one row per guide:
   ``k̂`` above ArviZ's threshold, and ``elpd_loo_psis`` (``az.loo``, which treats the draws as
   exact posterior draws); both NaN when the draws are identical (point estimates).  The
   draws are those of the row's predictive (:func:`pyro_bnn.to_arviz` with the same
-  ``predictive``), so a Laplace row's ELPD is that of its GLM predictive;
+  ``predictive``), so a Laplace row's ELPD is that of its GLM predictive.  Above
+  ``loo_observations`` training points (default 10,000) both are estimated from a random
+  sample of that many observations, the same for every guide (``loo_observations`` column;
+  the sampling error is in ``elpd_loo_se``; :mod:`pyro_bnn.reporting.loo_columns`);
 * ``train_seconds``, ``predict_seconds`` (the test-set predictive), ``num_params``
   (the guide's trained parameters; buffers such as curvature factors are not counted).
 """
@@ -59,7 +62,7 @@ from ..data.batches import check_data
 from ..data.datasets import DataSplit
 from ..model.bnn import random_directions_of, weight_norm_of
 from ..posterior import metrics
-from ..posterior.arviz import default_predictive, loo_approximate, psis_loo, to_arviz
+from ..posterior.arviz import default_predictive, to_arviz
 from ..posterior.prediction import (
     PredictiveSamples,
     bernoulli_as_classes,
@@ -72,6 +75,7 @@ from ..posterior.prediction import (
 )
 from ..training.loop import FitResult, fit
 from ..training.seeding import seeded
+from .loo_columns import DEFAULT_LOO_OBSERVATIONS, loo_columns, loo_sample
 
 __all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "check_device", "class_probabilities", "check_seed", "count_variational_parameters", "as_split",
            "convergence_label", "describe_configuration", "training_bound", "BOUND_KINDS"]
@@ -287,19 +291,16 @@ def _check_bool(name, value) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
-#: The fewest posterior draws with which ArviZ's Pareto-smoothed importance sampling can fit its
-#: tail (``floor(S / 5)`` draws, at least 5).
-MIN_LOO_DRAWS = 25
-
-
-def _check_options(names, *, epochs, lr, batch_size, num_samples, loo_samples, seed, progress,
-                   details, guide_options, fit_options, predictive) -> None:
+def _check_options(names, *, epochs, lr, batch_size, num_samples, loo_samples, loo_observations, seed,
+                   progress, details, guide_options, fit_options, predictive) -> None:
     """Every option of :func:`compare`, before any training: types, ranges and guide names."""
     _check_each("epochs", epochs, names, lambda n, v: check_int(n, v, 0))
     _check_each("lr", lr, names, lambda n, v: check_positive(n, v, optional=True))
     check_int("batch_size", batch_size, 1)
     check_int("num_samples", num_samples, 1)
     check_int("loo_samples", loo_samples, 0)
+    if loo_observations is not None:
+        check_int("loo_observations", loo_observations, 1)
     check_seed(seed, optional=True)
     _check_bool("progress", progress)
     _check_bool("details", details)
@@ -307,39 +308,6 @@ def _check_options(names, *, epochs, lr, batch_size, num_samples, loo_samples, s
         _mapping_or_none(option, value)
         _check_each(option, value or {}, names, _mapping_or_none)
     _check_each("predictive", predictive, names, _str_or_none)
-
-
-def _num_draws(dt) -> int:
-    """Chains × draws of a DataTree's ``log_likelihood`` group (0 without one)."""
-    try:
-        sizes = dt["log_likelihood"].sizes
-    except KeyError:
-        return 0
-    return int(sizes.get("chain", 1) * sizes.get("draw", 0))
-
-
-def _loo_columns(dt) -> dict:
-    out = {"elpd_loo": math.nan, "elpd_loo_se": math.nan, "pareto_k_bad": math.nan,
-           "elpd_loo_psis": math.nan}
-    notes = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            res = loo_approximate(dt, pointwise=True)
-            out["elpd_loo"], out["elpd_loo_se"] = float(res.elpd), float(res.se)
-            out["pareto_k_bad"] = float((res.pareto_k.values > res.good_k).mean())
-        except (ValueError, FloatingPointError) as exc:  # e.g. identical draws: PSIS undefined
-            notes.append(f"loo_approximate_posterior: {exc}")
-        try:
-            out["elpd_loo_psis"] = psis_loo(dt)[0]
-        except (ValueError, FloatingPointError) as exc:
-            notes.append(f"loo: {exc}")
-    draws = _num_draws(dt)
-    hint = (f"; PSIS fits its tail to floor(S/5) >= 5 draws, so it needs at least {MIN_LOO_DRAWS} "
-            f"draws and got {draws}: pass loo_samples >= {MIN_LOO_DRAWS}" if draws < MIN_LOO_DRAWS else "")
-    for note in notes:
-        warnings.warn(f"ELPD-LOO not computed ({note}{hint})", RuntimeWarning, stacklevel=3)
-    return out
 
 
 def _log_evidence(guide) -> float:
@@ -418,7 +386,7 @@ def _method_predictive(model, guide, x, num_samples, method) -> PredictiveSample
 
 
 def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_samples, loo_samples,
-             device, seed, progress, guide_kw, fit_kw, predict_method) -> GuideRun:
+             loo_index, device, seed, progress, guide_kw, fit_kw, predict_method) -> GuideRun:
     run = GuideRun(name)
     model = model_fn(name) if _takes_argument(model_fn) else model_fn()
     if device is not None:
@@ -456,7 +424,7 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
                       predictive=predict_method if predict_method in ("sample", "glm") else None)
         stats = dt["sample_stats"]
         run.metrics["elbo"] = float((stats["lp"] - stats["log_q"]).mean())
-        run.metrics.update(_loo_columns(dt))
+        run.metrics.update(loo_columns(dt, loo_index))
         dt.attrs["guide_name"] = name
         run.datatree = dt
     run.metrics.update(training_bound(model, guide, split, elbo=run.metrics.get("elbo", math.nan),
@@ -505,7 +473,8 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
 
 def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping[str, int] = 20,
             batch_size: int = 64, lr: float | Mapping[str, float] | None = None, num_samples: int = 100,
-            loo_samples: int = 200, device=None, seed: int = 0, progress: bool = True,
+            loo_samples: int = 200, loo_observations: int | None = DEFAULT_LOO_OBSERVATIONS,
+            device=None, seed: int = 0, progress: bool = True,
             guide_options: Mapping[str, dict] | None = None,
             fit_options: Mapping[str, dict] | None = None,
             predictive: str | Mapping[str, str] | None = None, errors: str = "record",
@@ -537,6 +506,12 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         Posterior draws for the test-set predictive.
     loo_samples : int
         Draws in each guide's ``DataTree`` (training data) for ELBO and ELPD-LOO; 0 skips it.
+    loo_observations : int or None
+        The ELPD-LOO columns score at most this many training observations (default 10,000), a
+        random sample (seeded by ``seed``, the same for every guide) scaled to the whole set,
+        its sampling error in ``elpd_loo_se`` (:mod:`pyro_bnn.reporting.loo_columns`); ``None``:
+        all of them (on 60,000 images about 70 s per guide).  The ``DataTree`` keeps every
+        observation.
     device : str or torch.device, optional
         Where to train and predict.
     seed : int
@@ -587,10 +562,12 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     split = as_split(data)
     factories = _resolve_guides(guides)
     _check_options(list(factories), epochs=epochs, lr=lr, batch_size=batch_size, num_samples=num_samples,
-                   loo_samples=loo_samples, seed=seed, progress=progress, details=details,
+                   loo_samples=loo_samples, loo_observations=loo_observations, seed=seed,
+                   progress=progress, details=details,
                    guide_options=guide_options, fit_options=fit_options, predictive=predictive)
     if device is not None:
         device = check_device(device)
+    loo_index = loo_sample(len(split.x_train), loo_observations, seed)
     runs: dict[str, GuideRun] = {}
     running = None
     try:  # a Ctrl-C anywhere, between two guides too, keeps the guides that finished
@@ -605,7 +582,8 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
                         name, guide_fn, model_fn, split, epochs=_per_guide(epochs, name, 20),
                         batch_size=batch_size, lr=_per_guide(lr, name, None),
                         num_samples=num_samples,
-                        loo_samples=loo_samples, device=device, seed=seed, progress=progress,
+                        loo_samples=loo_samples, loo_index=loo_index, device=device, seed=seed,
+                        progress=progress,
                         guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
                         fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
                         predict_method=_per_guide(predictive, name, None))
@@ -637,7 +615,7 @@ def _progress_line(text: str) -> None:
 
 
 _ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "bound", "bound_kind", "elbo", "log_evidence", "elpd_loo",
-          "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "train_seconds", "predict_seconds", "num_params",
+          "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "loo_observations", "train_seconds", "predict_seconds", "num_params",
           "predictive", "configuration"]
 
 
