@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loo-observations", type=_int_at_least(1), default=DEFAULT_LOO_OBSERVATIONS,
                    help="training observations ELPD-LOO scores: a seeded random sample of this many, "
                         "scaled to the whole set, when there are more (default 10000; fashion-mnist's "
-                        "60,000 in full take about 70 s per guide)")
+                        "60,000 in full take about 65 s per guide)")
     p.add_argument("--device", type=_device, default="cpu",
                    help="cpu, cuda, cuda:N or mps (checked before any training)")
     p.add_argument("--out", type=_folder, default="pyro-bnn-report",

@@ -510,7 +510,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         The ELPD-LOO columns score at most this many training observations (default 10,000), a
         random sample (seeded by ``seed``, the same for every guide) scaled to the whole set,
         its sampling error in ``elpd_loo_se`` (:mod:`pyro_bnn.reporting.loo_columns`); ``None``:
-        all of them (on 60,000 images about 70 s per guide).  The ``DataTree`` keeps every
+        all of them (on 60,000 images 64–68 s per guide).  The ``DataTree`` keeps every
         observation.
     device : str or torch.device, optional
         Where to train and predict.

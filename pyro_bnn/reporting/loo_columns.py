@@ -1,7 +1,7 @@
 """The ELPD-LOO columns of :func:`pyro_bnn.compare`, on all training observations or a sample.
 
 PSIS-LOO in ArviZ fits one Pareto tail per observation in a Python-level loop: on the 60,000
-Fashion-MNIST training images its two variants took about 70 s per guide (one core, 25 draws),
+Fashion-MNIST training images its two variants took 64–68 s per guide (one core, 25 draws),
 most of the Fashion-MNIST main job's time outside training.  Above ``observations`` training
 points the columns are therefore estimated from a simple random sample of ``m`` of the ``N``
 observations (the same sample for every guide, so rows are compared on the same points):
