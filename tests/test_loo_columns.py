@@ -47,7 +47,9 @@ def test_all_observations_is_the_full_computation(datatree):
         warnings.simplefilter("ignore")
         full = loo_columns(datatree)
         psis = pb.posterior.arviz.psis_loo(datatree)[0]
+        ref = pb.posterior.arviz.loo_approximate(datatree)
     assert full["loo_observations"] == n
+    assert (full["elpd_loo"], full["elpd_loo_se"]) == (float(ref.elpd), float(ref.se))
     assert math.isfinite(full["elpd_loo"]) and full["elpd_loo_psis"] == pytest.approx(psis, rel=1e-12)
 
 
@@ -104,3 +106,15 @@ def test_cli_passes_loo_observations_on():
     assert cli.build_parser().parse_args([]).loo_observations == DEFAULT_LOO_OBSERVATIONS
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--loo-observations", "0"])
+
+
+def test_sample_of_every_observation_reproduces_arviz(datatree):
+    # the sampled estimator at m = N: no sampling error, ArviZ's elpd and se exactly
+    n = datatree["log_likelihood"].sizes["obs_id"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = loo_columns(datatree)
+        every = loo_columns(datatree, np.arange(n))
+    assert every["elpd_loo"] == pytest.approx(full["elpd_loo"], rel=1e-12)
+    assert every["elpd_loo_se"] == pytest.approx(full["elpd_loo_se"], rel=1e-9)
+    assert every["elpd_loo_psis"] == pytest.approx(full["elpd_loo_psis"], rel=1e-12)

@@ -66,6 +66,18 @@ def _num_draws(dt) -> int:
     return int(sizes.get("chain", 1) * sizes.get("draw", 0))
 
 
+def _sampled_estimate(res, num_data: int) -> tuple[float, float]:
+    """``N · mean`` of a sample's per-observation ELPDs and its standard error: ArviZ's
+    ``sqrt(n · var)`` (ddof 1) over the whole set's points and the sampling error, in quadrature."""
+    elpd_i = res.elpd_i
+    per_obs = np.asarray(elpd_i.sum([d for d in elpd_i.dims if d != OBS_DIM]), dtype=np.float64)
+    m = per_obs.size
+    points = num_data * elpd_i.size // m                   # ArviZ's n_data_points, whole set
+    spread = math.sqrt(points * np.asarray(elpd_i, dtype=np.float64).var(ddof=1))
+    sampling = num_data * per_obs.std(ddof=1) / math.sqrt(m) * math.sqrt(1 - m / num_data)
+    return num_data * float(per_obs.mean()), math.hypot(spread, sampling)
+
+
 def loo_columns(dt, index: np.ndarray | None = None) -> dict:
     """``elpd_loo``, ``elpd_loo_se``, ``pareto_k_bad``, ``elpd_loo_psis`` and ``loo_observations``
     of a guide's ``DataTree`` (see the module docstring).
@@ -94,12 +106,10 @@ def loo_columns(dt, index: np.ndarray | None = None) -> dict:
         warnings.simplefilter("ignore")
         try:
             res = loo_approximate(part, pointwise=True)
-            elpd_i = np.asarray(res.elpd_i, dtype=np.float64).reshape(-1)
-            out["elpd_loo"] = scale * float(elpd_i.sum())
-            spread = math.sqrt(num_data * elpd_i.var())        # ArviZ's se, from the sample
-            sampling = (num_data * elpd_i.std(ddof=1) / math.sqrt(m) * math.sqrt(1 - m / num_data)
-                        if m < num_data else 0.0)
-            out["elpd_loo_se"] = math.hypot(spread, sampling)
+            if index is None:
+                out["elpd_loo"], out["elpd_loo_se"] = float(res.elpd), float(res.se)
+            else:
+                out["elpd_loo"], out["elpd_loo_se"] = _sampled_estimate(res, num_data)
             out["pareto_k_bad"] = float((res.pareto_k.values > res.good_k).mean())
         except (ValueError, FloatingPointError) as exc:  # e.g. identical draws: PSIS undefined
             notes.append(f"loo_approximate_posterior: {exc}")
