@@ -24,7 +24,7 @@ import warnings
 
 import numpy as np
 
-from ..posterior.arviz import OBS_DIM, loo_approximate, psis_loo
+from ..posterior.arviz import MIN_PSIS_TAIL, OBS_DIM, loo_approximate, psis_loo
 
 __all__ = ["loo_columns", "loo_sample", "DEFAULT_LOO_OBSERVATIONS", "MIN_LOO_DRAWS"]
 
@@ -35,8 +35,9 @@ __all__ = ["loo_columns", "loo_sample", "DEFAULT_LOO_OBSERVATIONS", "MIN_LOO_DRA
 #: from every observation (``docs/results/fashion_mnist.md``, fortieth session).
 DEFAULT_LOO_OBSERVATIONS = 10_000
 
-#: ``floor(S / 5)`` tail draws, at least 5: the fewest draws ArviZ's PSIS fits.
-MIN_LOO_DRAWS = 25
+#: The fewest draws ArviZ's PSIS fits: its tail is ``floor(S / 5)`` draws, at least
+#: :data:`~pyro_bnn.posterior.arviz.MIN_PSIS_TAIL`.
+MIN_LOO_DRAWS = 5 * MIN_PSIS_TAIL
 
 
 def loo_sample(num_data: int, observations: int | None, seed: int | None) -> np.ndarray | None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .group import leave_process_group
+from .group import is_distributed, leave_process_group
 
 __all__ = ["launch_local", "find_free_port"]
 
@@ -30,7 +30,7 @@ def _child(rank: int, fn: Callable, nprocs: int, port: int, threads: int, args: 
         fn(rank, *args)
         leave_process_group()
     finally:   # after an error: leave without waiting for ranks that may never arrive
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             dist.destroy_process_group()
 
 
