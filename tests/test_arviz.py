@@ -22,7 +22,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.guides import init_to_network, registered_guides
-from pyro_bnn.posterior.arviz import MIN_PSIS_TAIL, loo_approximate, psis_loo
+from pyro_bnn.posterior.arviz import MIN_PSIS_TAIL, loo_approximate, psis_loo, psis_loo_pointwise
 from pyro_bnn.posterior.guide_density import guide_log_density, sample_with_log_density
 
 S, N = 60, 120
@@ -135,6 +135,13 @@ def test_psis_loo_scores_observations_without_a_tail(trained):
     assert plain == 4
     assert elpd == pytest.approx(float(rest.elpd) + 0.0 + expected_3, rel=1e-12)
     assert math.isfinite(se) and se > 0
+    # pointwise: the saturated three score 0, the tied one plain IS, the rest arviz-stats' own
+    with quiet():
+        pointwise, num_plain = psis_loo_pointwise(broken)
+    assert num_plain == 4 and pointwise.shape == (N,)
+    assert np.array_equal(pointwise[:3], np.zeros(3)) and pointwise[3] == pytest.approx(expected_3, rel=1e-12)
+    np.testing.assert_allclose(pointwise[4:], np.asarray(rest.elpd_i), rtol=1e-12)
+    assert se == pytest.approx(math.sqrt(N * pointwise.var(ddof=1)), rel=1e-12)  # ArviZ's se formula
 
 
 def test_point_mass_guide_has_identical_draws(trained, data):

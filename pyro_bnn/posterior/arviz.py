@@ -82,7 +82,7 @@ from .prediction import (
     whole_batch_plates,
 )
 
-__all__ = ["to_arviz", "loo_approximate", "psis_loo", "correction_ess", "site_dims", "default_predictive"]
+__all__ = ["to_arviz", "loo_approximate", "psis_loo", "psis_loo_pointwise", "correction_ess", "site_dims", "default_predictive"]
 
 OBS_DIM = "obs_id"
 
@@ -483,7 +483,27 @@ def psis_loo(dt) -> tuple[float, float, int]:
     elpd : float
         ``Σ_n elpd_n``.
     se : float
-        ``sqrt(N · var(elpd_n))``, as ArviZ computes it.
+        ``sqrt(N · var(elpd_n))`` (variance with ``N − 1``), as ArviZ computes it.
+    num_plain : int
+        Observations scored by plain importance sampling.
+    """
+    pointwise, num_plain = psis_loo_pointwise(dt)
+    return float(pointwise.sum()), math.sqrt(len(pointwise) * pointwise.var(ddof=1)), num_plain
+
+
+def psis_loo_pointwise(dt) -> tuple[np.ndarray, int]:
+    """The per-observation ELPDs of :func:`psis_loo` (same rules) and how many of them were
+    scored by plain importance sampling.
+
+    Parameters
+    ----------
+    dt : xarray.DataTree
+        Output of :func:`to_arviz` (``log_likelihood/obs`` over ``chain, draw, obs_id``).
+
+    Returns
+    -------
+    pointwise : ndarray of float64, shape (N,)
+        ``elpd_n`` in the order of ``obs_id``.
     num_plain : int
         Observations scored by plain importance sampling.
     """
@@ -493,15 +513,14 @@ def psis_loo(dt) -> tuple[float, float, int]:
     ll = ll.reshape(-1, ll.shape[-1]).astype(np.float64)
     lowest = np.sort(ll, axis=0)[:MIN_PSIS_TAIL]
     plain = (lowest.max(0) - lowest.min(0)) < np.finfo(float).tiny
-    if not plain.any():
-        res = arviz_stats.loo(dt)
-        return float(res.elpd), float(res.se), 0
     pointwise = np.empty(ll.shape[1])
-    neg = -ll[:, plain]
-    top = neg.max(0)
-    pointwise[plain] = -(top + np.log(np.exp(neg - top).mean(0)))
     if not plain.all():
         keep = np.flatnonzero(~plain)
-        res = arviz_stats.loo(dt.isel({OBS_DIM: keep}, missing_dims="ignore"), pointwise=True)
-        pointwise[keep] = np.asarray(res.elpd_i).reshape(-1)
-    return float(pointwise.sum()), math.sqrt(len(pointwise) * pointwise.var()), int(plain.sum())
+        part = dt if keep.size == ll.shape[1] else dt.isel({OBS_DIM: keep}, missing_dims="ignore")
+        res = arviz_stats.loo(part, pointwise=True)
+        pointwise[keep] = np.asarray(res.elpd_i, dtype=np.float64).reshape(-1)
+    if plain.any():
+        neg = -ll[:, plain]
+        top = neg.max(0)
+        pointwise[plain] = -(top + np.log(np.exp(neg - top).mean(0)))
+    return pointwise, int(plain.sum())

@@ -4,11 +4,18 @@ PSIS-LOO in ArviZ fits one Pareto tail per observation in a Python-level loop: o
 Fashion-MNIST training images its two variants took 64–68 s per guide (one core, 25 draws),
 most of the Fashion-MNIST main job's time outside training.  Above ``observations`` training
 points the columns are therefore estimated from a simple random sample of ``m`` of the ``N``
-observations (the same sample for every guide, so rows are compared on the same points):
+observations (the same sample for every guide, so rows are compared on the same points), by
+the *difference estimator* of subsampled LOO (Magnusson et al. 2019, "Bayesian leave-one-out
+cross-validation for large data"):
 
-* ``elpd_loo = N · mean_i elpd_i`` over the sample, and ``elpd_loo_psis`` likewise;
-* ``elpd_loo_se``: ArviZ's ``sqrt(N · var_i elpd_i)`` from the sample, and the sampling error
-  of the estimate, ``N · sd_i / sqrt(m) · sqrt(1 − m / N)``, added in quadrature;
+* every observation gets a cheap approximation ``a_n`` of its ``elpd_n``: the same importance
+  weights without Pareto smoothing (one vectorised pass over the draws);
+* the Pareto-smoothed ``elpd_n`` is computed on the sample only, and
+  ``elpd_loo = Σ_N a_n + N · mean_sample(elpd_n − a_n)``; ``elpd_loo_psis`` likewise.  Smoothing
+  changes few observations much, so the differences spread far less than the ``elpd_n``
+  themselves and the estimate is far tighter than ``N · mean_sample(elpd_n)``;
+* ``elpd_loo_se``: ArviZ's ``sqrt(N · var_n elpd_n)``, with ``Σ elpd_n²`` estimated the same way,
+  and the sampling error ``N · sd(elpd_n − a_n) / sqrt(m) · sqrt(1 − m / N)``, in quadrature;
 * ``pareto_k_bad``: the share of the sample's ``k̂`` above ArviZ's threshold;
 * ``loo_observations``: ``m`` (``N`` when every observation was scored).
 
@@ -23,10 +30,11 @@ import math
 import warnings
 
 import numpy as np
+from scipy.special import logsumexp
 
-from ..posterior.arviz import MIN_PSIS_TAIL, OBS_DIM, loo_approximate, psis_loo
+from ..posterior.arviz import MIN_PSIS_TAIL, OBS_DIM, loo_approximate, psis_loo_pointwise
 
-__all__ = ["loo_columns", "loo_sample", "DEFAULT_LOO_OBSERVATIONS", "MIN_LOO_DRAWS"]
+__all__ = ["loo_columns", "loo_sample", "difference_estimate", "DEFAULT_LOO_OBSERVATIONS", "MIN_LOO_DRAWS"]
 
 #: :func:`pyro_bnn.compare`'s default ``loo_observations``: larger training sets are scored on a
 #: sample of this many.  Measured on a MeanField MLP's 25 draws over the 60,000 Fashion-MNIST
@@ -67,16 +75,69 @@ def _num_draws(dt) -> int:
     return int(sizes.get("chain", 1) * sizes.get("draw", 0))
 
 
-def _sampled_estimate(res, num_data: int) -> tuple[float, float]:
-    """``N · mean`` of a sample's per-observation ELPDs and its standard error: ArviZ's
-    ``sqrt(n · var)`` (ddof 1) over the whole set's points and the sampling error, in quadrature."""
-    elpd_i = res.elpd_i
-    per_obs = np.asarray(elpd_i.sum([d for d in elpd_i.dims if d != OBS_DIM]), dtype=np.float64)
-    m = per_obs.size
-    points = num_data * elpd_i.size // m                   # ArviZ's n_data_points, whole set
-    spread = math.sqrt(points * np.asarray(elpd_i, dtype=np.float64).var(ddof=1))
-    sampling = num_data * per_obs.std(ddof=1) / math.sqrt(m) * math.sqrt(1 - m / num_data)
-    return num_data * float(per_obs.mean()), math.hypot(spread, sampling)
+def _unsmoothed_loo(dt, *, corrected: bool) -> np.ndarray:
+    """Importance-sampling LOO of every observation without Pareto smoothing, shaped as
+    ``log_likelihood/obs`` without ``chain`` and ``draw`` (``obs_id`` last).
+
+    ``elpd_n = logsumexp_s(c_s) − logsumexp_s(c_s − log p(y_n | θ_s))`` with ``c_s = log p(θ_s, y) −
+    log q(θ_s)`` from ``sample_stats`` when ``corrected`` (``loo_approximate``'s weights), else 0
+    (``az.loo``'s).
+    """
+    ll = dt["log_likelihood"]["obs"]
+    ll = ll.transpose("chain", "draw", ..., OBS_DIM).values.astype(np.float64)
+    ll = ll.reshape(-1, *ll.shape[2:])
+    if corrected:
+        stats = dt["sample_stats"]
+        c = (np.asarray(stats["lp"], dtype=np.float64) - np.asarray(stats["log_q"], dtype=np.float64)).reshape(-1)
+    else:
+        c = np.zeros(ll.shape[0])
+    c = c.reshape(-1, *([1] * (ll.ndim - 1)))
+    return logsumexp(c, axis=0) - logsumexp(c - ll, axis=0)
+
+
+def difference_estimate(exact: np.ndarray, approx: np.ndarray, index: np.ndarray) -> tuple[float, float, float]:
+    """The difference estimate of ``Σ_n e_n`` from exact values ``e_n`` on a simple random sample
+    and approximations ``a_n`` of every one (Magnusson et al. 2019).
+
+    Parameters
+    ----------
+    exact : ndarray
+        ``e_n`` of the sample's points, shaped as ``approx[..., index]``.
+    approx : ndarray
+        ``a_n`` of every point (the observation axis last; other axes are points of the same
+        observation, sampled together).
+    index : ndarray of int
+        The sample: ``m`` distinct positions on the last axis, drawn without replacement.
+
+    Returns
+    -------
+    total : float
+        ``Σ a_n + N · mean_sample(e_n − a_n)`` (per observation), unbiased for ``Σ e_n``.
+    spread_se : float
+        ``sqrt(n · var e_n)`` over the ``n`` points (variance with ``n − 1``, ArviZ's ``se``), with
+        ``var e = var a + var(e − a) + 2 cov(a, e − a)``: the first over every point, the others over
+        the sample's (NaN when ``m = 1``).
+    sampling_se : float
+        The standard error of ``total`` from the sampling, ``N · sd(e_n − a_n) / sqrt(m) ·
+        sqrt(1 − m / N)``; 0 when ``m = N``, NaN when ``m = 1``.
+    """
+    num_data, m = approx.shape[-1], len(index)
+    sampled = approx[..., index]
+    exact = np.asarray(exact, dtype=np.float64).reshape(sampled.shape)
+    diff = exact - sampled
+    per_obs = diff.reshape(-1, m).sum(0)                  # one difference per sampled observation
+    total = float(approx.sum()) + num_data * float(per_obs.mean())
+    # var e = var a (every point) + var d + 2 cov(a, d) (the sample's points): exact at m = N and
+    # whenever the approximation is off by a constant
+    if m > 1:
+        cov = np.cov(sampled.ravel(), diff.ravel(), ddof=1)
+        variance = float(approx.var(ddof=1)) + cov[1, 1] + 2 * cov[0, 1]
+    else:
+        variance = math.nan
+    spread = math.sqrt(approx.size * max(variance, 0.0))
+    sampling = (num_data * float(per_obs.std(ddof=1)) / math.sqrt(m) * math.sqrt(1 - m / num_data)
+                if m > 1 else math.nan)
+    return total, spread, sampling
 
 
 def loo_columns(dt, index: np.ndarray | None = None) -> dict:
@@ -99,7 +160,6 @@ def loo_columns(dt, index: np.ndarray | None = None) -> dict:
     num_data = int(dt["log_likelihood"].sizes[OBS_DIM])
     part = dt if index is None else dt.isel({OBS_DIM: index}, missing_dims="ignore")
     m = num_data if index is None else len(index)
-    scale = num_data / m
     out = {"elpd_loo": math.nan, "elpd_loo_se": math.nan, "pareto_k_bad": math.nan,
            "elpd_loo_psis": math.nan, "loo_observations": m}
     notes = []
@@ -110,12 +170,17 @@ def loo_columns(dt, index: np.ndarray | None = None) -> dict:
             if index is None:
                 out["elpd_loo"], out["elpd_loo_se"] = float(res.elpd), float(res.se)
             else:
-                out["elpd_loo"], out["elpd_loo_se"] = _sampled_estimate(res, num_data)
+                approx = _unsmoothed_loo(dt, corrected=True)
+                total, spread, sampling = difference_estimate(res.elpd_i.transpose(..., OBS_DIM).values,
+                                                              approx, index)
+                out["elpd_loo"], out["elpd_loo_se"] = total, math.hypot(spread, sampling)
             out["pareto_k_bad"] = float((res.pareto_k.values > res.good_k).mean())
         except (ValueError, FloatingPointError) as exc:  # e.g. identical draws: PSIS undefined
             notes.append(f"loo_approximate_posterior: {exc}")
         try:
-            out["elpd_loo_psis"] = scale * psis_loo(part)[0]
+            pointwise = psis_loo_pointwise(part)[0]
+            out["elpd_loo_psis"] = (float(pointwise.sum()) if index is None else
+                                    difference_estimate(pointwise, _unsmoothed_loo(dt, corrected=False), index)[0])
         except (ValueError, FloatingPointError) as exc:
             notes.append(f"loo: {exc}")
     draws = _num_draws(dt)
