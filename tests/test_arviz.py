@@ -22,7 +22,13 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.guides import init_to_network, registered_guides
-from pyro_bnn.posterior.arviz import MIN_PSIS_TAIL, loo_approximate, psis_loo, psis_loo_pointwise
+from pyro_bnn.posterior.arviz import (
+    MIN_PSIS_DRAWS,
+    MIN_PSIS_TAIL,
+    loo_approximate,
+    psis_loo,
+    psis_loo_pointwise,
+)
 from pyro_bnn.posterior.guide_density import guide_log_density, sample_with_log_density
 
 S, N = 60, 120
@@ -142,6 +148,28 @@ def test_psis_loo_scores_observations_without_a_tail(trained):
     assert np.array_equal(pointwise[:3], np.zeros(3)) and pointwise[3] == pytest.approx(expected_3, rel=1e-12)
     np.testing.assert_allclose(pointwise[4:], np.asarray(rest.elpd_i), rtol=1e-12)
     assert se == pytest.approx(math.sqrt(N * pointwise.var(ddof=1)), rel=1e-12)  # ArviZ's se formula
+
+
+@pytest.mark.parametrize("draws", [25, 29, 30])
+def test_psis_needs_30_draws(trained, data, draws):
+    """arviz-stats fits a tail of floor(S/5) draws and gives up on 5 of them (every k-hat NaN,
+    weights unsmoothed, no warning): fewer than MIN_PSIS_DRAWS = 30 draws are refused by name."""
+    import arviz_stats
+
+    model, guide, _ = trained["meanfield"]
+    x, y = data
+    dt = pb.to_arviz(model, guide, x[:N], y[:N], num_samples=draws, batch_size=50, seed=2)
+    with quiet():
+        k = np.asarray(arviz_stats.loo(dt, pointwise=True).pareto_k)
+    # the premise, measured on arviz-stats itself
+    assert bool(np.isnan(k).all()) is (draws < MIN_PSIS_DRAWS) and MIN_PSIS_DRAWS == 30
+    if draws < MIN_PSIS_DRAWS:
+        for fn, name in ((psis_loo, "psis_loo"), (loo_approximate, "loo_approximate")):
+            with pytest.raises(ValueError, match=rf"{name} needs at least 30 draws .* got {draws}"):
+                fn(dt)
+    else:
+        with quiet():
+            assert math.isfinite(psis_loo(dt)[0]) and math.isfinite(float(loo_approximate(dt).elpd))
 
 
 def test_point_mass_guide_has_identical_draws(trained, data):

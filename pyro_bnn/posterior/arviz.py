@@ -82,7 +82,8 @@ from .prediction import (
     whole_batch_plates,
 )
 
-__all__ = ["to_arviz", "loo_approximate", "psis_loo", "psis_loo_pointwise", "correction_ess", "site_dims", "default_predictive"]
+__all__ = ["to_arviz", "loo_approximate", "psis_loo", "psis_loo_pointwise", "num_draws", "MIN_PSIS_DRAWS",
+           "correction_ess", "site_dims", "default_predictive"]
 
 OBS_DIM = "obs_id"
 
@@ -420,6 +421,11 @@ def loo_approximate(dt, *, pointwise: bool | None = None, **kwargs):
     -------
     arviz_stats.ELPDDataLOO
 
+    Raises
+    ------
+    ValueError
+        Fewer than :data:`MIN_PSIS_DRAWS` draws.
+
     Warns
     -----
     UserWarning
@@ -428,6 +434,7 @@ def loo_approximate(dt, *, pointwise: bool | None = None, **kwargs):
     import arviz_stats
     from arviz_base import rcParams
 
+    _check_psis_draws(dt, "loo_approximate")
     stats = dt["sample_stats"]
     keep = rcParams["stats.ic_pointwise"] if pointwise is None else bool(pointwise)
     res = arviz_stats.loo_approximate_posterior(dt, log_p=stats["lp"], log_q=stats["log_q"],
@@ -460,6 +467,31 @@ def correction_ess(log_p, log_q) -> tuple[float, float]:
 #: The fewest tail draws PSIS fits (arviz-stats raises "All tail values are the same" when they tie).
 MIN_PSIS_TAIL = 5
 
+#: The fewest draws with which arviz-stats' PSIS fits a Pareto tail.  Below 226 draws its tail
+#: is ``floor(S / 5)`` draws, and its generalised-Pareto fit gives up (``k̂ = NaN``, the weights
+#: left unsmoothed) whenever the tail's first quartile is its minimum, as it always is for 5 tail
+#: draws: with 25–29 draws every ``k̂`` is NaN, without a warning (measured on digits).
+MIN_PSIS_DRAWS = 30
+
+
+def num_draws(dt) -> int:
+    """Chains × draws of a ``DataTree``'s ``log_likelihood`` group (0 without one)."""
+    try:
+        sizes = dt["log_likelihood"].sizes
+    except KeyError:
+        return 0
+    return int(sizes.get("chain", 1) * sizes.get("draw", 0))
+
+
+def _check_psis_draws(dt, what: str) -> None:
+    """Refuse fewer than :data:`MIN_PSIS_DRAWS` draws, naming the fix."""
+    draws = num_draws(dt)
+    if draws < MIN_PSIS_DRAWS:
+        raise ValueError(
+            f"{what} needs at least {MIN_PSIS_DRAWS} draws to fit its Pareto tails (floor(S/5) >= 6 "
+            f"draws), got {draws}: with fewer, arviz-stats leaves every observation's k-hat NaN and "
+            f"its weights unsmoothed, without a warning; pass num_samples >= {MIN_PSIS_DRAWS} to to_arviz")
+
 
 def psis_loo(dt) -> tuple[float, float, int]:
     """PSIS-LOO (``arviz_stats.loo``) that also scores observations whose likelihood has no tail.
@@ -486,6 +518,11 @@ def psis_loo(dt) -> tuple[float, float, int]:
         ``sqrt(N · var(elpd_n))`` (variance with ``N − 1``), as ArviZ computes it.
     num_plain : int
         Observations scored by plain importance sampling.
+
+    Raises
+    ------
+    ValueError
+        Fewer than :data:`MIN_PSIS_DRAWS` draws.
     """
     pointwise, num_plain = psis_loo_pointwise(dt)
     return float(pointwise.sum()), math.sqrt(len(pointwise) * pointwise.var(ddof=1)), num_plain
@@ -506,9 +543,15 @@ def psis_loo_pointwise(dt) -> tuple[np.ndarray, int]:
         ``elpd_n`` in the order of ``obs_id``.
     num_plain : int
         Observations scored by plain importance sampling.
+
+    Raises
+    ------
+    ValueError
+        Fewer than :data:`MIN_PSIS_DRAWS` draws.
     """
     import arviz_stats
 
+    _check_psis_draws(dt, "psis_loo")
     ll = dt["log_likelihood"]["obs"].transpose(..., OBS_DIM).values
     ll = ll.reshape(-1, ll.shape[-1]).astype(np.float64)
     lowest = np.sort(ll, axis=0)[:MIN_PSIS_TAIL]

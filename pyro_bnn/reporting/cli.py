@@ -41,6 +41,7 @@ from ..contract.guide import registered_guides
 from ..curvature.marglik import MarglikOptions
 from ..data import datasets
 from ..model.bnn import BNN
+from ..posterior.arviz import MIN_PSIS_DRAWS
 from .comparison import MAX_SEED, ComparisonInterrupted, caused_by_interrupt, check_device, compare
 from .loo_columns import DEFAULT_LOO_OBSERVATIONS
 from .report import markdown_table, report_info, write_report
@@ -148,9 +149,10 @@ ARCH_DEFAULTS: dict[tuple[str, str], dict[str, dict]] = {
                                "symmetrized": {"lr": 1e-2, "epochs": 30}},
 }
 
-#: ``--loo-samples`` by dataset (default 200).  25 is the fewest with which ArviZ's PSIS can
-#: fit its tail (``floor(S / 5)`` draws, at least 5): with 20 the ELPD-LOO columns were NaN.
-LOO_SAMPLES = {"fashion-mnist": 25}
+#: ``--loo-samples`` by dataset (default 200).  30 is the fewest with which arviz-stats' PSIS
+#: fits its tails (:data:`pyro_bnn.posterior.arviz.MIN_PSIS_DRAWS`): until the forty-first
+#: session this was 25, with which every Pareto ``k̂`` was NaN and the weights unsmoothed.
+LOO_SAMPLES = {"fashion-mnist": MIN_PSIS_DRAWS}
 
 #: The datasets of 28x28 images, on which ``--arch cnn`` runs.
 IMAGE_DATASETS = ("fashion-mnist", "mnist")
@@ -250,9 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=_int_at_least(1), default=None,
                    help="posterior draws for test predictions (default 100; 10 with --smoke)")
     p.add_argument("--loo-samples", type=_int_at_least(1), default=None,
-                   help="draws in each DataTree (ELBO, ELPD-LOO; default 200, fashion-mnist 25: "
+                   help="draws in each DataTree (ELBO, ELPD-LOO; default 200, fashion-mnist 30: "
                         "each draw is a pass over the 60,000 training images; ELPD-LOO needs "
-                        "at least 25; 64 with --smoke)")
+                        "at least 30; 64 with --smoke)")
     p.add_argument("--loo-observations", type=_int_at_least(1), default=DEFAULT_LOO_OBSERVATIONS,
                    help="training observations ELPD-LOO scores by Pareto smoothing: a seeded random sample "
                         "of this many corrects every observation's unsmoothed value when there are more (default 10000; fashion-mnist's "

@@ -32,9 +32,9 @@ import warnings
 import numpy as np
 from scipy.special import logsumexp
 
-from ..posterior.arviz import MIN_PSIS_TAIL, OBS_DIM, loo_approximate, psis_loo_pointwise
+from ..posterior.arviz import MIN_PSIS_DRAWS, OBS_DIM, loo_approximate, num_draws, psis_loo_pointwise
 
-__all__ = ["loo_columns", "loo_sample", "difference_estimate", "DEFAULT_LOO_OBSERVATIONS", "MIN_LOO_DRAWS"]
+__all__ = ["loo_columns", "loo_sample", "difference_estimate", "DEFAULT_LOO_OBSERVATIONS"]
 
 #: :func:`pyro_bnn.compare`'s default ``loo_observations``: larger training sets are scored on a
 #: sample of this many.  Measured on a MeanField MLP's 25 draws over the 60,000 Fashion-MNIST
@@ -42,11 +42,6 @@ __all__ = ["loo_columns", "loo_sample", "difference_estimate", "DEFAULT_LOO_OBSE
 #: ``elpd_loo`` −30,493 / −29,902 / −30,444 (``elpd_loo_se`` 555 / 516 / 569) against −30,523 ± 225
 #: from every observation (``docs/results/fashion_mnist.md``, fortieth session).
 DEFAULT_LOO_OBSERVATIONS = 10_000
-
-#: The fewest draws ArviZ's PSIS fits: its tail is ``floor(S / 5)`` draws, at least
-#: :data:`~pyro_bnn.posterior.arviz.MIN_PSIS_TAIL`.
-MIN_LOO_DRAWS = 5 * MIN_PSIS_TAIL
-
 
 def loo_sample(num_data: int, observations: int | None, seed: int | None) -> np.ndarray | None:
     """Sorted indices of the observations to score, or ``None`` for all of them.
@@ -64,15 +59,6 @@ def loo_sample(num_data: int, observations: int | None, seed: int | None) -> np.
         return None
     rng = np.random.default_rng(seed)
     return np.sort(rng.choice(num_data, size=observations, replace=False))
-
-
-def _num_draws(dt) -> int:
-    """Chains × draws of a DataTree's ``log_likelihood`` group (0 without one)."""
-    try:
-        sizes = dt["log_likelihood"].sizes
-    except KeyError:
-        return 0
-    return int(sizes.get("chain", 1) * sizes.get("draw", 0))
 
 
 def _unsmoothed_loo(dt, *, corrected: bool) -> np.ndarray:
@@ -183,9 +169,8 @@ def loo_columns(dt, index: np.ndarray | None = None) -> dict:
                                     difference_estimate(pointwise, _unsmoothed_loo(dt, corrected=False), index)[0])
         except (ValueError, FloatingPointError) as exc:
             notes.append(f"loo: {exc}")
-    draws = _num_draws(dt)
-    hint = (f"; PSIS fits its tail to floor(S/5) >= 5 draws, so it needs at least {MIN_LOO_DRAWS} "
-            f"draws and got {draws}: pass loo_samples >= {MIN_LOO_DRAWS}" if draws < MIN_LOO_DRAWS else "")
+    draws = num_draws(dt)
+    hint = f": pass loo_samples >= {MIN_PSIS_DRAWS}" if draws < MIN_PSIS_DRAWS else ""
     for note in notes:
         warnings.warn(f"ELPD-LOO not computed ({note}{hint})", RuntimeWarning, stacklevel=3)
     return out
