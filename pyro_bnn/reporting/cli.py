@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "at least 30; 64 with --smoke)")
     p.add_argument("--loo-observations", type=_int_at_least(1), default=DEFAULT_LOO_OBSERVATIONS,
                    help="training observations ELPD-LOO scores by Pareto smoothing: a seeded random sample "
-                        "of this many corrects every observation's unsmoothed value when there are more (default 10000; fashion-mnist's "
+                        "of this many corrects every observation's log predictive density when there are more (default 10000; fashion-mnist's "
                         "60,000 in full take about 65 s per guide)")
     p.add_argument("--device", type=_device, default="cpu",
                    help="cpu, cuda, cuda:N or mps (checked before any training)")

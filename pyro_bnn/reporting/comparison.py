@@ -36,8 +36,8 @@ meaningful.  The table has one row per guide:
   ``predictive``), so a Laplace row's ELPD is that of its GLM predictive.  Above
   ``loo_observations`` training points (default 10,000) both are estimated from a random
   sample of that many observations, the same for every guide, by the difference estimator
-  (every observation's unsmoothed importance-sampling value, corrected by the sample's
-  Pareto-smoothed ones; ``loo_observations`` column; the sampling error is in ``elpd_loo_se``;
+  (every observation's log predictive density, corrected by the sample's Pareto-smoothed
+  leave-one-out values; ``loo_observations`` column; the sampling error is in ``elpd_loo_se``;
   :mod:`pyro_bnn.reporting.loo_columns`);
 * ``train_seconds``, ``predict_seconds`` (the test-set predictive), ``num_params``
   (the guide's trained parameters; buffers such as curvature factors are not counted).
@@ -511,7 +511,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     loo_observations : int or None
         The ELPD-LOO columns score at most this many training observations (default 10,000), a
         random sample (seeded by ``seed``, the same for every guide) that corrects every
-        observation's cheap unsmoothed value (the difference estimator), its sampling error in
+        observation's log predictive density (the difference estimator), its sampling error in
         ``elpd_loo_se`` (:mod:`pyro_bnn.reporting.loo_columns`); ``None``:
         all of them (on 60,000 images 64–68 s per guide).  The ``DataTree`` keeps every
         observation.
