@@ -58,6 +58,9 @@ def test_all_observations_is_the_full_computation(datatree):
     assert full["loo_observations"] == n
     assert (full["elpd_loo"], full["elpd_loo_se"]) == (float(ref.elpd), float(ref.se))
     assert math.isfinite(full["elpd_loo"]) and full["elpd_loo_psis"] == pytest.approx(psis, rel=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert full["elpd_loo_psis_se"] == pytest.approx(pb.posterior.arviz.psis_loo(datatree)[1], rel=1e-12)
 
 
 def test_difference_estimate_of_every_point_is_exact():
@@ -127,6 +130,10 @@ def test_sampled_columns_agree_with_the_full_ones(datatree, seed):
     assert abs(part["elpd_loo"] - full["elpd_loo"]) < abs(part["elpd_loo"] - full["elpd_loo"] * 400 / n)
     # the SE: the whole set's spread (estimated) with the small sampling error
     assert part["elpd_loo_se"] == pytest.approx(full["elpd_loo_se"], rel=0.1)
+    # elpd_loo_psis' SE adds a sampling error that is not small: above the full data's, and
+    # at most the full spread and the simple estimator's sampling error together
+    assert full["elpd_loo_psis_se"] < part["elpd_loo_psis_se"] < 1.1 * math.hypot(full["elpd_loo_psis_se"],
+                                                                                    simple_psis)
 
 
 def test_compare_scores_every_guide_on_the_same_sample():
@@ -175,3 +182,4 @@ def test_sample_of_every_observation_reproduces_arviz(datatree):
     assert every["elpd_loo"] == pytest.approx(full["elpd_loo"], rel=1e-12)
     assert every["elpd_loo_se"] == pytest.approx(full["elpd_loo_se"], rel=1e-9)
     assert every["elpd_loo_psis"] == pytest.approx(full["elpd_loo_psis"], rel=1e-12)
+    assert every["elpd_loo_psis_se"] == pytest.approx(full["elpd_loo_psis_se"], rel=1e-9)

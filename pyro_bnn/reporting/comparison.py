@@ -31,7 +31,7 @@ meaningful.  The table has one row per guide:
 * ``elpd_loo`` (``az.loo_approximate_posterior``, the importance-sampling correction for
   draws from an approximate posterior) with its standard error and the share of Pareto
   ``k̂`` above ArviZ's threshold, and ``elpd_loo_psis`` (``az.loo``, which treats the draws as
-  exact posterior draws); both NaN when the draws are identical (point estimates).  The
+  exact posterior draws) with its standard error (``elpd_loo_psis_se``); both NaN when the draws are identical (point estimates).  The
   draws are those of the row's predictive (:func:`pyro_bnn.to_arviz` with the same
   ``predictive``), so a Laplace row's ELPD is that of its GLM predictive.  Above
   ``loo_observations`` training points (default 10,000) both are estimated from a random
@@ -618,7 +618,7 @@ def _progress_line(text: str) -> None:
 
 
 _ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "bound", "bound_kind", "elbo", "log_evidence", "elpd_loo",
-          "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "loo_observations", "train_seconds", "predict_seconds", "num_params",
+          "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "elpd_loo_psis_se", "loo_observations", "train_seconds", "predict_seconds", "num_params",
           "predictive", "configuration"]
 
 

@@ -16,8 +16,9 @@ cross-validation for large data"):
   the differences spread: for ``elpd_loo`` of a network fitted to a large data set (whose
   correction weights sit on one draw) they vanish, for ``elpd_loo_psis`` the gain is smaller
   (measured in ``docs/results/fashion_mnist.md``, forty-first session);
-* ``elpd_loo_se``: ArviZ's ``sqrt(N · var_n elpd_n)``, with ``Σ elpd_n²`` estimated the same way,
-  and the sampling error ``N · sd(elpd_n − a_n) / sqrt(m) · sqrt(1 − m / N)``, in quadrature;
+* ``elpd_loo_se`` and ``elpd_loo_psis_se``: ArviZ's ``sqrt(N · var_n elpd_n)`` (its variance
+  estimated from every ``a_n`` and the sample's differences, :func:`difference_estimate`) and the
+  sampling error ``N · sd(elpd_n − a_n) / sqrt(m) · sqrt(1 − m / N)``, in quadrature;
 * ``pareto_k_bad``: the share of the sample's ``k̂`` above ArviZ's threshold;
 * ``loo_observations``: ``m`` (``N`` when every observation was scored).
 
@@ -135,8 +136,8 @@ def difference_estimate(exact: np.ndarray, approx: np.ndarray, index: np.ndarray
 
 
 def loo_columns(dt, index: np.ndarray | None = None) -> dict:
-    """``elpd_loo``, ``elpd_loo_se``, ``pareto_k_bad``, ``elpd_loo_psis`` and ``loo_observations``
-    of a guide's ``DataTree`` (see the module docstring).
+    """``elpd_loo``, ``elpd_loo_se``, ``pareto_k_bad``, ``elpd_loo_psis``, ``elpd_loo_psis_se``
+    and ``loo_observations`` of a guide's ``DataTree`` (see the module docstring).
 
     Parameters
     ----------
@@ -155,7 +156,7 @@ def loo_columns(dt, index: np.ndarray | None = None) -> dict:
     part = dt if index is None else dt.isel({OBS_DIM: index}, missing_dims="ignore")
     m = num_data if index is None else len(index)
     out = {"elpd_loo": math.nan, "elpd_loo_se": math.nan, "pareto_k_bad": math.nan,
-           "elpd_loo_psis": math.nan, "loo_observations": m}
+           "elpd_loo_psis": math.nan, "elpd_loo_psis_se": math.nan, "loo_observations": m}
     notes = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -173,8 +174,12 @@ def loo_columns(dt, index: np.ndarray | None = None) -> dict:
             notes.append(f"loo_approximate_posterior: {exc}")
         try:
             pointwise = psis_loo_pointwise(part)[0]
-            out["elpd_loo_psis"] = (float(pointwise.sum()) if index is None else
-                                    difference_estimate(pointwise, _lpd(dt, corrected=False), index)[0])
+            if index is None:
+                out["elpd_loo_psis"] = float(pointwise.sum())
+                out["elpd_loo_psis_se"] = math.sqrt(m * pointwise.var(ddof=1)) if m > 1 else math.nan
+            else:
+                total, spread, sampling = difference_estimate(pointwise, _lpd(dt, corrected=False), index)
+                out["elpd_loo_psis"], out["elpd_loo_psis_se"] = total, math.hypot(spread, sampling)
         except (ValueError, FloatingPointError) as exc:
             notes.append(f"loo: {exc}")
     draws = num_draws(dt)
