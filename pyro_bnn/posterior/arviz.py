@@ -535,14 +535,14 @@ def psis_loo_pointwise(dt) -> tuple[np.ndarray, int]:
     Parameters
     ----------
     dt : xarray.DataTree
-        Output of :func:`to_arviz` (``log_likelihood/obs`` over ``chain, draw, obs_id``).
+        As for :func:`psis_loo`.
 
     Returns
     -------
     pointwise : ndarray of float64, shape (N,)
         ``elpd_n`` in the order of ``obs_id``.
     num_plain : int
-        Observations scored by plain importance sampling.
+        How many were scored by plain importance sampling.
 
     Raises
     ------
