@@ -90,7 +90,7 @@ def test_epochs_zero_and_a_rerun_replaces_the_whole_folder(tmp_path, capsys):
     out = tmp_path / "report"
     _previous_report(out)
     assert cli.main(["--smoke", "--epochs", "0", "--guides", "meanfield", "--out", str(out),
-                     "--no-progress", "--loo-samples", "25"]) == 0
+                     "--no-progress", "--loo-samples", "30"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["settings"]["epochs"] == {"meanfield": 0}
     assert metrics["history"]["meanfield"]["loss"] == []  # 0 epochs, not 100
@@ -128,7 +128,7 @@ def test_interrupt_inside_an_extension_import_is_an_interrupt(tmp_path, monkeypa
 
     monkeypatch.setattr(cli, "write_report", import_interrupted)
     assert cli.main(["--smoke", "--guides", "meanfield", "--out", str(out), "--no-progress",
-                     "--loo-samples", "25"]) == 130
+                     "--loo-samples", "30"]) == 130
     err = capsys.readouterr().err.strip()
     assert err.splitlines()[-1] == f"interrupted: no report written; the previous one in {out} is unchanged"
     assert _contents(out) == before and _siblings(out) == []
@@ -141,7 +141,7 @@ def test_an_unrelated_import_error_is_not_an_interrupt(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "write_report", broken)
     with pytest.raises(ImportError, match="no module named matplotlib"):
         cli.main(["--smoke", "--guides", "meanfield", "--out", str(tmp_path / "r"), "--no-progress",
-                  "--loo-samples", "25"])
+                  "--loo-samples", "30"])
 
 
 def test_failed_report_write_keeps_the_previous_report(tmp_path, monkeypatch, capsys):
@@ -153,7 +153,7 @@ def test_failed_report_write_keeps_the_previous_report(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(cli, "write_report", disk_full)
     assert cli.main(["--smoke", "--guides", "meanfield", "--out", str(out), "--no-progress",
-                     "--loo-samples", "25"]) == 1
+                     "--loo-samples", "30"]) == 1
     captured = capsys.readouterr()
     assert "| meanfield |" in captured.out  # the table is printed before the report is written
     assert "could not write the report" in captured.err and "previous one is unchanged" in captured.err
@@ -180,7 +180,7 @@ def test_a_swallowed_sigint_still_keeps_the_previous_report(tmp_path, monkeypatc
         return written
 
     monkeypatch.setattr(cli, "write_report", write_then_interrupt)
-    code = cli.main(["--smoke", "--guides", "meanfield", "--out", str(out), "--no-progress", "--loo-samples", "25"])
+    code = cli.main(["--smoke", "--guides", "meanfield", "--out", str(out), "--no-progress", "--loo-samples", "30"])
     err = capsys.readouterr().err
     assert code == 130
     assert err.strip().splitlines()[-1] == f"interrupted: no report written; the previous one in {out} is unchanged"

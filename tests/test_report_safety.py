@@ -32,7 +32,7 @@ from pyro_bnn.reporting.report import write_report
 from pyro_bnn.reporting.staged_folder import MARKER, NotAReportFolder, StagedFolder, read_marker
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--smoke", "--no-progress", "--loo-samples", "25"]
+FAST = ["--smoke", "--no-progress", "--loo-samples", "30"]
 
 
 def _contents(folder: Path) -> dict[str, bytes]:
@@ -307,7 +307,7 @@ def test_sigint_after_one_guide_keeps_it_in_a_partial_report(previous):
                MPLBACKEND="Agg", OMP_NUM_THREADS="1")
     # hypernet (second) trains for several seconds at 10 epochs: the interrupt lands inside it
     proc = subprocess.Popen([sys.executable, "-m", "pyro_bnn.reporting.cli", "--smoke", "--epochs", "10",
-                             "--loo-samples", "25", "--guides", "meanfield,hypernet,symmetrized",
+                             "--loo-samples", "30", "--guides", "meanfield,hypernet,symmetrized",
                              "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

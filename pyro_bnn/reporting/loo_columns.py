@@ -183,7 +183,7 @@ def loo_columns(dt, index: np.ndarray | None = None) -> dict:
         except (ValueError, FloatingPointError) as exc:
             notes.append(f"loo: {exc}")
     draws = num_draws(dt)
-    hint = f": pass loo_samples >= {MIN_PSIS_DRAWS}" if draws < MIN_PSIS_DRAWS else ""
+    hint = f"; in pb.compare: loo_samples >= {MIN_PSIS_DRAWS}" if draws < MIN_PSIS_DRAWS else ""
     for note in notes:
         warnings.warn(f"ELPD-LOO not computed ({note}{hint})", RuntimeWarning, stacklevel=3)
     return out
