@@ -146,6 +146,17 @@ def test_cnn_on_fashion_mnist_trains_meanfield_at_its_measured_lr():
     assert cli._settings(args, ["meanfield"])[1]["meanfield"] is None   # the MLP: the guide's own lr
 
 
+def test_cnn_on_fashion_mnist_trains_symmetrized_at_the_library_rate_for_240_epochs():
+    # the converged setting of the forty-first session: no pinned lr (the guide's own rate for
+    # this net, a quarter of MeanField's rule for unnormalised convolutions), 240 epochs
+    assert cli.guide_defaults("fashion-mnist", "symmetrized", arch="cnn") == {"epochs": 240}
+    args = cli.build_parser().parse_args(["--dataset", "fashion-mnist", "--arch", "cnn"])
+    epochs, lr, *_ = cli._settings(args, ["symmetrized"])
+    assert epochs["symmetrized"] == 240 and lr["symmetrized"] is None
+    model = pb.BNN(cli.lenet(), "categorical")
+    assert pb.guides.Symmetrized(model).learning_rate(60_000) == pytest.approx(0.0051, abs=1e-4)
+
+
 def test_fashion_mnist_laplace_all_is_online_marglik_with_layerwise_delta():
     # the "guide" key of a dataset's defaults reaches the guide's constructor (compare's
     # guide_options), the "fit" key pb.fit (marglik= for Immer et al.'s online schedule)
