@@ -409,10 +409,11 @@ class BNNGuide(WatchesBatches, WatchesInputs):
         fitted)."""
         return None
 
-    def training_bound(self, model, data, *, num_samples: int = 32) -> tuple[float, str] | None:
+    def training_bound(self, model, data, *, num_samples: int = 32) -> tuple[float, str, float] | None:
         """The bound the guide maximises on ``data``, when it is not the ELBO nor
-        :meth:`log_evidence`: ``(value, kind)`` for ``pb.compare``'s ``bound`` column (the
-        symmetrised guide: ``(L^G, "symmetrized_elbo")`` from ``num_samples`` draws).
+        :meth:`log_evidence`: ``(value, kind, standard_error)`` for ``pb.compare``'s ``bound``
+        and ``bound_se`` columns (the symmetrised guide: ``(L^G, "symmetrized_elbo", se)`` from
+        ``num_samples`` draws; ``se`` NaN when the estimate has none).
         Default ``None``: the ELBO, or the log evidence where the guide has one."""
         return None
 

@@ -37,6 +37,7 @@ discovered for: see :mod:`pyro_bnn.guides.symmetry`.
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -239,10 +240,12 @@ class Symmetrized(MeanField):
         self.symmetry()
         check_batch_statistics(self._original_model[0], self._running_statistics)
 
-    def training_bound(self, model, data, *, num_samples: int = 32) -> tuple[float, str]:
-        """``(L^G, "symmetrized_elbo")``: the symmetrised ELBO this guide maximises
-        (:func:`symmetrized_elbo` with ``num_samples`` draws), not its base ``q``'s ELBO."""
-        return float(symmetrized_elbo(model, self, data, num_samples=num_samples)), "symmetrized_elbo"
+    def training_bound(self, model, data, *, num_samples: int = 32) -> tuple[float, str, float]:
+        """``(L^G, "symmetrized_elbo", se)``: the symmetrised ELBO this guide maximises
+        (:func:`symmetrized_elbo` with ``num_samples`` draws), not its base ``q``'s ELBO, and its
+        Monte Carlo standard error."""
+        terms = symmetrized_elbo(model, self, data, num_samples=num_samples, return_terms=True)
+        return float(terms["symmetrized_elbo"]), "symmetrized_elbo", terms["symmetrized_elbo_se"]
 
     def _objective_settings(self) -> list[str]:
         return [f"estimator={self.estimator}, K={self.num_permutations}"]
@@ -435,7 +438,9 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
     -------
     float or dict
         ``L^G`` (not normalised by N), or ``{"symmetrized_elbo", "elbo",
-        "expected_log_likelihood", "kl", "entropy_gap", "log_group_order"}``.
+        "expected_log_likelihood", "kl", "entropy_gap", "log_group_order",
+        "symmetrized_elbo_se"}``; the last is the Monte Carlo standard error of ``L^G`` over the
+        ``num_samples`` draws (``sd / √S``, NaN for one draw).
     """
     x, y = as_tensors(data)
     estimator = _check_estimator(estimator)
@@ -510,8 +515,11 @@ def symmetrized_elbo(model, guide, data, num_permutations: int | None = None,
     kl_total = kl + sum(kls) / num_samples
     gap = sum(gaps) / num_samples
     elbo = ell - kl_total
+    per_draw = [ll - k + g for ll, k, g in zip(lls, kls, gaps)]   # the closed-form KL is a constant
+    se = statistics.stdev(per_draw) / math.sqrt(num_samples) if num_samples > 1 else math.nan
     terms = {"symmetrized_elbo": elbo + gap, "elbo": elbo, "expected_log_likelihood": ell,
-             "kl": kl_total, "entropy_gap": gap, "log_group_order": log_order}
+             "kl": kl_total, "entropy_gap": gap, "log_group_order": log_order,
+             "symmetrized_elbo_se": se}
     return terms if return_terms else terms["symmetrized_elbo"]
 
 

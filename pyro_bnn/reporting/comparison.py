@@ -23,10 +23,10 @@ meaningful.  The table has one row per guide:
   Laplace row with the GLM predictive gives the linearised model's, with the guide's δ in
   the prior and ``log q = 0`` for point-estimate sites such as a last-layer Laplace's body,
   so it is not comparable with other rows);
-* ``bound`` and ``bound_kind``: the bound the guide maximises, on the training data
-  (:func:`training_bound`): ``elbo`` (MeanField, Hypernet, ...), ``symmetrized_elbo``
-  (Symmetrized: its ``L^G``, not its base ``q``'s ELBO) or ``log_evidence`` (Laplace);
-  compare rows of the same ``bound_kind`` only;
+* ``bound``, ``bound_se`` and ``bound_kind``: the bound the guide maximises, on the training
+  data (:func:`training_bound`), and its Monte Carlo standard error: ``elbo`` (MeanField,
+  Hypernet, ...), ``symmetrized_elbo`` (Symmetrized: its ``L^G``, not its base ``q``'s ELBO) or
+  ``log_evidence`` (Laplace; no standard error); compare rows of the same ``bound_kind`` only;
 * ``log_evidence``: the guide's own estimate where it has one (Laplace), else NaN;
 * ``elpd_loo`` (``az.loo_approximate_posterior``, the importance-sampling correction for
   draws from an approximate posterior) with its standard error and the share of Pareto
@@ -55,6 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -425,11 +426,14 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
         dt = to_arviz(model, guide, split.x_train, split.y_train, num_samples=loo_samples,
                       predictive=predict_method if predict_method in ("sample", "glm") else None)
         stats = dt["sample_stats"]
-        run.metrics["elbo"] = float((stats["lp"] - stats["log_q"]).mean())
+        per_draw = np.asarray(stats["lp"] - stats["log_q"], dtype=np.float64).ravel()
+        run.metrics["elbo"] = float(per_draw.mean())
+        run.metrics["elbo_se"] = float(per_draw.std(ddof=1) / math.sqrt(per_draw.size)) if per_draw.size > 1 else math.nan
         run.metrics.update(loo_columns(dt, loo_index))
         dt.attrs["guide_name"] = name
         run.datatree = dt
     run.metrics.update(training_bound(model, guide, split, elbo=run.metrics.get("elbo", math.nan),
+                                      elbo_se=run.metrics.pop("elbo_se", math.nan),
                                       log_evidence=run.metrics["log_evidence"],
                                       num_samples=min(max(loo_samples, 1), 32)))
     return run
@@ -439,9 +443,11 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
 BOUND_KINDS = ("elbo", "symmetrized_elbo", "log_evidence")
 
 
-def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
+def training_bound(model, guide, split, *, elbo: float, log_evidence: float, elbo_se: float = math.nan,
                    num_samples: int = 32) -> dict:
-    """The bound each guide maximises, on the whole training set: ``{"bound", "bound_kind"}``.
+    """The bound each guide maximises, on the whole training set: ``{"bound", "bound_kind",
+    "bound_se"}``, the last the Monte Carlo standard error of ``bound`` (NaN for the log
+    evidence, which is not a Monte Carlo estimate).
 
     * a guide whose contract names its own bound (``training_bound``; :class:`~pyro_bnn.guides.Symmetrized`:
       its symmetrised ELBO ``L^G``, ``num_samples`` draws; the ``elbo`` column keeps the ELBO of its
@@ -457,6 +463,8 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
         The data; ``split.train`` is used.
     elbo, log_evidence : float
         The row's ``elbo`` and ``log_evidence`` columns.
+    elbo_se : float
+        The standard error of ``elbo`` (``sd / √S`` over its draws).
     num_samples : int
         Weight draws for the symmetrised ELBO.
 
@@ -466,11 +474,11 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float,
     """
     own = guide_contract(guide).training_bound(model, split.train, num_samples=num_samples)
     if own is not None:
-        value, kind = own
-        return {"bound": float(value), "bound_kind": kind}
+        value, kind, se = own
+        return {"bound": float(value), "bound_kind": kind, "bound_se": float(se)}
     if not math.isnan(log_evidence):
-        return {"bound": float(log_evidence), "bound_kind": "log_evidence"}
-    return {"bound": float(elbo), "bound_kind": "elbo"}
+        return {"bound": float(log_evidence), "bound_kind": "log_evidence", "bound_se": math.nan}
+    return {"bound": float(elbo), "bound_kind": "elbo", "bound_se": float(elbo_se)}
 
 
 def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping[str, int] = 20,
@@ -617,7 +625,7 @@ def _progress_line(text: str) -> None:
     print(text + "\n", end="", file=sys.stderr, flush=True)
 
 
-_ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "bound", "bound_kind", "elbo", "log_evidence", "elpd_loo",
+_ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "bound", "bound_se", "bound_kind", "elbo", "log_evidence", "elpd_loo",
           "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "elpd_loo_psis_se", "loo_observations", "train_seconds", "predict_seconds", "num_params",
           "predictive", "configuration"]
 
