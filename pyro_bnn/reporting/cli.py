@@ -256,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "each draw is a pass over the 60,000 training images; ELPD-LOO needs "
                         "at least 30; 64 with --smoke)")
     p.add_argument("--loo-observations", type=_int_at_least(1), default=DEFAULT_LOO_OBSERVATIONS,
-                   help="training observations ELPD-LOO scores by Pareto smoothing: a seeded random sample "
-                        "of this many corrects every observation's log predictive density when there are more (default 10000; fashion-mnist's "
-                        "60,000 in full take about 65 s per guide)")
+                   help="training observations ELPD-LOO scores by Pareto smoothing: when there are "
+                        "more, a seeded random sample of this many corrects every observation's log "
+                        "predictive density (default 10000; fashion-mnist's 60,000 in full take about "
+                        "50 s per guide)")
     p.add_argument("--device", type=_device, default="cpu",
                    help="cpu, cuda, cuda:N or mps (checked before any training)")
     p.add_argument("--out", type=_folder, default="pyro-bnn-report",

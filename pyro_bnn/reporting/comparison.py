@@ -31,9 +31,10 @@ meaningful.  The table has one row per guide:
 * ``elpd_loo`` (``az.loo_approximate_posterior``, the importance-sampling correction for
   draws from an approximate posterior) with its standard error and the share of Pareto
   ``k̂`` above ArviZ's threshold, and ``elpd_loo_psis`` (``az.loo``, which treats the draws as
-  exact posterior draws) with its standard error (``elpd_loo_psis_se``); both NaN when the draws are identical (point estimates).  The
-  draws are those of the row's predictive (:func:`pyro_bnn.to_arviz` with the same
-  ``predictive``), so a Laplace row's ELPD is that of its GLM predictive.  Above
+  exact posterior draws) with its standard error (``elpd_loo_psis_se``); both NaN when the
+  draws are identical (point estimates).  The draws are those of the row's predictive
+  (:func:`pyro_bnn.to_arviz` with the same ``predictive``), so a Laplace row's ELPD is that of
+  its GLM predictive.  Above
   ``loo_observations`` training points (default 10,000) both are estimated from a random
   sample of that many observations, the same for every guide, by the difference estimator
   (every observation's log predictive density, corrected by the sample's Pareto-smoothed
