@@ -220,3 +220,18 @@ def test_cnn_on_digits_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "compare", _no_training)
     rc = cli.main(["--arch", "cnn", "--out", str(tmp_path / "rep")])
     assert rc == 2 and "--arch cnn needs 28x28 images" in capsys.readouterr().err
+
+
+def test_a_training_bound_of_the_wrong_shape_is_named(comparison, split):
+    run = comparison.runs["symmetrized"]
+
+    class OldShape(type(run.guide)):
+        def training_bound(self, model, data, *, num_samples=32):
+            return -1.0, "symmetrized_elbo"                     # (value, kind): no standard error
+
+    run.guide.__class__ = OldShape
+    try:
+        with pytest.raises(TypeError, match=r"OldShape.training_bound must return \(value, kind, standard_error\)"):
+            training_bound(run.model, run.guide, split, elbo=math.nan, log_evidence=math.nan, num_samples=2)
+    finally:
+        run.guide.__class__ = OldShape.__mro__[1]

@@ -423,18 +423,20 @@ def _run_one(name, guide_fn, model_fn, split, *, epochs, batch_size, lr, num_sam
     run.metrics["train_seconds"] = run.fit.seconds
     run.metrics["num_params"] = count_variational_parameters(guide)
     run.metrics["log_evidence"] = _log_evidence(guide)
+    elbo_se = math.nan
     if loo_samples:
         dt = to_arviz(model, guide, split.x_train, split.y_train, num_samples=loo_samples,
                       predictive=predict_method if predict_method in ("sample", "glm") else None)
         stats = dt["sample_stats"]
         per_draw = np.asarray(stats["lp"] - stats["log_q"], dtype=np.float64).ravel()
         run.metrics["elbo"] = float(per_draw.mean())
-        run.metrics["elbo_se"] = float(per_draw.std(ddof=1) / math.sqrt(per_draw.size)) if per_draw.size > 1 else math.nan
+        if per_draw.size > 1:
+            elbo_se = float(per_draw.std(ddof=1) / math.sqrt(per_draw.size))
         run.metrics.update(loo_columns(dt, loo_index))
         dt.attrs["guide_name"] = name
         run.datatree = dt
     run.metrics.update(training_bound(model, guide, split, elbo=run.metrics.get("elbo", math.nan),
-                                      elbo_se=run.metrics.pop("elbo_se", math.nan),
+                                      elbo_se=elbo_se,
                                       log_evidence=run.metrics["log_evidence"],
                                       num_samples=min(max(loo_samples, 1), 32)))
     return run
@@ -475,6 +477,9 @@ def training_bound(model, guide, split, *, elbo: float, log_evidence: float, elb
     """
     own = guide_contract(guide).training_bound(model, split.train, num_samples=num_samples)
     if own is not None:
+        if len(own) != 3:
+            raise TypeError(f"{type(guide).__name__}.training_bound must return (value, kind, standard_error) "
+                            f"or None, got {own!r}")
         value, kind, se = own
         return {"bound": float(value), "bound_kind": kind, "bound_se": float(se)}
     if not math.isnan(log_evidence):
