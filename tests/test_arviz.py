@@ -143,11 +143,15 @@ def test_psis_loo_scores_observations_without_a_tail(trained):
     assert math.isfinite(se) and se > 0
     # pointwise: the saturated three score 0, the tied one plain IS, the rest arviz-stats' own
     with quiet():
-        pointwise, num_plain = psis_loo_pointwise(broken)
+        pointwise, num_plain, pareto_k, good_k = psis_loo_pointwise(broken)
     assert num_plain == 4 and pointwise.shape == (N,)
     assert np.array_equal(pointwise[:3], np.zeros(3)) and pointwise[3] == pytest.approx(expected_3, rel=1e-12)
     np.testing.assert_allclose(pointwise[4:], np.asarray(rest.elpd_i), rtol=1e-12)
     assert se == pytest.approx(math.sqrt(N * pointwise.var(ddof=1)), rel=1e-12)  # ArviZ's se formula
+    # k-hat: arviz-stats' own for the observations it scored, NaN for those scored by plain IS
+    assert np.isnan(pareto_k[:4]).all()
+    np.testing.assert_allclose(pareto_k[4:], np.asarray(rest.pareto_k), rtol=1e-12)
+    assert good_k == pytest.approx(float(rest.good_k), rel=1e-12)
 
 
 @pytest.mark.parametrize("draws", [25, 29, 30])

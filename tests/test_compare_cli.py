@@ -1,5 +1,6 @@
 """pb.compare, the report and the ``pyro-bnn`` main job (smoke mode), over every registered guide."""
 
+import html
 import json
 import math
 import warnings
@@ -17,6 +18,7 @@ import pyro_bnn as pb
 from pyro_bnn.guides import registered_guides
 from pyro_bnn.reporting import cli
 from pyro_bnn.reporting.comparison import convergence_label
+from pyro_bnn.reporting.loo_columns import loo_reliability_note
 from pyro_bnn.reporting.report import markdown_table, ood_inputs
 from pyro_bnn.training.convergence import diagnose
 
@@ -129,7 +131,15 @@ def test_cli_smoke_writes_every_artefact(tmp_path, capsys):
         assert data[:8] == PNG and len(data) > 10_000
     table = pd.read_csv(out / "table.csv", index_col=0)
     assert list(table.index) == names
-    assert (out / "table.md").read_text().count("\n") == len(names) + 2
+    table_md = (out / "table.md").read_text()
+    assert table_md.split("\n\n")[0].count("\n") == len(names) + 1
+    # 1-epoch fits: their ELPD-LOO is unreliable by k-hat, and the table, the printout, the
+    # report's README and index.html each say so, with every guide's share
+    note = loo_reliability_note(table)
+    assert note is not None and note in table_md and note in printed
+    assert note in (out / "README.md").read_text()
+    assert html.escape(note) in (out / "index.html").read_text()
+    assert all(f"{name} " in note for name in names)
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["table"]) == set(names) and metrics["wall_seconds"] > 0
     assert set(metrics["ood_auroc_entropy"]) == set(names)

@@ -19,6 +19,7 @@ from pyro_bnn.reporting.loo_columns import (
     DEFAULT_LOO_OBSERVATIONS,
     difference_estimate,
     loo_columns,
+    loo_reliability_note,
     loo_sample,
 )
 
@@ -183,3 +184,37 @@ def test_sample_of_every_observation_reproduces_arviz(datatree):
     assert every["elpd_loo_se"] == pytest.approx(full["elpd_loo_se"], rel=1e-9)
     assert every["elpd_loo_psis"] == pytest.approx(full["elpd_loo_psis"], rel=1e-12)
     assert every["elpd_loo_psis_se"] == pytest.approx(full["elpd_loo_psis_se"], rel=1e-9)
+
+
+def test_psis_column_reports_arviz_k_hat_share(datatree):
+    """``pareto_k_bad_psis`` is the share of az.loo's own k-hat above its own threshold, on every
+    observation or on the sample; a share the report must not hide (the digits MeanField's
+    elpd_loo_psis is dominated by observations with k-hat > 0.7)."""
+    import arviz_stats
+
+    n = datatree["log_likelihood"].sizes["obs_id"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = arviz_stats.loo(datatree, pointwise=True)
+        full = loo_columns(datatree)
+        index = loo_sample(n, 400, 0)
+        part = loo_columns(datatree, index)
+    k = np.asarray(ref.pareto_k)
+    assert full["pareto_k_bad_psis"] == pytest.approx(float((k > ref.good_k).mean()), rel=1e-12)
+    assert part["pareto_k_bad_psis"] == pytest.approx(float((k[index] > ref.good_k).mean()), rel=1e-12)
+    assert 0 < full["pareto_k_bad_psis"] <= 1   # this short fit has bad k-hats: the premise of the note
+
+
+def test_reliability_note_names_the_rows_and_shares_or_nothing():
+    import pandas as pd
+
+    table = pd.DataFrame({"elpd_loo": [-1.0, -2.0, -3.0], "pareto_k_bad": [1.0, 0.0, math.nan],
+                          "elpd_loo_psis": [-1.0, -2.0, -3.0], "pareto_k_bad_psis": [0.0, 0.25, math.nan]},
+                         index=pd.Index(["a", "b", "c"], name="guide"))
+    note = loo_reliability_note(table)
+    assert "elpd_loo (pareto_k_bad: a 100%)" in note
+    assert "elpd_loo_psis (pareto_k_bad_psis: b 25%)" in note
+    assert "c " not in note.split(":", 1)[1]    # NaN (not computed) is not called unreliable
+    table[["pareto_k_bad", "pareto_k_bad_psis"]] = 0.0
+    assert loo_reliability_note(table) is None
+    assert loo_reliability_note(table.drop(columns=["pareto_k_bad", "pareto_k_bad_psis"])) is None

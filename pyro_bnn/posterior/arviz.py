@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ from .prediction import (
     whole_batch_plates,
 )
 
-__all__ = ["to_arviz", "loo_approximate", "psis_loo", "psis_loo_pointwise", "num_draws", "MIN_PSIS_DRAWS",
+__all__ = ["to_arviz", "loo_approximate", "psis_loo", "psis_loo_pointwise", "PsisPointwise", "pareto_k_threshold", "num_draws", "MIN_PSIS_DRAWS",
            "correction_ess", "site_dims", "default_predictive"]
 
 OBS_DIM = "obs_id"
@@ -524,13 +525,33 @@ def psis_loo(dt) -> tuple[float, float, int]:
     ValueError
         Fewer than :data:`MIN_PSIS_DRAWS` draws.
     """
-    pointwise, num_plain = psis_loo_pointwise(dt)
+    pointwise, num_plain, _, _ = psis_loo_pointwise(dt)
     return float(pointwise.sum()), math.sqrt(len(pointwise) * pointwise.var(ddof=1)), num_plain
 
 
-def psis_loo_pointwise(dt) -> tuple[np.ndarray, int]:
-    """The per-observation ELPDs of :func:`psis_loo` (same rules) and how many of them were
-    scored by plain importance sampling.
+class PsisPointwise(NamedTuple):
+    """What :func:`psis_loo_pointwise` returns."""
+
+    #: ``elpd_n`` in the order of ``obs_id``, shape ``(N,)``.
+    elpd: np.ndarray
+    #: How many observations were scored by plain importance sampling.
+    num_plain: int
+    #: Each observation's Pareto ``k̂`` (NaN where scored by plain importance sampling: its
+    #: weights are bounded by a tied tail, so no tail is fitted).
+    pareto_k: np.ndarray
+    #: ArviZ's threshold for ``S`` draws, ``min(1 − 1/log10 S, 0.7)``: above it, the
+    #: observation's estimate is unreliable.
+    good_k: float
+
+
+def pareto_k_threshold(num_samples: int) -> float:
+    """ArviZ's ``good_k`` for ``num_samples`` draws: ``min(1 − 1/log10 S, 0.7)`` (0.7 for one draw)."""
+    return min(1 - 1 / math.log10(num_samples), 0.7) if num_samples > 1 else 0.7
+
+
+def psis_loo_pointwise(dt) -> PsisPointwise:
+    """The per-observation ELPDs of :func:`psis_loo` (same rules), how many of them were scored
+    by plain importance sampling, and their Pareto ``k̂`` diagnostics.
 
     Parameters
     ----------
@@ -539,10 +560,8 @@ def psis_loo_pointwise(dt) -> tuple[np.ndarray, int]:
 
     Returns
     -------
-    pointwise : ndarray of float64, shape (N,)
-        ``elpd_n`` in the order of ``obs_id``.
-    num_plain : int
-        How many were scored by plain importance sampling.
+    PsisPointwise
+        ``(elpd, num_plain, pareto_k, good_k)``.
 
     Raises
     ------
@@ -557,13 +576,15 @@ def psis_loo_pointwise(dt) -> tuple[np.ndarray, int]:
     lowest = np.sort(ll, axis=0)[:MIN_PSIS_TAIL]
     plain = (lowest.max(0) - lowest.min(0)) < np.finfo(float).tiny
     pointwise = np.empty(ll.shape[1])
+    pareto_k = np.full(ll.shape[1], np.nan)
     if not plain.all():
         keep = np.flatnonzero(~plain)
         part = dt if keep.size == ll.shape[1] else dt.isel({OBS_DIM: keep}, missing_dims="ignore")
         res = arviz_stats.loo(part, pointwise=True)
         pointwise[keep] = np.asarray(res.elpd_i, dtype=np.float64).reshape(-1)
+        pareto_k[keep] = np.asarray(res.pareto_k, dtype=np.float64).reshape(-1)
     if plain.any():
         neg = -ll[:, plain]
         top = neg.max(0)
         pointwise[plain] = -(top + np.log(np.exp(neg - top).mean(0)))
-    return pointwise, int(plain.sum())
+    return PsisPointwise(pointwise, int(plain.sum()), pareto_k, pareto_k_threshold(ll.shape[0]))

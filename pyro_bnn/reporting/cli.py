@@ -43,7 +43,7 @@ from ..data import datasets
 from ..model.bnn import BNN
 from ..posterior.arviz import MIN_PSIS_DRAWS
 from .comparison import MAX_SEED, ComparisonInterrupted, caused_by_interrupt, check_device, compare
-from .loo_columns import DEFAULT_LOO_OBSERVATIONS
+from .loo_columns import DEFAULT_LOO_OBSERVATIONS, loo_reliability_note
 from .report import markdown_table, report_info, write_report
 from .staged_folder import StagedFolder, check_replaceable
 
@@ -468,6 +468,9 @@ def _run(args, names, staging: StagedFolder, t_start: float, previous: str, inte
     except ComparisonInterrupted as exc:
         return _save_partial(args, names, staging, exc, settings, num_samples, previous)
     print(markdown_table(result.table))  # first: the table survives a failure to write
+    loo_note = loo_reliability_note(result.table)
+    if loo_note:
+        print(loo_note)
     errors = result.table.get("error")
     if errors is not None and errors.notna().all():
         return _save_failed(args, staging, result, settings, num_samples, previous)

@@ -31,8 +31,11 @@ meaningful.  The table has one row per guide:
 * ``elpd_loo`` (``az.loo_approximate_posterior``, the importance-sampling correction for
   draws from an approximate posterior) with its standard error and the share of Pareto
   ``k̂`` above ArviZ's threshold, and ``elpd_loo_psis`` (``az.loo``, which treats the draws as
-  exact posterior draws) with its standard error (``elpd_loo_psis_se``); both NaN when the
-  draws are identical (point estimates).  The draws are those of the row's predictive
+  exact posterior draws) with its standard error (``elpd_loo_psis_se``) and its share of
+  ``k̂`` above the threshold (``pareto_k_bad_psis``); both NaN when the draws are identical
+  (point estimates).  Where a ``pareto_k_bad`` column is not small its estimate is not reliable
+  (ArviZ warns on one such observation; the report says so,
+  :func:`~pyro_bnn.reporting.loo_columns.loo_reliability_note`).  The draws are those of the row's predictive
   (:func:`pyro_bnn.to_arviz` with the same ``predictive``), so a Laplace row's ELPD is that of
   its GLM predictive.  Above
   ``loo_observations`` training points (default 10,000) both are estimated from a random
@@ -632,7 +635,7 @@ def _progress_line(text: str) -> None:
 
 
 _ORDER = ["converged", "accuracy", "rmse", "nll", "ece", "brier", "coverage_95", "bound", "bound_se", "bound_kind", "elbo", "log_evidence", "elpd_loo",
-          "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "elpd_loo_psis_se", "loo_observations", "train_seconds", "predict_seconds", "num_params",
+          "elpd_loo_se", "pareto_k_bad", "elpd_loo_psis", "elpd_loo_psis_se", "pareto_k_bad_psis", "loo_observations", "train_seconds", "predict_seconds", "num_params",
           "predictive", "configuration"]
 
 

@@ -19,7 +19,13 @@ cross-validation for large data"):
 * ``elpd_loo_se`` and ``elpd_loo_psis_se``: ArviZ's ``sqrt(N · var_n elpd_n)`` (its variance
   estimated from every ``a_n`` and the sample's differences, :func:`difference_estimate`) and the
   sampling error ``N · sd(elpd_n − a_n) / sqrt(m) · sqrt(1 − m / N)``, in quadrature;
-* ``pareto_k_bad``: the share of the sample's ``k̂`` above ArviZ's threshold;
+* ``pareto_k_bad`` and ``pareto_k_bad_psis``: the share of the scored observations whose Pareto
+  ``k̂`` is above ArviZ's threshold (``min(1 − 1/log10 S, 0.7)`` for ``S`` draws), for
+  ``elpd_loo`` and ``elpd_loo_psis``: where it is not small the column's estimate is not
+  reliable (ArviZ warns on a single such observation; :func:`loo_reliability_note` says so in
+  the report).  Observations whose likelihood has a tied tail (scored by plain importance
+  sampling, :func:`~pyro_bnn.posterior.arviz.psis_loo_pointwise`) have bounded weights and
+  count as reliable;
 * ``loo_observations``: ``m`` (``N`` when every observation was scored).
 
 The guide's draws and the importance weights of ``elpd_loo`` (which use the whole training
@@ -37,7 +43,8 @@ from scipy.special import logsumexp
 
 from ..posterior.arviz import MIN_PSIS_DRAWS, OBS_DIM, loo_approximate, num_draws, psis_loo_pointwise
 
-__all__ = ["loo_columns", "loo_sample", "difference_estimate", "DEFAULT_LOO_OBSERVATIONS"]
+__all__ = ["loo_columns", "loo_sample", "difference_estimate", "loo_reliability_note",
+           "DEFAULT_LOO_OBSERVATIONS"]
 
 #: :func:`pyro_bnn.compare`'s default ``loo_observations``: larger training sets are scored on a
 #: sample of this many.  Measured on a converged MeanField MLP's 30 draws over the 60,000
@@ -136,8 +143,9 @@ def difference_estimate(exact: np.ndarray, approx: np.ndarray, index: np.ndarray
 
 
 def loo_columns(dt, index: np.ndarray | None = None) -> dict:
-    """``elpd_loo``, ``elpd_loo_se``, ``pareto_k_bad``, ``elpd_loo_psis``, ``elpd_loo_psis_se``
-    and ``loo_observations`` of a guide's ``DataTree`` (see the module docstring).
+    """``elpd_loo``, ``elpd_loo_se``, ``pareto_k_bad``, ``elpd_loo_psis``, ``elpd_loo_psis_se``,
+    ``pareto_k_bad_psis`` and ``loo_observations`` of a guide's ``DataTree`` (see the module
+    docstring).
 
     Parameters
     ----------
@@ -156,7 +164,8 @@ def loo_columns(dt, index: np.ndarray | None = None) -> dict:
     part = dt if index is None else dt.isel({OBS_DIM: index}, missing_dims="ignore")
     m = num_data if index is None else len(index)
     out = {"elpd_loo": math.nan, "elpd_loo_se": math.nan, "pareto_k_bad": math.nan,
-           "elpd_loo_psis": math.nan, "elpd_loo_psis_se": math.nan, "loo_observations": m}
+           "elpd_loo_psis": math.nan, "elpd_loo_psis_se": math.nan, "pareto_k_bad_psis": math.nan,
+           "loo_observations": m}
     notes = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -173,7 +182,8 @@ def loo_columns(dt, index: np.ndarray | None = None) -> dict:
         except (ValueError, FloatingPointError) as exc:  # e.g. identical draws: PSIS undefined
             notes.append(f"loo_approximate_posterior: {exc}")
         try:
-            pointwise = psis_loo_pointwise(part)[0]
+            pointwise, _, pareto_k, good_k = psis_loo_pointwise(part)
+            out["pareto_k_bad_psis"] = float((pareto_k > good_k).mean())   # NaN (plain IS): not bad
             if index is None:
                 out["elpd_loo_psis"] = float(pointwise.sum())
                 out["elpd_loo_psis_se"] = math.sqrt(m * pointwise.var(ddof=1)) if m > 1 else math.nan
@@ -187,3 +197,38 @@ def loo_columns(dt, index: np.ndarray | None = None) -> dict:
     for note in notes:
         warnings.warn(f"ELPD-LOO not computed ({note}{hint})", RuntimeWarning, stacklevel=3)
     return out
+
+
+#: The ELPD-LOO columns and the columns of their ``k̂`` diagnostics.
+K_COLUMNS = {"elpd_loo": "pareto_k_bad", "elpd_loo_psis": "pareto_k_bad_psis"}
+
+
+def loo_reliability_note(table) -> str | None:
+    """One sentence for a report: which rows' ELPD-LOO estimates are unreliable by their Pareto
+    ``k̂`` (any observation above ArviZ's threshold, as ArviZ warns), with the shares; ``None``
+    when every row's are reliable or the table has no such columns.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        :func:`pyro_bnn.compare`'s table (one row per guide).
+
+    Returns
+    -------
+    str or None
+    """
+    parts = []
+    for column, k_column in K_COLUMNS.items():
+        if k_column not in getattr(table, "columns", ()):
+            continue
+        shares = table[k_column]
+        bad = [f"{name} {share:.0%}" for name, share in shares.items()
+               if isinstance(share, (int, float)) and share > 0]
+        if bad:
+            parts.append(f"{column} ({k_column}: {', '.join(bad)})")
+    if not parts:
+        return None
+    return ("Unreliable ELPD-LOO: Pareto k-hat is above ArviZ's threshold for the share of "
+            "observations shown, so these estimates are not reliable (importance sampling from "
+            "the guide's draws fails there; more draws or a closer posterior approximation would be "
+            "needed): " + "; ".join(parts) + ".")

@@ -40,6 +40,7 @@ from ..model.devices import module_device
 from ..posterior import metrics
 from ..posterior.prediction import binary_labels
 from .comparison import class_probabilities
+from .loo_columns import loo_reliability_note
 from .staged_folder import StagedFolder
 
 __all__ = ["write_report", "StagedFolder", "ood_inputs", "reliability_figure", "entropy_figure", "forest_figure",
@@ -344,6 +345,9 @@ def _readme(comparison, status: str, note: str | None, files) -> str:
     if info["failed_guides"]:
         lines.append(f"- failed guides (errors in metrics.json): {', '.join(info['failed_guides'])}")
     lines += ["- files: " + ", ".join(sorted(files)), ""]
+    loo_note = loo_reliability_note(comparison.table)
+    if loo_note:
+        lines += [loo_note, ""]
     return "\n".join(lines)
 
 
@@ -356,7 +360,9 @@ def _write_files(comparison, out: Path, *, num_samples: int, settings: Mapping |
     table = comparison.table
     ok = {k: r for k, r in comparison.runs.items() if r.error is None and r.model is not None}
     written: dict[str, Path] = {}
-    (out / "table.md").write_text(_headline(status, note) + markdown_table(table))
+    loo_note = loo_reliability_note(table)
+    (out / "table.md").write_text(_headline(status, note) + markdown_table(table)
+                                  + (f"\n\n{loo_note}\n" if loo_note else ""))
     table.to_csv(out / "table.csv")
     written.update(table_md=out / "table.md", table_csv=out / "table.csv")
     extra: dict = {}
@@ -481,6 +487,9 @@ def index_html(table, figures, *, status: str = "complete", note: str | None = N
         notes.append(f"<p class='warn'><b>{status.upper()}: {html.escape(note or status)}</b></p>")
     if ood_note:
         notes.append(f"<p class='note'>{html.escape(ood_note)}</p>")
+    loo_note = loo_reliability_note(table)
+    if loo_note:
+        notes.append(f"<p class='note'>{html.escape(loo_note)}</p>")
     body = [f"<figure><img src='{html.escape(f)}' alt='{html.escape(f)}'>"
             f"<figcaption>{html.escape(FIGURE_CAPTIONS.get(f, f))}</figcaption></figure>" for f in figures]
     style = ("body{font-family:sans-serif;margin:1.5em;max-width:1400px}"
