@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/pyro-bnn $(ARGS)
 
+# One pytest worker per core (pytest-xdist), each test file on one worker so that its module
+# fixtures are built once; every test runs single-threaded (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check pyro_bnn tests benchmarks examples
