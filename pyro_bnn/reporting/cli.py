@@ -42,10 +42,18 @@ from ..curvature.marglik import MarglikOptions
 from ..data import datasets
 from ..model.bnn import BNN
 from ..posterior.arviz import MIN_PSIS_DRAWS
-from .comparison import MAX_SEED, ComparisonInterrupted, caused_by_interrupt, check_device, compare
+from .comparison import (
+    MAX_SEED,
+    Comparison,
+    ComparisonInterrupted,
+    caused_by_interrupt,
+    check_device,
+    compare,
+)
 from .loo_columns import DEFAULT_LOO_OBSERVATIONS, loo_reliability_note
 from .report import markdown_table, report_info, write_report
 from .staged_folder import StagedFolder, check_replaceable
+from .workers import check_workers
 
 __all__ = ["main", "build_parser", "GUIDE_DEFAULTS", "DATASET_DEFAULTS", "ARCH_DEFAULTS", "guide_defaults", "lenet"]
 
@@ -153,6 +161,13 @@ ARCH_DEFAULTS: dict[tuple[str, str], dict[str, dict]] = {
 #: fits its tails (:data:`pyro_bnn.posterior.arviz.MIN_PSIS_DRAWS`): until the forty-first
 #: session this was 25, with which every Pareto ``k̂`` was NaN and the weights unsmoothed.
 LOO_SAMPLES = {"fashion-mnist": MIN_PSIS_DRAWS}
+
+#: Cost of a training epoch by guide relative to MeanField's, from the Fashion-MNIST MLP job's
+#: training seconds per epoch (forty-first session: MeanField 294 s / 60 epochs, Hypernet 168 / 15,
+#: Laplace 255 / 60, laplace_all 226 / 60, Symmetrized 1,123 / 60).  Only the order in which
+#: ``--workers`` starts the guides reads it (the longest fit first, epochs × cost; 1 for guides
+#: not listed): a guide that starts last on a long fit sets the job's wall time.
+EPOCH_COST = {"meanfield": 1.0, "hypernet": 2.3, "laplace": 0.9, "laplace_all": 0.8, "symmetrized": 3.8}
 
 #: The datasets of 28x28 images, on which ``--arch cnn`` runs.
 IMAGE_DATASETS = ("fashion-mnist", "mnist")
@@ -269,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_int_at_least(1), default=1,
                    help="torch CPU threads (default 1: the default networks are so small that more "
                         "threads only add synchronisation; raise it for MNIST or wide networks)")
+    p.add_argument("--workers", type=_int_at_least(1), default=1,
+                   help="guides trained at once, each in a process of its own with --threads torch "
+                        "threads (CPU only; the longest fits start first; the fits then show no "
+                        "progress bars, a line per guide as it starts and ends).  Default 1; on a "
+                        "2-core machine --workers 2 roughly halves the wall time, same figures")
     p.add_argument("--smoke", action="store_true", help="tiny data and 1 epoch: checks the pipeline (with 16 hidden units, 10 test draws and "
                         "64 LOO draws unless --hidden, --num-samples, --loo-samples, --epochs say otherwise)")
     p.add_argument("--no-progress", action="store_true")
@@ -438,6 +458,11 @@ def _run(args, names, staging: StagedFolder, t_start: float, previous: str, inte
         print(f"error: --arch cnn needs 28x28 images (--dataset {' or '.join(IMAGE_DATASETS)}), "
               f"got --dataset {args.dataset}", file=sys.stderr)
         return 2
+    try:
+        check_workers(args.workers, args.device)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     unused = unused_options(args)
     if unused:
         print(f"error: --dataset {args.dataset} --arch {args.arch} does not read {'; '.join(unused)}: "
@@ -459,14 +484,19 @@ def _run(args, names, staging: StagedFolder, t_start: float, previous: str, inte
     settings.update(epochs=epochs, lr=lr, fit_options=fit_kw, guide_options=guide_kw, predict_method=predict,
                     num_samples=num_samples, loo_samples=loo_samples,
                     num_train=len(split.x_train), num_test=len(split.x_test))
+    order = names if args.workers == 1 else sorted(
+        names, key=lambda n: -epochs[n] * EPOCH_COST.get(n, 1.0))   # the longest fit first (stable)
     try:
-        result = compare(_model_fn(args, split), names, split, epochs=epochs, lr=lr,
+        result = compare(_model_fn(args, split), order, split, epochs=epochs, lr=lr,
                          batch_size=args.batch_size, num_samples=num_samples, loo_samples=loo_samples,
                          loo_observations=args.loo_observations,
                          device=args.device, seed=args.seed, progress=not args.no_progress,
-                         guide_options=guide_kw, fit_options=fit_kw, predictive=predict, details=True)
+                         guide_options=guide_kw, fit_options=fit_kw, predictive=predict, details=True,
+                         workers=args.workers)
     except ComparisonInterrupted as exc:
+        exc.comparison = _in_order(exc.comparison, names)
         return _save_partial(args, names, staging, exc, settings, num_samples, previous)
+    result = _in_order(result, names)
     print(markdown_table(result.table))  # first: the table survives a failure to write
     loo_note = loo_reliability_note(result.table)
     if loo_note:
@@ -488,6 +518,13 @@ def _run(args, names, staging: StagedFolder, t_start: float, previous: str, inte
         return 1
     print(f"report written to {args.out}/ ({len(written)} files) in {wall:.1f} s")
     return 0
+
+
+def _in_order(comparison: Comparison, names) -> Comparison:
+    """``comparison`` with its rows in the order of ``names`` (``--workers`` starts them by cost)."""
+    keep = [n for n in names if n in comparison.runs]
+    return Comparison(comparison.table.loc[keep] if keep else comparison.table,
+                      {n: comparison.runs[n] for n in keep}, comparison.data)
 
 
 def _save_aside(staging: StagedFolder, comparison, kind: str, note: str, settings, num_samples) -> Path:

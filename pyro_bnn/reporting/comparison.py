@@ -83,6 +83,7 @@ from ..posterior.prediction import (
 from ..training.loop import FitResult, fit
 from ..training.seeding import seeded
 from .loo_columns import DEFAULT_LOO_OBSERVATIONS, loo_columns, loo_sample
+from .workers import check_workers, run_jobs
 
 __all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "check_device", "class_probabilities", "check_seed", "count_variational_parameters", "as_split",
            "convergence_label", "describe_configuration", "training_bound", "BOUND_KINDS"]
@@ -497,7 +498,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
             guide_options: Mapping[str, dict] | None = None,
             fit_options: Mapping[str, dict] | None = None,
             predictive: str | Mapping[str, str] | None = None, errors: str = "record",
-            details: bool = False) -> pd.DataFrame | Comparison:
+            details: bool = False, workers: int = 1) -> pd.DataFrame | Comparison:
     """Train each guide on a fresh model from ``model_fn`` and tabulate test metrics, ELBO,
     ELPD-LOO and timings.
 
@@ -552,6 +553,13 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     details : bool
         Return a :class:`Comparison` (table, each guide's model, guide, predictions and
         ``DataTree``) instead of the table alone.
+    workers : int
+        Guides trained at once, each in a process of its own forked from this one, each with
+        this process's number of torch threads (:mod:`pyro_bnn.reporting.workers`; CPU only,
+        Linux or macOS).  The figures are those of ``workers=1`` (every guide is seeded the
+        same way); the fits show no progress bars, only a line per guide as it starts and ends.
+        Guides start in the order given, so put the longest first.  Default 1: one guide after
+        the other, in this process.
 
     Returns
     -------
@@ -564,7 +572,8 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         Before any training: an option of the wrong type or range (``epochs=2.5``,
         ``batch_size=True``, ``seed=2**32``, ``device="gpu"``, ``"cuda"`` without a GPU), or a
         ``{guide: value}`` option naming a guide that is not compared (the message names the
-        closest one: ``epochs={"meanfeild": 10}`` -> did you mean 'meanfield'?).
+        closest one: ``epochs={"meanfeild": 10}`` -> did you mean 'meanfield'?), or ``workers > 1``
+        on an accelerator.
     ComparisonInterrupted
         Ctrl-C (a ``KeyboardInterrupt``); its ``comparison`` holds the guides that finished.
 
@@ -585,46 +594,72 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
                    loo_samples=loo_samples, loo_observations=loo_observations, seed=seed,
                    progress=progress, details=details,
                    guide_options=guide_options, fit_options=fit_options, predictive=predictive)
+    workers = check_workers(workers, device)
     if device is not None:
         device = check_device(device)
     loo_index = loo_sample(len(split.x_train), loo_observations, seed)
+
+    def job(name, guide_fn):
+        def run() -> GuideRun:
+            with seeded(seed):   # every guide from the same seed; the caller's streams untouched
+                return _run_one(
+                    name, guide_fn, model_fn, split, epochs=_per_guide(epochs, name, 20),
+                    batch_size=batch_size, lr=_per_guide(lr, name, None),
+                    num_samples=num_samples,
+                    loo_samples=loo_samples, loo_index=loo_index, device=device, seed=seed,
+                    progress=progress and workers == 1,
+                    guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
+                    fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
+                    predict_method=_per_guide(predictive, name, None))
+        return run
+
+    jobs = [(name, job(name, guide_fn)) for name, guide_fn in factories.items()]
     runs: dict[str, GuideRun] = {}
-    running = None
+    running: list[str] = []   # started and not finished
+    count = len(jobs)
+
+    def start(i: int, name: str, where: str) -> None:
+        running.append(name)
+        if progress:
+            _progress_line(f"[{i}/{count}] {name}{where}")
+
+    def done(i: int, name: str, run: GuideRun | None, exc: BaseException | None, seconds: float) -> None:
+        if exc is not None:
+            if caused_by_interrupt(exc):
+                raise KeyboardInterrupt from exc
+            if errors == "raise":
+                raise exc
+            warnings.warn(f"guide {name!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning,
+                          stacklevel=3)
+            run = GuideRun(name, error="".join(traceback.format_exception_only(exc)).strip(),
+                           metrics={"converged": "no: failed"})
+        runs[name] = run
+        running.remove(name)
+        if progress:
+            state = "failed" if run.error is not None else "done"
+            _progress_line(f"[{i}/{count}] {name} {state} ({seconds:.1f} s)")
+
     try:  # a Ctrl-C anywhere, between two guides too, keeps the guides that finished
-        for i, (name, guide_fn) in enumerate(factories.items(), 1):
-            if progress:
-                _progress_line(f"[{i}/{len(factories)}] {name}")
-            running = name
-            t0 = time.perf_counter()
-            try:
-                with seeded(seed):   # every guide from the same seed; the caller's streams untouched
-                    runs[name] = _run_one(
-                        name, guide_fn, model_fn, split, epochs=_per_guide(epochs, name, 20),
-                        batch_size=batch_size, lr=_per_guide(lr, name, None),
-                        num_samples=num_samples,
-                        loo_samples=loo_samples, loo_index=loo_index, device=device, seed=seed,
-                        progress=progress,
-                        guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
-                        fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
-                        predict_method=_per_guide(predictive, name, None))
-            except KeyboardInterrupt:
-                raise
-            except Exception as exc:
-                if caused_by_interrupt(exc):
-                    raise KeyboardInterrupt from exc
-                if errors == "raise":
+        if workers == 1:
+            for i, (name, run) in enumerate(jobs, 1):
+                start(i, name, "")
+                t0 = time.perf_counter()
+                try:
+                    result, exc = run(), None
+                except KeyboardInterrupt:
                     raise
-                warnings.warn(f"guide {name!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning,
-                              stacklevel=2)
-                runs[name] = GuideRun(name, error="".join(traceback.format_exception_only(exc)).strip(),
-                                      metrics={"converged": "no: failed"})
-            if progress:
-                state = "failed" if runs[name].error is not None else "done"
-                _progress_line(f"[{i}/{len(factories)}] {name} {state} ({time.perf_counter() - t0:.1f} s)")
+                except Exception as caught:
+                    result, exc = None, caught
+                done(i, name, result, exc, time.perf_counter() - t0)
+        else:
+            run_jobs(jobs, workers, on_start=lambda i, name: start(i, name, " (worker process)"),
+                     on_done=lambda i, out: done(i, out.name, out.value, out.error, out.seconds))
+        runs = {name: runs[name] for name in factories}   # the caller's order, not completion order
         table = _table(runs)
     except KeyboardInterrupt as exc:
-        running = None if running in runs else running  # (its row was stored: it finished)
-        raise ComparisonInterrupted(Comparison(_table(runs), runs, split), running) from exc.__cause__
+        runs = {name: runs[name] for name in factories if name in runs}
+        raise ComparisonInterrupted(Comparison(_table(runs), runs, split),
+                                    ", ".join(running) or None) from exc.__cause__
     return Comparison(table, runs, split) if details else table
 
 
