@@ -6,8 +6,11 @@ two fits on two cores take about half the wall time.  Each job runs in a process
 caller, so the model factory and the data need no pickling and every worker starts from the
 caller's state; the job's result (the trained model, guide, fit history and ``DataTree``) comes
 back through ``torch.save`` into a private temporary folder, written under a temporary name and
-renamed (a worker that dies mid-write leaves no half file).  Workers ignore Ctrl-C; the caller
-stops them (:func:`run_jobs` terminates every running worker when it is interrupted).
+renamed (a worker that dies mid-write leaves no half file).  The warnings a job raises (under
+the caller's filters, which the fork copies) are raised again in the caller as its result comes
+in, so ``pytest.warns`` and ``warnings.catch_warnings`` see them as with ``workers=1``.  Workers
+ignore Ctrl-C; the caller stops them (:func:`run_jobs` terminates every running worker when it is
+interrupted).
 
 Fork is POSIX-only and must not follow CUDA work in the workers, so ``workers > 1`` is for CPU
 comparisons on Linux or macOS; :func:`check_workers` says so before any training.
@@ -21,6 +24,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -73,18 +77,22 @@ def _work(job: Callable[[], Any], name: str, path: str, threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the caller decides when to stop
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    try:
-        outcome = {"value": job()}
-    except BaseException as exc:  # sent back; the caller re-raises or records it
-        outcome = {"error": exc, "text": "".join(traceback.format_exception(exc)).strip()}
+    with warnings.catch_warnings(record=True) as caught:   # the caller's filters (inherited) apply
+        try:
+            outcome = {"value": job()}
+        except BaseException as exc:  # sent back; the caller re-raises or records it
+            outcome = {"error": exc, "text": "".join(traceback.format_exception(exc)).strip()}
     outcome["seconds"] = time.perf_counter() - t0
+    outcome["warnings"] = [(w.category, str(w.message), w.filename, w.lineno) for w in caught]
     partial = f"{path}.partial"
     try:
         torch.save(outcome, partial)
     except Exception as exc:   # an unpicklable guide or exception: say which, by name
         reason = outcome.get("text") or (f"the result of {name!r} could not be sent back from its worker "
                                          f"process ({type(exc).__name__}: {exc})")
-        torch.save({"error": None, "text": reason, "seconds": outcome["seconds"]}, partial)
+        torch.save({"error": None, "text": reason, "seconds": outcome["seconds"],
+                    "warnings": [(UserWarning if "<locals>" in w[0].__qualname__ else w[0], *w[1:])
+                                 for w in outcome["warnings"]]}, partial)
     os.replace(partial, path)
 
 
@@ -95,6 +103,8 @@ def _collect(name: str, path: str, exitcode: int | None) -> JobOutcome:
             "(killed: out of memory, or a crash in native code?)"))
     saved = torch.load(path, weights_only=False)
     os.remove(path)
+    for category, message, filename, lineno in saved["warnings"]:   # as if raised here
+        warnings.warn_explicit(message, category, filename, lineno)
     error = saved.get("error")
     if "error" in saved and error is None:
         error = RuntimeError(saved["text"])

@@ -1,0 +1,151 @@
+"""``pb.compare(workers=N)`` and ``pyro-bnn --workers N``: guides trained in forked processes give
+the figures of one process, come back whole, and fail, die or get interrupted by name."""
+
+import multiprocessing as mp
+import os
+import time
+import warnings
+
+import pandas as pd
+import pytest
+import torch
+from pyro.infer.autoguide import AutoNormal
+from torch import nn
+
+import pyro_bnn as pb
+from pyro_bnn.reporting import cli
+from pyro_bnn.reporting.comparison import ComparisonInterrupted
+from pyro_bnn.reporting.workers import check_workers, run_jobs
+from pyro_bnn.training.seeding import seeded
+
+TIMING = ("train_seconds", "predict_seconds")
+
+
+@pytest.fixture(scope="module")
+def split():
+    d = pb.datasets.digits()
+    return pb.datasets.DataSplit(d.x_train[:200], d.y_train[:200], d.x_test[:80], d.y_test[:80])
+
+
+def _model():
+    return pb.BNN(nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 10)), "categorical")
+
+
+def _compare(split, guides, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pb.compare(_model, guides, split, epochs=3, lr=1e-2, num_samples=10, loo_samples=30,
+                          progress=False, details=True, **kw)
+
+
+def _no_workers_left():
+    return not [p for p in mp.active_children() if p.name.startswith("pyro-bnn")]
+
+
+def test_two_workers_give_the_one_process_table_and_whole_guides(split):
+    guides = {"meanfield": "meanfield", "laplace": "laplace", "symmetrized": "symmetrized",
+              "hypernet": "hypernet", "autonormal": AutoNormal}
+    one = _compare(split, guides)
+    two = _compare(split, guides, workers=2)
+    assert list(two.table.index) == list(guides)        # the caller's order, not completion order
+    assert "error" not in two.table.columns, two.table.get("error")
+    # every guide is seeded alike: the same figures to the last bit, timings aside
+    pd.testing.assert_frame_equal(one.table.drop(columns=list(TIMING)), two.table.drop(columns=list(TIMING)),
+                                  check_exact=True)
+    x = split.x_test[:20]
+    for name in guides:   # the trained guide came back whole: its predictive is the same
+        with seeded(1):
+            p1 = one.runs[name].predictive(x, 5).probs
+        with seeded(1):
+            p2 = two.runs[name].predictive(x, 5).probs
+        torch.testing.assert_close(p2, p1, rtol=0, atol=0)
+        assert two.runs[name].datatree is not None and two.runs[name].fit.history
+    assert _no_workers_left()
+
+
+def _broken(model, **kw):
+    raise ValueError("this guide is broken on purpose")
+
+
+def test_a_failing_guide_in_a_worker_is_recorded_or_raised(split):
+    with pytest.warns(RuntimeWarning, match="guide 'broken' failed: ValueError: this guide is broken"):
+        out = pb.compare(_model, {"meanfield": "meanfield", "broken": _broken}, split, epochs=1,
+                         num_samples=5, loo_samples=0, progress=False, details=True, workers=2)
+    assert "broken on purpose" in out.table.loc["broken", "error"]
+    assert out.table.loc["broken", "converged"] == "no: failed"
+    assert pd.isna(out.table.loc["meanfield", "error"])
+    with pytest.raises(ValueError, match="broken on purpose"):
+        pb.compare(_model, {"broken": _broken, "meanfield": "meanfield"}, split, epochs=1, num_samples=5,
+                   loo_samples=0, progress=False, errors="raise", workers=2)
+    assert _no_workers_left()
+
+
+def test_warnings_of_a_worker_are_raised_in_the_caller(split):
+    with pytest.warns(pb.ConvergenceWarning, match="cannot judge"):
+        pb.compare(_model, ["meanfield", "laplace"], split, epochs=1, num_samples=5, loo_samples=0,
+                   progress=False, workers=2)
+
+    def noisy():
+        warnings.warn("from the worker", UserWarning, stacklevel=2)
+        return 1
+
+    with pytest.warns(UserWarning, match="from the worker"):
+        assert run_jobs([("noisy", noisy)], 2)["noisy"].value == 1
+
+
+def test_a_dead_worker_and_an_unpicklable_result_are_named():
+    out = run_jobs([("dies", lambda: os._exit(3)), ("lambda", lambda: (lambda: 0)),
+                    ("fine", lambda: torch.arange(3))], 2)
+    assert set(out) == {"dies", "lambda", "fine"}
+    assert isinstance(out["dies"].error, RuntimeError)
+    assert "'dies' exited with code 3 and no result" in str(out["dies"].error)
+    assert "the result of 'lambda' could not be sent back" in str(out["lambda"].error)
+    assert out["fine"].error is None and torch.equal(out["fine"].value, torch.arange(3))
+    assert out["fine"].seconds >= 0
+
+
+def test_an_interrupt_stops_the_running_workers():
+    def stop(index, outcome):
+        raise KeyboardInterrupt
+
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        run_jobs([("quick", lambda: 1), ("slow", lambda: time.sleep(120))], 2, on_done=stop)
+    assert time.perf_counter() - t0 < 60
+    assert _no_workers_left()
+
+
+def _interrupt(model, **kw):
+    raise KeyboardInterrupt
+
+
+def test_an_interrupt_in_a_worker_interrupts_compare(split):
+    with pytest.raises(ComparisonInterrupted) as info:
+        pb.compare(_model, {"stop": _interrupt, "meanfield": "meanfield"}, split, epochs=1,
+                   num_samples=5, loo_samples=0, progress=False, workers=2)
+    assert "stop" in info.value.interrupted
+    assert _no_workers_left()
+
+
+def test_workers_are_checked_before_any_training(split):
+    with pytest.raises(ValueError, match="workers must be"):
+        pb.compare(_model, ["meanfield"], split, workers=0)
+    with pytest.raises(TypeError, match="workers"):
+        pb.compare(_model, ["meanfield"], split, workers=1.5)
+    with pytest.raises(ValueError, match="workers > 1 trains guides in parallel CPU processes.*'cuda'"):
+        check_workers(2, "cuda")
+    assert check_workers(2, "cpu") == 2 and check_workers(1, "cuda") == 1
+    with pytest.raises(ValueError, match="unique"):
+        run_jobs([("a", int), ("a", int)], 2)
+
+
+def test_cli_workers_start_the_longest_fit_first_and_keep_the_table_order(tmp_path, capsys):
+    out = tmp_path / "report"
+    code = cli.main(["--smoke", "--workers", "2", "--guides", "laplace,symmetrized", "--out", str(out)])
+    assert code == 0
+    err = capsys.readouterr().err
+    # Symmetrized's epoch costs 3.8 MeanField epochs, Laplace's 0.9 (cli.EPOCH_COST): it starts first
+    assert "[1/2] symmetrized (worker process)" in err and "[2/2] laplace (worker process)" in err
+    assert list(pd.read_csv(out / "table.csv", index_col=0).index) == ["laplace", "symmetrized"]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--workers", "0"])
