@@ -20,6 +20,10 @@ from pyro_bnn.training.seeding import seeded
 
 TIMING = ("train_seconds", "predict_seconds")
 
+# Python 3.12+ warns when a multi-threaded process forks; a test process can hold torch's
+# intra-op pool (or other tests' threads), and the workers set their own thread count first.
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
+
 
 @pytest.fixture(scope="module")
 def split():
@@ -127,6 +131,27 @@ def test_an_interrupt_in_a_worker_interrupts_compare(split):
     assert _no_workers_left()
 
 
+def test_workers_run_one_thread_after_the_caller_used_its_pool():
+    """A caller whose intra-op pool is alive (4 threads used) forks 2 workers; they run one
+    thread each (two would hang in the forked pool), finish, and compute the caller's product."""
+    a = torch.randn(300, 300, dtype=torch.float64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        (a @ a).sum()   # the pool's threads exist now
+
+        def job():
+            return torch.get_num_threads(), a @ a
+
+        out = run_jobs([("a", job), ("b", job)], 2)
+    finally:
+        torch.set_num_threads(before)
+    for name in ("a", "b"):
+        threads, product = out[name].value
+        assert threads == 1
+        torch.testing.assert_close(product, a @ a, rtol=1e-12, atol=1e-12)
+
+
 def test_workers_are_checked_before_any_training(split):
     with pytest.raises(ValueError, match="workers must be"):
         pb.compare(_model, ["meanfield"], split, workers=0)
@@ -149,3 +174,6 @@ def test_cli_workers_start_the_longest_fit_first_and_keep_the_table_order(tmp_pa
     assert list(pd.read_csv(out / "table.csv", index_col=0).index) == ["laplace", "symmetrized"]
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--workers", "0"])
+    assert cli.main(["--smoke", "--workers", "2", "--threads", "2", "--out", str(tmp_path / "r2")]) == 2
+    assert "--workers 2 runs each guide in a process of one torch thread" in capsys.readouterr().err
+    assert not (tmp_path / "r2").exists()

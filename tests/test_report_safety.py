@@ -346,6 +346,49 @@ def test_sigint_after_one_guide_keeps_it_in_a_partial_report(previous):
     assert sorted(p.name for p in out.parent.iterdir()) == ["report", "report.partial"]
 
 
+@pytest.mark.slow
+def test_sigint_with_workers_keeps_the_finished_guides_and_stops_the_others(previous, tmp_path):
+    """``--workers 2``: Ctrl-C after the first guide's row is in terminates the running workers
+    (no traceback from them), keeps the finished guides in ``<out>.partial`` in the registry's
+    order, and leaves no temporary folder behind."""
+    out, before = previous
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               MPLBACKEND="Agg", OMP_NUM_THREADS="1", TMPDIR=str(scratch))
+    # by epoch cost symmetrized and hypernet start first, meanfield when one of them is done
+    proc = subprocess.Popen([sys.executable, "-m", "pyro_bnn.reporting.cli", "--smoke", "--epochs", "10",
+                             "--loo-samples", "30", "--workers", "2", "--guides", "meanfield,hypernet,symmetrized",
+                             "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    reader = _Reader(proc.stderr)
+    reader.start()
+    try:
+        seen = reader.wait_for("[3/3] meanfield (worker process)", proc, timeout=300)
+        assert seen, f"no guide finished:\n{reader.text[-3000:]}"
+        os.killpg(proc.pid, signal.SIGINT)   # as a terminal does: to the job and its workers
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    proc.stderr.close()
+    err = reader.text
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert _contents(out) == before
+    partial = out.with_name("report.partial")
+    marker = read_marker(partial)
+    assert marker is not None and marker["status"] == "partial", err[-3000:]
+    done = marker["guides"]
+    assert 1 <= len(done) < 3 and "meanfield" not in done, done
+    assert done == [g for g in ("hypernet", "symmetrized") if g in done]    # the registry's order
+    assert list(pd.read_csv(partial / "table.csv", index_col=0).index) == done
+    assert "meanfield" in err.strip().splitlines()[-1]   # named as running when interrupted
+    assert list(scratch.iterdir()) == []                 # the workers' temporary folder is gone
+
+
 def test_interrupt_before_any_guide_finished_writes_no_partial(previous, monkeypatch, capsys):
     out, before = previous
 

@@ -287,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads (default 1: the default networks are so small that more "
                         "threads only add synchronisation; raise it for MNIST or wide networks)")
     p.add_argument("--workers", type=_int_at_least(1), default=1,
-                   help="guides trained at once, each in a process of its own with --threads torch "
-                        "threads (CPU only; the longest fits start first; the fits then show no "
+                   help="guides trained at once, each in a process of its own with one torch thread "
+                        "(CPU only; not with --threads > 1; the longest fits start first; the fits then show no "
                         "progress bars, a line per guide as it starts and ends).  Default 1; on a "
                         "2-core machine --workers 2 roughly halves the wall time, same figures")
     p.add_argument("--smoke", action="store_true", help="tiny data and 1 epoch: checks the pipeline (with 16 hidden units, 10 test draws and "
@@ -464,6 +464,10 @@ def _run(args, names, staging: StagedFolder, t_start: float, previous: str, inte
         check_workers(args.workers, args.device)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.workers > 1 and args.threads > 1:
+        print(f"error: --workers {args.workers} runs each guide in a process of one torch thread; "
+              f"--threads {args.threads} applies to one-process runs: leave one of them out", file=sys.stderr)
         return 2
     unused = unused_options(args)
     if unused:

@@ -555,9 +555,11 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         ``DataTree``) instead of the table alone.
     workers : int
         Guides trained at once, each in a process of its own forked from this one, each with
-        this process's number of torch threads (:mod:`pyro_bnn.reporting.workers`; CPU only,
-        Linux or macOS).  The figures are those of ``workers=1`` (every guide is seeded the
-        same way); the fits show no progress bars, only a line per guide as it starts and ends.
+        one torch thread (:mod:`pyro_bnn.reporting.workers`; CPU only, Linux or macOS).  The
+        figures are those of ``workers=1`` (every guide is seeded the same way; exactly so when
+        ``workers=1`` also runs one torch thread, as ``pyro-bnn`` does by default — another thread
+        count may change the last bits of a sum); the fits show no progress bars, only a line
+        per guide as it starts and ends.
         Guides start in the order given, so put the longest first.  Default 1: one guide after
         the other, in this process.
 
@@ -619,9 +621,9 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     count = len(jobs)
 
     def start(i: int, name: str, where: str) -> None:
-        running.append(name)
-        if progress:
+        if progress:   # first: a Ctrl-C during the line is one between two guides
             _progress_line(f"[{i}/{count}] {name}{where}")
+        running.append(name)
 
     def done(i: int, name: str, run: GuideRun | None, exc: BaseException | None, seconds: float) -> None:
         if exc is not None:

@@ -13,7 +13,12 @@ ignore Ctrl-C; the caller stops them (:func:`run_jobs` terminates every running 
 interrupted).
 
 Fork is POSIX-only and must not follow CUDA work in the workers, so ``workers > 1`` is for CPU
-comparisons on Linux or macOS; :func:`check_workers` says so before any training.
+comparisons on Linux or macOS; :func:`check_workers` says so before any training.  Each worker
+runs **one torch thread**: a forked child that uses more than one thread after its parent has used
+torch's intra-op thread pool with more than one hangs (measured: parent 2 threads, child 2 threads;
+the pool's threads do not survive a fork), so the workers do what torch's ``DataLoader`` workers
+do.  Python 3.12+ warns (``DeprecationWarning``, hidden by default) when a process with more than
+one thread forks — torch's thread pool counts.
 """
 
 from __future__ import annotations
@@ -116,8 +121,8 @@ def run_jobs(jobs: Sequence[tuple[str, Callable[[], Any]]], workers: int, *,
              on_done: Callable[[int, JobOutcome], None] | None = None) -> dict[str, JobOutcome]:
     """Run ``jobs`` (``(name, job)`` pairs) in at most ``workers`` forked processes at a time.
 
-    Jobs start in the given order as workers free up; each worker uses the caller's number of
-    torch threads.
+    Jobs start in the given order as workers free up; each worker runs one torch thread (see
+    the module docstring).
 
     Parameters
     ----------
@@ -142,7 +147,7 @@ def run_jobs(jobs: Sequence[tuple[str, Callable[[], Any]]], workers: int, *,
     if len(set(names)) != len(names):
         raise ValueError(f"job names must be unique, got {names}")
     context = mp.get_context("fork")
-    threads = torch.get_num_threads()
+    threads = 1   # a forked child must not use the thread pool its parent has used: it hangs
     pending = list(enumerate(jobs, 1))
     running: dict[int, tuple[int, str, Any, str]] = {}
     outcomes: dict[str, JobOutcome] = {}
