@@ -26,9 +26,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threade
 
 
 @pytest.fixture(scope="module")
-def split():
-    d = pb.datasets.digits()
-    return pb.datasets.DataSplit(d.x_train[:200], d.y_train[:200], d.x_test[:80], d.y_test[:80])
+def split(digits_small):
+    return pb.datasets.DataSplit(*digits_small)
 
 
 def _model():
