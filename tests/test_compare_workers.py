@@ -158,6 +158,8 @@ def test_workers_are_checked_before_any_training(split):
         pb.compare(_model, ["meanfield"], split, workers=1.5)
     with pytest.raises(ValueError, match="workers > 1 trains guides in parallel CPU processes.*'cuda'"):
         check_workers(2, "cuda")
+    with pytest.raises(ValueError, match="gpu"):   # the device's own check names a bad device first
+        pb.compare(_model, ["meanfield"], split, device="gpu", workers=2)
     assert check_workers(2, "cpu") == 2 and check_workers(1, "cuda") == 1
     with pytest.raises(ValueError, match="unique"):
         run_jobs([("a", int), ("a", int)], 2)

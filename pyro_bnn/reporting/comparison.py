@@ -596,9 +596,9 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
                    loo_samples=loo_samples, loo_observations=loo_observations, seed=seed,
                    progress=progress, details=details,
                    guide_options=guide_options, fit_options=fit_options, predictive=predictive)
-    workers = check_workers(workers, device)
     if device is not None:
         device = check_device(device)
+    workers = check_workers(workers, device)
     loo_index = loo_sample(len(split.x_train), loo_observations, seed)
 
     def job(name, guide_fn):
