@@ -7,6 +7,7 @@ import time
 import warnings
 
 import pandas as pd
+import pyro
 import pytest
 import torch
 from pyro.infer.autoguide import AutoNormal
@@ -64,6 +65,23 @@ def test_two_workers_give_the_one_process_table_and_whole_guides(split):
         torch.testing.assert_close(p2, p1, rtol=0, atol=0)
         assert two.runs[name].datatree is not None and two.runs[name].fit.history
     assert _no_workers_left()
+
+
+def test_a_stale_param_store_of_the_caller_does_not_reach_the_returned_guide(split):
+    """The caller's Pyro param store holds other values under the autoguide's names (an earlier
+    fit); the guide that comes back from a worker predicts with its own trained values."""
+    guides = {"autonormal": AutoNormal}
+    x = split.x_test[:20]
+    _compare(split, guides, seed=5)                         # fills the store: seed-5 values
+    stale = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    two = _compare(split, guides, workers=2)
+    assert {k: v for k, v in pyro.get_param_store().items()}.keys() == stale.keys()
+    with seeded(1):
+        p2 = two.runs["autonormal"].predictive(x, 5).probs
+    one = _compare(split, guides)                            # seed 0 in this process
+    with seeded(1):
+        p1 = one.runs["autonormal"].predictive(x, 5).probs
+    torch.testing.assert_close(p2, p1, rtol=0, atol=0)
 
 
 def _broken(model, **kw):

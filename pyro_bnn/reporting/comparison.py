@@ -559,8 +559,10 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         figures are those of ``workers=1`` (every guide is seeded the same way; exactly so when
         ``workers=1`` also runs one torch thread, as ``pyro-bnn`` does by default — another thread
         count may change the last bits of a sum); the fits show no progress bars, only a line
-        per guide as it starts and ends.
-        Guides start in the order given, so put the longest first.  Default 1: one guide after
+        per guide as it starts and ends.  The returned guides carry their trained values; what a
+        worker puts in Pyro's global param store (Pyro's autoguides in its default mode) stays in
+        the worker, so keep a guide by ``state_dict`` / ``torch.save``, not through the caller's
+        param store.  Guides start in the order given, so put the longest first.  Default 1: one guide after
         the other, in this process.
 
     Returns
