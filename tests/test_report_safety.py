@@ -300,32 +300,42 @@ class _Reader(threading.Thread):
         return needle in self.text
 
 
-@pytest.mark.slow
-def test_sigint_after_one_guide_keeps_it_in_a_partial_report(previous):
-    out, before = previous
+def _interrupted_cli(args, line: str, *, group: bool = False, **env) -> tuple[int, str]:
+    """Run ``pyro-bnn --smoke --epochs 10 --loo-samples 30 *args`` in a process of its own, send
+    SIGINT (to its whole process group with ``group=True``) once ``line`` is on its stderr, and
+    return its exit code and stderr."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               MPLBACKEND="Agg", OMP_NUM_THREADS="1")
-    # hypernet (second) trains for several seconds at 10 epochs: the interrupt lands inside it
+               MPLBACKEND="Agg", OMP_NUM_THREADS="1", **env)
     proc = subprocess.Popen([sys.executable, "-m", "pyro_bnn.reporting.cli", "--smoke", "--epochs", "10",
-                             "--loo-samples", "30", "--guides", "meanfield,hypernet,symmetrized",
-                             "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE,
+                             "--loo-samples", "30", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     reader = _Reader(proc.stderr)
     reader.start()
     try:
-        # compare prints this line once meanfield's row is complete, before hypernet starts
-        seen = reader.wait_for("[1/3] meanfield done", proc, timeout=300)
-        assert seen, f"the first guide never finished:\n{reader.text[-3000:]}"
-        proc.send_signal(signal.SIGINT)
+        seen = reader.wait_for(line, proc, timeout=300)
+        assert seen, f"never printed {line!r}:\n{reader.text[-3000:]}"
+        if group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     reader.join(timeout=10)
     proc.stderr.close()   # (warnings are errors: an unclosed pipe is a ResourceWarning)
-    err = reader.text
-    assert proc.returncode == 130, err[-3000:]
+    return proc.returncode, reader.text
+
+
+@pytest.mark.slow
+def test_sigint_after_one_guide_keeps_it_in_a_partial_report(previous):
+    out, before = previous
+    # hypernet (second) trains for several seconds at 10 epochs: the interrupt lands inside it;
+    # compare prints the awaited line once meanfield's row is complete, before hypernet starts
+    returncode, err = _interrupted_cli(["--guides", "meanfield,hypernet,symmetrized", "--out", str(out)],
+                                       "[1/3] meanfield done")
+    assert returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     partial = out.with_name("report.partial")
     assert _contents(out) == before  # the previous complete report untouched
@@ -354,28 +364,12 @@ def test_sigint_with_workers_keeps_the_finished_guides_and_stops_the_others(prev
     out, before = previous
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               MPLBACKEND="Agg", OMP_NUM_THREADS="1", TMPDIR=str(scratch))
-    # by epoch cost symmetrized and hypernet start first, meanfield when one of them is done
-    proc = subprocess.Popen([sys.executable, "-m", "pyro_bnn.reporting.cli", "--smoke", "--epochs", "10",
-                             "--loo-samples", "30", "--workers", "2", "--guides", "meanfield,hypernet,symmetrized",
-                             "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    reader = _Reader(proc.stderr)
-    reader.start()
-    try:
-        seen = reader.wait_for("[3/3] meanfield (worker process)", proc, timeout=300)
-        assert seen, f"no guide finished:\n{reader.text[-3000:]}"
-        os.killpg(proc.pid, signal.SIGINT)   # as a terminal does: to the job and its workers
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(timeout=10)
-    proc.stderr.close()
-    err = reader.text
-    assert proc.returncode == 130, err[-3000:]
+    # by epoch cost symmetrized and hypernet start first, meanfield when one of them is done;
+    # the SIGINT goes to the job's process group, as a terminal's Ctrl-C does
+    returncode, err = _interrupted_cli(["--workers", "2", "--guides", "meanfield,hypernet,symmetrized",
+                                        "--out", str(out)], "[3/3] meanfield (worker process)",
+                                       group=True, TMPDIR=str(scratch))
+    assert returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert _contents(out) == before
     partial = out.with_name("report.partial")

@@ -77,25 +77,27 @@ def check_workers(workers, device=None) -> int:
     return workers
 
 
-def _work(job: Callable[[], Any], name: str, path: str, threads: int) -> None:
-    """The worker: run ``job`` and save ``{"value"}`` or ``{"error", "text"}`` to ``path``."""
+def _work(job: Callable[[], Any], name: str, path: str) -> None:
+    """The worker: run ``job`` and save ``{"value" or "error", "seconds", "warnings"}`` to ``path``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the caller decides when to stop
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)   # more would hang in the thread pool the parent may have used
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:   # the caller's filters (inherited) apply
         try:
             outcome = {"value": job()}
         except BaseException as exc:  # sent back; the caller re-raises or records it
-            outcome = {"error": exc, "text": "".join(traceback.format_exception(exc)).strip()}
+            outcome = {"error": exc}
     outcome["seconds"] = time.perf_counter() - t0
     outcome["warnings"] = [(w.category, str(w.message), w.filename, w.lineno) for w in caught]
     partial = f"{path}.partial"
     try:
         torch.save(outcome, partial)
-    except Exception as exc:   # an unpicklable guide or exception: say which, by name
-        reason = outcome.get("text") or (f"the result of {name!r} could not be sent back from its worker "
-                                         f"process ({type(exc).__name__}: {exc})")
-        torch.save({"error": None, "text": reason, "seconds": outcome["seconds"],
+    except Exception as exc:   # an unpicklable guide, exception or warning class: say which, by name
+        error = outcome.get("error")
+        reason = ("".join(traceback.format_exception(error)).strip() if error is not None else
+                  f"the result of {name!r} could not be sent back from its worker process "
+                  f"({type(exc).__name__}: {exc})")
+        torch.save({"error": RuntimeError(reason), "seconds": outcome["seconds"],
                     "warnings": [(UserWarning if "<locals>" in w[0].__qualname__ else w[0], *w[1:])
                                  for w in outcome["warnings"]]}, partial)
     os.replace(partial, path)
@@ -110,10 +112,7 @@ def _collect(name: str, path: str, exitcode: int | None) -> JobOutcome:
     os.remove(path)
     for category, message, filename, lineno in saved["warnings"]:   # as if raised here
         warnings.warn_explicit(message, category, filename, lineno)
-    error = saved.get("error")
-    if "error" in saved and error is None:
-        error = RuntimeError(saved["text"])
-    return JobOutcome(name, value=saved.get("value"), error=error, seconds=saved["seconds"])
+    return JobOutcome(name, value=saved.get("value"), error=saved.get("error"), seconds=saved["seconds"])
 
 
 def run_jobs(jobs: Sequence[tuple[str, Callable[[], Any]]], workers: int, *,
@@ -147,7 +146,6 @@ def run_jobs(jobs: Sequence[tuple[str, Callable[[], Any]]], workers: int, *,
     if len(set(names)) != len(names):
         raise ValueError(f"job names must be unique, got {names}")
     context = mp.get_context("fork")
-    threads = 1   # a forked child must not use the thread pool its parent has used: it hangs
     pending = list(enumerate(jobs, 1))
     running: dict[int, tuple[int, str, Any, str]] = {}
     outcomes: dict[str, JobOutcome] = {}
@@ -157,7 +155,7 @@ def run_jobs(jobs: Sequence[tuple[str, Callable[[], Any]]], workers: int, *,
                 while pending and len(running) < workers:
                     index, (name, job) = pending.pop(0)
                     path = os.path.join(folder, f"job{index}.pt")
-                    process = context.Process(target=_work, args=(job, name, path, threads),
+                    process = context.Process(target=_work, args=(job, name, path),
                                               name=f"pyro-bnn {name}", daemon=True)
                     process.start()
                     running[process.sentinel] = (index, name, process, path)
