@@ -408,7 +408,8 @@ def _half_negative(fraction):
     ({"lr_schedule": lambda f: math.nan}, ValueError, r"returned nan"),
     ({"lr_schedule": lambda f: "1"}, TypeError, r"lr_schedule must return a number, got '1'"),
     ({"shuffle": "no"}, TypeError, r"shuffle must be True or False, got 'no' \(str\)"),
-    ({"progress": 1}, TypeError, r"progress must be True or False, got 1 \(int\)"),
+    ({"progress": 1}, TypeError, r"progress must be True, False or a callable progress\(epoch, epochs, "
+                                  r"loss\), got 1 \(int\)"),
     ({"overwrite": "yes", "checkpoint": "x.pt"}, TypeError, r"overwrite must be True or False"),
     ({"epochs": 2.5}, TypeError, r"epochs must be an int >= 0, got 2.5 \(float\)"),
     ({"batch_size": 32.0}, TypeError, r"batch_size must be an int >= 1, got 32.0 \(float\)"),

@@ -3,6 +3,10 @@ the figures of one process, come back whole, and fail, die or get interrupted by
 
 import multiprocessing as mp
 import os
+import re
+import signal
+import sys
+import threading
 import time
 import warnings
 
@@ -106,7 +110,7 @@ def test_warnings_of_a_worker_are_raised_in_the_caller(split):
         pb.compare(_model, ["meanfield", "laplace"], split, epochs=1, num_samples=5, loo_samples=0,
                    progress=False, workers=2)
 
-    def noisy():
+    def noisy(report):
         warnings.warn("from the worker", UserWarning, stacklevel=2)
         return 1
 
@@ -114,9 +118,69 @@ def test_warnings_of_a_worker_are_raised_in_the_caller(split):
         assert run_jobs([("noisy", noisy)], 2)["noisy"].value == 1
 
 
+def test_messages_of_a_worker_reach_the_caller_in_order_before_its_outcome():
+    """Every message a job reports arrives, in order, before ``on_done`` — those sent just before
+    the worker exits too (a job that dies after reporting still delivers what it sent)."""
+    events = []
+
+    def chatty(report):
+        for i in range(500):
+            report(("step", i))
+        return "ok"
+
+    def dies(report):
+        report("last words")
+        os._exit(3)
+
+    out = run_jobs([("chatty", chatty), ("dies", dies)], 2,
+                   on_message=lambda index, message: events.append((index, message)),
+                   on_done=lambda index, outcome: events.append((index, "done")))
+    assert out["chatty"].value == "ok" and "exited with code 3" in str(out["dies"].error)
+    chatty_events = [m for i, m in events if i == 1]
+    assert chatty_events == [("step", i) for i in range(500)] + ["done"]
+    assert [m for i, m in events if i == 2] == ["last words", "done"]
+    assert _no_workers_left()
+
+
+def test_compare_with_workers_draws_a_bar_per_running_guide(split, capsys, monkeypatch):
+    """``progress=True`` with workers: each guide's epochs reach a bar named after it in the
+    caller (the fit in the worker reports them), between a start and an end line; a worker's
+    warnings, printed as they come in, stand on lines of their own (the bars are cleared)."""
+    def show(message, category, filename, lineno, file=None, line=None):   # as Python prints one
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    monkeypatch.setattr(warnings, "showwarning", show)   # pytest records warnings instead
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        table = pb.compare(_model, ["meanfield", "laplace"], split, epochs=3, lr=1e-2, num_samples=5,
+                           loo_samples=0, progress=True, workers=2)
+    assert set(table.index) == {"meanfield", "laplace"}
+    err = capsys.readouterr().err
+    for i, name in enumerate(["meanfield", "laplace"], 1):
+        assert f"[{i}/2] {name} (worker process)" in err
+        assert f"[{i}/2] {name} done (" in err
+        assert re.search(rf"{name}: 100%.*\| 3/3 \[.*loss=", err), err[-2000:]
+    assert "ConvergenceWarning: pb.fit cannot judge" in err    # 3 epochs: both fits warn
+    for line in re.split(r"[\r\n]", err):                      # never on a bar's line
+        assert not ("loss=" in line and "Warning" in line), line
+
+
+def test_fit_reports_each_epoch_to_a_progress_callable(split, capsys):
+    """``fit(progress=callable)`` (what a worker's fit uses): called after every epoch with the
+    epoch, the epoch count and that epoch's loss as in the history; no bar of its own."""
+    calls = []
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pb.ConvergenceWarning)
+        result = pb.fit(model, pb.guides.MeanField(model), split.train, epochs=4, lr=1e-2, seed=0,
+                        progress=lambda epoch, epochs, loss: calls.append((epoch, epochs, loss)))
+    assert calls == [(e, 4, loss) for e, loss in enumerate(result.history["loss"], 1)]
+    assert "epoch" not in capsys.readouterr().err
+
+
 def test_a_dead_worker_and_an_unpicklable_result_are_named():
-    out = run_jobs([("dies", lambda: os._exit(3)), ("lambda", lambda: (lambda: 0)),
-                    ("fine", lambda: torch.arange(3))], 2)
+    out = run_jobs([("dies", lambda report: os._exit(3)), ("lambda", lambda report: (lambda: 0)),
+                    ("fine", lambda report: torch.arange(3))], 2)
     assert set(out) == {"dies", "lambda", "fine"}
     assert isinstance(out["dies"].error, RuntimeError)
     assert "'dies' exited with code 3 and no result" in str(out["dies"].error)
@@ -131,9 +195,33 @@ def test_an_interrupt_stops_the_running_workers():
 
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
-        run_jobs([("quick", lambda: 1), ("slow", lambda: time.sleep(120))], 2, on_done=stop)
+        run_jobs([("quick", lambda report: 1), ("slow", lambda report: time.sleep(120))], 2, on_done=stop)
     assert time.perf_counter() - t0 < 60
     assert _no_workers_left()
+
+
+_SLOW_FORK = threading.Event()   # set: a forked child sleeps in Python's after-fork hooks
+os.register_at_fork(after_in_child=lambda: _SLOW_FORK.is_set() and time.sleep(0.3))
+
+
+def test_a_ctrl_c_as_a_worker_starts_does_not_reach_it(capfd, monkeypatch):
+    """A SIGINT to a worker the moment it is forked (a terminal's Ctrl-C goes to every process
+    of the group) is ignored: the worker's start-up code (here held in an after-fork hook)
+    never sees it — no "Exception ignored" traceback, no KeyboardInterrupt — and its job finishes."""
+    def interrupt_it(index, name):
+        for process in mp.active_children():
+            if process.name == f"pyro-bnn {name}":
+                os.kill(process.pid, signal.SIGINT)
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)   # pytest's would hide it
+    _SLOW_FORK.set()
+    try:
+        out = run_jobs([(f"job{i}", lambda report: 7) for i in range(2)], 2, on_start=interrupt_it)
+    finally:
+        _SLOW_FORK.clear()
+    assert {name: (o.value, o.error) for name, o in out.items()} == {f"job{i}": (7, None) for i in range(2)}
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
 def _interrupt(model, **kw):
@@ -157,7 +245,7 @@ def test_workers_run_one_thread_after_the_caller_used_its_pool():
         torch.set_num_threads(4)
         (a @ a).sum()   # the pool's threads exist now
 
-        def job():
+        def job(report):
             return torch.get_num_threads(), a @ a
 
         out = run_jobs([("a", job), ("b", job)], 2)

@@ -288,8 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "threads only add synchronisation; raise it for MNIST or wide networks)")
     p.add_argument("--workers", type=_int_at_least(1), default=1,
                    help="guides trained at once, each in a process of its own with one torch thread "
-                        "(CPU only; not with --threads > 1; the longest fits start first; the fits then show no "
-                        "progress bars, a line per guide as it starts and ends).  Default 1; on a "
+                        "(CPU only; not with --threads > 1; the longest fits start first; a progress bar per "
+                        "running guide).  Default 1; on a "
                         "2-core machine --workers 2 roughly halves the wall time, same figures")
     p.add_argument("--smoke", action="store_true", help="tiny data and 1 epoch: checks the pipeline (with 16 hidden units, 10 test draws and "
                         "64 LOO draws unless --hidden, --num-samples, --loo-samples, --epochs say otherwise)")

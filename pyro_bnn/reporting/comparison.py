@@ -49,6 +49,7 @@ meaningful.  The table has one row per guide:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import sys
@@ -83,6 +84,7 @@ from ..posterior.prediction import (
 from ..training.loop import FitResult, fit
 from ..training.seeding import seeded
 from .loo_columns import DEFAULT_LOO_OBSERVATIONS, loo_columns, loo_sample
+from .worker_bars import WorkerBars
 from .workers import check_workers, run_jobs
 
 __all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "check_device", "class_probabilities", "check_seed", "count_variational_parameters", "as_split",
@@ -558,8 +560,9 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         one torch thread (:mod:`pyro_bnn.reporting.workers`; CPU only, Linux or macOS).  The
         figures are those of ``workers=1`` (every guide is seeded the same way; exactly so when
         ``workers=1`` also runs one torch thread, as ``pyro-bnn`` does by default — another thread
-        count may change the last bits of a sum); the fits show no progress bars, only a line
-        per guide as it starts and ends.  The returned guides carry their trained values; what a
+        count may change the last bits of a sum); with ``progress`` each running worker's fit has
+        a bar of its own (drawn by this process, a line each) and a line says when a guide
+        starts and ends.  The returned guides carry their trained values; what a
         worker puts in Pyro's global param store (Pyro's autoguides in its default mode) stays in
         the worker, so keep a guide by ``state_dict`` / ``torch.save``, not through the caller's
         param store.  Guides start in the order given, so put the longest first.  Default 1: one guide after
@@ -603,15 +606,19 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     workers = check_workers(workers, device)
     loo_index = loo_sample(len(split.x_train), loo_observations, seed)
 
+    bars = WorkerBars() if progress and workers > 1 else None   # one process: fit draws its own
+
     def job(name, guide_fn):
-        def run() -> GuideRun:
+        def run(report=None) -> GuideRun:
+            shown = progress if report is None else (   # a worker sends its epochs to the caller's bars
+                (lambda epoch, epochs, loss: report((epoch, epochs, loss))) if progress else False)
             with seeded(seed):   # every guide from the same seed; the caller's streams untouched
                 return _run_one(
                     name, guide_fn, model_fn, split, epochs=_per_guide(epochs, name, 20),
                     batch_size=batch_size, lr=_per_guide(lr, name, None),
                     num_samples=num_samples,
                     loo_samples=loo_samples, loo_index=loo_index, device=device, seed=seed,
-                    progress=progress and workers == 1,
+                    progress=shown,
                     guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
                     fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
                     predict_method=_per_guide(predictive, name, None))
@@ -622,12 +629,22 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     running: list[str] = []   # started and not finished
     count = len(jobs)
 
+    def say(line: str) -> None:
+        if bars is None:
+            _progress_line(line)
+        else:
+            bars.write(line)
+
     def start(i: int, name: str, where: str) -> None:
         if progress:   # first: a Ctrl-C during the line is one between two guides
-            _progress_line(f"[{i}/{count}] {name}{where}")
+            say(f"[{i}/{count}] {name}{where}")
         running.append(name)
+        if bars is not None:
+            bars.start(i, name, _per_guide(epochs, name, 20))
 
     def done(i: int, name: str, run: GuideRun | None, exc: BaseException | None, seconds: float) -> None:
+        if bars is not None:
+            bars.finish(i)
         if exc is not None:
             if caused_by_interrupt(exc):
                 raise KeyboardInterrupt from exc
@@ -641,7 +658,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
         running.remove(name)
         if progress:
             state = "failed" if run.error is not None else "done"
-            _progress_line(f"[{i}/{count}] {name} {state} ({seconds:.1f} s)")
+            say(f"[{i}/{count}] {name} {state} ({seconds:.1f} s)")
 
     try:  # a Ctrl-C anywhere, between two guides too, keeps the guides that finished
         if workers == 1:
@@ -657,13 +674,18 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
                 done(i, name, result, exc, time.perf_counter() - t0)
         else:
             run_jobs(jobs, workers, on_start=lambda i, name: start(i, name, " (worker process)"),
-                     on_done=lambda i, out: done(i, out.name, out.value, out.error, out.seconds))
+                     on_done=lambda i, out: done(i, out.name, out.value, out.error, out.seconds),
+                     on_message=None if bars is None else lambda i, epoch: bars.update(i, *epoch),
+                     output=contextlib.nullcontext if bars is None else bars.cleared)
         runs = {name: runs[name] for name in factories}   # the caller's order, not completion order
         table = _table(runs)
     except KeyboardInterrupt as exc:
         runs = {name: runs[name] for name in factories if name in runs}
         raise ComparisonInterrupted(Comparison(_table(runs), runs, split),
                                     ", ".join(running) or None) from exc.__cause__
+    finally:
+        if bars is not None:
+            bars.close()
     return Comparison(table, runs, split) if details else table
 
 

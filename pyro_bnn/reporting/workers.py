@@ -9,8 +9,8 @@ back through ``torch.save`` into a private temporary folder, written under a tem
 renamed (a worker that dies mid-write leaves no half file).  The warnings a job raises (under
 the caller's filters, which the fork copies) are raised again in the caller as its result comes
 in, so ``pytest.warns`` and ``warnings.catch_warnings`` see them as with ``workers=1``.  Workers
-ignore Ctrl-C; the caller stops them (:func:`run_jobs` terminates every running worker when it is
-interrupted).
+ignore Ctrl-C from their first instruction (SIGINT is blocked across the fork); the caller stops
+them (:func:`run_jobs` terminates every running worker when it is interrupted).
 
 Fork is POSIX-only and must not follow CUDA work in the workers, so ``workers > 1`` is for CPU
 comparisons on Linux or macOS; :func:`check_workers` says so before any training.  Each worker
@@ -31,6 +31,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
@@ -77,14 +78,17 @@ def check_workers(workers, device=None) -> int:
     return workers
 
 
-def _work(job: Callable[[], Any], name: str, path: str) -> None:
-    """The worker: run ``job`` and save ``{"value" or "error", "seconds", "warnings"}`` to ``path``."""
+def _work(job: Callable[[Callable[[Any], None]], Any], name: str, path: str, channel) -> None:
+    """The worker: run ``job(report)`` and save ``{"value" or "error", "seconds", "warnings"}`` to
+    ``path``; ``report(message)`` sends ``message`` to the caller through ``channel``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the caller decides when to stop
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked by run_jobs for the fork
     torch.set_num_threads(1)   # more would hang in the thread pool the parent may have used
+    report = channel.send
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:   # the caller's filters (inherited) apply
         try:
-            outcome = {"value": job()}
+            outcome = {"value": job(report)}
         except BaseException as exc:  # sent back; the caller re-raises or records it
             outcome = {"error": exc}
     outcome["seconds"] = time.perf_counter() - t0
@@ -101,6 +105,7 @@ def _work(job: Callable[[], Any], name: str, path: str) -> None:
                     "warnings": [(UserWarning if "<locals>" in w[0].__qualname__ else w[0], *w[1:])
                                  for w in outcome["warnings"]]}, partial)
     os.replace(partial, path)
+    channel.close()
 
 
 def _collect(name: str, path: str, exitcode: int | None) -> JobOutcome:
@@ -115,9 +120,11 @@ def _collect(name: str, path: str, exitcode: int | None) -> JobOutcome:
     return JobOutcome(name, value=saved.get("value"), error=saved.get("error"), seconds=saved["seconds"])
 
 
-def run_jobs(jobs: Sequence[tuple[str, Callable[[], Any]]], workers: int, *,
+def run_jobs(jobs: Sequence[tuple[str, Callable[[Callable[[Any], None]], Any]]], workers: int, *,
              on_start: Callable[[int, str], None] | None = None,
-             on_done: Callable[[int, JobOutcome], None] | None = None) -> dict[str, JobOutcome]:
+             on_done: Callable[[int, JobOutcome], None] | None = None,
+             on_message: Callable[[int, Any], None] | None = None,
+             output: Callable[[], AbstractContextManager] = nullcontext) -> dict[str, JobOutcome]:
     """Run ``jobs`` (``(name, job)`` pairs) in at most ``workers`` forked processes at a time.
 
     Jobs start in the given order as workers free up; each worker runs one torch thread (see
@@ -126,13 +133,19 @@ def run_jobs(jobs: Sequence[tuple[str, Callable[[], Any]]], workers: int, *,
     Parameters
     ----------
     jobs : sequence of (str, callable)
-        Unique names and zero-argument callables; a callable's return value must be picklable
-        by ``torch.save``.
+        Unique names and callables of one argument, ``job(report)``: ``report(message)`` sends
+        a picklable ``message`` (progress, say) to the caller while the job runs.  A job's
+        return value must be picklable by ``torch.save``.
     workers : int
         Processes at once (see :func:`check_workers`).
-    on_start, on_done : callable, optional
-        ``on_start(index, name)`` when a job's worker starts, ``on_done(index, outcome)`` when
-        its outcome is in (in the caller's process; ``index`` counts from 1).
+    on_start, on_done, on_message : callable, optional
+        ``on_start(index, name)`` when a job's worker starts, ``on_message(index, message)`` for
+        each message its job reports (in the order sent; every one before ``on_done``), and
+        ``on_done(index, outcome)`` when its outcome is in — all in the caller's process;
+        ``index`` counts from 1.
+    output : callable, optional
+        ``output()`` is a context entered while a finished job's warnings are raised again and
+        its ``on_done`` runs (the caller's progress bars cleared while they print, say).
 
     Returns
     -------
@@ -147,29 +160,76 @@ def run_jobs(jobs: Sequence[tuple[str, Callable[[], Any]]], workers: int, *,
         raise ValueError(f"job names must be unique, got {names}")
     context = mp.get_context("fork")
     pending = list(enumerate(jobs, 1))
-    running: dict[int, tuple[int, str, Any, str]] = {}
+    running: dict[int, _Worker] = {}   # by process sentinel
     outcomes: dict[str, JobOutcome] = {}
+
+    def relay(worker: _Worker) -> None:
+        """Pass on every message the worker has sent so far (all of them once it has exited)."""
+        while worker.channel is not None and worker.channel.poll():
+            try:
+                message = worker.channel.recv()
+            except EOFError:   # the worker closed its end: nothing more will come
+                worker.channel.close()
+                worker.channel = None
+                return
+            if on_message is not None:
+                on_message(worker.index, message)
+
     with tempfile.TemporaryDirectory(prefix="pyro-bnn-workers-") as folder:
         try:
             while pending or running:
                 while pending and len(running) < workers:
                     index, (name, job) = pending.pop(0)
                     path = os.path.join(folder, f"job{index}.pt")
-                    process = context.Process(target=_work, args=(job, name, path),
+                    receive, send = context.Pipe(duplex=False)
+                    process = context.Process(target=_work, args=(job, name, path, send),
                                               name=f"pyro-bnn {name}", daemon=True)
-                    process.start()
-                    running[process.sentinel] = (index, name, process, path)
+                    # SIGINT blocked across the fork: the worker inherits the mask and ignores
+                    # Ctrl-C before it can arrive (else one could hit its start-up code); here it
+                    # is delivered once the worker is registered, so the worker is stopped
+                    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+                    try:
+                        process.start()
+                        send.close()   # the worker's end: closed here, so its exit ends the channel
+                        running[process.sentinel] = _Worker(index, name, process, path, receive)
+                    finally:
+                        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                     if on_start is not None:
                         on_start(index, name)
-                for sentinel in wait(list(running)):
-                    index, name, process, path = running.pop(sentinel)
-                    process.join()
-                    outcomes[name] = outcome = _collect(name, path, process.exitcode)
-                    if on_done is not None:
-                        on_done(index, outcome)
+                channels = {w.channel: w for w in running.values() if w.channel is not None}
+                for ready in wait([*running, *channels]):
+                    if ready in channels:
+                        relay(channels[ready])
+                        continue
+                    if ready not in running:
+                        continue
+                    worker = running.pop(ready)
+                    worker.process.join()
+                    relay(worker)
+                    if worker.channel is not None:
+                        worker.channel.close()
+                    with output():
+                        outcomes[worker.name] = outcome = _collect(worker.name, worker.path,
+                                                                   worker.process.exitcode)
+                        if on_done is not None:
+                            on_done(worker.index, outcome)
         finally:
-            for _, _, process, _ in running.values():
-                process.terminate()
-            for _, _, process, _ in running.values():
-                process.join()
+            for worker in running.values():
+                worker.process.terminate()
+            for worker in running.values():
+                worker.process.join()
+                if worker.channel is not None:
+                    worker.channel.close()
     return outcomes
+
+
+@dataclass
+class _Worker:
+    """A running job: its index and name, process, result file and the end of its channel the
+    caller reads (``None`` once closed)."""
+
+    index: int
+    name: str
+    process: Any
+    path: str
+    channel: Any

@@ -99,7 +99,13 @@ def check_fit_arguments(*, epochs, batch_size, lr, optimizer, lr_schedule, num_p
     check_int("seed", seed, 0, optional=True)
     check_positive("clip_norm", clip_norm, optional=True)
     check_positive("lr", lr, optional=True)
-    for name, value in (("shuffle", shuffle), ("progress", progress), ("resume", resume),
+    if not callable(progress):
+        try:
+            check_bool("progress", progress)
+        except TypeError:
+            raise TypeError(f"progress must be True, False or a callable progress(epoch, epochs, loss), "
+                            f"got {progress!r} ({type(progress).__name__})") from None
+    for name, value in (("shuffle", shuffle), ("resume", resume),
                         ("overwrite", overwrite), ("compile", compile), ("cuda_graph", cuda_graph)):
         check_bool(name, value)
     probe_lr_schedule(lr_schedule)

@@ -19,6 +19,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -179,7 +180,8 @@ class _Run:
 
 
 def fit(model, guide, data, *, epochs: int = 10, batch_size: int | None = None, lr: float | None = None,
-        optimizer=None, lr_schedule="cosine", num_particles: int = 1, device=None, progress: bool = True,
+        optimizer=None, lr_schedule="cosine", num_particles: int = 1, device=None,
+        progress: bool | Callable[[int, int, float], None] = True,
         shuffle: bool | None = None, seed: int | None = None, clip_norm: float | None = None,
         num_data: int | None = None, objective=None, checkpoint: str | os.PathLike | None = None,
         resume: bool = False, overwrite: bool = False, marglik: MarglikOptions | None = None,
@@ -222,8 +224,11 @@ def fit(model, guide, data, *, epochs: int = 10, batch_size: int | None = None, 
         Monte Carlo samples per ELBO estimate (>= 1).
     device : str or torch.device, optional
         Where to train (``"cpu"``, ``"cuda"``); default: where the model is.
-    progress : bool
-        Show a progress bar (epoch, loss).
+    progress : bool or callable
+        ``True``: a progress bar (epoch, loss) on stderr; ``False``: none; a callable is called
+        as ``progress(epoch, epochs, loss)`` after every epoch instead (``epoch`` counts from 1,
+        ``loss`` is the epoch's mean training loss), e.g. to feed a bar or log of your own
+        (``pb.compare(workers=2)`` sends it from each worker to the caller's bars).
     shuffle : bool, optional
         Reshuffle tensors / a ``Dataset`` every epoch (default True); a ``DataLoader`` keeps its sampler.
     seed : int, optional
@@ -371,13 +376,16 @@ def _fit_prepared(run: _Run, data, t_start: float, *, epochs, batch_size, lr, op
         run.guard.check_initial(start)
         run.guard.start(start)
         run.ctx.epoch = start
-        bar = _progress(epochs, start, progress and (run.dstate is None or run.dstate.is_main))
+        shown = progress if (run.dstate is None or run.dstate.is_main) else False
+        bar = _progress(epochs, start, not callable(shown) and bool(shown))
         try:
             for epoch in range(start + 1, epochs + 1):
                 _end_epoch(run, epoch, *_train_epoch(run, epoch))
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{run.history['loss'][-1]:.4g}")
+                elif callable(shown):
+                    shown(epoch, epochs, run.history["loss"][-1])
             _verify_final_state(run)
         except BaseException:   # Ctrl-C, a divergence, a failing step: no fit-only setting outlives it
             run.contract.on_fit_abort(run.ctx)   # (MeanField: the annealed KL weight; Laplace: MAP mode)
