@@ -79,7 +79,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.data.batches import TensorBatches
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 from pyro_bnn.training.optimizer import default_optimizer
 
 GUIDES = ("meanfield", "hypernet0", "hypernet8", "symmetrized", "symmetrized_wn")

@@ -45,7 +45,7 @@ from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.data.batches import TensorBatches
 from pyro_bnn.reporting.output_files import check_new_file, write_json
 from pyro_bnn.training.convergence_check import estimate_objective
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 
 def mlp(sizes):

@@ -47,7 +47,7 @@ from _common import mnist_mlp as mlp
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.data.batches import TensorBatches
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 from pyro_bnn.training.optimizer import default_optimizer
 
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)

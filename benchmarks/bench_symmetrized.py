@@ -41,7 +41,7 @@ from torch import nn
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.reporting.output_files import check_new_file, write_json
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 DEFAULT_WIDTH = {"mnist": 30, "digits": 100, "regression": 6}
 DEFAULT_BATCH = {"mnist": 100, "digits": 64, "regression": 16}

@@ -41,7 +41,7 @@ import pyro_bnn.guides.local_reparam_forward as noise_module
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.guides.meanfield import meanfield_loss
 from pyro_bnn.training.convergence_check import objective_draws
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 from pyro_bnn.training.seeding import seeded
 
 _NEW = noise_module.add_layer_noise

@@ -34,7 +34,7 @@ from bench_reference import hypernet_reference_leaves, hypernet_reference_loss, 
 
 import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 from pyro_bnn.training.optimizer import default_optimizer
 
 PHASES = ("forward", "backward", "adam")

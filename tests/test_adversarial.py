@@ -11,7 +11,7 @@ from uncertainty_helpers import GUIDE_NAMES, digits, trained
 import pyro_bnn as pb
 from pyro_bnn.analysis.adversarial import fgsm, fgsm_curve
 from pyro_bnn.guides import init_to_network
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 
 def _linear_model():

@@ -9,7 +9,7 @@ from helpers import mlp
 from torch import nn
 
 import pyro_bnn as pb
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 
 def _model():

@@ -155,7 +155,7 @@ def test_meanfield_objective_with_the_kl_node(arch, positive, monkeypatch):
     import pyro_bnn as pb
     from pyro_bnn.contract.local_params import local_params
     from pyro_bnn.guides import meanfield
-    from pyro_bnn.training.loop import setup_guide
+    from pyro_bnn.training.guide_setup import setup_guide
 
     torch.manual_seed(0)
     if arch == "mlp":

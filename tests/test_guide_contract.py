@@ -17,7 +17,7 @@ from pyro.infer.autoguide import AutoDelta, AutoLowRankMultivariateNormal, AutoN
 
 import pyro_bnn as pb
 from pyro_bnn.guides import init_to_network, registered_guides
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 PYRO_GUIDES = {
     "AutoNormal": lambda m: AutoNormal(m, init_loc_fn=init_to_network(m), init_scale=0.01),

@@ -20,7 +20,7 @@ from pyro_bnn.guides.hypernet_objective import HypernetELBO, clipped_log_likelih
 from pyro_bnn.guides.made import MADE
 from pyro_bnn.guides.meanfield import MeanFieldELBO
 from pyro_bnn.model.weight_norm import WeightNormConv2d, WeightNormLinear, to_weight_norm
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 
 def _flow_fn(flow):

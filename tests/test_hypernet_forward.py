@@ -15,7 +15,7 @@ import pyro_bnn as pb
 import pyro_bnn.guides.hypernet_objective as hypernet_module
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.guides.hypernet_forward import direct_calls_allowed, weight_norm_plan
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 
 def _model(flatten=False, bias=True, seed=0, random_directions=False):

@@ -13,7 +13,7 @@ import pyro_bnn as pb
 import pyro_bnn.guides.meanfield as meanfield
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.guides.local_reparam_forward import local_reparam_plan
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 NETS = {
     "mlp": (lambda: nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)), (6,)),

@@ -15,7 +15,7 @@ from torch import nn
 
 import pyro_bnn as pb
 from pyro_bnn.guides.meanfield import REFERENCE_FAN_IN, MeanFieldELBO
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 from pyro_bnn.training.optimizer import default_optimizer
 
 WIDE, NARROW = 400, 16  # fan-ins of the two layers: the first is scaled, the second is not

@@ -15,7 +15,7 @@ import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.contract.pyro_objective import PyroObjective
 from pyro_bnn.guides.meanfield import meanfield_loss
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 NOISE, PRIOR_SCALE = 0.5, 1.0
 

@@ -107,7 +107,7 @@ def test_pruning_threshold_compares_float64_scores_in_float64():
     were compared in float32, so one 1e-12 below t rounded up to t and was kept (5 pruned where
     the rule prunes 6)."""
     from pyro_bnn.analysis import pruning
-    from pyro_bnn.training.loop import setup_guide
+    from pyro_bnn.training.guide_setup import setup_guide
 
     torch.manual_seed(0)
     x, y = torch.randn(20, 3, dtype=torch.float64), torch.randint(0, 2, (20,))

@@ -24,7 +24,7 @@ from pyro_bnn.analysis.pruning import prune_, unprune_
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.guides.local_reparam_forward import add_layer_noise, layer_function, noise_parameters
 from pyro_bnn.guides.meanfield import meanfield_loss
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 DRAWS = 400
 

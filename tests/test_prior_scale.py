@@ -13,7 +13,7 @@ import pyro_bnn as pb
 from pyro_bnn.contract.local_params import local_params
 from pyro_bnn.guides.meanfield import normal_kl
 from pyro_bnn.guides.prior_scale import optimal_normal_scale, own_normal_priors_
-from pyro_bnn.training.loop import setup_guide
+from pyro_bnn.training.guide_setup import setup_guide
 
 
 def _mlp_model(prior=None, seed=0):

@@ -26,7 +26,7 @@ def _data(n=48, inputs=20, classes=4, seed=0):
 
 @pytest.mark.parametrize("num_flows", [0, 3])
 def test_hypernet_reference_equals_guide_loss(bench, num_flows):
-    from pyro_bnn.training.loop import setup_guide
+    from pyro_bnn.training.guide_setup import setup_guide
     x, y = _data()
     model, guide = bench.make_hypernet(num_flows, flow_hidden=8, sizes=[20, 16, 12, 4])
     setup_guide(model, guide, x[:2], y[:2], 480)
@@ -42,7 +42,7 @@ def test_hypernet_reference_equals_guide_loss(bench, num_flows):
 
 def test_hypernet_reference_sees_the_flow(bench):
     """With the blocks moved off the identity the KL differs from the 0-block guide's."""
-    from pyro_bnn.training.loop import setup_guide
+    from pyro_bnn.training.guide_setup import setup_guide
     x, y = _data()
     model, guide = bench.make_hypernet(2, flow_hidden=8, sizes=[20, 16, 12, 4])
     setup_guide(model, guide, x[:2], y[:2], 480)
@@ -54,7 +54,7 @@ def test_hypernet_reference_sees_the_flow(bench):
 
 
 def test_symmetrized_reference_equals_guide_loss(bench):
-    from pyro_bnn.training.loop import setup_guide
+    from pyro_bnn.training.guide_setup import setup_guide
     x, y = _data()
     model, guide = bench.make_symmetrized(sizes=[20, 16, 12, 4])
     setup_guide(model, guide, x[:2], y[:2], 480)
@@ -73,7 +73,7 @@ def test_local_reparameterization_references_equal_the_guides(bench, monkeypatch
     """``bench_fmnist_speed.py``'s references of the local-reparameterisation paths: MeanField's
     and Symmetrized's default (MeanField's data term, the gap on a weight draw of its own)."""
     import pyro_bnn as pb
-    from pyro_bnn.training.loop import setup_guide
+    from pyro_bnn.training.guide_setup import setup_guide
     speed = importlib.import_module("bench_fmnist_speed")
     x, y = _data()
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def test_hypernet_reference_on_a_convolutional_net(bench, num_flows):
     from torch import nn
 
     import pyro_bnn as pb
-    from pyro_bnn.training.loop import setup_guide
+    from pyro_bnn.training.guide_setup import setup_guide
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(),
                         nn.Flatten(), nn.Linear(4 * 3 * 3, 5), nn.ReLU(), nn.Linear(5, 4))

@@ -364,7 +364,7 @@ class MeanField(BNNGuide, AutoNormal):
                                "the same learning-rate factors), or give pyro.optim.Adam one lr")
         if self.prototype_trace is None:
             raise RuntimeError("optim_args needs the guide set up first: call guide(x, y) once (or "
-                               "pyro_bnn.training.loop.setup_guide) so the sites, and their fan-ins, are known")
+                               "pyro_bnn.training.guide_setup.setup_guide) so the sites, and their fan-ins, are known")
         factors = self.loc_lr_factors() if self.loc_lr_scaling is not None else {}
 
         def args(param_name: str) -> dict:

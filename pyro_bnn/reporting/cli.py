@@ -44,14 +44,8 @@ from ..curvature.marglik import MarglikOptions
 from ..data import datasets
 from ..model.bnn import BNN
 from ..posterior.arviz import MIN_PSIS_DRAWS
-from .comparison import (
-    MAX_SEED,
-    Comparison,
-    ComparisonInterrupted,
-    caused_by_interrupt,
-    check_device,
-    compare,
-)
+from .compare_arguments import MAX_SEED, check_device
+from .comparison import Comparison, ComparisonInterrupted, caused_by_interrupt, compare
 from .loo_columns import DEFAULT_LOO_OBSERVATIONS, loo_reliability_note
 from .report import markdown_table, report_info, write_report
 from .staged_folder import StagedFolder, check_replaceable

@@ -56,7 +56,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +64,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..arguments import check_int, check_positive, did_you_mean
-from ..contract.guide import guide_contract, registered_guides
+from ..contract.guide import guide_contract
 from ..data.batches import check_data
 from ..data.datasets import DataSplit
 from ..model.bnn import random_directions_of, weight_norm_of
@@ -83,11 +82,12 @@ from ..posterior.prediction import (
 )
 from ..training.loop import FitResult, fit
 from ..training.seeding import seeded
+from .compare_arguments import as_split, check_device, check_options, per_guide, resolve_guides
 from .loo_columns import DEFAULT_LOO_OBSERVATIONS, loo_columns, loo_sample
 from .worker_bars import WorkerBars
 from .workers import check_workers, run_jobs
 
-__all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "check_device", "class_probabilities", "check_seed", "count_variational_parameters", "as_split",
+__all__ = ["compare", "Comparison", "ComparisonInterrupted", "GuideRun", "class_probabilities", "count_variational_parameters",
            "convergence_label", "describe_configuration", "training_bound", "BOUND_KINDS"]
 
 
@@ -150,47 +150,6 @@ class ComparisonInterrupted(KeyboardInterrupt):
         self.interrupted = interrupted
 
 
-#: The largest seed numpy (and so ``pyro.set_rng_seed``) accepts.
-MAX_SEED = 2 ** 32 - 1
-
-
-def check_seed(seed, *, optional: bool = False) -> int | None:
-    """``seed`` as an int in ``0 .. 2**32 - 1`` (numpy's and torch's common range)."""
-    seed = check_int("seed", seed, 0, optional=optional)
-    if seed is not None and seed > MAX_SEED:
-        raise ValueError(f"seed must be an int in 0..{MAX_SEED} (2**32 - 1), got {seed}")
-    return seed
-
-
-def check_device(device) -> torch.device:
-    """``device`` as a ``torch.device`` that exists here (a tiny tensor is made on it).
-
-    Raises
-    ------
-    ValueError
-        Not a device name (``"gpu"``), the ``meta`` device, or a device this machine lacks
-        (``"cuda"`` without a GPU, ``"cuda:3"`` with one); the message says which are available.
-    """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"expected a torch device such as 'cpu', 'cuda', 'cuda:0' or 'mps', "
-                         f"got {device!r}") from None
-    if dev.type == "meta":
-        raise ValueError("the 'meta' device holds no values; expected e.g. 'cpu' or 'cuda'")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    have = "cpu" + (f", cuda:0..cuda:{gpus - 1}" if gpus else " (no CUDA GPU)")
-    if dev.type == "cuda" and not gpus:
-        raise ValueError(f"device {device!r} is not available here (torch.cuda.is_available() is False); "
-                         f"available: {have}")
-    try:
-        torch.empty(1, device=dev)
-    except (RuntimeError, AssertionError, AttributeError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"device {device!r} is not available here ({first}); available: {have}") from None
-    return dev
-
-
 def caused_by_interrupt(exc: BaseException | None) -> bool:
     """Whether ``exc`` was raised because of a KeyboardInterrupt (anywhere in its cause chain).
 
@@ -213,111 +172,12 @@ def count_variational_parameters(guide) -> int:
     return int(guide_contract(guide).num_variational_parameters())
 
 
-def as_split(data) -> DataSplit:
-    """Accept a :class:`DataSplit`, ``((x_tr, y_tr), (x_te, y_te))`` or ``(x_tr, y_tr, x_te, y_te)``."""
-    if isinstance(data, DataSplit):
-        return data
-    if isinstance(data, Mapping):
-        return DataSplit(data["x_train"], data["y_train"], data["x_test"], data["y_test"])
-    if isinstance(data, Sequence) and len(data) == 2 and all(isinstance(p, Sequence) and len(p) == 2 for p in data):
-        (a, b), (c, d) = data
-        return DataSplit(a, b, c, d)
-    if isinstance(data, Sequence) and len(data) == 4:
-        return DataSplit(*data)
-    raise TypeError("data must be a DataSplit, ((x_train, y_train), (x_test, y_test)) or "
-                    f"(x_train, y_train, x_test, y_test); got {type(data).__name__}")
-
-
-def _resolve_guides(guides) -> dict[str, Callable]:
-    registry = registered_guides()
-    if guides is None:
-        guides = list(registry)
-    if isinstance(guides, str):
-        guides = [guides]
-    if not isinstance(guides, Mapping):
-        guides = {name: name for name in guides}
-    out = {}
-    for name, spec in guides.items():
-        spec = name if spec is None else spec
-        if isinstance(spec, str):
-            if spec not in registry:
-                raise ValueError(f"unknown guide {spec!r}; registered guides: {sorted(registry)}")
-            out[name] = registry[spec]
-        elif callable(spec):
-            out[name] = spec
-        else:
-            raise TypeError(f"guide {name!r}: expected a registered name or a callable "
-                            f"guide_fn(model), got {type(spec).__name__}")
-    if not out:
-        raise ValueError("no guides to compare")
-    return out
-
-
 def _takes_argument(fn) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
     return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
-
-
-def _per_guide(value, name, default):
-    if isinstance(value, Mapping):
-        return value.get(name, default)
-    return default if value is None else value
-
-
-def _check_guide_keys(option: str, value, names) -> None:
-    """A ``{guide: value}`` option names only compared guides (a typo is an error, not ignored)."""
-    if not isinstance(value, Mapping):
-        return
-    for key in value:
-        if key not in names:
-            hint = did_you_mean(str(key), names, noun="guides")
-            raise ValueError(f"compare(): {option} has an entry for {key!r}, which is not one of the "
-                             f"guides compared (expected {option}={{guide: value}}){hint}")
-
-
-def _check_each(option: str, value, names, check) -> None:
-    """Check the value of ``option`` for every guide (one value or ``{guide: value}``)."""
-    _check_guide_keys(option, value, names)
-    values = value.items() if isinstance(value, Mapping) else [(None, value)]
-    for key, v in values:
-        check(option if key is None else f"{option}[{key!r}]", v)
-
-
-def _mapping_or_none(name, value) -> None:
-    if value is not None and not isinstance(value, Mapping):
-        raise TypeError(f"{name} must be a dict of options or None, got {value!r} ({type(value).__name__})")
-
-
-def _str_or_none(name, value) -> None:
-    if value is not None and not isinstance(value, str):
-        raise TypeError(f"{name} must be a predictive name (str) or None, got {value!r} ({type(value).__name__})")
-
-
-def _check_bool(name, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-
-
-def _check_options(names, *, epochs, lr, batch_size, num_samples, loo_samples, loo_observations, seed,
-                   progress, details, guide_options, fit_options, predictive) -> None:
-    """Every option of :func:`compare`, before any training: types, ranges and guide names."""
-    _check_each("epochs", epochs, names, lambda n, v: check_int(n, v, 0))
-    _check_each("lr", lr, names, lambda n, v: check_positive(n, v, optional=True))
-    check_int("batch_size", batch_size, 1)
-    check_int("num_samples", num_samples, 1)
-    check_int("loo_samples", loo_samples, 0)
-    if loo_observations is not None:
-        check_int("loo_observations", loo_observations, 1)
-    check_seed(seed, optional=True)
-    _check_bool("progress", progress)
-    _check_bool("details", details)
-    for option, value in (("guide_options", guide_options), ("fit_options", fit_options)):
-        _mapping_or_none(option, value)
-        _check_each(option, value or {}, names, _mapping_or_none)
-    _check_each("predictive", predictive, names, _str_or_none)
 
 
 def _log_evidence(guide) -> float:
@@ -596,8 +456,8 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     if data is None:
         raise ValueError("data is required: a DataSplit or ((x_train, y_train), (x_test, y_test))")
     split = as_split(data)
-    factories = _resolve_guides(guides)
-    _check_options(list(factories), epochs=epochs, lr=lr, batch_size=batch_size, num_samples=num_samples,
+    factories = resolve_guides(guides)
+    check_options(list(factories), epochs=epochs, lr=lr, batch_size=batch_size, num_samples=num_samples,
                    loo_samples=loo_samples, loo_observations=loo_observations, seed=seed,
                    progress=progress, details=details,
                    guide_options=guide_options, fit_options=fit_options, predictive=predictive)
@@ -606,6 +466,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
     workers = check_workers(workers, device)
     loo_index = loo_sample(len(split.x_train), loo_observations, seed)
 
+    epochs_of = {name: per_guide(epochs, name, 20) for name in factories}
     bars = WorkerBars() if progress and workers > 1 else None   # one process: fit draws its own
 
     def job(name, guide_fn):
@@ -614,14 +475,14 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
                 (lambda epoch, epochs, loss: report((epoch, epochs, loss))) if progress else False)
             with seeded(seed):   # every guide from the same seed; the caller's streams untouched
                 return _run_one(
-                    name, guide_fn, model_fn, split, epochs=_per_guide(epochs, name, 20),
-                    batch_size=batch_size, lr=_per_guide(lr, name, None),
+                    name, guide_fn, model_fn, split, epochs=epochs_of[name],
+                    batch_size=batch_size, lr=per_guide(lr, name, None),
                     num_samples=num_samples,
                     loo_samples=loo_samples, loo_index=loo_index, device=device, seed=seed,
                     progress=shown,
-                    guide_kw=dict(_per_guide(guide_options, name, {}) or {}),
-                    fit_kw=dict(_per_guide(fit_options, name, {}) or {}),
-                    predict_method=_per_guide(predictive, name, None))
+                    guide_kw=dict(per_guide(guide_options, name, {}) or {}),
+                    fit_kw=dict(per_guide(fit_options, name, {}) or {}),
+                    predict_method=per_guide(predictive, name, None))
         return run
 
     jobs = [(name, job(name, guide_fn)) for name, guide_fn in factories.items()]
@@ -640,7 +501,7 @@ def compare(model_fn: Callable, guides=None, data=None, *, epochs: int | Mapping
             say(f"[{i}/{count}] {name}{where}")
         running.append(name)
         if bars is not None:
-            bars.start(i, name, _per_guide(epochs, name, 20))
+            bars.start(i, name, epochs_of[name])
 
     def done(i: int, name: str, run: GuideRun | None, exc: BaseException | None, seconds: float) -> None:
         if bars is not None:

@@ -42,9 +42,7 @@ class WorkerBars:
 
     def update(self, index: int, epoch: int, epochs: int, loss: float) -> None:
         """Job ``index`` has finished ``epoch`` of ``epochs`` with mean loss ``loss``."""
-        bar = self._bars.get(index)
-        if bar is None:
-            return
+        bar = self._bars[index]   # run_jobs relays a job's messages between its start and end
         bar.total = epochs
         bar.n = epoch
         bar.set_postfix(loss=f"{loss:.4g}", refresh=False)

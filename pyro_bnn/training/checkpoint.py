@@ -37,12 +37,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .guide_setup import setup_guide
+
 try:
     import fcntl
 except ImportError:  # not POSIX (Windows): fit's checkpoint lock is unavailable
     fcntl = None
 
-__all__ = ["write_atomic", "read_checkpoint", "check_plain_data", "load_states", "rng_state",
+__all__ = ["save_checkpoint", "load_checkpoint", "write_atomic", "read_checkpoint", "check_plain_data", "load_states", "rng_state",
            "set_rng_state", "loader_rng_state", "set_loader_rng_state", "content_digest",
            "CheckpointLock", "CheckpointInUseError", "CHECKSUM_KEY", "replace_atomically"]
 
@@ -503,3 +505,54 @@ def _read_owner(fd: int) -> str:
     except OSError:
         text = ""
     return f"pid {text}" if text.isdigit() else "pid unknown"
+
+
+def save_checkpoint(path, model, guide, optimizer=None, **extra) -> None:
+    """Write model, guide (and optimiser) ``state_dict``s and ``extra`` entries to ``path``.
+
+    Replaces a file at ``path`` (this call asks for it).  Atomic
+    (:func:`pyro_bnn.training.checkpoint.write_atomic`): written to a new, uniquely named temporary file
+    next to ``path`` (created exclusively; never a link), flushed and renamed into place, so a
+    crash leaves the previous file intact and two writers never collide.  The file holds a
+    SHA-256 digest of its content, which :func:`load_checkpoint` verifies.  Every entry must be
+    plain data (tensors, numbers, strings, ``None``, lists/tuples/dicts of them), so the file
+    loads with ``torch.load(weights_only=True)``.
+
+    Raises
+    ------
+    TypeError
+        An entry of ``extra`` is not plain data (the message names it).
+    """
+    state = {"model": model.state_dict(), "guide": guide.state_dict(), **extra}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    check_plain_data(state)
+    write_atomic(path, state)
+
+
+def load_checkpoint(path, model, guide, example_x=None, example_y=None, map_location=None) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint` / ``fit(checkpoint=...)``.
+
+    Reads with ``torch.load(..., weights_only=True)`` (no code from the file runs) and loads
+    all or nothing: every state is checked against ``model`` and ``guide`` first, and a
+    failure leaves both untouched.  A fresh autoguide creates its parameters lazily: pass
+    ``example_x`` (one batch of inputs) so it can be set up before the state is loaded.
+    Returns the whole dict (``epoch``, ``history``, ``optimizer``, ... as written).
+
+    Raises
+    ------
+    FileNotFoundError
+        No file at ``path``.
+    ValueError
+        A truncated, corrupt (content not matching its digest), foreign or unsafe file, or
+        states that do not fit ``model`` and ``guide`` (a guide not set up yet: the message
+        asks for ``example_x``).
+    """
+    state = read_checkpoint(path, map_location=map_location)
+    if example_x is not None:
+        setup_guide(model, guide, example_x, example_y)
+    targets = [("model", model, state["model"])]
+    if isinstance(guide, torch.nn.Module):
+        targets.append(("guide", guide, state["guide"]))
+    load_states(targets)
+    return state

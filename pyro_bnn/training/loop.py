@@ -38,7 +38,7 @@ from ..model.batch_scaling import end_batch_watches
 from ..model.devices import module_device
 from ..model.modes import buffers_kept
 from . import distributed as _dist
-from .checkpoint import CheckpointLock, check_plain_data, load_states, read_checkpoint, write_atomic
+from .checkpoint import CheckpointLock, save_checkpoint
 from .compiled import CompiledLoss
 from .constant_predictor import constant_predictor_log_likelihood
 from .convergence import ConvergenceDiagnosis, ConvergenceMonitor, ConvergenceWarning, watched_hyperparameters
@@ -47,13 +47,13 @@ from .devices import flush_denormals
 from .divergence import DivergenceGuard, is_invalid_parameter_error
 from .divergence import can_defer_checks as defer_step_checks
 from .fit_arguments import check_fit_arguments, refuse_overwrite, resolve_batching
+from .guide_setup import setup_guide
 from .local_latents import refuse_local_latents
 from .lr_schedule import make_lr_scheduler
 from .optimizer import build_optimizer, optimizer_factory, trained_parameters, warn_weight_decay
 from .resume import StateOf, checkpoint_entries, fit_fingerprint, resume_fit
 
-__all__ = ["fit", "FitResult", "FitContext", "save_checkpoint", "load_checkpoint", "setup_guide",
-           "ConvergenceWarning"]
+__all__ = ["fit", "FitResult", "FitContext", "ConvergenceWarning"]
 
 @dataclass
 class FitResult:
@@ -131,15 +131,6 @@ class _LossModule(torch.nn.Module):
 
     def forward(self, x, y):
         return self.objective(self.model, self.guide, x, y, num_data=self.num_data)
-
-
-def setup_guide(model, guide, x, y=None, num_data=None) -> None:
-    """Run ``guide`` once so that lazily created parameters exist (no other side effect: the
-    buffers of ``model`` and ``guide``, e.g. BatchNorm's running statistics, are put back)."""
-    args, kwargs, _ = call_model(model, x, y, num_data if num_data is not None else len(x))
-    with local_params(model, guide), torch.no_grad(), buffers_kept(model, guide), warnings.catch_warnings():
-        warnings.simplefilter("ignore", GuideStateWarning)  # a set-up run: its draw is discarded
-        poutine.block(guide)(*args, **kwargs)
 
 
 def _validate_data(model, data, device):
@@ -649,54 +640,3 @@ def _progress(total, initial, enabled):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc="fit", unit="epoch", leave=False)
-
-
-def save_checkpoint(path, model, guide, optimizer=None, **extra) -> None:
-    """Write model, guide (and optimiser) ``state_dict``s and ``extra`` entries to ``path``.
-
-    Replaces a file at ``path`` (this call asks for it).  Atomic
-    (:func:`pyro_bnn.training.checkpoint.write_atomic`): written to a new, uniquely named temporary file
-    next to ``path`` (created exclusively; never a link), flushed and renamed into place, so a
-    crash leaves the previous file intact and two writers never collide.  The file holds a
-    SHA-256 digest of its content, which :func:`load_checkpoint` verifies.  Every entry must be
-    plain data (tensors, numbers, strings, ``None``, lists/tuples/dicts of them), so the file
-    loads with ``torch.load(weights_only=True)``.
-
-    Raises
-    ------
-    TypeError
-        An entry of ``extra`` is not plain data (the message names it).
-    """
-    state = {"model": model.state_dict(), "guide": guide.state_dict(), **extra}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
-    check_plain_data(state)
-    write_atomic(path, state)
-
-
-def load_checkpoint(path, model, guide, example_x=None, example_y=None, map_location=None) -> dict:
-    """Load a checkpoint written by :func:`save_checkpoint` / ``fit(checkpoint=...)``.
-
-    Reads with ``torch.load(..., weights_only=True)`` (no code from the file runs) and loads
-    all or nothing: every state is checked against ``model`` and ``guide`` first, and a
-    failure leaves both untouched.  A fresh autoguide creates its parameters lazily: pass
-    ``example_x`` (one batch of inputs) so it can be set up before the state is loaded.
-    Returns the whole dict (``epoch``, ``history``, ``optimizer``, ... as written).
-
-    Raises
-    ------
-    FileNotFoundError
-        No file at ``path``.
-    ValueError
-        A truncated, corrupt (content not matching its digest), foreign or unsafe file, or
-        states that do not fit ``model`` and ``guide`` (a guide not set up yet: the message
-        asks for ``example_x``).
-    """
-    state = read_checkpoint(path, map_location=map_location)
-    if example_x is not None:
-        setup_guide(model, guide, example_x, example_y)
-    targets = [("model", model, state["model"])]
-    if isinstance(guide, torch.nn.Module):
-        targets.append(("guide", guide, state["guide"]))
-    load_states(targets)
-    return state
